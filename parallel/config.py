@@ -1,0 +1,93 @@
+"""The parallel layout a job runs under, and the checks that need nothing but the numbers."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass
+
+
+class LayoutError(ValueError):
+    """A layout that cannot work. The message is one line naming the numbers and the fix."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Degrees of each parallel dimension; their product is the world size.
+
+    The mesh is dp × cfg × pp × sp with sp = ring × ulysses (outermost first), as in xDiT.
+    """
+
+    dp_degree: int = 1
+    cfg_degree: int = 1
+    pipefusion_degree: int = 1
+    ring_degree: int = 1
+    ulysses_degree: int = 1
+    num_patches: int | None = None
+    warmup_steps: int = 1
+
+    @property
+    def sp_degree(self) -> int:
+        return self.ring_degree * self.ulysses_degree
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_degree * self.cfg_degree * self.pipefusion_degree * self.sp_degree
+
+    def describe(self) -> str:
+        parts = [
+            f"{name}={value}"
+            for name, value in (
+                ("dp", self.dp_degree),
+                ("cfg", self.cfg_degree),
+                ("pipefusion", self.pipefusion_degree),
+                ("ring", self.ring_degree),
+                ("ulysses", self.ulysses_degree),
+            )
+            if value > 1
+        ]
+        return " × ".join(parts) or "single rank"
+
+    def check(self, world_size: int) -> None:
+        """Raise LayoutError unless these degrees can run on `world_size` ranks."""
+        for name, value in asdict(self).items():
+            if name.endswith("_degree") and (not isinstance(value, int) or value < 1):
+                raise LayoutError(f"--{name.replace('_', '-')} is {value}; every degree must be an integer >= 1.")
+        if self.cfg_degree > 2:
+            raise LayoutError(
+                f"--cfg-degree is {self.cfg_degree}; classifier-free guidance has two branches, so use 1 or 2."
+            )
+        if self.pipefusion_degree > 1:
+            raise LayoutError(
+                f"--pipefusion-degree {self.pipefusion_degree} is not available in this version of the engine; "
+                "use ulysses/ring/cfg/dp degrees instead."
+            )
+        if self.world_size != world_size:
+            raise LayoutError(
+                f"dp {self.dp_degree} × cfg {self.cfg_degree} × pipefusion {self.pipefusion_degree} × "
+                f"ring {self.ring_degree} × ulysses {self.ulysses_degree} = {self.world_size}, but there are "
+                f"{world_size} ranks; change the degrees (or --nproc-per-node) so the product is {world_size}."
+            )
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """The layout flags shared by the one-shot runner and the pool CLI (contracts E and P)."""
+    group = parser.add_argument_group("parallel layout (degrees multiply to the number of ranks)")
+    group.add_argument("--ulysses-degree", type=int, default=1, help="Ulysses sequence parallel (heads ↔ tokens).")
+    group.add_argument("--ring-degree", type=int, default=1, help="Ring attention sequence parallel.")
+    group.add_argument("--pipefusion-degree", type=int, default=1, help="PipeFusion patch pipeline stages.")
+    group.add_argument("--num-patches", type=int, default=None, help="PipeFusion patches (default: pp degree).")
+    group.add_argument("--warmup-steps", type=int, default=1, help="PipeFusion synchronous warm-up steps.")
+    group.add_argument("--cfg-parallel", action="store_true", help="Run the two guidance branches on two ranks.")
+    group.add_argument("--dp-degree", type=int, default=1, help="Data parallel: split the batch over replicas.")
+
+
+def config_from_args(args: argparse.Namespace) -> ParallelConfig:
+    return ParallelConfig(
+        dp_degree=args.dp_degree,
+        cfg_degree=2 if args.cfg_parallel else 1,
+        pipefusion_degree=args.pipefusion_degree,
+        ring_degree=args.ring_degree,
+        ulysses_degree=args.ulysses_degree,
+        num_patches=args.num_patches,
+        warmup_steps=args.warmup_steps,
+    )

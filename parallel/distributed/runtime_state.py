@@ -1,0 +1,41 @@
+"""Per-job facts every wrapped layer may need: input size, token counts, step counter.
+
+Set by the pipeline wrapper before the denoising loop; read by hooks and attention at run time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RuntimeState:
+    height: int = 0
+    width: int = 0
+    batch_size: int = 0
+    num_inference_steps: int = 0
+    image_tokens: int = 0
+    text_tokens: int = 0
+    step_index: int = 0
+
+    def set_input_parameters(
+        self, *, height: int, width: int, batch_size: int, num_inference_steps: int, image_tokens: int
+    ) -> None:
+        self.height, self.width = height, width
+        self.batch_size = batch_size
+        self.num_inference_steps = num_inference_steps
+        self.image_tokens = image_tokens
+        self.text_tokens = 0
+        self.step_index = 0
+
+
+_RUNTIME = RuntimeState()
+
+
+def get_runtime_state() -> RuntimeState:
+    return _RUNTIME
+
+
+def reset_runtime_state() -> None:
+    global _RUNTIME
+    _RUNTIME = RuntimeState()

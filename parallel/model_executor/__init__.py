@@ -1,0 +1,13 @@
+"""Wrappers that parallelise diffusers pipelines, after xDiT's model_executor.
+
+Importing this package registers every wrapper. `wrap_pipeline(pipeline)` parallelises a loaded
+diffusers pipeline for the current layout; `capability_table()` prints what each family supports.
+"""
+
+from . import layers, models, pipelines, schedulers
+from .capabilities import capability_table
+from .pipelines import xFuserPipelineBaseWrapper
+
+wrap_pipeline = xFuserPipelineBaseWrapper.wrap
+
+__all__ = ["capability_table", "layers", "models", "pipelines", "schedulers", "wrap_pipeline", "xFuserPipelineBaseWrapper"]

@@ -1,0 +1,120 @@
+"""Unified sequence parallelism (USP): Ulysses all-to-all inside, Ring attention across.
+
+Every rank holds its shard of the image tokens and, for joint attention (SD3, Flux), the whole text
+sequence, replicated. Image Q/K/V go through the Ulysses all-to-all (tokens ↔ heads); the text's
+Q/K/V are already everywhere, so each rank just keeps its own heads. Ring attention then passes the
+image K/V around the ring group while each rank attends locally, merging partial results with
+their log-sum-exp; text K/V join only the local block so every key counts once. Afterwards the
+image output goes back through the all-to-all and the text output is all-gathered over heads.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from ...distributed.group_coordinator import GroupCoordinator
+from .kernels import AttentionKernel, default_scale
+
+
+class TextLayout(enum.Enum):
+    """Where a joint-attention layer keeps the (replicated) text tokens in its sequence."""
+
+    NONE = "none"
+    PREFIX = "prefix"  # Flux: [text, image]
+    SUFFIX = "suffix"  # SD3: [image, text]
+
+
+def _split_text(x: torch.Tensor, layout: TextLayout, text_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if layout is TextLayout.PREFIX:
+        return x[:, :, :text_tokens], x[:, :, text_tokens:]
+    if layout is TextLayout.SUFFIX:
+        image_tokens = x.shape[2] - text_tokens
+        return x[:, :, image_tokens:], x[:, :, :image_tokens]
+    return x[:, :, :0], x
+
+
+def _join_text(text: torch.Tensor, image: torch.Tensor, layout: TextLayout) -> torch.Tensor:
+    if layout is TextLayout.PREFIX:
+        return torch.cat([text, image], dim=2)
+    if layout is TextLayout.SUFFIX:
+        return torch.cat([image, text], dim=2)
+    return image
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor):
+    """Combine two softmax-normalised partial results by their log-sum-exp (fp32 accumulation)."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    out = out * torch.exp(lse - new_lse).unsqueeze(-1) + block_out.float() * torch.exp(block_lse - new_lse).unsqueeze(-1)
+    return out, new_lse
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k_local: torch.Tensor,
+    v_local: torch.Tensor,
+    k_ring: torch.Tensor,
+    v_ring: torch.Tensor,
+    ring: GroupCoordinator,
+    kernel: AttentionKernel,
+    scale: float,
+) -> torch.Tensor:
+    """Attend `q` to the local K/V plus every other ring member's `k_ring`/`v_ring` block.
+
+    The next block is already in flight while the current one is computed.
+    """
+    kv = torch.stack([k_ring, v_ring]).contiguous()
+    pending, works = ring.ring_exchange(kv)
+    out, lse = kernel(q, k_local, v_local, scale)
+    out = out.float()
+    for step in range(1, ring.world_size):
+        for work in works:
+            work.wait()
+        kv = pending
+        if step + 1 < ring.world_size:
+            pending, works = ring.ring_exchange(kv)
+        block_out, block_lse = kernel(q, kv[0], kv[1], scale)
+        out, lse = _merge(out, lse, block_out, block_lse)
+    return out.to(q.dtype)
+
+
+def usp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    ulysses: GroupCoordinator,
+    ring: GroupCoordinator,
+    kernel: AttentionKernel,
+    text_layout: TextLayout = TextLayout.NONE,
+    text_tokens: int = 0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Exact attention over the whole sequence from sequence-sharded [B, H, S_local, D] inputs."""
+    scale = default_scale(q) if scale is None else scale
+    u = ulysses.world_size
+    heads = q.shape[1]
+    if heads % u:
+        raise ValueError(f"{heads} attention heads cannot be split over Ulysses degree {u}")
+    text_tokens = text_tokens if text_layout is not TextLayout.NONE else 0
+    (qt, qi), (kt, ki), (vt, vi) = (_split_text(x, text_layout, text_tokens) for x in (q, k, v))
+
+    # Ulysses: image tokens scatter heads / gather tokens in one all-to-all; text keeps its own heads.
+    qkv = ulysses.all_to_all(torch.stack([qi, ki, vi]), scatter_dim=2, gather_dim=3)
+    qi, ki, vi = qkv.unbind(0)
+    h0, h1 = ulysses.rank_in_group * heads // u, (ulysses.rank_in_group + 1) * heads // u
+    qt, kt, vt = qt[:, h0:h1], kt[:, h0:h1], vt[:, h0:h1]
+
+    query = torch.cat([qt, qi], dim=2)
+    k_local, v_local = torch.cat([kt, ki], dim=2), torch.cat([vt, vi], dim=2)
+    if ring.world_size == 1:
+        out, _ = kernel(query, k_local, v_local, scale)
+    else:
+        out = ring_attention(query, k_local, v_local, ki, vi, ring, kernel, scale)
+
+    out_text, out_image = out[:, :, :text_tokens], out[:, :, text_tokens:]
+    out_image = ulysses.all_to_all(out_image, scatter_dim=2, gather_dim=1)
+    if text_tokens:
+        out_text = ulysses.all_gather(out_text, dim=1)
+    return _join_text(out_text, out_image, text_layout)

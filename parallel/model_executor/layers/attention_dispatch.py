@@ -1,0 +1,17 @@
+"""Attention layers whose processors call diffusers' `dispatch_attention_fn` ([B, S, H, D] layout)."""
+
+from __future__ import annotations
+
+from diffusers.models.transformers.transformer_flux import FluxAttention
+
+from ..register import xFuserLayerWrappersRegister
+from .attention_seam import routed, xFuserAttentionBaseWrapper
+
+
+@xFuserLayerWrappersRegister.register(FluxAttention)
+class xFuserFluxAttentionWrapper(xFuserAttentionBaseWrapper):
+    call_site = ("diffusers.models.transformers.transformer_flux", "dispatch_attention_fn")
+
+    @staticmethod
+    def reroute(original):
+        return routed(original, tokens_dim=1)

@@ -1,0 +1,6 @@
+"""Model wrappers."""
+
+from . import transformers
+from .base_model import xFuserModelBaseWrapper
+
+__all__ = ["transformers", "xFuserModelBaseWrapper"]

@@ -1,0 +1,108 @@
+"""The transformer wrapper: applies its family's ParallelPlan and runs CFG parallel around forward."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ClassVar
+
+import torch
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+from ....distributed import get_cfg_group, get_sp_group
+from ...base_wrapper import xFuserBaseWrapper
+from ...hooks import apply_sequence_plan, as_keyword_arguments, map_first
+from ...plans import CfgMode, ParallelPlan
+from ..base_model import xFuserModelBaseWrapper
+
+
+def _first(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    return output[0] if isinstance(output, tuple) else output.sample
+
+
+class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
+    """Subclasses set `plan` and register themselves for their diffusers transformer class."""
+
+    plan: ClassVar[ParallelPlan]
+
+    def __init__(self, transformer: torch.nn.Module, attention_kernel: str | None = None):
+        super().__init__(transformer)
+        self._cfg = get_cfg_group()
+        self._handles, self._layers = [], []
+        sp = get_sp_group()
+        if sp.world_size > 1:
+            self._handles, self._layers = apply_sequence_plan(transformer, self.plan, sp, attention_kernel)
+        self._branch: str | None = None
+        self._step_results: dict[int, torch.Tensor] = {}
+
+    def unwrap(self) -> torch.nn.Module:
+        """Remove every hook and return the diffusers transformer as it was."""
+        for handle in self._handles:
+            handle.remove()
+        for layer in self._layers:
+            layer.remove()
+        self._handles, self._layers = [], []
+        return self.module
+
+    @contextlib.contextmanager
+    def cache_context(self, name: str, **kwargs):
+        """diffusers names each guidance branch's call; sequential CFG parallel needs to know which."""
+        self._branch = name
+        try:
+            with self.module.cache_context(name, **kwargs):
+                yield
+        finally:
+            self._branch = None
+
+    @xFuserBaseWrapper.check_parallel_state
+    def forward(self, *args, **kwargs):
+        if self._cfg.world_size == 1:
+            return self.module(*args, **kwargs)
+        if self.plan.cfg is CfgMode.BATCHED:
+            return self._forward_batched_cfg(args, kwargs)
+        return self._forward_sequential_cfg(args, kwargs)
+
+    def _forward_batched_cfg(self, args: tuple, kwargs: dict):
+        """The pipeline sends cat([uncond, cond]); each cfg rank runs its half, then both halves are gathered."""
+        named = as_keyword_arguments(self.module.forward, args, kwargs)
+        batch = named["hidden_states"].shape[0]
+        rank, size = self._cfg.rank_in_group, self._cfg.world_size
+
+        def half(value):
+            if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == batch:
+                return value.chunk(size)[rank]
+            if isinstance(value, dict):
+                return {k: half(v) for k, v in value.items()}
+            return value
+
+        output = self.module(**{k: half(v) for k, v in named.items()})
+        return map_first(output, lambda t: self._cfg.all_gather(t, dim=0))
+
+    def _forward_sequential_cfg(self, args: tuple, kwargs: dict):
+        """The pipeline calls once per branch. Each cfg rank computes only its own branch; the other
+        call returns a buffer that is filled in place once the step's last branch has been exchanged
+        (the pipeline combines the two predictions only after both calls)."""
+        branches = self.plan.cfg_branches
+        if self._branch not in branches:
+            raise RuntimeError(
+                f"CFG parallel for {type(self.module).__name__} expects calls inside cache_context({branches[0]!r}) "
+                f"and cache_context({branches[1]!r}); got {self._branch!r}"
+            )
+        index = branches.index(self._branch)
+        if index == self._cfg.rank_in_group:
+            output = self.module(*args, **kwargs)
+            result = _first(output)
+        else:
+            named = as_keyword_arguments(self.module.forward, args, kwargs)
+            result = torch.empty_like(named["hidden_states"])
+            output = Transformer2DModelOutput(sample=result) if named.get("return_dict", True) else (result,)
+        self._step_results[index] = result
+        if index == len(branches) - 1:
+            mine = self._step_results[self._cfg.rank_in_group]
+            both = self._cfg.all_gather(mine.unsqueeze(0), dim=0)
+            for i, tensor in self._step_results.items():
+                if i != self._cfg.rank_in_group:
+                    tensor.copy_(both[i])
+            self._step_results = {}
+        return output

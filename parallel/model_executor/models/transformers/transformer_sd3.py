@@ -1,0 +1,17 @@
+"""SD3 / SD3.5: joint attention with the text (replicated) after the image shard; SD3.5's extra
+image-only attention (attn2) is plain USP."""
+
+from diffusers import SD3Transformer2DModel
+
+from ...attention import TextLayout
+from ...plans import Gather, ParallelPlan, Split
+from ...register import xFuserTransformerWrappersRegister
+from .base_transformer import xFuserTransformerBaseWrapper
+
+
+@xFuserTransformerWrappersRegister.register(SD3Transformer2DModel)
+class xFuserSD3Transformer2DWrapper(xFuserTransformerBaseWrapper):
+    plan = ParallelPlan(
+        outputs={"pos_embed": Split(dim=1), "proj_out": Gather(dim=1)},
+        attention={"transformer_blocks.*.attn": TextLayout.SUFFIX, "transformer_blocks.*.attn2": TextLayout.NONE},
+    )

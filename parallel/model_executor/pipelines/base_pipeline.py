@@ -1,0 +1,161 @@
+"""The pipeline wrapper: wraps the transformer and scheduler, checks the layout, splits data parallel.
+
+The diffusers pipeline's own `__call__` runs unchanged on every rank; all parallelism happens in
+the wrapped transformer (sequence and CFG parallel) and here (data parallel over the batch).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from diffusers import DiffusionPipeline
+
+from ...config import LayoutError, ParallelConfig
+from ...distributed import get_dp_group, get_layout, get_runtime_state
+from ..base_wrapper import xFuserBaseWrapper
+from ..register import (
+    xFuserPipelineWrapperRegister,
+    xFuserSchedulerWrappersRegister,
+    xFuserTransformerWrappersRegister,
+)
+
+
+class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
+    """Subclasses register for a diffusers pipeline class and may set:
+
+    call_defaults: keyword arguments the family needs when it is given embeddings instead of text.
+    latent_patch:  latent pixels per token side, if not the transformer's `patch_size` (Flux packs 2×2).
+    """
+
+    call_defaults: ClassVar[dict[str, Any]] = {}
+    latent_patch: ClassVar[int | None] = None
+
+    def __init__(self, pipeline: DiffusionPipeline, attention_kernel: str | None = None):
+        super().__init__(pipeline)
+        self.parallel_config: ParallelConfig = get_layout().config
+        self._original = {"transformer": pipeline.transformer, "scheduler": pipeline.scheduler}
+        transformer_wrapper = xFuserTransformerWrappersRegister.get_wrapper(pipeline.transformer)
+        scheduler_wrapper = xFuserSchedulerWrappersRegister.get_wrapper(pipeline.scheduler)
+        pipeline.transformer = transformer_wrapper(pipeline.transformer, attention_kernel)
+        pipeline.scheduler = scheduler_wrapper(pipeline.scheduler)
+
+    @staticmethod
+    def wrap(pipeline: DiffusionPipeline, attention_kernel: str | None = None) -> "xFuserPipelineBaseWrapper":
+        """Wrap any supported diffusers pipeline for the current parallel layout."""
+        return xFuserPipelineWrapperRegister.get_wrapper(pipeline)(pipeline, attention_kernel)
+
+    @classmethod
+    def from_pretrained(cls, path, **kwargs) -> "xFuserPipelineBaseWrapper":
+        return cls.wrap(DiffusionPipeline.from_pretrained(path, **kwargs))
+
+    def unwrap(self) -> DiffusionPipeline:
+        """Restore the pipeline's own transformer and scheduler (before re-initialising the layout)."""
+        self.module.transformer.unwrap()
+        self.module.transformer = self._original["transformer"]
+        self.module.scheduler = self._original["scheduler"]
+        return self.module
+
+    # -- checks -------------------------------------------------------------------------------------
+    def uses_cfg(self, kwargs: dict[str, Any]) -> bool:
+        return kwargs.get("guidance_scale", 1.0) > 1.0
+
+    def image_tokens(self, height: int, width: int) -> int:
+        patch = self.latent_patch or self.module.transformer.config.patch_size
+        scale = self.module.vae_scale_factor
+        for name, size in (("height", height), ("width", width)):
+            if size % (scale * patch):
+                raise LayoutError(
+                    f"{name} {size} is not a multiple of {scale * patch} (VAE factor {scale} × patch {patch}); "
+                    f"round it to a multiple of {scale * patch}."
+                )
+        return (height // (scale * patch)) * (width // (scale * patch))
+
+    def check_layout(self, kwargs: dict[str, Any], batch: int) -> int:
+        """Raise LayoutError, before any compute, if this input cannot run on this layout."""
+        c = self.parallel_config
+        heads = self.module.transformer.config.num_attention_heads
+        if heads % c.ulysses_degree:
+            divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+            raise LayoutError(
+                f"the model has {heads} attention heads, which do not split over ulysses degree {c.ulysses_degree}; "
+                f"use a ulysses degree in {divisors} and put the rest into --ring-degree."
+            )
+        tokens = self.image_tokens(kwargs["height"], kwargs["width"])
+        if tokens % c.sp_degree:
+            raise LayoutError(
+                f"{kwargs['height']}x{kwargs['width']} gives {tokens} image tokens, which do not split over "
+                f"sequence-parallel degree {c.sp_degree} (ring {c.ring_degree} × ulysses {c.ulysses_degree}); "
+                f"choose a resolution whose token count divides by {c.sp_degree} or lower the degrees."
+            )
+        if c.cfg_degree > 1 and not self.uses_cfg(kwargs):
+            raise LayoutError(self.cfg_parallel_hint(kwargs))
+        if batch < c.dp_degree:
+            raise LayoutError(
+                f"data parallel degree {c.dp_degree} needs at least {c.dp_degree} samples, but the batch is {batch}; "
+                f"lower --dp-degree or send {c.dp_degree} or more samples."
+            )
+        return tokens
+
+    def cfg_parallel_hint(self, kwargs: dict[str, Any]) -> str:
+        return (
+            f"CFG parallel needs classifier-free guidance, but guidance_scale is {kwargs.get('guidance_scale', 1.0)}; "
+            "set a guidance scale above 1 or turn CFG parallel off."
+        )
+
+    # -- running ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    @xFuserBaseWrapper.check_parallel_state
+    def __call__(self, **kwargs):
+        kwargs = {**self.call_defaults, **kwargs}
+        if not kwargs.get("height") or not kwargs.get("width"):
+            raise ValueError("pass height and width: the layout is checked against the token count they give")
+        batch = _batch_size(kwargs)
+        tokens = self.check_layout(kwargs, batch)
+        dp = get_dp_group()
+        counts = [len(part) for part in torch.arange(batch).tensor_split(dp.world_size)]
+        start = sum(counts[: dp.rank_in_group])
+        local = {k: _take(v, batch, start, counts[dp.rank_in_group]) for k, v in kwargs.items()}
+        get_runtime_state().set_input_parameters(
+            height=kwargs["height"],
+            width=kwargs["width"],
+            batch_size=counts[dp.rank_in_group],
+            num_inference_steps=kwargs.get("num_inference_steps", 0),
+            image_tokens=tokens,
+        )
+        output = self.module(**local)
+        if dp.world_size == 1:
+            return output
+        return _gather_batch(output, counts, dp)
+
+
+def _batch_size(kwargs: dict[str, Any]) -> int:
+    for key in ("latents", "prompt_embeds"):
+        if isinstance(kwargs.get(key), torch.Tensor):
+            return kwargs[key].shape[0]
+    prompt = kwargs.get("prompt")
+    return len(prompt) if isinstance(prompt, list) else 1
+
+
+def _take(value: Any, batch: int, start: int, count: int) -> Any:
+    """This dp rank's slice of a per-sample argument (tensors and lists with one entry per sample)."""
+    if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == batch:
+        return value[start : start + count]
+    if isinstance(value, list) and len(value) == batch:
+        return value[start : start + count]
+    return value
+
+
+def _gather_batch(output: Any, counts: list[int], dp) -> Any:
+    """Reassemble the batch from every dp rank (padded to equal size for the collective)."""
+    images = output[0] if isinstance(output, tuple) else output.images
+    if not isinstance(images, torch.Tensor):
+        raise ValueError("data parallel returns tensors only: call with output_type='latent' or 'pt'")
+    padded = torch.zeros((max(counts), *images.shape[1:]), dtype=images.dtype, device=images.device)
+    padded[: images.shape[0]] = images
+    gathered = dp.all_gather(padded.unsqueeze(0), dim=0)
+    images = torch.cat([gathered[i, :n] for i, n in enumerate(counts)])
+    if isinstance(output, tuple):
+        return (images, *output[1:])
+    output.images = images
+    return output

@@ -1,0 +1,23 @@
+from typing import Any
+
+from diffusers import FluxPipeline
+
+from ..register import xFuserPipelineWrapperRegister
+from .base_pipeline import xFuserPipelineBaseWrapper
+
+
+@xFuserPipelineWrapperRegister.register(FluxPipeline)
+class xFuserFluxPipeline(xFuserPipelineBaseWrapper):
+    latent_patch = 2  # the pipeline packs 2×2 latent pixels into one token
+
+    def uses_cfg(self, kwargs: dict[str, Any]) -> bool:
+        """Flux's guidance_scale is distilled guidance; real CFG is true_cfg_scale with a negative prompt."""
+        has_negative = kwargs.get("negative_prompt_embeds") is not None or kwargs.get("negative_prompt") is not None
+        return kwargs.get("true_cfg_scale", 1.0) > 1.0 and has_negative
+
+    def cfg_parallel_hint(self, kwargs: dict[str, Any]) -> str:
+        return (
+            "CFG parallel on Flux needs true classifier-free guidance: true_cfg_scale above 1 "
+            f"(got {kwargs.get('true_cfg_scale', 1.0)}) and negative prompt embeddings; guidance_scale is "
+            "Flux's distilled guidance and needs no second branch. Add both or turn CFG parallel off."
+        )

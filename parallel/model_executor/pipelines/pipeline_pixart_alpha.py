@@ -1,0 +1,10 @@
+from diffusers import PixArtAlphaPipeline
+
+from ..register import xFuserPipelineWrapperRegister
+from .base_pipeline import xFuserPipelineBaseWrapper
+
+
+@xFuserPipelineWrapperRegister.register(PixArtAlphaPipeline)
+class xFuserPixArtAlphaPipeline(xFuserPipelineBaseWrapper):
+    # Resolution binning would resize to the model's aspect-ratio bins; given embeddings need no prompt.
+    call_defaults = {"use_resolution_binning": False, "negative_prompt": None}

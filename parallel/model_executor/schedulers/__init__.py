@@ -1,0 +1,5 @@
+"""Scheduler wrappers."""
+
+from .base_scheduler import xFuserSchedulerBaseWrapper, xFuserSchedulerWrapper
+
+__all__ = ["xFuserSchedulerBaseWrapper", "xFuserSchedulerWrapper"]

@@ -1,0 +1,115 @@
+"""One-shot parallel sampling (contract E in DESIGN.md).
+
+    torchrun --nproc-per-node N -m parallel.run --model DIR --inputs IN.safetensors \
+        --output OUT.safetensors --steps S --guidance-scale G --height H --width W [layout flags]
+
+IN holds the tensor keyword arguments of the pipeline's `__call__` (latents, prompt_embeds, ...);
+OUT gets `latents`: what the same pipeline returns with output_type="latent".
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .config import LayoutError, add_parallel_arguments, config_from_args
+from .loading import DTYPES, SCHEDULERS, load_pipeline, set_scheduler
+
+INPUT_NAMES = (
+    "latents",
+    "prompt_embeds",
+    "negative_prompt_embeds",
+    "pooled_prompt_embeds",
+    "negative_pooled_prompt_embeds",
+    "prompt_attention_mask",
+    "negative_prompt_attention_mask",
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m parallel.run", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="diffusers pipeline folder (save_pretrained layout)")
+    parser.add_argument("--inputs", help="safetensors file with the pipeline's tensor arguments")
+    parser.add_argument("--output", help="safetensors file to write (key: latents)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--guidance-scale", type=float, default=4.5)
+    parser.add_argument("--true-cfg-scale", type=float, default=1.0, help="Flux only: real CFG with negative embeds")
+    parser.add_argument("--height", type=int, default=1024)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--scheduler", choices=["default", *SCHEDULERS], default="default")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: as saved")
+    parser.add_argument("--attention-kernel", default=None, help="force a kernel (math, cpu_flash, flash_attn, ...)")
+    parser.add_argument("--list-supported", action="store_true", help="print the capability table and exit")
+    add_parallel_arguments(parser)
+    args = parser.parse_args(argv)
+    if not args.list_supported and not (args.model and args.inputs and args.output):
+        parser.error("--model, --inputs and --output are required")
+    return args
+
+
+def read_inputs(path: str) -> dict[str, torch.Tensor]:
+    tensors = load_file(path)
+    unknown = sorted(set(tensors) - set(INPUT_NAMES))
+    if unknown:
+        raise ValueError(f"{path} has tensors {unknown} that are not pipeline inputs; allowed: {list(INPUT_NAMES)}")
+    if "latents" not in tensors:
+        raise ValueError(f"{path} has no 'latents' tensor: the initial noise must be given")
+    return tensors
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from .model_executor import capability_table, wrap_pipeline  # heavy imports after argument errors
+
+    if args.list_supported:
+        print(capability_table())
+        return 0
+
+    from .distributed import destroy_distributed_environment, init_distributed_environment, initialize_model_parallel
+
+    world = init_distributed_environment()
+    torch.set_num_threads(int(os.environ.get("XDIT_THREADS_PER_RANK", torch.get_num_threads())))
+    try:
+        initialize_model_parallel(config_from_args(args))
+        inputs = read_inputs(args.inputs)
+        pipeline = load_pipeline(args.model, dtype=args.dtype)
+        set_scheduler(pipeline, args.scheduler)
+        parallel = wrap_pipeline(pipeline, attention_kernel=args.attention_kernel)
+        device, dtype = pipeline.transformer.device, pipeline.transformer.dtype
+        extra = {"true_cfg_scale": args.true_cfg_scale} if args.true_cfg_scale != 1.0 else {}
+        start = time.perf_counter()
+        latents = parallel(
+            **{k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()},
+            num_inference_steps=args.steps,
+            guidance_scale=args.guidance_scale,
+            height=args.height,
+            width=args.width,
+            output_type="latent",
+            return_dict=False,
+            **extra,
+        )[0]
+        elapsed = time.perf_counter() - start
+        if world.rank == 0:
+            save_file({"latents": latents.float().cpu().contiguous()}, args.output)
+            print(
+                f"xdit: {type(pipeline).__name__} {args.height}x{args.width} {args.steps} steps on "
+                f"{world.world_size} rank(s) [{parallel.parallel_config.describe()}]: {elapsed:.3f} s "
+                f"-> {args.output}",
+                flush=True,
+            )
+        return 0
+    except (LayoutError, ValueError, FileNotFoundError) as error:
+        if world.rank == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        destroy_distributed_environment()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Tests for parallel/tiny_models.py: the tiny offline pipelines the engine's tests compare against."""
+
+import functools
+import pathlib
+
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+
+from parallel.tiny_models import FAMILIES, PIPELINE_CALL_DEFAULTS, build_tiny_pipeline, make_inputs, save_tiny_pipeline
+
+torch.set_num_threads(1)  # tiny models: threading overhead only slows them down
+
+GUIDANCE = {"pixart-alpha": 4.5, "pixart-sigma": 4.5, "sd3": 4.5, "flux": 3.5}
+LATENT_SHAPE = {  # expected output latents of a 64x64 run, batch 1
+    "pixart-alpha": (1, 4, 8, 8), "pixart-sigma": (1, 4, 8, 8), "sd3": (1, 16, 8, 8), "flux": (1, 16, 64)}
+
+pytestmark = pytest.mark.parametrize("family", FAMILIES)
+
+
+@functools.cache
+def _pipe(family):
+    return build_tiny_pipeline(family)
+
+
+def _run(pipe, family, inputs, height=64, width=64, steps=4, guidance=None):
+    guidance = GUIDANCE[family] if guidance is None else guidance
+    with torch.no_grad():
+        out = pipe(**inputs, **PIPELINE_CALL_DEFAULTS[family], guidance_scale=guidance, height=height,
+                   width=width, num_inference_steps=steps, output_type="latent")
+    return out.images
+
+
+def _modules(pipe):
+    return {name: c for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
+
+
+def test_make_inputs(family):
+    inputs = make_inputs(family, batch=2)
+    assert inputs["latents"].shape[0] == 2
+    for key, value in inputs.items():
+        assert torch.equal(value, make_inputs(family, batch=2)[key]), key  # deterministic
+        if value.is_floating_point():
+            assert torch.isfinite(value).all() and 0.5 < value.std() < 2, key
+        assert not torch.equal(value[0], value[1]), f"{key}: batch samples must differ"
+        if key.startswith("negative_"):
+            assert not torch.equal(value, inputs[key.removeprefix("negative_")]), key
+    for key in (k for k in inputs if k.endswith("attention_mask")):
+        assert (inputs[key][:, -1] == 0).all() and (inputs[key][:, 0] == 1).all(), key
+    assert not any(k.startswith("negative_") for k in make_inputs(family, negative=False))
+    assert make_inputs(family, text_tokens=7)["prompt_embeds"].shape[1] == 7
+    assert not torch.equal(make_inputs(family, seed=1)["latents"], inputs["latents"][:1])
+
+
+def test_save_load_roundtrip(family, tmp_path):
+    directory = save_tiny_pipeline(family, tmp_path / family)
+    assert isinstance(directory, pathlib.Path)
+    size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+    assert size < 2 * 1024 * 1024, f"saved pipeline is {size} bytes"
+    assert not list(directory.rglob("*.bin")), "must be saved as safetensors"
+    loaded = DiffusionPipeline.from_pretrained(directory)
+    original = _pipe(family)
+    assert type(loaded) is type(original)
+    for name, module in _modules(original).items():
+        theirs = _modules(loaded)[name].state_dict()
+        for key, value in module.state_dict().items():
+            assert torch.equal(value, theirs[key]), f"{name}.{key}"
+    for name in (n for n in original.components if n.startswith("tokenizer")):
+        ids = lambda p: getattr(p, name)("a red cat riding a horse, 4k!").input_ids  # noqa: E731
+        assert ids(loaded) == ids(original), name
+
+
+def test_four_step_run(family):
+    pipe = _pipe(family)
+    out = _run(pipe, family, make_inputs(family))
+    assert out.shape == LATENT_SHAPE[family]
+    assert torch.isfinite(out).all() and out.abs().max() < 20
+    print(f"{family}: max|out| = {out.abs().max():.3f}")  # shown with pytest -s
+    assert torch.equal(out, _run(pipe, family, make_inputs(family))), "same inputs must give identical output"
+
+    rebuilt = build_tiny_pipeline(family)  # same seed -> same weights
+    assert torch.equal(out, _run(rebuilt, family, make_inputs(family)))
+    other = build_tiny_pipeline(family, seed=1)
+    assert not torch.equal(out, _run(other, family, make_inputs(family)))
+
+
+def test_batch_and_non_square(family):
+    pipe = _pipe(family)
+    out = _run(pipe, family, make_inputs(family, batch=2, height=128, width=96), height=128, width=96, steps=2)
+    assert out.shape[0] == 2 and torch.isfinite(out).all() and out.abs().max() < 20
+    assert not torch.allclose(out[0], out[1])
+    # without negatives: a run without classifier-free guidance
+    single = _run(pipe, family, make_inputs(family, height=128, width=96, negative=False), height=128, width=96,
+                  steps=2, guidance=1.0)
+    assert torch.isfinite(single).all() and single.abs().max() < 20
+
+
+def test_attention_is_peaked(family, monkeypatch):
+    """Random weights give near-uniform attention that hides sharding bugs; the builder sharpens it."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    peak, uniform = [], []
+
+    def spy(query, key, value, attn_mask=None, *args, **kwargs):
+        probs = (query @ key.transpose(-1, -2) / query.shape[-1] ** 0.5)
+        valid = torch.full(probs.shape[:-1], float(key.shape[-2]))
+        if attn_mask is not None:  # PixArt cross-attention: additive -10000 bias on padded text tokens
+            probs = probs + attn_mask
+            valid = (attn_mask > -1).sum(-1).float().expand(valid.shape)
+        peak.append(probs.softmax(-1).amax(-1).mean().item())
+        uniform.append((1 / valid).mean().item())
+        return sdpa(query, key, value, attn_mask, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    _run(_pipe(family), family, make_inputs(family), steps=2)  # PixArt treats 1 step specially
+    assert peak, "no attention call was seen"
+    mean_peak, mean_uniform = sum(peak) / len(peak), sum(uniform) / len(uniform)
+    assert mean_peak > 4 * mean_uniform and mean_peak > 0.3, (mean_peak, mean_uniform)
+    assert all(p > 2 * u for p, u in zip(peak, uniform)), list(zip(peak, uniform))
+
+
+def test_prompt_string_end_to_end(family):
+    """Real prompts go through the offline tokenizers and text encoders into the transformer."""
+    pipe = _pipe(family)
+    seen = {}
+
+    def hook(module, args, kwargs):
+        seen.update({k: v.shape for k, v in kwargs.items() if k in ("encoder_hidden_states", "pooled_projections")})
+
+    extra = {"use_resolution_binning": False, "clean_caption": False} if family.startswith("pixart") else {}
+    handle = pipe.transformer.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            out = pipe(prompt="a cat", negative_prompt="blurry", guidance_scale=GUIDANCE[family], height=64,
+                       width=64, num_inference_steps=2, output_type="latent", max_sequence_length=32,
+                       generator=torch.Generator().manual_seed(0), **extra).images
+    finally:
+        handle.remove()
+    assert out.shape == LATENT_SHAPE[family] and torch.isfinite(out).all()
+    inputs = make_inputs(family)  # precomputed embeddings must have the encoders' widths
+    assert seen["encoder_hidden_states"][-1] == inputs["prompt_embeds"].shape[-1]
+    if "pooled_prompt_embeds" in inputs:
+        assert seen["pooled_projections"][-1] == inputs["pooled_prompt_embeds"].shape[-1]
