@@ -40,12 +40,17 @@ def load_pipeline(model_dir: str | Path, *, text_encoders: bool = False, dtype: 
     return pipeline
 
 
-def set_scheduler(pipeline: DiffusionPipeline, name: str) -> None:
-    """Swap in another diffusers scheduler built from the pipeline's own scheduler config."""
+def make_scheduler(default, name: str):
+    """The scheduler called `name`, built from the pipeline's own (`default`) scheduler config."""
     if name == "default":
-        return
-    flow = isinstance(pipeline.scheduler, FlowMatchEulerDiscreteScheduler)
+        return default
+    flow = isinstance(default, FlowMatchEulerDiscreteScheduler)
     allowed = ["default", "flow-euler"] if flow else ["default", "ddim", "euler", "dpmsolver"]
     if name not in allowed:
-        raise ValueError(f"scheduler {name!r} does not fit {type(pipeline).__name__}; choose one of {allowed}")
-    pipeline.scheduler = SCHEDULERS[name].from_config(pipeline.scheduler.config)
+        raise ValueError(f"scheduler {name!r} does not fit this {type(default).__name__} model; choose one of {allowed}")
+    return SCHEDULERS[name].from_config(default.config)
+
+
+def set_scheduler(pipeline: DiffusionPipeline, name: str) -> None:
+    """Swap in another diffusers scheduler built from the pipeline's own scheduler config."""
+    pipeline.scheduler = make_scheduler(pipeline.scheduler, name)

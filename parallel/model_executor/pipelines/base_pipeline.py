@@ -6,7 +6,8 @@ the wrapped transformer (sequence and CFG parallel) and here (data parallel over
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+import inspect
+from typing import Any, Callable, ClassVar
 
 import torch
 from diffusers import DiffusionPipeline
@@ -30,6 +31,7 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
 
     call_defaults: ClassVar[dict[str, Any]] = {}
     latent_patch: ClassVar[int | None] = None
+    embedding_sizes: ClassVar[dict[str, str]] = {}  # input tensor -> transformer config entry of its last dim
 
     def __init__(self, pipeline: DiffusionPipeline, attention_kernel: str | None = None):
         super().__init__(pipeline)
@@ -48,6 +50,10 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
     @classmethod
     def from_pretrained(cls, path, **kwargs) -> "xFuserPipelineBaseWrapper":
         return cls.wrap(DiffusionPipeline.from_pretrained(path, **kwargs))
+
+    def use_scheduler(self, scheduler) -> None:
+        """Sample with another diffusers scheduler from now on (wrapped like the original)."""
+        self.module.scheduler = xFuserSchedulerWrappersRegister.get_wrapper(scheduler)(scheduler)
 
     def unwrap(self) -> DiffusionPipeline:
         """Restore the pipeline's own transformer and scheduler (before re-initialising the layout)."""
@@ -71,6 +77,30 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
                 )
         return (height // (scale * patch)) * (width // (scale * patch))
 
+    def expected_latents_shape(self, batch: int, height: int, width: int) -> tuple[int, ...]:
+        scale = self.module.vae_scale_factor
+        return (batch, self.module.transformer.config.in_channels, height // scale, width // scale)
+
+    def check_inputs(self, kwargs: dict[str, Any], batch: int) -> None:
+        """Shapes of the given tensors against the model, so a mismatch fails before any rank computes."""
+        latents = kwargs.get("latents")
+        expected = self.expected_latents_shape(batch, kwargs["height"], kwargs["width"])
+        if isinstance(latents, torch.Tensor) and tuple(latents.shape) != expected:
+            raise ValueError(
+                f"latents have shape {list(latents.shape)} but {type(self.module).__name__} at "
+                f"{kwargs['height']}x{kwargs['width']} needs {list(expected)}; send latents of that shape."
+            )
+        config = self.module.transformer.config
+        for name, entry in self.embedding_sizes.items():
+            tensor = kwargs.get(name)
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            if tensor.shape[0] != batch or tensor.shape[-1] != config[entry]:
+                raise ValueError(
+                    f"{name} has shape {list(tensor.shape)}, but this model needs batch {batch} and width "
+                    f"{config[entry]} ({entry}); encode the prompt with this model's own text encoders."
+                )
+
     def check_layout(self, kwargs: dict[str, Any], batch: int) -> int:
         """Raise LayoutError, before any compute, if this input cannot run on this layout."""
         c = self.parallel_config
@@ -82,6 +112,7 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
                 f"use a ulysses degree in {divisors} and put the rest into --ring-degree."
             )
         tokens = self.image_tokens(kwargs["height"], kwargs["width"])
+        self.check_inputs(kwargs, batch)
         if tokens % c.sp_degree:
             raise LayoutError(
                 f"{kwargs['height']}x{kwargs['width']} gives {tokens} image tokens, which do not split over "
@@ -104,14 +135,31 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
         )
 
     # -- running ------------------------------------------------------------------------------------
-    @torch.no_grad()
-    @xFuserBaseWrapper.check_parallel_state
-    def __call__(self, **kwargs):
+    def prepare(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], int, int]:
+        """The call's full keyword arguments, its batch size and image tokens; raises if it can't run."""
         kwargs = {**self.call_defaults, **kwargs}
         if not kwargs.get("height") or not kwargs.get("width"):
             raise ValueError("pass height and width: the layout is checked against the token count they give")
         batch = _batch_size(kwargs)
-        tokens = self.check_layout(kwargs, batch)
+        return kwargs, batch, self.check_layout(kwargs, batch)
+
+    def _step_callback_arguments(self, step_callback: Callable[[int, torch.Tensor], None]) -> dict[str, Any]:
+        """Adapt `step_callback(step_index, latents)` to the pipeline's own callback style."""
+        if "callback_on_step_end" in inspect.signature(self.module.__call__).parameters:
+            def on_step_end(pipeline, index, timestep, tensors):
+                step_callback(index, tensors["latents"])
+                return {}
+
+            return {"callback_on_step_end": on_step_end, "callback_on_step_end_tensor_inputs": ["latents"]}
+        return {"callback": lambda index, timestep, latents: step_callback(index, latents), "callback_steps": 1}
+
+    @torch.no_grad()
+    @xFuserBaseWrapper.check_parallel_state
+    def __call__(self, *, step_callback: Callable[[int, torch.Tensor], None] | None = None, **kwargs):
+        """Run the diffusers pipeline on this rank's share; `step_callback(i, latents)` after each step."""
+        kwargs, batch, tokens = self.prepare(kwargs)
+        if step_callback is not None:
+            kwargs.update(self._step_callback_arguments(step_callback))
         dp = get_dp_group()
         counts = [len(part) for part in torch.arange(batch).tensor_split(dp.world_size)]
         start = sum(counts[: dp.rank_in_group])

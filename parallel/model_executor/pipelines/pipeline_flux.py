@@ -9,6 +9,15 @@ from .base_pipeline import xFuserPipelineBaseWrapper
 @xFuserPipelineWrapperRegister.register(FluxPipeline)
 class xFuserFluxPipeline(xFuserPipelineBaseWrapper):
     latent_patch = 2  # the pipeline packs 2×2 latent pixels into one token
+    embedding_sizes = {
+        "prompt_embeds": "joint_attention_dim",
+        "negative_prompt_embeds": "joint_attention_dim",
+        "pooled_prompt_embeds": "pooled_projection_dim",
+        "negative_pooled_prompt_embeds": "pooled_projection_dim",
+    }
+
+    def expected_latents_shape(self, batch: int, height: int, width: int) -> tuple[int, ...]:
+        return (batch, self.image_tokens(height, width), self.module.transformer.config.in_channels)
 
     def uses_cfg(self, kwargs: dict[str, Any]) -> bool:
         """Flux's guidance_scale is distilled guidance; real CFG is true_cfg_scale with a negative prompt."""

@@ -8,3 +8,4 @@ from .base_pipeline import xFuserPipelineBaseWrapper
 class xFuserPixArtAlphaPipeline(xFuserPipelineBaseWrapper):
     # Resolution binning would resize to the model's aspect-ratio bins; given embeddings need no prompt.
     call_defaults = {"use_resolution_binning": False, "negative_prompt": None}
+    embedding_sizes = {"prompt_embeds": "caption_channels", "negative_prompt_embeds": "caption_channels"}

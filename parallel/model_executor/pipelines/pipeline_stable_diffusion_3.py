@@ -6,4 +6,9 @@ from .base_pipeline import xFuserPipelineBaseWrapper
 
 @xFuserPipelineWrapperRegister.register(StableDiffusion3Pipeline)
 class xFuserStableDiffusion3Pipeline(xFuserPipelineBaseWrapper):
-    pass
+    embedding_sizes = {
+        "prompt_embeds": "joint_attention_dim",
+        "negative_prompt_embeds": "joint_attention_dim",
+        "pooled_prompt_embeds": "pooled_projection_dim",
+        "negative_pooled_prompt_embeds": "pooled_projection_dim",
+    }

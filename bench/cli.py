@@ -1,0 +1,100 @@
+"""`python -m bench SUITE`: launch the torchrun jobs a suite needs, then print and save its tables.
+
+    python -m bench {overhead,efficiency,diffusers-cp,all} [--runs 5] [--json OUT.json] [--tiny] [--max-ranks N]
+
+Each job is `torchrun --nproc-per-node N -m bench.driver` with one thread per rank. A job needing more
+ranks than this machine has cores is skipped with a one-line reason: oversubscribed ranks would time
+the scheduler, not the engine (--max-ranks overrides, e.g. to exercise the code path).
+`all` writes bench/out/results.json unless --json says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import diffusers
+import torch
+
+from . import report
+from .analytic import ModelDims
+from .layouts import LAYOUTS, SUITES, jobs_for
+from .model import MODELS
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_JSON = ROOT / "bench" / "out" / "results.json"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("suite", choices=[*SUITES, "all"])
+    parser.add_argument("--runs", type=int, default=5, help="timed rounds per layout (after one warm-up)")
+    parser.add_argument("--json", type=Path, default=None, help=f"write results here (all: default {DEFAULT_JSON})")
+    parser.add_argument("--tiny", action="store_true", help="the tiny test model: checks the machinery, times nothing useful")
+    parser.add_argument("--max-ranks", type=int, default=len(os.sched_getaffinity(0)), help="default: the cores available")
+    args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    return args
+
+
+def run_job(ranks: int, names: list[str], model: str, runs: int, workdir: Path) -> dict:
+    spec, result = workdir / f"spec{ranks}.json", workdir / f"result{ranks}.json"
+    spec.write_text(json.dumps({"model": model, "layouts": names, "runs": runs}))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+               "-m", "bench.driver", str(spec), str(result)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    print(f"$ {' '.join(command[1:])}   # {', '.join(names)}", file=sys.stderr, flush=True)
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"bench job on {ranks} ranks failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(result.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    suites = list(SUITES) if args.suite == "all" else [args.suite]
+    model_key = "tiny" if args.tiny else "medium"
+    jobs, skipped, meta = {}, {}, {}
+    with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
+        for ranks, names in sorted(jobs_for(suites).items()):
+            if ranks > args.max_ranks:
+                reason = (f"needs {ranks} ranks with one core each; this machine has {args.max_ranks} "
+                          f"(--max-ranks {ranks} runs it oversubscribed)")
+                skipped.update({name: reason for name in names if LAYOUTS[name].ranks > 1})
+                continue
+            result = run_job(ranks, names, model_key, args.runs, Path(workdir))
+            meta = result["meta"]
+            jobs[ranks] = {name: raw for name, raw in result["layouts"].items() if "unavailable" not in raw}
+            skipped.update({name: raw["unavailable"] for name, raw in result["layouts"].items() if "unavailable" in raw})
+    if not meta:
+        raise SystemExit(f"nothing ran: every job of {args.suite} needs more than --max-ranks {args.max_ranks} ranks")
+
+    model = MODELS[model_key]
+    dims = ModelDims(**meta["dims"])
+    tables = {suite: report.suite_table(suite, jobs, skipped, dims, model.steps) for suite in suites}
+    summary = {
+        "meta": {
+            "command": "python -m bench " + " ".join(sys.argv[1:] if argv is None else argv),
+            "model": model.name, "height": model.height, "width": model.width, "steps": model.steps,
+            "image_tokens": dims.image_tokens, "text_tokens": dims.text_tokens, "runs": args.runs,
+            "threads_per_rank": meta["threads_per_rank"], "cores": len(os.sched_getaffinity(0)),
+            "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+            "diffusers": diffusers.__version__, "backend": "gloo",
+        },
+        "suites": tables,
+        "goals": report.goals(tables),
+    }
+    print(report.markdown(tables, summary["goals"], summary["meta"]))
+    target = args.json or (DEFAULT_JSON if args.suite == "all" else None)
+    if target is not None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(summary, indent=1))
+        print(f"\nwrote {target}", file=sys.stderr)
+    return 0

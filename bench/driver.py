@@ -1,0 +1,145 @@
+"""Times several layouts inside one torchrun job, interleaved round by round.
+
+    torchrun --nproc-per-node N -m bench.driver SPEC.json RESULT.json
+
+SPEC: {"model": "medium"|"tiny", "layouts": [names], "runs": R}. One untimed pass over every layout
+comes first (it also records bytes sent and each output's distance from its 1-rank baseline), then R
+rounds; round r starts at layout r mod L, so no layout always runs first after the set-up of another.
+Our engine's mesh is built and torn down around every run (as the pool does when it switches layout);
+only the pipeline call is timed, from a world barrier to the slowest rank's return. Rank 0 writes
+RESULT: per layout the times, the bytes each rank sent per step, and max |latents − baseline|.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from parallel.distributed import (
+    destroy_distributed_environment,
+    destroy_model_parallel,
+    init_distributed_environment,
+    initialize_model_parallel,
+)
+from parallel.distributed.parallel_state import all_coordinators
+from parallel.model_executor import wrap_pipeline
+
+from .diffusers_cp import FunctionalCollectiveBytes, enable_context_parallel
+from .layouts import LAYOUTS, Layout
+from .model import MODELS, BenchModel
+
+
+@dataclass
+class Run:
+    """One prepared layout: `call` returns the latents (None on ranks that sit a 1-rank run out)."""
+
+    call: Callable[[], torch.Tensor | None]
+    bytes_sent: Callable[[], int]
+
+
+class Runners:
+    """Prepares each engine's run of the same pipeline and inputs on this rank."""
+
+    def __init__(self, model: BenchModel, rank: int, layouts: list[Layout]):
+        self.model, self.rank = model, rank
+        self.pipeline = model.pipeline()
+        self.inputs = model.inputs(self.pipeline)
+        # diffusers' enable_parallelism cannot be undone, so each CP layout gets its own copy, set up
+        # before any of our layouts has run (every rank builds the meshes in the same order).
+        # If diffusers refuses (a version whose CP this CPU shim no longer fits), the layout is reported
+        # unavailable with diffusers' one-line reason; every rank fails alike, so all skip it together.
+        self.cp, self.unavailable = {}, {}
+        for layout in layouts:
+            if layout.engine == "diffusers-cp":
+                try:
+                    self.cp[layout.name] = self._context_parallel_copy(layout)
+                except Exception as error:  # noqa: BLE001 - any failure of diffusers' CP is reported, not fatal
+                    self.unavailable[layout.name] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+
+    def _context_parallel_copy(self, layout: Layout):
+        pipeline = self.model.pipeline()
+        enable_context_parallel(pipeline.transformer, ulysses_degree=layout.ulysses, ring_degree=layout.ring)
+        return pipeline
+
+    def _call(self, pipeline, layout: Layout) -> torch.Tensor:
+        return pipeline(**self.inputs, **self.model.call_kwargs(layout.true_cfg))[0]
+
+    @contextlib.contextmanager
+    def prepare(self, layout: Layout) -> Iterator[Run]:
+        if layout.engine == "diffusers":
+            yield Run(lambda: self._call(self.pipeline, layout) if self.rank == 0 else None, lambda: 0)
+        elif layout.engine == "xdit":
+            initialize_model_parallel(layout.parallel_config())
+            wrapped = wrap_pipeline(self.pipeline)
+            try:
+                yield Run(lambda: self._call(wrapped, layout), lambda: sum(c.bytes_sent for c in all_coordinators().values()))
+            finally:
+                wrapped.unwrap()
+                destroy_model_parallel()
+        else:
+            counter = FunctionalCollectiveBytes()
+            with counter.counting():
+                yield Run(lambda: self._call(self.cp[layout.name], layout), lambda: counter.bytes_sent)
+
+
+def timed(run: Run) -> tuple[float, torch.Tensor | None, list[int]]:
+    """Seconds from a world barrier to the slowest rank's return, the latents, bytes sent per rank."""
+    before = run.bytes_sent()
+    dist.barrier()
+    start = time.perf_counter()
+    latents = run.call()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    sent = torch.tensor([run.bytes_sent() - before], dtype=torch.int64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    per_rank = [torch.zeros_like(sent) for _ in range(dist.get_world_size())]
+    dist.all_gather(per_rank, sent)
+    return elapsed.item(), latents, [int(t) for t in per_rank]
+
+
+def main(spec_path: str, result_path: str) -> int:
+    warnings.filterwarnings("ignore", category=FutureWarning)  # diffusers' own funcol deprecations
+    torch.set_num_threads(1)
+    spec = json.loads(Path(spec_path).read_text())
+    model = MODELS[spec["model"]]
+    layouts = sorted((LAYOUTS[name] for name in spec["layouts"]), key=lambda l: l.engine != "diffusers")
+    world = init_distributed_environment()
+    runners = Runners(model, world.rank, layouts)
+    results: dict[str, dict] = {name: {"unavailable": why} for name, why in runners.unavailable.items()}
+    layouts = [layout for layout in layouts if layout.name not in runners.unavailable]
+    results.update({layout.name: {"times_s": []} for layout in layouts})
+    outputs: dict[str, torch.Tensor] = {}
+    for layout in layouts:  # warm-up, traffic and correctness
+        with runners.prepare(layout) as run:
+            _, latents, sent = timed(run)
+        if latents is not None:
+            outputs[layout.name] = latents
+        results[layout.name]["bytes_per_step_per_rank"] = [b / model.steps for b in sent]
+        if world.rank == 0:
+            results[layout.name]["max_abs_diff"] = (latents - outputs[layout.baseline]).abs().max().item()
+    for round_index in range(spec["runs"]):
+        shift = round_index % len(layouts)
+        for layout in layouts[shift:] + layouts[:shift]:
+            with runners.prepare(layout) as run:
+                seconds, _, _ = timed(run)
+            results[layout.name]["times_s"].append(seconds)
+    if world.rank == 0:
+        meta = {
+            "world_size": world.world_size, "threads_per_rank": torch.get_num_threads(), "model": model.name,
+            "dims": asdict(model.dims(runners.pipeline)),
+        }
+        Path(result_path).write_text(json.dumps({"meta": meta, "layouts": results}, indent=1))
+    destroy_distributed_environment()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:3]))

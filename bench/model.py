@@ -1,0 +1,93 @@
+"""The benchmarked model: a medium Flux.1-like pipeline built in code, big enough to be compute-bound.
+
+The test models in parallel/tiny_models.py run a step in about a millisecond, so timing them measures
+Python and collective latency, not parallel speed-up. MEDIUM keeps Flux.1's structure (double- then
+single-stream blocks, joint attention with the text in front, packed 2×2 latents, RoPE, distilled
+guidance embedding) at 8 heads × 64 and 4 + 4 blocks. At 512×512 that is 1024 image tokens; 128 text
+tokens keep the 8:1 image:text ratio of Flux.1 at 1024×1024 with 512 T5 tokens, which matters
+because the engine replicates the text tokens on every sequence-parallel rank.
+TINY is the test model itself, for a fast end-to-end check of the benchmark machinery.
+
+Text encoders are left out (prompts arrive as embeddings, as in contract E); the tiny VAE and the
+scheduler come from tiny_models and the VAE never runs (output_type="latent").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from diffusers import FluxPipeline, FluxTransformer2DModel
+
+from parallel import tiny_models
+
+from .analytic import ModelDims
+
+MEDIUM_TRANSFORMER = dict(
+    patch_size=1, in_channels=64, num_layers=4, num_single_layers=4, attention_head_dim=64, num_attention_heads=8,
+    joint_attention_dim=256, pooled_projection_dim=256, guidance_embeds=True, axes_dims_rope=(16, 24, 24),
+)
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    name: str
+    transformer: dict | None  # FluxTransformer2DModel config; None: the tiny test transformer
+    height: int
+    width: int
+    text_tokens: int
+    steps: int
+    guidance_scale: float = 3.5  # Flux's distilled guidance: no second branch
+    true_cfg_scale: float = 2.0  # real CFG, for the CFG-parallel layouts
+
+    def pipeline(self, seed: int = 0) -> FluxPipeline:
+        """The same weights on every rank: everything is built under fixed seeds."""
+        donor = tiny_models.build_tiny_pipeline("flux", seed=seed)
+        transformer = donor.transformer
+        if self.transformer is not None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                transformer = FluxTransformer2DModel(**self.transformer).eval()
+        pipeline = FluxPipeline(
+            scheduler=donor.scheduler, vae=donor.vae, transformer=transformer,
+            text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
+        )
+        pipeline.set_progress_bar_config(disable=True)
+        return pipeline
+
+    def inputs(self, pipeline: FluxPipeline, seed: int = 0) -> dict[str, torch.Tensor]:
+        """Contract-E style tensors: packed noise, and prompt embeddings for both guidance branches."""
+        config = pipeline.transformer.config
+        generator = torch.Generator().manual_seed(seed)
+        tokens = self.image_tokens(pipeline)
+        tensors = {"latents": torch.randn(1, tokens, config.in_channels, generator=generator)}
+        for prefix in ("", "negative_"):
+            tensors[prefix + "prompt_embeds"] = torch.randn(1, self.text_tokens, config.joint_attention_dim, generator=generator)
+            tensors[prefix + "pooled_prompt_embeds"] = torch.randn(1, config.pooled_projection_dim, generator=generator)
+        return tensors
+
+    def call_kwargs(self, true_cfg: bool) -> dict:
+        return {
+            "num_inference_steps": self.steps, "guidance_scale": self.guidance_scale, "height": self.height,
+            "width": self.width, "true_cfg_scale": self.true_cfg_scale if true_cfg else 1.0,
+            "output_type": "latent", "return_dict": False,
+        }
+
+    def image_tokens(self, pipeline: FluxPipeline) -> int:
+        side = 2 * pipeline.vae_scale_factor  # Flux packs 2×2 latent pixels into one token
+        return (self.height // side) * (self.width // side)
+
+    def dims(self, pipeline: FluxPipeline) -> ModelDims:
+        config = pipeline.transformer.config
+        return ModelDims(
+            image_tokens=self.image_tokens(pipeline), text_tokens=self.text_tokens,
+            heads=config.num_attention_heads, head_dim=config.attention_head_dim,
+            double_blocks=config.num_layers, single_blocks=config.num_single_layers,
+            out_channels=config.out_channels or config.in_channels, element_bytes=4,
+        )
+
+
+MODELS = {
+    "medium": BenchModel("medium-flux", MEDIUM_TRANSFORMER, height=512, width=512, text_tokens=128, steps=2),
+    "tiny": BenchModel("tiny-flux", None, height=64, width=64, text_tokens=16, steps=2),
+}

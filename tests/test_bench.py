@@ -1,0 +1,42 @@
+"""The benchmark runs end to end (tiny model, one round) and writes complete, finite results.
+
+No timing assertions: on the tiny model the times measure Python and gloo latency, nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+from .conftest import ROOT
+
+ROW_NUMBERS = ("median_s", "spread", "step_ms", "efficiency", "work_ceiling", "bytes_per_step",
+               "bytes_per_step_analytic", "max_abs_diff")
+
+
+def test_bench_all_tiny_writes_finite_results(tmp_path):
+    out = tmp_path / "results.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-m", "bench", "all", "--tiny", "--runs", "1", "--json", str(out)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "### efficiency" in run.stdout
+
+    results = json.loads(out.read_text())
+    assert set(results) == {"meta", "suites", "goals"}
+    assert set(results["suites"]) == {"overhead", "efficiency", "diffusers-cp"}
+    assert math.isfinite(results["suites"]["overhead"]["overhead"])
+    ran = set()
+    for table in results["suites"].values():
+        for row in table["rows"]:
+            ran.add(row["layout"])
+            for key in ROW_NUMBERS:
+                assert math.isfinite(row[key]), (row["layout"], key, row[key])
+            if row["ranks"] > 1:  # every parallel layout returned the single-rank result and sent what it should
+                assert row["max_abs_diff"] < 1e-4, row
+                assert math.isclose(row["bytes_per_step"], row["bytes_per_step_analytic"]), row
+    assert {"xdit-1", "xdit-ulysses2", "xdit-ring2", "xdit-cfg2", "diffusers-cp-ulysses2", "diffusers-cp-ring2"} <= ran
+    assert {g["layout"] for g in results["goals"]} >= {"xdit-1", "xdit-ulysses2", "xdit-cfg2"}

@@ -1,0 +1,150 @@
+"""The client side of the pool (used by the ComfyUI nodes and the CLI): one DEALER socket.
+
+`PoolClient.sample(...)` submits a job and yields nothing but a result: it calls `on_step` for each
+streamed step, raises JobFailed / JobCancelledError, and notices a pool that stopped answering.
+A client has a fixed identity, so it keeps receiving its replies across the pool's restarts.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Callable
+
+import torch
+import zmq
+
+from . import protocol
+from .protocol import Message
+
+PING_EVERY_S = 5.0
+MISSED_PINGS = 3
+
+
+class PoolUnreachable(RuntimeError):
+    pass
+
+
+class JobFailed(RuntimeError):
+    def __init__(self, message: str, rank: int):
+        super().__init__(message if rank < 0 else f"rank {rank}: {message}")
+        self.rank = rank
+
+
+class JobCancelledError(RuntimeError):
+    def __init__(self, step: int):
+        super().__init__(f"the job was cancelled at step {step}")
+        self.step = step
+
+
+class PoolClient:
+    def __init__(self, endpoint: str, context: zmq.Context | None = None):
+        self.endpoint = endpoint
+        self._context = context or zmq.Context.instance()
+        self.socket = self._context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IDENTITY, f"client-{uuid.uuid4().hex}".encode())
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SNDTIMEO, 10_000)
+        self.socket.connect(endpoint)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+    def __enter__(self) -> "PoolClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- plumbing -----------------------------------------------------------------------------------
+    def send(self, message: Message) -> None:
+        self.socket.send_multipart(protocol.encode(message), copy=False)
+
+    def receive(self, timeout_s: float) -> Message | None:
+        if not self.socket.poll(int(timeout_s * 1000)):
+            return None
+        return protocol.decode(self.socket.recv_multipart(copy=False), from_client=False)
+
+    def request(self, kind: str, job: str = "", timeout_s: float = 10.0) -> Message:
+        """Send a status/stop/cancel message and return the reply that belongs to it."""
+        tag = job or f"{kind}-{uuid.uuid4().hex[:12]}"
+        self.send(Message(kind, tag))
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            reply = self.receive(left)
+            if reply is not None and reply.job == tag and reply.type != "step":
+                return reply
+        raise PoolUnreachable(f"no reply from the pool at {self.endpoint} within {timeout_s:.0f} s")
+
+    def status(self, timeout_s: float = 10.0) -> dict:
+        return self.request("status", timeout_s=timeout_s).params
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.request("stop", timeout_s=timeout_s)
+
+    def wait_until_idle(self, timeout_s: float = 120.0) -> dict:
+        """Poll status until the pool says idle (after start-up or a restart)."""
+        deadline = time.monotonic() + timeout_s
+        last = {}
+        while time.monotonic() < deadline:
+            try:
+                last = self.status(timeout_s=2.0)
+                if last.get("state") == "idle":
+                    return last
+                if last.get("state") == "error":
+                    raise PoolUnreachable(f"the pool failed: {last.get('error')}")
+            except PoolUnreachable:
+                pass
+            time.sleep(0.1)
+        raise PoolUnreachable(f"the pool at {self.endpoint} did not become idle in {timeout_s:.0f} s (last: {last})")
+
+    # -- jobs ---------------------------------------------------------------------------------------
+    def submit(self, tensors: dict[str, torch.Tensor], params: dict, job: str | None = None) -> str:
+        job = job or f"job-{uuid.uuid4().hex[:16]}"
+        self.send(Message("submit", job, params, tensors))
+        return job
+
+    def cancel(self, job: str) -> None:
+        self.send(Message("cancel", job))
+
+    def sample(
+        self,
+        tensors: dict[str, torch.Tensor],
+        params: dict,
+        on_step: Callable[[Message], None] | None = None,
+        should_cancel: Callable[[], bool] | None = None,
+    ) -> torch.Tensor:
+        """Run one job to the end and return its latents."""
+        job = self.submit(tensors, params)
+        cancel_sent = False
+        missed, last_heard = 0, time.monotonic()
+        ping = None
+        while True:
+            if should_cancel is not None and not cancel_sent and should_cancel():
+                self.cancel(job)
+                cancel_sent = True
+            reply = self.receive(0.1)
+            if reply is None:
+                if time.monotonic() - last_heard > PING_EVERY_S:
+                    if ping is not None:
+                        missed += 1
+                        if missed >= MISSED_PINGS:
+                            raise PoolUnreachable(f"the pool at {self.endpoint} stopped answering during job {job}")
+                    ping = f"ping-{uuid.uuid4().hex[:12]}"
+                    self.send(Message("status", ping))
+                    last_heard = time.monotonic()
+                continue
+            last_heard, missed = time.monotonic(), 0
+            if reply.job == ping:
+                ping = None
+                continue
+            if reply.job not in (job, ""):
+                continue
+            if reply.type == "step" and on_step is not None:
+                on_step(reply)
+            elif reply.type == "result":
+                return reply.tensors["latents"]
+            elif reply.type == "cancelled":
+                raise JobCancelledError(reply.params.get("step", 0))
+            elif reply.type == "error":
+                raise JobFailed(reply.params.get("message", "unknown error"), reply.params.get("rank", -1))

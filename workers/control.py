@@ -1,0 +1,47 @@
+"""The private channel between the supervisor (launcher) and its ranks.
+
+The supervisor binds a ROUTER; each rank connects a DEALER whose identity is `rank<N>`. Messages
+are single msgpack maps. Ranks report hello/ready/failed, job start/end/error; the supervisor
+grants rank 0 the client endpoint (`bind_ok`) and decides after a job error whether ranks resume
+or the pool restarts. Only processes of this pool talk here, but it is still msgpack, not pickle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import zmq
+
+
+def pack(message: dict[str, Any]) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(raw: bytes) -> dict[str, Any]:
+    message = msgpack.unpackb(raw, raw=False)
+    if not isinstance(message, dict) or "type" not in message:
+        raise ValueError("control message must be a map with a type")
+    return message
+
+
+class RankChannel:
+    """A rank's end of the control channel."""
+
+    def __init__(self, context: zmq.Context, endpoint: str, rank: int):
+        self.rank = rank
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IDENTITY, f"rank{rank}".encode())
+        self.socket.setsockopt(zmq.LINGER, 2000)
+        self.socket.connect(endpoint)
+
+    def send(self, kind: str, **fields: Any) -> None:
+        self.socket.send(pack({"type": kind, "rank": self.rank, **fields}))
+
+    def receive(self, timeout_s: float | None = None) -> dict[str, Any] | None:
+        if timeout_s is not None and not self.socket.poll(int(timeout_s * 1000)):
+            return None
+        return unpack(self.socket.recv())
+
+    def close(self) -> None:
+        self.socket.close()

@@ -1,0 +1,111 @@
+"""The job loop every rank runs: receive the job from rank 0, sample, stream steps, obey cancels.
+
+Rank 0 takes the next job from its client server and broadcasts it (msgpack header, then tensors)
+over a gloo group, so the same code works under NCCL. At every step boundary rank 0 decides
+whether the job goes on and broadcasts that decision, so all ranks stop at the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .protocol import DTYPE_NAMES, DTYPES, Message
+
+log = logging.getLogger("xdit.jobs")
+PREVIEW_SIDE = 64  # latent pixels per side in step previews
+
+
+class JobCancelled(Exception):
+    def __init__(self, step: int):
+        super().__init__(f"cancelled at step {step}")
+        self.step = step
+
+
+@dataclass
+class Work:
+    """What every rank knows about the current job."""
+
+    kind: str  # "sample" | "stop"
+    job: str = ""
+    params: dict[str, Any] | None = None
+    tensors: dict[str, torch.Tensor] | None = None
+
+
+def broadcast_work(work: Work | None, group: dist.ProcessGroup | None) -> Work:
+    """Rank 0 passes `work`; every rank returns the same Work."""
+    if dist.get_rank() == 0:
+        assert work is not None
+        specs = [[name, DTYPE_NAMES[t.dtype], list(t.shape)] for name, t in (work.tensors or {}).items()]
+        header = msgpack.packb({"kind": work.kind, "job": work.job, "params": work.params or {}, "specs": specs})
+        length = torch.tensor([len(header)], dtype=torch.int64)
+    else:
+        length = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(length, src=0, group=group)
+    payload = torch.frombuffer(bytearray(header), dtype=torch.uint8) if dist.get_rank() == 0 else torch.empty(int(length), dtype=torch.uint8)
+    dist.broadcast(payload, src=0, group=group)
+    meta = msgpack.unpackb(payload.numpy().tobytes())
+    tensors = {}
+    for name, dtype, shape in meta["specs"]:
+        tensor = work.tensors[name].contiguous() if dist.get_rank() == 0 else torch.empty(shape, dtype=DTYPES[dtype])
+        dist.broadcast(tensor, src=0, group=group)
+        tensors[name] = tensor
+    return Work(meta["kind"], meta["job"], meta["params"], tensors)
+
+
+def preview_of(latents: torch.Tensor) -> torch.Tensor:
+    """A small copy of the first sample for live previews (image latents pooled to ≤ PREVIEW_SIDE)."""
+    sample = latents[:1].detach().float().cpu()
+    if sample.ndim == 4 and max(sample.shape[-2:]) > PREVIEW_SIDE:
+        factor = math.ceil(max(sample.shape[-2:]) / PREVIEW_SIDE)
+        sample = F.avg_pool2d(sample, factor, ceil_mode=True)
+    return sample
+
+
+class JobRunner:
+    """Runs sampling jobs on the wrapped pipeline; rank 0 also talks to clients through `server`."""
+
+    def __init__(self, pipeline, group: dist.ProcessGroup | None, server=None):
+        self.pipeline, self.group, self.server = pipeline, group, server
+        self.rank = dist.get_rank()
+
+    def run(self, work: Work, client: bytes | None) -> torch.Tensor:
+        params = work.params
+        device = self.pipeline.module.transformer.device
+        dtype = self.pipeline.module.transformer.dtype
+        inputs = {k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in work.tensors.items()}
+        extra = {"true_cfg_scale": params["true_cfg_scale"]} if "true_cfg_scale" in params else {}
+        started = time.perf_counter()
+        total = params["steps"]
+
+        def on_step(index: int, latents: torch.Tensor) -> None:
+            decision = torch.zeros(1, dtype=torch.int64)
+            if self.rank == 0 and self.server.is_cancelled(work.job):
+                decision[0] = 1
+            dist.broadcast(decision, src=0, group=self.group)
+            if self.rank == 0 and not decision[0]:
+                tensors = {"preview": preview_of(latents)} if params.get("preview", True) else {}
+                info = {"index": index + 1, "total": total, "elapsed": time.perf_counter() - started}
+                self.server.send(client, Message("step", work.job, info, tensors))
+            if decision[0]:
+                raise JobCancelled(index + 1)
+
+        return self.pipeline(
+            **inputs,
+            num_inference_steps=total,
+            guidance_scale=float(params["guidance_scale"]),
+            height=params["height"],
+            width=params["width"],
+            output_type="latent",
+            return_dict=False,
+            step_callback=on_step,
+            **extra,
+        )[0]

@@ -1,0 +1,232 @@
+"""What each torchrun rank runs: `python -m workers.rank --model DIR --endpoint E --control C ...`.
+
+Start-up: join the world, report to the supervisor, load and wrap the pipeline, report ready.
+Rank 0 also serves clients (server.ClientServer). Then the job loop: rank 0 takes a job, all ranks
+run it, rank 0 answers. A job that fails on every rank alike is answered and the loop goes on; a
+rank that fails alone is reported to the supervisor, which restarts the pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from parallel.config import add_parallel_arguments, config_from_args
+
+from .control import RankChannel
+from .jobs import JobCancelled, JobRunner, Work, broadcast_work
+from .memory import memory_of_this_rank
+from .protocol import Message
+
+log = logging.getLogger("xdit.rank")
+VERDICT_TIMEOUT_S = 10.0
+
+
+def die_with_parent() -> None:
+    """Linux: the kernel kills this rank when its parent (the torchrun agent) dies, even by SIGKILL."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m workers.rank")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--control", required=True)
+    parser.add_argument("--text-encoders", action="store_true")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--jobs-done", type=int, default=0)
+    parser.add_argument("--restarts", type=int, default=0)
+    add_parallel_arguments(parser)
+    return parser.parse_args(argv)
+
+
+class Rank:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.rank = int(os.environ["RANK"])
+        self.context = zmq.Context()
+        self.control = RankChannel(self.context, args.control, self.rank)
+        self.control.send("hello", pid=os.getpid())
+        self.server = None
+        self.jobs_done = args.jobs_done
+        self.memory: list[dict] = []
+        self.pids: list[int] = []
+        self.state = "starting"
+        self.step = 0
+
+    # -- start-up -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        from parallel.distributed import get_world_group, init_distributed_environment, initialize_model_parallel
+        from parallel.loading import load_pipeline
+        from parallel.model_executor import wrap_pipeline
+
+        world = init_distributed_environment()
+        self.world_size = world.world_size
+        self.config = config_from_args(self.args)
+        initialize_model_parallel(self.config)
+        # Job metadata and step decisions travel on gloo (CPU) even when the model uses NCCL.
+        self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        if self.rank == 0:
+            self._serve()
+        self.pipeline = wrap_pipeline(load_pipeline(self.args.model, text_encoders=self.args.text_encoders, dtype=self.args.dtype))
+        self.default_scheduler = self.pipeline.module.scheduler.module
+        self.scheduler_name = "default"
+        self.runner = JobRunner(self.pipeline, self.group, self.server)
+        self.pids = self._gather_ints([os.getpid()])
+        self._update_memory()
+        self.control.send("ready", pid=os.getpid(), memory=self.memory[self.rank] if self.memory else {})
+        get_world_group().barrier()
+        self.state = "idle"
+
+    def _serve(self) -> None:
+        from .server import ClientServer
+
+        self.control.send("bind_request")
+        reply = self.control.receive(timeout_s=30)
+        if not reply or reply["type"] != "bind_ok":
+            raise RuntimeError(f"the supervisor did not hand over {self.args.endpoint}")
+        self.server = ClientServer(self.context, self.args.endpoint, self.status, self.validate)
+        self.server.start()
+
+    def _gather_ints(self, values: list[int]) -> list[int]:
+        local = torch.tensor(values, dtype=torch.int64)
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(parts, local, group=self.group)
+        return [int(x) for part in parts for x in part]
+
+    def _update_memory(self) -> None:
+        own = memory_of_this_rank(self.pipeline.module.transformer.module)
+        flat = self._gather_ints([own["rss_bytes"], own["device_bytes"], own["parameter_bytes"]])
+        self.memory = [
+            {"rank": r, "rss_bytes": flat[3 * r], "device_bytes": flat[3 * r + 1], "parameter_bytes": flat[3 * r + 2]}
+            for r in range(self.world_size)
+        ]
+
+    # -- what rank 0's server asks ------------------------------------------------------------------
+    def status(self) -> dict:
+        alive = sum(os.path.exists(f"/proc/{pid}") and not _is_zombie(pid) for pid in self.pids) if self.pids else 0
+        return {
+            "state": self.state,
+            "world_size": self.world_size,
+            "ranks_alive": alive,
+            "jobs_done": self.jobs_done,
+            "restarts": self.args.restarts,
+            "model": self.args.model,
+            "parallel": {**vars(self.config), "description": self.config.describe()},
+            "memory": self.memory,
+            "queue": self.server.queue_length() if self.server else 0,
+            "step": self.step,
+            "pids": self.pids,
+        }
+
+    def validate(self, message: Message) -> None:
+        if self.state == "starting":
+            raise ValueError("the pool is still loading its model; retry when status says idle")
+        kwargs = {**message.tensors, **{k: message.params[k] for k in ("height", "width", "guidance_scale") }}
+        kwargs["num_inference_steps"] = message.params["steps"]
+        if "true_cfg_scale" in message.params:
+            kwargs["true_cfg_scale"] = message.params["true_cfg_scale"]
+        if "latents" not in message.tensors:
+            raise ValueError("submit needs a 'latents' tensor (the initial noise)")
+        self.pipeline.prepare(kwargs)
+        from parallel.loading import make_scheduler
+
+        make_scheduler(self.default_scheduler, message.params.get("scheduler", "default"))
+
+    # -- the job loop -------------------------------------------------------------------------------
+    def loop(self) -> None:
+        while True:
+            work, client = None, None
+            if self.rank == 0:
+                job = self.server.next_job(timeout_s=0.5)
+                while job is False:
+                    job = self.server.next_job(timeout_s=0.5)
+                if job is None:
+                    work = Work("stop")
+                else:
+                    work, client = Work("sample", job.id, job.message.params, job.message.tensors), job.client
+                    self.control.send("job_started", job=job.id, client=client)
+            work = broadcast_work(work, self.group)
+            if work.kind == "stop":
+                return
+            self._run(work, client)
+
+    def _run(self, work: Work, client: bytes | None) -> None:
+        self.state, self.step = "busy", 0
+        try:
+            name = work.params.get("scheduler", "default")
+            if name != self.scheduler_name:
+                from parallel.loading import make_scheduler
+
+                self.pipeline.use_scheduler(make_scheduler(self.default_scheduler, name))
+                self.scheduler_name = name
+            latents = self.runner.run(work, client)
+            if self.rank == 0:
+                self.server.send(client, Message("result", work.job, {}, {"latents": latents}))
+            self.jobs_done += 1
+        except JobCancelled as cancelled:
+            if self.rank == 0:
+                self.server.send(client, Message("cancelled", work.job, {"step": cancelled.step}))
+        except Exception as error:  # noqa: BLE001 - any failure of the job is reported, then judged
+            self._job_failed(work, client, error)
+        finally:
+            self.state = "idle"
+            if self.rank == 0:
+                self.server.job_finished()
+                self.control.send("job_ended", job=work.job, jobs_done=self.jobs_done)
+        self._update_memory()
+
+    def _job_failed(self, work: Work, client: bytes | None, error: Exception) -> None:
+        """Ask the supervisor whether every rank failed alike (answer and go on) or not (restart)."""
+        text = f"{type(error).__name__}: {error}"
+        log.error("job %s failed on rank %d: %s", work.job, self.rank, traceback.format_exc())
+        self.control.send("job_error", job=work.job, error=text)
+        verdict = self.control.receive(timeout_s=VERDICT_TIMEOUT_S)
+        if not verdict or verdict["type"] != "resume":
+            os._exit(3)  # the supervisor restarts the pool and tells the client
+        if self.rank == 0:
+            self.server.send(client, Message("error", work.job, {"message": verdict["error"], "rank": verdict["rank"]}))
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def main(argv=None) -> int:
+    die_with_parent()
+    logging.basicConfig(level=logging.INFO, format=f"[rank {os.environ.get('RANK')}] %(levelname)s %(message)s")
+    torch.set_num_threads(int(os.environ.get("XDIT_THREADS_PER_RANK", torch.get_num_threads())))
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    rank = Rank(parse_args(argv))
+    try:
+        rank.start()
+    except Exception as error:  # noqa: BLE001 - start-up failures go to the supervisor verbatim
+        rank.control.send("failed", error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc())
+        time.sleep(0.5)
+        return 1
+    rank.loop()
+    if rank.server:
+        rank.server.close()
+    rank.control.send("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

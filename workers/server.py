@@ -1,0 +1,183 @@
+"""Rank 0's client endpoint: a ZMQ ROUTER served by its own thread while the main thread samples.
+
+The thread owns the ROUTER socket (ZMQ sockets are not thread-safe): it validates every message,
+queues jobs FIFO, answers status at any time, records cancels, and forwards what the main thread
+produces (step / result / error messages) through an inproc PULL socket. A client that has gone
+away is noticed when a message to it fails (ROUTER_MANDATORY), and its running job is cancelled.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import zmq
+
+from . import protocol
+from .protocol import Message, ProtocolError
+
+log = logging.getLogger("xdit.server")
+MAX_MESSAGE_BYTES = 8 * protocol.MAX_FRAME_BYTES  # ZMQ drops larger messages before they reach us
+
+
+@dataclass
+class Job:
+    client: bytes
+    message: Message
+    received: float = field(default_factory=time.perf_counter)
+
+    @property
+    def id(self) -> str:
+        return self.message.job
+
+
+class ClientServer(threading.Thread):
+    """Serve clients on `endpoint`; `validate(message)` raises ValueError for a job that can't run."""
+
+    def __init__(self, context: zmq.Context, endpoint: str, status: Callable[[], dict[str, Any]],
+                 validate: Callable[[Message], None]):
+        super().__init__(name="xdit-client-server", daemon=True)
+        self.context, self.endpoint = context, endpoint
+        self.status, self.validate = status, validate
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self._queued: dict[str, Job] = {}
+        self.cancelled: set[str] = set()
+        self.running: Job | None = None
+        self.stop_requested = threading.Event()
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._outbox_address = f"inproc://xdit-outbox-{id(self)}"
+        self._outbox = context.socket(zmq.PULL)
+        self._outbox.bind(self._outbox_address)
+        self._router = context.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._router.setsockopt(zmq.LINGER, 1000)
+        self._router.setsockopt(zmq.SNDTIMEO, 1000)
+        self._router.bind(endpoint)
+        self._local = threading.local()
+
+    # -- used by the main thread --------------------------------------------------------------------
+    def send(self, client: bytes, message: Message) -> None:
+        """Queue a message for a client; safe from any thread (one PUSH socket per thread)."""
+        push = getattr(self._local, "push", None)
+        if push is None:
+            push = self._local.push = self.context.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 1000)
+            push.connect(self._outbox_address)
+        push.send_multipart([client, *protocol.encode(message)], copy=False)
+
+    def next_job(self, timeout_s: float) -> Job | None | bool:
+        """The next job in FIFO order; None when stop was requested; False when none came in time."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                job = self.jobs.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return False
+            if job is None:
+                return None
+            with self._lock:
+                if self._queued.get(job.id) is job:  # else it was cancelled while queued
+                    del self._queued[job.id]
+                    self.running = job
+                    return job
+
+    def job_finished(self) -> None:
+        with self._lock:
+            if self.running is not None:
+                self.cancelled.discard(self.running.id)
+            self.running = None
+
+    def is_cancelled(self, job_id: str) -> bool:
+        return job_id in self.cancelled
+
+    def queue_length(self) -> int:
+        return len(self._queued)
+
+    def close(self) -> None:
+        self._closed.set()
+        self.join(timeout=5)
+
+    # -- the thread ---------------------------------------------------------------------------------
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._outbox, zmq.POLLIN)
+        while not self._closed.is_set():
+            for sock, _ in poller.poll(100):
+                if sock is self._outbox:
+                    client, *frames = self._outbox.recv_multipart(copy=False)
+                    self._deliver(client.bytes, frames)
+                else:
+                    self._handle(self._router.recv_multipart(copy=False))
+        self._router.close(linger=1000)
+        self._outbox.close()
+
+    def _deliver(self, client: bytes, frames: list) -> bool:
+        try:
+            self._router.send_multipart([client, *frames], copy=False)
+            return True
+        except zmq.ZMQError as error:  # EHOSTUNREACH: the client went away
+            log.info("client %r unreachable (%s)", client, error)
+            with self._lock:
+                if self.running is not None and self.running.client == client:
+                    self.cancelled.add(self.running.id)
+            return False
+
+    def _reply(self, client: bytes, message: Message) -> None:
+        self._deliver(client, protocol.encode(message))
+
+    def _handle(self, frames: list) -> None:
+        if len(frames) < 2:
+            return
+        client, body = frames[0].bytes, frames[1:]
+        try:
+            message = protocol.decode(body)
+        except ProtocolError as error:
+            self._reply(client, Message("error", params={"message": str(error), "rank": 0}))
+            return
+        try:
+            getattr(self, f"_on_{message.type}")(client, message)
+        except (ProtocolError, ValueError) as error:
+            self._reply(client, Message("error", message.job, {"message": str(error), "rank": 0}))
+
+    def _on_submit(self, client: bytes, message: Message) -> None:
+        if not message.job:
+            raise ProtocolError("submit needs a job id")
+        with self._lock:
+            busy = message.job in self._queued or (self.running is not None and self.running.id == message.job)
+        if busy:
+            raise ProtocolError(f"job {message.job} is already queued or running")
+        if self.stop_requested.is_set():
+            raise ProtocolError("the pool is stopping")
+        self.validate(message)
+        job = Job(client, message)
+        with self._lock:
+            self._queued[job.id] = job
+            position = len(self._queued) + (self.running is not None) - 1
+        self.jobs.put(job)
+        self._reply(client, Message("accepted", job.id, {"position": position}))
+
+    def _on_cancel(self, client: bytes, message: Message) -> None:
+        with self._lock:
+            queued = self._queued.pop(message.job, None)
+            running = self.running is not None and self.running.id == message.job
+            if running:
+                self.cancelled.add(message.job)
+        if queued is not None:
+            self._reply(queued.client, Message("cancelled", message.job, {"step": 0}))
+        elif not running:
+            self._reply(client, Message("error", message.job, {"message": f"no job {message.job!r} to cancel", "rank": 0}))
+
+    def _on_status(self, client: bytes, message: Message) -> None:
+        self._reply(client, Message("status", message.job, self.status()))
+
+    def _on_stop(self, client: bytes, message: Message) -> None:
+        self.stop_requested.set()
+        self._reply(client, Message("stopping", message.job))
+        self.jobs.put(None)
