@@ -237,3 +237,22 @@ def test_sigkill_of_serve_leaves_no_orphans(tiny_model_dirs, tmp_path):
     os.kill(process.pid, signal.SIGKILL)
     process.wait(10)
     assert wait_gone(pids, 20) == [], "ranks outlived a SIGKILLed serve"
+
+
+def test_text_encoding_on_the_pool_equals_the_pipelines_encode_prompt(tiny_model_dirs, tmp_path):
+    from diffusers import DiffusionPipeline
+
+    endpoint = free_endpoint()
+    process = start_serve(tiny_model_dirs["flux"], endpoint, "--nproc", "2", "--ulysses-degree", "2", "--text-encoders",
+                          log=tmp_path / "serve.log")
+    try:
+        client, status = idle_client(endpoint)
+        assert status["pipeline"] == "FluxPipeline" and status["inputs"]["pooled_prompt_embeds"] == 16
+        encoded = client.encode("a red fox in the snow")
+        pipeline = DiffusionPipeline.from_pretrained(tiny_model_dirs["flux"])
+        with torch.no_grad():
+            embeds, pooled, _ = pipeline.encode_prompt("a red fox in the snow", None)
+        assert torch.equal(encoded["prompt_embeds"], embeds) and torch.equal(encoded["pooled_prompt_embeds"], pooled)
+        client.close()
+    finally:
+        stop_serve(process)

@@ -114,8 +114,18 @@ class PoolClient:
         on_step: Callable[[Message], None] | None = None,
         should_cancel: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
-        """Run one job to the end and return its latents."""
+        """Run one sampling job to the end and return its latents."""
         job = self.submit(tensors, params)
+        return self._follow(job, on_step, should_cancel).tensors["latents"]
+
+    def encode(self, prompt: str) -> dict[str, torch.Tensor]:
+        """The pool pipeline's own text encoding of `prompt` (prompt_embeds, pooled / mask)."""
+        job = f"encode-{uuid.uuid4().hex[:16]}"
+        self.send(Message("encode", job, {"prompt": prompt}))
+        return self._follow(job, None, None).tensors
+
+    def _follow(self, job: str, on_step, should_cancel) -> Message:
+        """Wait for the job's final message, passing steps on; raise for errors and cancels."""
         cancel_sent = False
         missed, last_heard = 0, time.monotonic()
         ping = None
@@ -143,7 +153,7 @@ class PoolClient:
             if reply.type == "step" and on_step is not None:
                 on_step(reply)
             elif reply.type == "result":
-                return reply.tensors["latents"]
+                return reply
             elif reply.type == "cancelled":
                 raise JobCancelledError(reply.params.get("step", 0))
             elif reply.type == "error":

@@ -54,6 +54,7 @@ class PoolSpec:
     dtype: str | None = None
     threads_per_rank: int | None = None
     log_file: str | None = None
+    devices: str | None = None  # CUDA_VISIBLE_DEVICES for the ranks, e.g. "0,1,2,3"
 
     def rank_arguments(self) -> list[str]:
         p = self.parallel
@@ -181,6 +182,8 @@ class Pool:
             "--control", self._control_endpoint, "--jobs-done", str(self.jobs_done), "--restarts", str(self.restarts),
         ]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        if self.spec.devices:
+            env["CUDA_VISIBLE_DEVICES"] = self.spec.devices
         if self.spec.threads_per_rank:
             env["OMP_NUM_THREADS"] = env["XDIT_THREADS_PER_RANK"] = str(self.spec.threads_per_rank)
         output = open(self.spec.log_file, "ab") if self.spec.log_file else None
@@ -200,8 +203,8 @@ class Pool:
             if sock is self._control:
                 identity, raw = self._control.recv_multipart()
                 self._on_control(identity, unpack(raw))
-            else:
-                self._on_standin(self._standin.recv_multipart(copy=False))
+            elif sock is self._standin:  # not closed by a bind_request handled just before
+                self._on_standin(sock.recv_multipart(copy=False))
         self._retry_deliveries()
 
     def _on_control(self, identity: bytes, message: dict) -> None:

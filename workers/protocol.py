@@ -24,6 +24,7 @@ MAX_HEADER_BYTES = 64 * 1024
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 MAX_TENSORS = 16
 MAX_DIMS = 6
+MAX_PROMPT_CHARS = 20_000
 
 DTYPES = {
     "float32": torch.float32,
@@ -56,6 +57,7 @@ CLIENT_MESSAGES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "scheduler": ((str,), False),
         "preview": ((bool,), False),
     },
+    "encode": {"prompt": ((str,), True)},
     "cancel": {},
     "status": {},
     "stop": {},
@@ -178,6 +180,8 @@ def _check_params(kind: str, params: dict) -> None:
             raise ProtocolError(f"{kind} {name} must be {' or '.join(t.__name__ for t in types)}, not {type(value).__name__}")
         if isinstance(value, float) and not math.isfinite(value):
             raise ProtocolError(f"{kind} {name} must be finite")
+    if kind == "encode" and len(params["prompt"]) > MAX_PROMPT_CHARS:
+        raise ProtocolError(f"prompt is {len(params['prompt'])} characters; the limit is {MAX_PROMPT_CHARS}")
     if kind == "submit":
         if not 1 <= params["steps"] <= 1000:
             raise ProtocolError(f"steps is {params['steps']}; use 1 to 1000")

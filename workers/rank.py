@@ -76,12 +76,14 @@ class Rank:
         world = init_distributed_environment()
         self.world_size = world.world_size
         self.config = config_from_args(self.args)
-        initialize_model_parallel(self.config)
+        self.layout = initialize_model_parallel(self.config)
         # Job metadata and step decisions travel on gloo (CPU) even when the model uses NCCL.
         self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
         if self.rank == 0:
             self._serve()
-        self.pipeline = wrap_pipeline(load_pipeline(self.args.model, text_encoders=self.args.text_encoders, dtype=self.args.dtype))
+        # Only rank 0 encodes text, so only rank 0 loads the text encoders.
+        text_encoders = self.args.text_encoders and self.rank == 0
+        self.pipeline = wrap_pipeline(load_pipeline(self.args.model, text_encoders=text_encoders, dtype=self.args.dtype))
         self.default_scheduler = self.pipeline.module.scheduler.module
         self.scheduler_name = "default"
         self.runner = JobRunner(self.pipeline, self.group, self.server)
@@ -125,6 +127,10 @@ class Rank:
             "jobs_done": self.jobs_done,
             "restarts": self.args.restarts,
             "model": self.args.model,
+            "pipeline": type(self.pipeline.module).__name__ if self.state != "starting" else None,
+            "inputs": self.pipeline.input_widths() if self.state != "starting" else {},
+            "text_encoders": self.args.text_encoders,
+            "mesh": [self.layout.coordinates(r) for r in range(self.world_size)],
             "parallel": {**vars(self.config), "description": self.config.describe()},
             "memory": self.memory,
             "queue": self.server.queue_length() if self.server else 0,
@@ -135,6 +141,10 @@ class Rank:
     def validate(self, message: Message) -> None:
         if self.state == "starting":
             raise ValueError("the pool is still loading its model; retry when status says idle")
+        if message.type == "encode":
+            if not self.args.text_encoders:
+                raise ValueError("this pool was started without text encoders; start it with text encoders on")
+            return
         kwargs = {**message.tensors, **{k: message.params[k] for k in ("height", "width", "guidance_scale") }}
         kwargs["num_inference_steps"] = message.params["steps"]
         if "true_cfg_scale" in message.params:
@@ -156,6 +166,9 @@ class Rank:
                     job = self.server.next_job(timeout_s=0.5)
                 if job is None:
                     work = Work("stop")
+                elif job.message.type == "encode":  # rank 0 alone; the others keep waiting
+                    self._encode(job)
+                    continue
                 else:
                     work, client = Work("sample", job.id, job.message.params, job.message.tensors), job.client
                     self.control.send("job_started", job=job.id, client=client)
@@ -163,6 +176,18 @@ class Rank:
             if work.kind == "stop":
                 return
             self._run(work, client)
+
+    def _encode(self, job) -> None:
+        self.state = "busy"
+        try:
+            with torch.no_grad():
+                tensors = self.pipeline.encode_text(job.message.params["prompt"])
+            self.server.send(job.client, Message("result", job.id, {}, tensors))
+        except Exception as error:  # noqa: BLE001 - rank 0 alone: answer and go on
+            self.server.send(job.client, Message("error", job.id, {"message": f"{type(error).__name__}: {error}", "rank": 0}))
+        finally:
+            self.state = "idle"
+            self.server.job_finished()
 
     def _run(self, work: Work, client: bytes | None) -> None:
         self.state, self.step = "busy", 0

@@ -163,6 +163,10 @@ class ClientServer(threading.Thread):
         self.jobs.put(job)
         self._reply(client, Message("accepted", job.id, {"position": position}))
 
+    def _on_encode(self, client: bytes, message: Message) -> None:
+        """Text encoding runs on rank 0 alone, between sampling jobs, in FIFO order with them."""
+        self._on_submit(client, message)
+
     def _on_cancel(self, client: bytes, message: Message) -> None:
         with self._lock:
             queued = self._queued.pop(message.job, None)

@@ -62,6 +62,16 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
         self.module.scheduler = self._original["scheduler"]
         return self.module
 
+    # -- text -------------------------------------------------------------------------------------
+    def encode_text(self, prompt: str) -> dict[str, torch.Tensor]:
+        """The pipeline's own `encode_prompt(prompt)` with its defaults, as named pipeline inputs."""
+        raise NotImplementedError(f"{type(self.module).__name__} has no text encoding in this engine")
+
+    def input_widths(self) -> dict[str, int]:
+        """Last-dimension size the model needs for each embedding input (for clients to check)."""
+        config = self.module.transformer.config
+        return {name: int(config[entry]) for name, entry in self.embedding_sizes.items()}
+
     # -- checks -------------------------------------------------------------------------------------
     def uses_cfg(self, kwargs: dict[str, Any]) -> bool:
         return kwargs.get("guidance_scale", 1.0) > 1.0

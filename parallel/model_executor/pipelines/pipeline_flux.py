@@ -1,5 +1,6 @@
 from typing import Any
 
+import torch
 from diffusers import FluxPipeline
 
 from ..register import xFuserPipelineWrapperRegister
@@ -30,3 +31,7 @@ class xFuserFluxPipeline(xFuserPipelineBaseWrapper):
             f"(got {kwargs.get('true_cfg_scale', 1.0)}) and negative prompt embeddings; guidance_scale is "
             "Flux's distilled guidance and needs no second branch. Add both or turn CFG parallel off."
         )
+
+    def encode_text(self, prompt: str) -> dict[str, torch.Tensor]:
+        embeds, pooled, _ = self.module.encode_prompt(prompt, None)
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}

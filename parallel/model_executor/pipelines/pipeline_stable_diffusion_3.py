@@ -1,3 +1,4 @@
+import torch
 from diffusers import StableDiffusion3Pipeline
 
 from ..register import xFuserPipelineWrapperRegister
@@ -12,3 +13,7 @@ class xFuserStableDiffusion3Pipeline(xFuserPipelineBaseWrapper):
         "pooled_prompt_embeds": "pooled_projection_dim",
         "negative_pooled_prompt_embeds": "pooled_projection_dim",
     }
+
+    def encode_text(self, prompt: str) -> dict[str, torch.Tensor]:
+        embeds, _, pooled, _ = self.module.encode_prompt(prompt, None, None, do_classifier_free_guidance=False)
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
