@@ -16,7 +16,7 @@ from diffusers import DiffusionPipeline
 from parallel import tiny_models
 from workers.client import PoolClient
 
-ROOT = Path(__file__).resolve().parents[1]
+from xdit_test_helpers import ROOT
 PARAMS = {"steps": 4, "guidance_scale": 4.5, "height": 64, "width": 64}
 
 

@@ -11,10 +11,10 @@ import os
 import subprocess
 import sys
 
-from .conftest import ROOT
+from xdit_test_helpers import ROOT
 
 ROW_NUMBERS = ("median_s", "spread", "step_ms", "efficiency", "work_ceiling", "bytes_per_step",
-               "bytes_per_step_analytic", "max_abs_diff")
+               "bytes_per_step_analytic", "max_abs_diff", "foreign_cores")
 
 
 def test_bench_all_tiny_writes_finite_results(tmp_path):

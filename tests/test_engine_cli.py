@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from parallel import tiny_models
 
-from .conftest import TOLERANCE, torchrun
+from xdit_test_helpers import TOLERANCE, torchrun
 
 
 @pytest.fixture(scope="module")

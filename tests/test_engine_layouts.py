@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from parallel import tiny_models
 from parallel.loading import set_scheduler
 
-from .conftest import TOLERANCE, torchrun
+from xdit_test_helpers import TOLERANCE, torchrun
 
 STEPS, SIZE = 4, 64
 GUIDANCE = {"pixart-alpha": 4.5, "pixart-sigma": 4.5, "sd3": 4.5, "flux": 3.5}

@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 from parallel import tiny_models
 from workers.client import JobCancelledError, JobFailed, PoolClient
 
-from .conftest import TOLERANCE
-from .pool_helpers import (
+from xdit_test_helpers import TOLERANCE
+from pool_helpers import (
     PARAMS,
     ROOT,
     free_endpoint,

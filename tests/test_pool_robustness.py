@@ -21,8 +21,8 @@ from parallel import tiny_models
 from workers import protocol
 from workers.protocol import Message
 
-from .conftest import TOLERANCE
-from .pool_helpers import PARAMS, free_endpoint, idle_client, reference, start_serve, stop_serve
+from xdit_test_helpers import TOLERANCE
+from pool_helpers import PARAMS, free_endpoint, idle_client, reference, start_serve, stop_serve
 
 FAMILY = "sd3"
 SIDE_EFFECTS: list[str] = []

@@ -76,6 +76,7 @@ class JobRunner:
     def __init__(self, pipeline, group: dist.ProcessGroup | None, server=None):
         self.pipeline, self.group, self.server = pipeline, group, server
         self.rank = dist.get_rank()
+        self.step = 0  # the running job's last finished step, for status
 
     def run(self, work: Work, client: bytes | None) -> torch.Tensor:
         params = work.params
@@ -86,7 +87,10 @@ class JobRunner:
         started = time.perf_counter()
         total = params["steps"]
 
+        self.step = 0
+
         def on_step(index: int, latents: torch.Tensor) -> None:
+            self.step = index + 1
             decision = torch.zeros(1, dtype=torch.int64)
             if self.rank == 0 and self.server.is_cancelled(work.job):
                 decision[0] = 1

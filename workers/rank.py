@@ -65,7 +65,6 @@ class Rank:
         self.memory: list[dict] = []
         self.pids: list[int] = []
         self.state = "starting"
-        self.step = 0
 
     # -- start-up -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -134,7 +133,7 @@ class Rank:
             "parallel": {**vars(self.config), "description": self.config.describe()},
             "memory": self.memory,
             "queue": self.server.queue_length() if self.server else 0,
-            "step": self.step,
+            "step": self.runner.step if self.state == "busy" else 0,
             "pids": self.pids,
         }
 
@@ -190,7 +189,7 @@ class Rank:
             self.server.job_finished()
 
     def _run(self, work: Work, client: bytes | None) -> None:
-        self.state, self.step = "busy", 0
+        self.state = "busy"
         try:
             name = work.params.get("scheduler", "default")
             if name != self.scheduler_name:

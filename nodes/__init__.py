@@ -1,0 +1,19 @@
+"""ComfyUI side of xDiT Pool: nodes (V3 API), REST routes and events for the web panel."""
+
+from __future__ import annotations
+
+from comfy_api.latest import ComfyExtension, io
+
+from . import routes  # noqa: F401 - registers the /xdit routes on ComfyUI's server
+from .pool_node import XDiTPool
+from .sampler_node import XDiTSampler
+from .text_encode_node import XDiTTextEncode
+
+
+class XDiTExtension(ComfyExtension):
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return [XDiTPool, XDiTTextEncode, XDiTSampler]
+
+
+async def comfy_entrypoint() -> XDiTExtension:
+    return XDiTExtension()

@@ -1,0 +1,106 @@
+"""xDiT Pool: choose a model and a parallel layout; start (or reuse, or reach) a worker pool."""
+
+from __future__ import annotations
+
+import os
+
+import folder_paths
+from comfy_api.latest import io
+
+from parallel.config import LayoutError, ParallelConfig
+
+from .pools import POOLS, TINY_MODELS, TINY_PREFIX, PoolKey, tiny_model_dir
+
+XDiTPoolType = io.Custom("XDIT_POOL")
+
+
+def diffusers_models() -> list[str]:
+    """Pipeline folders (with model_index.json) under ComfyUI's models/diffusers, plus the tiny ones."""
+    found = []
+    for root in folder_paths.get_folder_paths("diffusers"):
+        if os.path.isdir(root):
+            for name in sorted(os.listdir(root)):
+                if os.path.isfile(os.path.join(root, name, "model_index.json")):
+                    found.append(name)
+    return found + TINY_MODELS
+
+
+def model_path(choice: str) -> str:
+    if choice.startswith(TINY_PREFIX):
+        return str(tiny_model_dir(choice))
+    for root in folder_paths.get_folder_paths("diffusers"):
+        if os.path.isfile(os.path.join(root, choice, "model_index.json")):
+            return os.path.join(root, choice)
+    raise ValueError(f"model {choice!r} is not a diffusers folder under models/diffusers")
+
+
+def _config(kwargs) -> ParallelConfig:
+    return ParallelConfig(
+        dp_degree=kwargs["dp_degree"], cfg_degree=2 if kwargs["cfg_parallel"] else 1,
+        pipefusion_degree=kwargs["pipefusion_degree"], ring_degree=kwargs["ring_degree"],
+        ulysses_degree=kwargs["ulysses_degree"], num_patches=kwargs["num_patches"] or None,
+        warmup_steps=kwargs["warmup_steps"],
+    )
+
+
+def pool_key(kwargs, resolve_model: bool = True) -> PoolKey:
+    endpoint = kwargs.get("endpoint", "").strip()
+    return PoolKey(
+        model=model_path(kwargs["model"]) if resolve_model and not endpoint else kwargs["model"],
+        nproc=kwargs["nproc"], parallel=_config(kwargs), text_encoders=kwargs["text_encoders"],
+        dtype=None if kwargs["dtype"] == "auto" else kwargs["dtype"],
+        devices=kwargs["devices"].strip() or None, threads_per_rank=kwargs["threads_per_rank"] or None,
+        endpoint=endpoint,
+    )
+
+
+class XDiTPool(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        degree = "Degree of {}; all degrees multiply to nproc."
+        return io.Schema(
+            node_id="XDiTPool",
+            display_name="xDiT Pool",
+            category="sampling/xDiT",
+            description="A persistent pool of ranks holding a diffusers DiT model, sampling in parallel.",
+            inputs=[
+                io.Combo.Input("model", options=diffusers_models(),
+                               tooltip="A diffusers pipeline folder under models/diffusers, or a built-in tiny model."),
+                io.Int.Input("nproc", default=2, min=1, max=256, tooltip="Number of ranks (one per GPU)."),
+                io.Int.Input("ulysses_degree", default=2, min=1, max=256, tooltip=degree.format("Ulysses sequence parallelism")),
+                io.Int.Input("ring_degree", default=1, min=1, max=256, tooltip=degree.format("Ring attention")),
+                io.Int.Input("pipefusion_degree", default=1, min=1, max=64, tooltip=degree.format("PipeFusion stages")),
+                io.Int.Input("num_patches", default=0, min=0, max=64, tooltip="PipeFusion patches (0: the PipeFusion degree)."),
+                io.Int.Input("warmup_steps", default=1, min=0, max=100, tooltip="PipeFusion synchronous warm-up steps."),
+                io.Boolean.Input("cfg_parallel", default=False, tooltip="Run the two guidance branches on two ranks (counts as degree 2)."),
+                io.Int.Input("dp_degree", default=1, min=1, max=256, tooltip=degree.format("data parallelism over the batch")),
+                io.Boolean.Input("text_encoders", default=True, tooltip="Load the text encoders on rank 0 for xDiT Text Encode."),
+                io.Combo.Input("dtype", options=["auto", "fp32", "bf16", "fp16"], default="auto", tooltip="Weights' dtype (auto: as saved)."),
+                io.String.Input("devices", default="", tooltip="CUDA devices for the ranks, e.g. 0,1,2,3 (empty: all)."),
+                io.Int.Input("threads_per_rank", default=0, min=0, max=256, tooltip="CPU threads per rank (0: PyTorch's default)."),
+                io.String.Input("endpoint", default="", tooltip="Use a pool started with `python -m workers serve` at this endpoint instead."),
+            ],
+            outputs=[XDiTPoolType.Output(display_name="pool")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, **kwargs):
+        if kwargs.get("endpoint", "").strip():
+            return True
+        try:
+            _config(kwargs).check(kwargs["nproc"])
+        except LayoutError as error:
+            return str(error)
+        return True
+
+    @classmethod
+    def fingerprint_inputs(cls, **kwargs):
+        return POOLS.fingerprint(pool_key(kwargs, resolve_model=False))
+
+    @classmethod
+    def execute(cls, **kwargs) -> io.NodeOutput:
+        key = pool_key(kwargs)
+        handle = POOLS.acquire(key)
+        if key.endpoint:
+            POOLS.remember(key, key.endpoint)
+        return io.NodeOutput(handle)

@@ -1,0 +1,154 @@
+"""The pools this ComfyUI process knows: started here (managed) or reached at an endpoint.
+
+One pool per (model, layout, options): a second xDiT Pool node with the same settings reuses it.
+Managed pools are stopped when ComfyUI exits (atexit; and the ranks' parent-death signal covers a
+killed ComfyUI). Every node and route gets its own PoolClient per thread (ZMQ sockets are not
+thread-safe).
+"""
+
+from __future__ import annotations
+
+import atexit
+import socket
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from parallel import tiny_models
+from parallel.config import ParallelConfig
+from workers.client import PoolClient, PoolUnreachable
+from workers.launcher import Pool, PoolSpec
+
+PACK_ROOT = Path(__file__).resolve().parents[1]
+TINY_PREFIX = "xdit-tiny-"
+TINY_MODELS = [f"{TINY_PREFIX}{family} (built-in, no download)" for family in tiny_models.FAMILIES]
+
+
+def tiny_model_dir(choice: str) -> Path:
+    """Build the built-in tiny pipeline once, into the pack's own cache folder."""
+    family = choice.removeprefix(TINY_PREFIX).split(" ")[0]
+    directory = PACK_ROOT / ".cache" / "tiny" / family
+    if not (directory / "model_index.json").exists():
+        tiny_models.save_tiny_pipeline(family, directory)
+    return directory
+
+
+@dataclass(frozen=True)
+class PoolKey:
+    model: str
+    nproc: int
+    parallel: ParallelConfig
+    text_encoders: bool = True
+    dtype: str | None = None
+    devices: str | None = None
+    threads_per_rank: int | None = None
+    endpoint: str = ""  # set: a pool started elsewhere (python -m workers serve)
+
+    @property
+    def label(self) -> str:
+        where = self.endpoint or f"{self.nproc} rank(s)"
+        return f"{Path(self.model).name or self.model} · {self.parallel.describe()} · {where}"
+
+
+@dataclass
+class PoolHandle:
+    """What flows along an XDIT_POOL connection."""
+
+    key: PoolKey
+    endpoint: str
+    status: dict = field(default_factory=dict)
+
+    @property
+    def pipeline(self) -> str:
+        return self.status.get("pipeline") or "?"
+
+
+def _free_endpoint() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+
+
+class PoolRegistry:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pools: dict[PoolKey, Pool] = {}
+        self._endpoints: dict[PoolKey, str] = {}
+        self._local = threading.local()
+
+    def acquire(self, key: PoolKey, timeout_s: float = 1800) -> PoolHandle:
+        """The running pool for `key`, started (and waited for) if needed."""
+        if key.endpoint:
+            endpoint = key.endpoint
+        else:
+            with self._lock:
+                pool = self._pools.get(key)
+                if pool is None or not pool.running:
+                    endpoint = _free_endpoint()
+                    spec = PoolSpec(model=key.model, nproc=key.nproc, endpoint=endpoint, parallel=key.parallel,
+                                    text_encoders=key.text_encoders, dtype=key.dtype, devices=key.devices,
+                                    threads_per_rank=key.threads_per_rank)
+                    pool = self._pools[key] = Pool(spec)
+                    self._endpoints[key] = endpoint
+                    pool.start(timeout_s)
+                endpoint = self._endpoints[key]
+        status = self.client(endpoint).wait_until_idle(timeout_s)
+        return PoolHandle(key, endpoint, status)
+
+    def client(self, endpoint: str) -> PoolClient:
+        clients = self._local.__dict__.setdefault("clients", {})
+        if endpoint not in clients:
+            clients[endpoint] = PoolClient(endpoint)
+        return clients[endpoint]
+
+    def fingerprint(self, key: PoolKey) -> str:
+        """Changes when the pool for `key` is gone, so ComfyUI re-runs the xDiT Pool node."""
+        pool = self._pools.get(key)
+        return f"{id(pool)}-{pool.running}" if pool is not None else "none"
+
+    def describe(self) -> list[dict]:
+        """Every known pool with its live status, for the web panel."""
+        rows = []
+        with self._lock:
+            items = list(self._endpoints.items())
+        for key, endpoint in items:
+            pool = self._pools.get(key)
+            try:
+                status = self.client(endpoint).status(timeout_s=2.0) if pool is None or pool.running else {"state": "stopped"}
+            except PoolUnreachable:
+                status = {"state": "unreachable"}
+            rows.append({"id": self.pool_id(key), "label": key.label, "endpoint": endpoint, "managed": pool is not None,
+                         "key": {**asdict(key), "parallel": asdict(key.parallel)}, "status": status})
+        return rows
+
+    def remember(self, key: PoolKey, endpoint: str) -> None:
+        """Show a pool reached by endpoint in the panel too."""
+        with self._lock:
+            self._endpoints.setdefault(key, endpoint)
+
+    @staticmethod
+    def pool_id(key: PoolKey) -> str:
+        return f"{abs(hash(key)):x}"
+
+    def find(self, pool_id: str) -> PoolKey | None:
+        with self._lock:
+            return next((k for k in self._endpoints if self.pool_id(k) == pool_id), None)
+
+    def stop(self, key: PoolKey) -> None:
+        pool = self._pools.get(key)
+        if pool is not None:
+            pool.stop()
+        else:
+            self.client(self._endpoints[key]).stop()
+
+    def restart(self, key: PoolKey) -> PoolHandle:
+        self.stop(key)
+        return self.acquire(key)
+
+    def stop_all(self) -> None:
+        for pool in list(self._pools.values()):
+            pool.stop()
+
+
+POOLS = PoolRegistry()
+atexit.register(POOLS.stop_all)

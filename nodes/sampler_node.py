@@ -1,0 +1,108 @@
+"""xDiT Sampler: KSampler's place in a workflow, sampling on an xDiT pool.
+
+Takes native CONDITIONING and LATENT, uses ComfyUI's own noise for the seed, streams progress and
+live previews, and turns ComfyUI's cancel into a cancel on the pool at the next step.
+"""
+
+from __future__ import annotations
+
+import comfy.latent_formats
+import comfy.model_management
+import comfy.sample
+import comfy.utils
+import latent_preview
+from comfy_api.latest import io
+
+from .adapters import adapter_for
+from .pool_node import XDiTPoolType
+from .pools import POOLS
+from .progress import publish_step
+
+SCHEDULERS = ["default", "dpmsolver", "ddim", "euler", "flow-euler"]
+
+
+def _previewer(latent_format):
+    previewer = latent_preview.get_previewer("cpu", latent_format)
+    if previewer is None:  # --preview-method none still gets the cheap latent-to-RGB preview
+        previewer = latent_preview.Latent2RGBPreviewer(latent_format.latent_rgb_factors, latent_format.latent_rgb_factors_bias)
+    return previewer
+
+
+class XDiTSampler(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="XDiTSampler",
+            display_name="xDiT Sampler",
+            category="sampling/xDiT",
+            description="Samples on an xDiT pool in parallel; a drop-in for KSampler.",
+            inputs=[
+                XDiTPoolType.Input("pool", tooltip="The xDiT Pool that samples."),
+                io.Conditioning.Input("positive", tooltip="What to generate (xDiT Text Encode or the model's native encoders)."),
+                io.Conditioning.Input("negative", tooltip="What to avoid (used when cfg > 1)."),
+                io.Latent.Input("latent_image", tooltip="The latent to start from (Empty Latent Image for text-to-image)."),
+                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True,
+                             tooltip="Noise seed; the noise is exactly KSampler's for this seed."),
+                io.Int.Input("steps", default=20, min=1, max=1000, tooltip="Denoising steps."),
+                io.Float.Input("cfg", default=4.5, min=0.0, max=100.0, step=0.1, round=0.01,
+                               tooltip="Classifier-free guidance scale (Flux: true CFG; its distilled guidance comes from FluxGuidance, default 3.5)."),
+                io.Combo.Input("sampler", options=SCHEDULERS, default="default",
+                               tooltip="The diffusers scheduler; default is the pipeline's own."),
+                io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01, tooltip="1.0: text-to-image."),
+                io.Boolean.Input("preview", default=True, tooltip="Stream live previews from the pool."),
+            ],
+            outputs=[io.Latent.Output()],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, pool, positive, negative, latent_image, seed, steps, cfg, sampler, denoise, preview) -> io.NodeOutput:
+        adapter = adapter_for(pool.pipeline)
+        if denoise < 1.0:
+            raise ValueError("xDiT Sampler supports denoise 1.0 (text-to-image) only in this version; set denoise to 1.0")
+        samples = latent_image["samples"]
+        batch, _, h, w = samples.shape
+        height, width = h * 8, w * 8
+        noise = comfy.sample.prepare_noise(samples, seed, latent_image.get("batch_index"))
+        use_negative = cfg > 1.0
+        tensors, flux_guidance = adapter.pipeline_inputs(positive, negative if use_negative else None, batch,
+                                                         pool.status.get("inputs", {}))
+        tensors["latents"] = adapter.noise_to_model(noise).float()
+        params = {"steps": steps, "height": height, "width": width, "preview": preview, "scheduler": sampler}
+        if adapter.guidance_in_conditioning:
+            params["guidance_scale"] = flux_guidance if flux_guidance is not None else 3.5
+            if use_negative:
+                params["true_cfg_scale"] = cfg
+        else:
+            params["guidance_scale"] = cfg
+
+        latent_format = getattr(comfy.latent_formats, adapter.latent_format)()
+        previewer = _previewer(latent_format) if preview else None
+        progress = comfy.utils.ProgressBar(steps)
+        interrupted = []
+
+        def on_step(message):
+            step = message.params["index"]
+            image = None
+            if previewer is not None and "preview" in message.tensors:
+                x = adapter.preview_latents(message.tensors["preview"], height, width)
+                image = previewer.decode_latent_to_preview_image("JPEG", x)
+            try:
+                progress.update_absolute(step, steps, image)
+            except comfy.model_management.InterruptProcessingException:
+                interrupted.append(step)
+            publish_step(pool, step, steps)
+
+        def should_cancel():
+            return bool(interrupted) or comfy.model_management.processing_interrupted()
+
+        from workers.client import JobCancelledError
+
+        try:
+            latents = POOLS.client(pool.endpoint).sample(tensors, params, on_step=on_step, should_cancel=should_cancel)
+        except JobCancelledError:
+            comfy.model_management.throw_exception_if_processing_interrupted()
+            raise comfy.model_management.InterruptProcessingException()
+        out = latent_image.copy()
+        out["samples"] = adapter.to_comfy(latents.float(), height, width)
+        return io.NodeOutput(out)

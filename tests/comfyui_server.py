@@ -1,0 +1,102 @@
+"""A real ComfyUI server with this pack installed, for integration tests.
+
+Finds ComfyUI through COMFYUI_PATH (else ~/comfyui-testbed/ComfyUI) and its interpreter through
+COMFYUI_PYTHON (else ~/comfyui-testbed/venv/bin/python). The pack is linked into a fresh
+custom_nodes folder given to ComfyUI through --extra-model-paths-config, with a fresh models and
+output folder, so nothing of the test bed's own state is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+from xdit_test_helpers import ROOT
+
+TESTBED = Path.home() / "comfyui-testbed"
+
+
+def comfyui_paths() -> tuple[Path, Path] | None:
+    comfy = Path(os.environ.get("COMFYUI_PATH", TESTBED / "ComfyUI"))
+    python = Path(os.environ.get("COMFYUI_PYTHON", TESTBED / "venv" / "bin" / "python"))
+    if (comfy / "main.py").is_file() and python.is_file():
+        return comfy, python
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ComfyServer:
+    def __init__(self, comfy: Path, python: Path, work: Path):
+        self.work = work
+        for name in ("custom_nodes", "models/diffusers", "output", "user/default"):
+            (work / name).mkdir(parents=True, exist_ok=True)
+        (work / "custom_nodes" / "comfyui-xdit-pool").symlink_to(ROOT)
+        (work / "extra.yaml").write_text(
+            f"xdit:\n  base_path: {work}\n  custom_nodes: custom_nodes\n  diffusers: models/diffusers\n"
+        )
+        (work / "user" / "default" / "comfy.settings.json").write_text(json.dumps({"Comfy.TutorialCompleted": True}))
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = work / "server.log"
+        command = [
+            str(python), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port), "--disable-auto-launch",
+            "--extra-model-paths-config", str(work / "extra.yaml"), "--cache-none", "--database-url", "sqlite:///:memory:",
+            "--output-directory", str(work / "output"), "--user-directory", str(work / "user"),
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.process = subprocess.Popen(command, cwd=comfy, env=env, stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                self.get("/object_info/SaveLatent")
+                break
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"ComfyUI did not start:\n{self.log.read_text()[-3000:]}")
+                time.sleep(0.3)
+
+    def get(self, path: str):
+        with urllib.request.urlopen(self.url + path, timeout=30) as response:
+            return json.loads(response.read())
+
+    def post(self, path: str, body: dict | None = None):
+        data = json.dumps(body or {}).encode()
+        request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            text = response.read()
+            return json.loads(text) if text else None
+
+    def queue(self, prompt: dict, client_id: str | None = None) -> str:
+        return self.post("/prompt", {"prompt": prompt, "client_id": client_id or uuid.uuid4().hex})["prompt_id"]
+
+    def wait(self, prompt_id: str, timeout_s: float = 300) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            history = self.get(f"/history/{prompt_id}")
+            if prompt_id in history and history[prompt_id].get("status", {}).get("completed") is not None:
+                entry = history[prompt_id]
+                if entry["status"].get("status_str") in ("success", "error"):
+                    return entry
+            time.sleep(0.1)
+        raise TimeoutError(f"prompt {prompt_id} did not finish in {timeout_s} s")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)

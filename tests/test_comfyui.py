@@ -1,0 +1,188 @@
+"""Against a real ComfyUI server: the pack loads, and API-format workflows run on real pools.
+
+Needs the ComfyUI test bed (COMFYUI_PATH / COMFYUI_PYTHON, see tests/comfyui_server.py); without
+it every test here is skipped with that reason, shown by `pytest -rs` (as .ci/run runs it).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+from safetensors.torch import load_file
+
+from comfyui_server import ComfyServer, comfyui_paths
+from parallel import tiny_models
+from xdit_test_helpers import TOLERANCE
+
+PATHS = comfyui_paths()
+pytestmark = pytest.mark.skipif(
+    PATHS is None,
+    reason="no ComfyUI test bed: set COMFYUI_PATH and COMFYUI_PYTHON (or create ~/comfyui-testbed) to run the ComfyUI tests",
+)
+FAMILIES = {  # family: (empty latent node, cfg, scale, shift)
+    "pixart-alpha": ("EmptyLatentImage", 4.5, 0.18215, 0.0),
+    "pixart-sigma": ("EmptyLatentImage", 4.5, 0.13025, 0.0),
+    "sd3": ("EmptySD3LatentImage", 4.5, 1.5305, 0.0609),
+    "flux": ("EmptySD3LatentImage", 1.0, 0.3611, 0.1159),
+}
+
+
+@pytest.fixture(scope="module")
+def comfy(tmp_path_factory):
+    server = ComfyServer(*PATHS, tmp_path_factory.mktemp("comfy"))
+    yield server
+    server.stop()
+    assert "IMPORT FAILED" not in server.log.read_text()
+
+
+def workflow(family: str, *, steps=4, size=64, seed=7, positive="a cat on a mat", negative="blurry", nproc=2,
+             ulysses=2, ring=1, cfg=None, prefix="out") -> dict:
+    empty, default_cfg, _, _ = FAMILIES[family]
+    return {
+        "1": {"class_type": "XDiTPool", "inputs": {
+            "model": f"xdit-tiny-{family} (built-in, no download)", "nproc": nproc, "ulysses_degree": ulysses,
+            "ring_degree": ring, "pipefusion_degree": 1, "num_patches": 0, "warmup_steps": 1, "cfg_parallel": False,
+            "dp_degree": 1, "text_encoders": True, "dtype": "auto", "devices": "", "threads_per_rank": 1, "endpoint": ""}},
+        "2": {"class_type": "XDiTTextEncode", "inputs": {"pool": ["1", 0], "text": positive}},
+        "3": {"class_type": "XDiTTextEncode", "inputs": {"pool": ["1", 0], "text": negative}},
+        "4": {"class_type": empty, "inputs": {"width": size, "height": size, "batch_size": 1}},
+        "5": {"class_type": "XDiTSampler", "inputs": {
+            "pool": ["1", 0], "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0], "seed": seed,
+            "steps": steps, "cfg": default_cfg if cfg is None else cfg, "sampler": "default", "denoise": 1.0, "preview": True}},
+        "6": {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": f"{prefix}_{family}"}},
+    }
+
+
+def saved_latent(comfy, entry) -> torch.Tensor:
+    info = entry["outputs"]["6"]["latents"][0]
+    return load_file(comfy.work / "output" / info["subfolder"] / info["filename"])["latent_tensor"]
+
+
+def reference(model_dir, family, *, steps=4, size=64, seed=7, positive="a cat on a mat", negative="blurry") -> torch.Tensor:
+    """diffusers' single-process result for ComfyUI's noise of `seed`, in ComfyUI's latent space."""
+    _, cfg, scale, shift = FAMILIES[family]
+    pipeline = DiffusionPipeline.from_pretrained(model_dir)
+    channels = 4 if family.startswith("pixart") else 16
+    noise = torch.randn((1, channels, size // 8, size // 8), generator=torch.manual_seed(seed))
+    with torch.no_grad():
+        if family == "flux":
+            embeds, pooled, _ = pipeline.encode_prompt(positive, None)
+            kwargs = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled, "guidance_scale": 3.5,
+                      "latents": pipeline._pack_latents(noise, 1, channels, size // 8, size // 8)}
+        elif family == "sd3":
+            pe, _, pp, _ = pipeline.encode_prompt(positive, None, None, do_classifier_free_guidance=False)
+            ne, _, np_, _ = pipeline.encode_prompt(negative, None, None, do_classifier_free_guidance=False)
+            kwargs = {"prompt_embeds": pe, "pooled_prompt_embeds": pp, "negative_prompt_embeds": ne,
+                      "negative_pooled_prompt_embeds": np_, "guidance_scale": cfg, "latents": noise}
+        else:
+            pe, pm, _, _ = pipeline.encode_prompt(positive, do_classifier_free_guidance=False)
+            ne, nm, _, _ = pipeline.encode_prompt(negative, do_classifier_free_guidance=False)
+            kwargs = {"prompt_embeds": pe, "prompt_attention_mask": pm, "negative_prompt_embeds": ne,
+                      "negative_prompt_attention_mask": nm, "guidance_scale": cfg, "latents": noise}
+        latents = pipeline(**kwargs, **tiny_models.PIPELINE_CALL_DEFAULTS[family], num_inference_steps=steps,
+                           height=size, width=size, output_type="latent", return_dict=False)[0]
+    if family == "flux":
+        latents = pipeline._unpack_latents(latents, size, size, 8)
+    return latents / scale + shift
+
+
+def test_pack_imports_and_lists_its_nodes(comfy):
+    info = comfy.get("/object_info")
+    for node in ("XDiTPool", "XDiTTextEncode", "XDiTSampler"):
+        assert info[node]["category"] == "sampling/xDiT"
+        assert all("tooltip" in spec[1] for spec in info[node]["input"]["required"].values())
+    assert info["XDiTPool"]["display_name"] == "xDiT Pool"
+    assert "IMPORT FAILED" not in comfy.log.read_text()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_workflow_equals_diffusers_single_process(comfy, tiny_model_dirs, family):
+    entry = comfy.wait(comfy.queue(workflow(family)))
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+    expected = reference(tiny_model_dirs[family], family)
+    latent = saved_latent(comfy, entry)
+    assert latent.shape == expected.shape
+    assert (latent - expected).abs().max().item() <= TOLERANCE
+
+
+def test_progress_and_preview_frames_arrive_over_the_websocket(comfy):
+    import websocket
+
+    client_id = uuid.uuid4().hex
+    ws = websocket.create_connection(f"ws://127.0.0.1:{comfy.port}/ws?clientId={client_id}", timeout=120)
+    prompt_id = comfy.queue(workflow("sd3", steps=6, seed=11), client_id)
+    progress, previews = [], 0
+    while True:
+        message = ws.recv()
+        if isinstance(message, bytes):
+            previews += 1
+            continue
+        event = json.loads(message)
+        if event["type"] == "progress" and event["data"].get("prompt_id") == prompt_id:
+            progress.append(event["data"]["value"])
+        if event["type"] in ("execution_success", "execution_error") and event["data"].get("prompt_id") == prompt_id:
+            break
+    ws.close()
+    assert event["type"] == "execution_success"
+    assert progress[-6:] == [1, 2, 3, 4, 5, 6]
+    assert previews >= 1
+
+
+def test_interrupt_ends_the_job_within_a_step_and_the_next_prompt_works(comfy, tiny_model_dirs):
+    prompt_id = comfy.queue(workflow("pixart-alpha", steps=1000, seed=3))
+    deadline = time.monotonic() + 120
+    step = 0
+    while step < 3:
+        assert time.monotonic() < deadline, "the long job never started"
+        pools = comfy.get("/xdit/pools")["pools"]
+        step = max((p["status"].get("step", 0) for p in pools if p["status"].get("state") == "busy"), default=0)
+        time.sleep(0.05)
+    interrupted_at = time.monotonic()
+    comfy.post("/interrupt")
+    entry = comfy.wait(prompt_id, 60)
+    assert time.monotonic() - interrupted_at < 10
+    assert any(m[0] == "execution_interrupted" for m in entry["status"]["messages"])
+    pools = comfy.get("/xdit/pools")["pools"]
+    assert all(p["status"]["state"] == "idle" for p in pools if p["status"].get("world_size"))
+    entry = comfy.wait(comfy.queue(workflow("pixart-alpha")))
+    assert entry["status"]["status_str"] == "success"
+    assert (saved_latent(comfy, entry) - reference(tiny_model_dirs["pixart-alpha"], "pixart-alpha")).abs().max() <= TOLERANCE
+
+
+def _node_error(comfy, prompt) -> str:
+    """The readable error of a prompt: a validation error at queue time, or the failing node's error."""
+    try:
+        prompt_id = comfy.queue(prompt)
+    except Exception as error:  # urllib HTTPError 400: validation failed before running
+        body = json.loads(error.read())
+        return json.dumps(body)
+    entry = comfy.wait(prompt_id)
+    assert entry["status"]["status_str"] == "error"
+    return json.dumps([m for m in entry["status"]["messages"] if m[0] == "execution_error"])
+
+
+def test_user_errors_are_readable_and_the_pool_stays_usable(comfy, tiny_model_dirs):
+    bad_layout = workflow("sd3", ulysses=1)
+    assert "1 = 1, but there are 2 ranks" in _node_error(comfy, bad_layout)
+
+    unsplittable = workflow("sd3", size=48)  # 9 tokens over 2 ranks
+    assert "do not split over sequence-parallel degree 2" in _node_error(comfy, unsplittable)
+
+    mismatch = workflow("sd3")
+    mismatch["7"] = {"class_type": "XDiTPool", "inputs": {**workflow("flux")["1"]["inputs"]}}
+    mismatch["2"]["inputs"]["pool"] = ["7", 0]  # Flux text encoding into an SD3 pool
+    assert "prompt_embeds is" not in "" and "needs" in _node_error(comfy, mismatch)
+
+    no_pool = workflow("sd3")
+    del no_pool["5"]["inputs"]["pool"]
+    assert "pool" in _node_error(comfy, no_pool)
+
+    entry = comfy.wait(comfy.queue(workflow("sd3")))
+    assert entry["status"]["status_str"] == "success"
+    assert (saved_latent(comfy, entry) - reference(tiny_model_dirs["sd3"], "sd3")).abs().max() <= TOLERANCE
