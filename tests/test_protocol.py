@@ -1,9 +1,7 @@
 """The pool's wire format (workers/protocol.py): round trips, every rejection path, no pickle, fuzzing.
 
-Everything here is single process and CPU only. Known defects of protocol.py are pinned by
-`xfail(strict=True)` tests in the "Known defects" section: once protocol.py is fixed they XPASS, which
-fails the run, and the marker (and the matching entry in `_KNOWN_DEFECTS`, which the fuzz tests
-tolerate only while the defect still reproduces) should be removed.
+Everything here is single process and CPU only. The "Regressions" section keeps the minimal
+reproductions of defects the fuzzing found (and that are fixed) so they stay fixed.
 """
 
 from __future__ import annotations
@@ -341,7 +339,7 @@ def test_params_not_a_map(params, from_client):
 def test_unknown_param():
     rejects([pack(submit_header(sampler="euler"))], r"submit does not take \['sampler'\]; it takes \[")
     rejects([pack(header("cancel", params={"steps": 1}))], r"cancel does not take \['steps'\]; it takes \[\]")
-    rejects([pack(header("status", params={b"raw": 1}))], r"status does not take \[b'raw'\]")
+    rejects([pack(header("status", params={b"raw": 1}))], "header map keys must be strings")
 
 
 @pytest.mark.parametrize("name", ["steps", "guidance_scale", "height", "width"])
@@ -464,8 +462,9 @@ def test_spec_count_differs_from_frame_count():
     ],
 )
 def test_bad_spec_keys(bad):
-    rejects([pack(submit_header(tensors=[spec("prompt_embeds"), bad])), bytes(16), bytes(16)],
-            "tensor spec 1 must be a map with exactly name, dtype and shape")
+    expected = "header map keys must be strings" if any(isinstance(k, bytes) for k in bad) else \
+        "tensor spec 1 must be a map with exactly name, dtype and shape"
+    rejects([pack(submit_header(tensors=[spec("prompt_embeds"), bad])), bytes(16), bytes(16)], expected)
 
 
 @pytest.mark.parametrize("name", ["image", "", "LATENTS", "latents ", b"latents", 7, None])
@@ -620,8 +619,8 @@ def test_pickle_payloads_are_never_unpickled(tmp_path, pickle_protocol, monkeypa
     assert not target.exists()
 
 
-# ------------------------------------------------------------------------------------------ known defects
-# Minimal reproductions of defects in workers/protocol.py. Each is xfail(strict=True): the fix makes it pass.
+# ---------------------------------------------------------------------------------------------- regressions
+# Minimal reproductions of defects the fuzzing found in workers/protocol.py, fixed since.
 
 
 def _unhashable_type_frames():
@@ -640,69 +639,32 @@ def _overflowing_empty_shape_frames():
     return [pack(submit_header(tensors=[spec(shape=[0, 2**21, 2**21, 2**21])])), b""]
 
 
-def _still_raises_non_protocol_error(frames, from_client=True) -> bool:
-    try:
-        decode(frames, from_client=from_client)
-    except ProtocolError:
-        return False
-    except Exception:
-        return True
-    return False
-
-
-# exception type, text fragment, whether the defect still reproduces
-_KNOWN_DEFECTS = [
-    (TypeError, "unhashable type", _still_raises_non_protocol_error(_unhashable_type_frames())
-     or _still_raises_non_protocol_error(_unhashable_dtype_frames(), from_client=False)),
-    (TypeError, "not supported between instances", _still_raises_non_protocol_error(_mixed_key_params_frames())),
-    (RuntimeError, "overflowed", _still_raises_non_protocol_error(_overflowing_empty_shape_frames())),
-]
-
-
-def _is_known_defect(error: Exception) -> bool:
-    return any(isinstance(error, kind) and text in str(error) and live for kind, text, live in _KNOWN_DEFECTS)
-
-
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="`kind not in known` hashes the header's type: a list or map "
-                   "raises TypeError('unhashable type') instead of ProtocolError")
 @pytest.mark.parametrize("from_client", [True, False])
 def test_defect_unhashable_message_type(from_client):
     rejects(_unhashable_type_frames(), "unknown message type", from_client=from_client)
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="`dtype not in DTYPES` hashes the spec's dtype: a list or map "
-                   "raises TypeError('unhashable type') instead of ProtocolError")
 def test_defect_unhashable_dtype():
     rejects(_unhashable_dtype_frames(), "has dtype", from_client=False)
     rejects([pack(submit_header(tensors=[spec(dtype={"a": 1})])), bytes(16)], "has dtype")
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="_check_params sorts unknown param names; a mix of str and "
-                   "bytes keys (msgpack allows both with strict_map_key) raises TypeError")
 def test_defect_mixed_str_and_bytes_param_names():
-    rejects(_mixed_key_params_frames(), "status does not take")
+    rejects(_mixed_key_params_frames(), "header map keys must be strings")
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="an empty tensor whose other dims multiply past 2**63 "
-                   "passes the checks (0 bytes expected) and torch.empty raises 'Stride calculation overflowed'")
 def test_defect_empty_tensor_with_huge_dims():
     rejects(_overflowing_empty_shape_frames(), "latents")
 
 
-@pytest.mark.xfail(strict=True, reason="_JOB_ID ends in `$`, which also matches before a trailing newline, so "
-                   "'job\\n' is accepted (use fullmatch or \\Z)")
 def test_defect_job_id_with_trailing_newline():
     rejects([pack(header("cancel", job="job\n"))], "job id must be")
 
 
-@pytest.mark.xfail(strict=True, reason="msgpack decodes ext type -1 (timestamp) itself without calling ext_hook, so a "
-                   "Timestamp object gets through (e.g. into a server message's params)")
 def test_defect_timestamp_ext_type_is_accepted():
-    rejects([pack(header("error", params={"t": msgpack.Timestamp(1, 0)}))], "extension type -1", from_client=False)
+    rejects([pack(header("error", params={"t": msgpack.Timestamp(1, 0)}))], "only plain msgpack values", from_client=False)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="encode views a 0-dim tensor as uint8, which torch refuses "
-                   "for multi-byte dtypes, although decode accepts shape [] for every dtype")
 def test_defect_zero_dim_tensors_do_not_encode():
     scalar = torch.tensor(1.5)
     decoded = decode(on_the_wire(encode(Message("submit", "", SUBMIT_PARAMS, {"latents": scalar}))))
@@ -730,10 +692,6 @@ def check_decode(frames, from_client: bool):
         if from_client:
             assert "\n" not in text, "errors go back to the client as one line"
         return None
-    except Exception as error:  # noqa: BLE001 - the property under test
-        if _is_known_defect(error):
-            return None
-        raise
     assert isinstance(message, Message)
     assert message.type in (CLIENT_MESSAGES if from_client else SERVER_MESSAGES)
     assert isinstance(message.job, str) and isinstance(message.params, dict)
@@ -990,9 +948,3 @@ def test_fuzz_mutated_valid_messages(case):
 def test_mutation_fuzz_base_messages_are_valid():
     for frames, from_client in VALID_MESSAGES:
         assert check_decode(frames, from_client) is not None
-
-
-def test_known_defect_tolerance_is_narrow():
-    """The fuzz tolerates only the exact defects pinned above, and only while they still reproduce."""
-    assert not _is_known_defect(ValueError("unhashable type"))
-    assert not _is_known_defect(TypeError("something else"))

@@ -63,7 +63,7 @@ CLIENT_MESSAGES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "stop": {},
 }
 SERVER_MESSAGES = ("accepted", "step", "result", "error", "cancelled", "status", "stopping")
-_JOB_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_JOB_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
 class ProtocolError(ValueError):
@@ -82,9 +82,11 @@ def encode(message: Message) -> list:
     """Header bytes followed by one zero-copy buffer per tensor."""
     specs, frames = [], []
     for name, tensor in message.tensors.items():
+        if tensor.dtype not in DTYPE_NAMES:
+            raise ProtocolError(f"tensor {name} has dtype {tensor.dtype}; the wire carries {list(DTYPES)}")
         tensor = tensor.detach().to("cpu").contiguous()
         specs.append({"name": name, "dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape)})
-        frames.append(memoryview(tensor.view(torch.uint8).reshape(-1).numpy()) if tensor.numel() else b"")
+        frames.append(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else b"")
     header = {"v": PROTOCOL_VERSION, "type": message.type, "job": message.job, "params": message.params, "tensors": specs}
     return [msgpack.packb(header, use_bin_type=True), *frames]
 
@@ -104,9 +106,26 @@ def _decode_header(raw: bytes) -> dict:
         raise ProtocolError(f"header is not valid msgpack ({type(error).__name__})") from None
     if not isinstance(header, dict):
         raise ProtocolError("header must be a msgpack map")
-    if header.get("v") != PROTOCOL_VERSION:
+    _check_plain(header)
+    if type(header.get("v")) is not int or header["v"] != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {header.get('v')!r} is not supported; this pool speaks {PROTOCOL_VERSION}")
     return header
+
+
+def _check_plain(value: Any, depth: int = 0) -> None:
+    """Only maps with string keys, lists, strings, bytes, numbers, booleans and nil may appear."""
+    if depth > 16:
+        raise ProtocolError("header nests deeper than 16 levels")
+    if isinstance(value, dict):
+        if not all(isinstance(key, str) for key in value):
+            raise ProtocolError("header map keys must be strings")
+        for item in value.values():
+            _check_plain(item, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            _check_plain(item, depth + 1)
+    elif value is not None and not isinstance(value, (str, bytes, int, float, bool)):
+        raise ProtocolError(f"header holds a {type(value).__name__}; only plain msgpack values are allowed")
 
 
 def _tensor(spec: Any, frame, index: int, allowed_names: tuple[str, ...] | None) -> tuple[str, torch.Tensor]:
@@ -115,12 +134,13 @@ def _tensor(spec: Any, frame, index: int, allowed_names: tuple[str, ...] | None)
     name, dtype, shape = spec["name"], spec["dtype"], spec["shape"]
     if not isinstance(name, str) or (allowed_names is not None and name not in allowed_names):
         raise ProtocolError(f"tensor {name!r} is not accepted here; allowed: {list(allowed_names or [])}")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise ProtocolError(f"tensor {name} has dtype {dtype!r}; allowed: {list(DTYPES)}")
     if (
         not isinstance(shape, list)
         or len(shape) > MAX_DIMS
         or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_FRAME_BYTES for d in shape)
+        or math.prod(d for d in shape if d) > MAX_FRAME_BYTES
     ):
         raise ProtocolError(f"tensor {name} has shape {shape!r}; expected a list of at most {MAX_DIMS} sizes >= 0")
     expected = math.prod(shape) * DTYPES[dtype].itemsize
@@ -143,10 +163,10 @@ def decode(frames: list, *, from_client: bool = True) -> Message:
     header = _decode_header(bytes(frames[0]))
     kind = header.get("type")
     known = CLIENT_MESSAGES if from_client else dict.fromkeys(SERVER_MESSAGES)
-    if kind not in known:
+    if not isinstance(kind, str) or kind not in known:
         raise ProtocolError(f"unknown message type {kind!r}; expected one of {sorted(known)}")
     job = header.get("job", "")
-    if not isinstance(job, str) or (job and not _JOB_ID.match(job)):
+    if not isinstance(job, str) or (job and not _JOB_ID.fullmatch(job)):
         raise ProtocolError("job id must be 1-64 characters of letters, digits, '_', '.', ':' or '-'")
     params = header.get("params", {})
     if not isinstance(params, dict):
