@@ -462,7 +462,7 @@ def test_spec_count_differs_from_frame_count():
     ],
 )
 def test_bad_spec_keys(bad):
-    expected = "header map keys must be strings" if any(isinstance(k, bytes) for k in bad) else \
+    expected = "header map keys must be strings" if isinstance(bad, dict) and any(isinstance(k, bytes) for k in bad) else \
         "tensor spec 1 must be a map with exactly name, dtype and shape"
     rejects([pack(submit_header(tensors=[spec("prompt_embeds"), bad])), bytes(16), bytes(16)], expected)
 
