@@ -48,7 +48,8 @@ class XDiTSampler(io.ComfyNode):
                                tooltip="Classifier-free guidance scale (Flux: true CFG; its distilled guidance comes from FluxGuidance, default 3.5)."),
                 io.Combo.Input("sampler", options=SCHEDULERS, default="default",
                                tooltip="The diffusers scheduler; default is the pipeline's own."),
-                io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01, tooltip="1.0: text-to-image."),
+                io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01,
+                               tooltip="1.0: text-to-image; below 1: img2img from latent_image (the last steps of steps/denoise)."),
                 io.Boolean.Input("preview", default=True, tooltip="Stream live previews from the pool."),
             ],
             outputs=[io.Latent.Output()],
@@ -58,8 +59,8 @@ class XDiTSampler(io.ComfyNode):
     @classmethod
     def execute(cls, pool, positive, negative, latent_image, seed, steps, cfg, sampler, denoise, preview) -> io.NodeOutput:
         adapter = adapter_for(pool.pipeline)
-        if denoise < 1.0:
-            raise ValueError("xDiT Sampler supports denoise 1.0 (text-to-image) only in this version; set denoise to 1.0")
+        if denoise <= 0.0:
+            return io.NodeOutput(latent_image)  # nothing to denoise, as KSampler
         samples = latent_image["samples"]
         batch, _, h, w = samples.shape
         height, width = h * 8, w * 8
@@ -69,6 +70,9 @@ class XDiTSampler(io.ComfyNode):
                                                          pool.status.get("inputs", {}))
         tensors["latents"] = adapter.noise_to_model(noise).float()
         params = {"steps": steps, "height": height, "width": width, "preview": preview, "scheduler": sampler}
+        if denoise < 1.0:  # img2img: start from the given latent, noised to the schedule's point
+            tensors["init_latents"] = adapter.to_model(samples.float())
+            params["denoise"] = denoise
         if adapter.guidance_in_conditioning:
             params["guidance_scale"] = flux_guidance if flux_guidance is not None else 3.5
             if use_negative:

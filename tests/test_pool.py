@@ -256,3 +256,59 @@ def test_text_encoding_on_the_pool_equals_the_pipelines_encode_prompt(tiny_model
         client.close()
     finally:
         stop_serve(process)
+
+
+@pytest.mark.parametrize("family, layout", [("sd3", ("--ring-degree", "2")), ("flux", ("--ulysses-degree", "2")),
+                                            ("pixart-sigma", ("--cfg-parallel",))])
+def test_img2img_on_the_pool_equals_the_same_schedule_in_one_process(tiny_model_dirs, tmp_path, family, layout):
+    """denoise < 1: the last `steps` of a steps/denoise schedule from noised init latents, computed in
+    one process with the unwrapped pipeline (same sigmas/timesteps and start) as the reference."""
+    import copy
+
+    from diffusers import DiffusionPipeline
+
+    endpoint = free_endpoint()
+    process = start_serve(tiny_model_dirs[family], endpoint, "--nproc", "2", *layout, log=tmp_path / "serve.log")
+    try:
+        client, _ = idle_client(endpoint)
+        inputs = tiny_models.make_inputs(family)
+        init = tiny_models.make_inputs(family, seed=5)["latents"]
+        guidance = 3.5 if family == "flux" else 4.5
+        params = {**PARAMS, "guidance_scale": guidance, "denoise": 0.5}
+        parallel = client.sample({**inputs, "init_latents": init}, params)
+        full = client.sample(inputs, {**params, "denoise": 1.0})
+        client.close()
+    finally:
+        stop_serve(process)
+
+    pipeline = DiffusionPipeline.from_pretrained(tiny_model_dirs[family])
+    steps, total = 4, 8
+    scheduler = copy.deepcopy(pipeline.scheduler)
+    extra = {}
+    if family == "pixart-sigma":
+        scheduler.set_timesteps(total)
+        timesteps = scheduler.timesteps[total - steps:]
+        start = scheduler.add_noise(init, inputs["latents"], timesteps[:1])
+        extra["timesteps"] = timesteps.tolist()
+    else:
+        import numpy as np
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        if family == "flux":
+            sigmas = np.linspace(1.0, 1 / total, total)[total - steps:]
+            c = scheduler.config
+            shift = {"mu": calculate_shift(16, c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)}
+        else:
+            sigmas = np.linspace(scheduler.sigma_max, scheduler.sigma_min, total)[total - steps:]
+            shift = {}
+        scheduler.set_timesteps(sigmas=sigmas, **shift)
+        sigma = scheduler.sigmas[0]
+        start = sigma * inputs["latents"] + (1 - sigma) * init
+        extra["sigmas"] = sigmas.tolist()
+    with torch.no_grad():
+        expected = pipeline(**{**inputs, "latents": start}, **tiny_models.PIPELINE_CALL_DEFAULTS[family], **extra,
+                            num_inference_steps=steps, guidance_scale=guidance, height=64, width=64,
+                            output_type="latent", return_dict=False)[0]
+    assert (parallel - expected).abs().max().item() <= TOLERANCE
+    # img2img keeps more of the init latents than text-to-image does
+    assert (parallel - init).norm() < (full - init).norm()

@@ -102,14 +102,15 @@ class JobRunner:
             if decision[0]:
                 raise JobCancelled(index + 1)
 
-        return self.pipeline(
+        kwargs = {
             **inputs,
-            num_inference_steps=total,
-            guidance_scale=float(params["guidance_scale"]),
-            height=params["height"],
-            width=params["width"],
-            output_type="latent",
-            return_dict=False,
-            step_callback=on_step,
+            "num_inference_steps": total,
+            "guidance_scale": float(params["guidance_scale"]),
+            "height": params["height"],
+            "width": params["width"],
             **extra,
-        )[0]
+        }
+        init_latents = kwargs.pop("init_latents", None)
+        if init_latents is not None:
+            kwargs = self.pipeline.partial_denoise(kwargs, init_latents, float(params.get("denoise", 1.0)))
+        return self.pipeline(**kwargs, output_type="latent", return_dict=False, step_callback=on_step)[0]

@@ -37,6 +37,7 @@ DTYPES = {
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 JOB_INPUTS = (
     "latents",
+    "init_latents",
     "prompt_embeds",
     "negative_prompt_embeds",
     "pooled_prompt_embeds",
@@ -56,6 +57,7 @@ CLIENT_MESSAGES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "true_cfg_scale": (_NUMBER, False),
         "scheduler": ((str,), False),
         "preview": ((bool,), False),
+        "denoise": (_NUMBER, False),
     },
     "encode": {"prompt": ((str,), True)},
     "cancel": {},
@@ -203,6 +205,8 @@ def _check_params(kind: str, params: dict) -> None:
     if kind == "encode" and len(params["prompt"]) > MAX_PROMPT_CHARS:
         raise ProtocolError(f"prompt is {len(params['prompt'])} characters; the limit is {MAX_PROMPT_CHARS}")
     if kind == "submit":
+        if "denoise" in params and not 0.0 < params["denoise"] <= 1.0:
+            raise ProtocolError(f"denoise is {params['denoise']}; use a value above 0 and at most 1")
         if not 1 <= params["steps"] <= 1000:
             raise ProtocolError(f"steps is {params['steps']}; use 1 to 1000")
         for side in ("height", "width"):

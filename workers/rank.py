@@ -150,7 +150,11 @@ class Rank:
             kwargs["true_cfg_scale"] = message.params["true_cfg_scale"]
         if "latents" not in message.tensors:
             raise ValueError("submit needs a 'latents' tensor (the initial noise)")
+        init = kwargs.pop("init_latents", None)
         self.pipeline.prepare(kwargs)
+        if init is not None and init.shape != message.tensors["latents"].shape:
+            latents = message.tensors["latents"]
+            raise ValueError(f"init_latents {list(init.shape)} must have the shape of latents {list(latents.shape)}")
         from parallel.loading import make_scheduler
 
         make_scheduler(self.default_scheduler, message.params.get("scheduler", "default"))

@@ -6,11 +6,13 @@ the wrapped transformer (sequence and CFG parallel) and here (data parallel over
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Any, Callable, ClassVar
 
+import numpy as np
 import torch
-from diffusers import DiffusionPipeline
+from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 
 from ...config import LayoutError, ParallelConfig
 from ...distributed import get_dp_group, get_layout, get_runtime_state
@@ -144,6 +146,47 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
             "set a guidance scale above 1 or turn CFG parallel off."
         )
 
+    # -- img2img ------------------------------------------------------------------------------------
+    def flow_sigmas(self, total: int) -> np.ndarray:
+        """The unshifted sigmas this pipeline gives a flow-matching scheduler for `total` steps."""
+        scheduler = self.module.scheduler
+        return np.linspace(scheduler.sigma_max, scheduler.sigma_min, total)
+
+    def shift_arguments(self, height: int, width: int) -> dict[str, float]:
+        """`mu` for schedulers with resolution-dependent shifting, computed as the pipelines do."""
+        config = self.module.scheduler.config
+        if not config.get("use_dynamic_shifting"):
+            return {}
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        mu = calculate_shift(
+            self.image_tokens(height, width), config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5), config.get("max_shift", 1.15),
+        )
+        return {"mu": mu}
+
+    def partial_denoise(self, kwargs: dict[str, Any], init_latents: torch.Tensor, denoise: float) -> dict[str, Any]:
+        """img2img as ComfyUI's `denoise` means it: run the last `steps` of a `steps / denoise` schedule,
+        starting from `init_latents` noised (with the given `latents` as noise) to that point."""
+        steps = kwargs["num_inference_steps"]
+        total = max(steps, int(steps / denoise))
+        noise = kwargs["latents"]
+        scheduler = copy.deepcopy(self.module.scheduler.module)
+        if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+            sigmas = self.flow_sigmas(total)[total - steps :]
+            scheduler.set_timesteps(sigmas=sigmas, **self.shift_arguments(kwargs["height"], kwargs["width"]))
+            sigma = scheduler.sigmas[0].to(noise.dtype)
+            return {**kwargs, "latents": sigma * noise + (1 - sigma) * init_latents, "sigmas": sigmas.tolist()}
+        takes_timesteps = "timesteps" in inspect.signature(scheduler.set_timesteps).parameters
+        if takes_timesteps and scheduler.init_noise_sigma == 1.0:
+            scheduler.set_timesteps(total)
+            timesteps = scheduler.timesteps[total - steps :]
+            latents = scheduler.add_noise(init_latents, noise, timesteps[:1])
+            return {**kwargs, "latents": latents, "timesteps": timesteps.tolist()}
+        raise ValueError(
+            f"denoise below 1 is not available with {type(scheduler).__name__}; use the pipeline's default scheduler"
+        )
+
     # -- running ------------------------------------------------------------------------------------
     def prepare(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], int, int]:
         """The call's full keyword arguments, its batch size and image tokens; raises if it can't run."""
@@ -173,7 +216,7 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
         dp = get_dp_group()
         counts = [len(part) for part in torch.arange(batch).tensor_split(dp.world_size)]
         start = sum(counts[: dp.rank_in_group])
-        local = {k: _take(v, batch, start, counts[dp.rank_in_group]) for k, v in kwargs.items()}
+        local = {k: _take(k, v, batch, start, counts[dp.rank_in_group]) for k, v in kwargs.items()}
         get_runtime_state().set_input_parameters(
             height=kwargs["height"],
             width=kwargs["width"],
@@ -195,11 +238,14 @@ def _batch_size(kwargs: dict[str, Any]) -> int:
     return len(prompt) if isinstance(prompt, list) else 1
 
 
-def _take(value: Any, batch: int, start: int, count: int) -> Any:
-    """This dp rank's slice of a per-sample argument (tensors and lists with one entry per sample)."""
+PER_SAMPLE_LISTS = ("prompt", "prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negative_prompt_3", "generator")
+
+
+def _take(name: str, value: Any, batch: int, start: int, count: int) -> Any:
+    """This dp rank's slice of a per-sample argument (batched tensors, per-prompt lists)."""
     if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == batch:
         return value[start : start + count]
-    if isinstance(value, list) and len(value) == batch:
+    if name in PER_SAMPLE_LISTS and isinstance(value, list) and len(value) == batch:
         return value[start : start + count]
     return value
 

@@ -1,5 +1,6 @@
 from typing import Any
 
+import numpy as np
 import torch
 from diffusers import FluxPipeline
 
@@ -16,6 +17,9 @@ class xFuserFluxPipeline(xFuserPipelineBaseWrapper):
         "pooled_prompt_embeds": "pooled_projection_dim",
         "negative_pooled_prompt_embeds": "pooled_projection_dim",
     }
+
+    def flow_sigmas(self, total: int) -> np.ndarray:
+        return np.linspace(1.0, 1 / total, total)  # FluxPipeline's own default
 
     def expected_latents_shape(self, batch: int, height: int, width: int) -> tuple[int, ...]:
         return (batch, self.image_tokens(height, width), self.module.transformer.config.in_channels)
