@@ -85,5 +85,5 @@ def work_per_rank(layout: "Layout", m: ModelDims) -> float:
 
 
 def work_ceiling(layout: "Layout", baseline: "Layout", m: ModelDims) -> float:
-    """Parallel efficiency this layout would reach with free communication: W(1) / (N·W(N))."""
-    return work_per_rank(baseline, m) / (layout.ranks * work_per_rank(layout, m))
+    """Parallel efficiency this layout would reach with free communication: W(1) / (N·W(N)) per job done."""
+    return layout.replicas * work_per_rank(baseline, m) / (layout.ranks * work_per_rank(layout, m))

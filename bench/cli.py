@@ -1,11 +1,13 @@
 """`python -m bench SUITE`: launch the torchrun jobs a suite needs, then print and save its tables.
 
-    python -m bench {overhead,efficiency,diffusers-cp,all} [--runs 5] [--json OUT.json] [--tiny] [--max-ranks N]
+    python -m bench {overhead,efficiency,diffusers-cp,all} [--runs 5] [--json OUT.json] [--tiny]
+                    [--settle SECONDS] [--max-ranks N]
 
 Each job is `torchrun --nproc-per-node N -m bench.driver` with one thread per rank. A job needing more
 ranks than this machine has cores is skipped with a one-line reason: oversubscribed ranks would time
 the scheduler, not the engine (--max-ranks overrides, e.g. to exercise the code path).
-`all` writes bench/out/results.json unless --json says otherwise.
+`all` writes bench/out/results.json unless --json says otherwise. This process imports neither torch
+nor diffusers: it launches the jobs and does the arithmetic.
 """
 
 from __future__ import annotations
@@ -13,19 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
+from importlib.metadata import version
 from pathlib import Path
 
-import diffusers
-import torch
-
-from . import report
+from . import machine, report
 from .analytic import ModelDims
 from .layouts import LAYOUTS, SUITES, jobs_for
-from .model import MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_JSON = ROOT / "bench" / "out" / "results.json"
@@ -36,17 +34,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("suite", choices=[*SUITES, "all"])
     parser.add_argument("--runs", type=int, default=5, help="timed rounds per layout (after one warm-up)")
     parser.add_argument("--json", type=Path, default=None, help=f"write results here (all: default {DEFAULT_JSON})")
-    parser.add_argument("--tiny", action="store_true", help="the tiny test model: checks the machinery, times nothing useful")
-    parser.add_argument("--max-ranks", type=int, default=len(os.sched_getaffinity(0)), help="default: the cores available")
+    parser.add_argument("--tiny", action="store_true",
+                        help="the tiny test model: checks the machinery, times nothing useful")
+    parser.add_argument("--settle", type=float, default=0.0, metavar="SECONDS",
+                        help="before each round, wait up to this long for other processes to leave the cores idle")
+    parser.add_argument("--max-ranks", type=int, default=len(os.sched_getaffinity(0)),
+                        help="default: the cores available")
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
     return args
 
 
-def run_job(ranks: int, names: list[str], model: str, runs: int, workdir: Path) -> dict:
+def run_job(ranks: int, names: list[str], model: str, args: argparse.Namespace, workdir: Path) -> dict:
     spec, result = workdir / f"spec{ranks}.json", workdir / f"result{ranks}.json"
-    spec.write_text(json.dumps({"model": model, "layouts": names, "runs": runs}))
+    spec.write_text(json.dumps({"model": model, "layouts": names, "runs": args.runs, "settle_s": args.settle}))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                "-m", "bench.driver", str(spec), str(result)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -67,26 +69,25 @@ def main(argv: list[str] | None = None) -> int:
             if ranks > args.max_ranks:
                 reason = (f"needs {ranks} ranks with one core each; this machine has {args.max_ranks} "
                           f"(--max-ranks {ranks} runs it oversubscribed)")
-                skipped.update({name: reason for name in names if LAYOUTS[name].ranks > 1})
+                skipped.update({name: reason for name in names if LAYOUTS[name].engine != "diffusers"})
                 continue
-            result = run_job(ranks, names, model_key, args.runs, Path(workdir))
+            result = run_job(ranks, names, model_key, args, Path(workdir))
             meta = result["meta"]
             jobs[ranks] = {name: raw for name, raw in result["layouts"].items() if "unavailable" not in raw}
-            skipped.update({name: raw["unavailable"] for name, raw in result["layouts"].items() if "unavailable" in raw})
+            skipped.update({n: raw["unavailable"] for n, raw in result["layouts"].items() if "unavailable" in raw})
     if not meta:
         raise SystemExit(f"nothing ran: every job of {args.suite} needs more than --max-ranks {args.max_ranks} ranks")
 
-    model = MODELS[model_key]
     dims = ModelDims(**meta["dims"])
-    tables = {suite: report.suite_table(suite, jobs, skipped, dims, model.steps) for suite in suites}
+    tables = {suite: report.suite_table(suite, jobs, skipped, dims, meta["steps"]) for suite in suites}
     summary = {
         "meta": {
             "command": "python -m bench " + " ".join(sys.argv[1:] if argv is None else argv),
-            "model": model.name, "height": model.height, "width": model.width, "steps": model.steps,
-            "image_tokens": dims.image_tokens, "text_tokens": dims.text_tokens, "runs": args.runs,
-            "threads_per_rank": meta["threads_per_rank"], "cores": len(os.sched_getaffinity(0)),
-            "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-            "diffusers": diffusers.__version__, "backend": "gloo",
+            **{key: meta[key] for key in ("model", "height", "width", "steps", "threads_per_rank")},
+            "image_tokens": dims.image_tokens, "text_tokens": dims.text_tokens,
+            "runs": args.runs, "settle_s": args.settle,
+            "cores": len(os.sched_getaffinity(0)), "cpu": machine.cpu_model(),
+            "torch": version("torch"), "diffusers": version("diffusers"), "backend": "gloo",
         },
         "suites": tables,
         "goals": report.goals(tables),

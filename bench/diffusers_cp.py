@@ -65,7 +65,8 @@ def enable_context_parallel(transformer: torch.nn.Module, *, ulysses_degree: int
     """diffusers' `enable_parallelism` on a CPU transformer (every rank of the world must call it)."""
     install_cpu_support()
     with _one_accelerator_device():
-        transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=ulysses_degree, ring_degree=ring_degree))
+        config = ContextParallelConfig(ulysses_degree=ulysses_degree, ring_degree=ring_degree)
+        transformer.enable_parallelism(config=config)
 
 
 class FunctionalCollectiveBytes:

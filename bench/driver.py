@@ -2,11 +2,12 @@
 
     torchrun --nproc-per-node N -m bench.driver SPEC.json RESULT.json
 
-SPEC: {"model": "medium"|"tiny", "layouts": [names], "runs": R}. One untimed pass over every layout
+SPEC: {"model": "medium"|"tiny", "layouts": [names], "runs": R, "settle_s": S}. One untimed pass over every layout
 comes first (it also records bytes sent and each output's distance from its 1-rank baseline), then R
 rounds; round r starts at layout r mod L, so no layout always runs first after the set-up of another.
 Our engine's mesh is built and torn down around every run (as the pool does when it switches layout);
-only the pipeline call is timed, from a world barrier to the slowest rank's return. Rank 0 writes
+only the pipeline call is timed, from a world barrier to the slowest rank's return. With S > 0, each
+round first waits up to S seconds for other processes on the machine to go quiet. Rank 0 writes
 RESULT: per layout the times, the bytes each rank sent per step, and max |latents − baseline|.
 """
 
@@ -33,6 +34,7 @@ from parallel.distributed import (
 from parallel.distributed.parallel_state import all_coordinators
 from parallel.model_executor import wrap_pipeline
 
+from . import machine
 from .diffusers_cp import FunctionalCollectiveBytes, enable_context_parallel
 from .layouts import LAYOUTS, Layout
 from .model import MODELS, BenchModel
@@ -76,12 +78,12 @@ class Runners:
     @contextlib.contextmanager
     def prepare(self, layout: Layout) -> Iterator[Run]:
         if layout.engine == "diffusers":
-            yield Run(lambda: self._call(self.pipeline, layout) if self.rank == 0 else None, lambda: 0)
+            yield Run(lambda: self._call(self.pipeline, layout) if self.rank < layout.replicas else None, lambda: 0)
         elif layout.engine == "xdit":
             initialize_model_parallel(layout.parallel_config())
             wrapped = wrap_pipeline(self.pipeline)
             try:
-                yield Run(lambda: self._call(wrapped, layout), lambda: sum(c.bytes_sent for c in all_coordinators().values()))
+                yield Run(lambda: self._call(wrapped, layout), _xdit_bytes_sent)
             finally:
                 wrapped.unwrap()
                 destroy_model_parallel()
@@ -91,18 +93,33 @@ class Runners:
                 yield Run(lambda: self._call(self.cp[layout.name], layout), lambda: counter.bytes_sent)
 
 
-def timed(run: Run) -> tuple[float, torch.Tensor | None, list[int]]:
-    """Seconds from a world barrier to the slowest rank's return, the latents, bytes sent per rank."""
+def _xdit_bytes_sent() -> int:
+    return sum(coordinator.bytes_sent for coordinator in all_coordinators().values())
+
+
+def timed(run: Run) -> tuple[float, torch.Tensor | None, list[int], float]:
+    """Seconds from a world barrier to the slowest rank's return, the latents, bytes sent per rank, and
+    the cores other processes kept busy meanwhile (see machine.py)."""
     before = run.bytes_sent()
     dist.barrier()
-    start = time.perf_counter()
+    busy, cpu, start = machine.busy_seconds(), time.process_time(), time.perf_counter()
     latents = run.call()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    finished = torch.tensor([time.perf_counter() - start, time.process_time() - cpu], dtype=torch.float64)
     sent = torch.tensor([run.bytes_sent() - before], dtype=torch.int64)
+    elapsed, own_cpu = finished.clone(), finished.clone()
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    dist.all_reduce(own_cpu, op=dist.ReduceOp.SUM)
+    foreign = machine.foreign_cores(busy, machine.busy_seconds(), own_cpu[1].item(), elapsed[0].item())
     per_rank = [torch.zeros_like(sent) for _ in range(dist.get_world_size())]
     dist.all_gather(per_rank, sent)
-    return elapsed.item(), latents, [int(t) for t in per_rank]
+    return elapsed[0].item(), latents, [int(t) for t in per_rank], foreign
+
+
+def settle(limit_seconds: float, rank: int) -> None:
+    """Rank 0 waits for the other processes on the machine to quiet down while every rank idles."""
+    if limit_seconds > 0 and rank == 0:
+        machine.settle(limit_seconds)
+    dist.barrier()
 
 
 def main(spec_path: str, result_path: str) -> int:
@@ -115,11 +132,11 @@ def main(spec_path: str, result_path: str) -> int:
     runners = Runners(model, world.rank, layouts)
     results: dict[str, dict] = {name: {"unavailable": why} for name, why in runners.unavailable.items()}
     layouts = [layout for layout in layouts if layout.name not in runners.unavailable]
-    results.update({layout.name: {"times_s": []} for layout in layouts})
+    results.update({layout.name: {"times_s": [], "foreign_cores": []} for layout in layouts})
     outputs: dict[str, torch.Tensor] = {}
     for layout in layouts:  # warm-up, traffic and correctness
         with runners.prepare(layout) as run:
-            _, latents, sent = timed(run)
+            _, latents, sent, _ = timed(run)
         if latents is not None:
             outputs[layout.name] = latents
         results[layout.name]["bytes_per_step_per_rank"] = [b / model.steps for b in sent]
@@ -127,13 +144,16 @@ def main(spec_path: str, result_path: str) -> int:
             results[layout.name]["max_abs_diff"] = (latents - outputs[layout.baseline]).abs().max().item()
     for round_index in range(spec["runs"]):
         shift = round_index % len(layouts)
+        settle(spec.get("settle_s", 0), world.rank)
         for layout in layouts[shift:] + layouts[:shift]:
             with runners.prepare(layout) as run:
-                seconds, _, _ = timed(run)
+                seconds, _, _, foreign = timed(run)
             results[layout.name]["times_s"].append(seconds)
+            results[layout.name]["foreign_cores"].append(foreign)
     if world.rank == 0:
         meta = {
             "world_size": world.world_size, "threads_per_rank": torch.get_num_threads(), "model": model.name,
+            "height": model.height, "width": model.width, "steps": model.steps,
             "dims": asdict(model.dims(runners.pipeline)),
         }
         Path(result_path).write_text(json.dumps({"meta": meta, "layouts": results}, indent=1))

@@ -6,6 +6,11 @@ rank 0's time unchanged), so T(1) is taken with the same one thread per rank, in
 interleaved round by round with the N-rank layouts it is compared against. The wrapped 1-rank
 pipeline needs a world of exactly one rank (degrees must multiply to the world size), so the
 overhead suite is its own 1-rank job.
+
+Two single-thread processes need not run at full speed side by side (SMT siblings, a shared host,
+memory bandwidth). The calibration layout diffusers-1-xN runs the plain 1-rank job on all N ranks at
+once, with no communication: T(1) / T(xN) is the efficiency the machine itself allows, measured in the
+same rounds, and the report divides every N-rank efficiency of that job by it ("vs hardware").
 """
 
 from __future__ import annotations
@@ -13,9 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallel.config import ParallelConfig
-
-ENGINES = ("diffusers", "xdit", "diffusers-cp")
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -25,10 +27,11 @@ class Layout:
     ring: int = 1
     cfg: int = 1
     true_cfg: bool = False  # Flux's real CFG (true_cfg_scale > 1): two transformer calls per step
+    replicas: int = 1  # diffusers only: this many ranks each run the whole 1-rank job at the same time
 
     @property
     def ranks(self) -> int:
-        return self.ulysses * self.ring * self.cfg
+        return self.ulysses * self.ring * self.cfg * self.replicas
 
     @property
     def baseline(self) -> str:
@@ -39,6 +42,8 @@ class Layout:
         return ParallelConfig(cfg_degree=self.cfg, ring_degree=self.ring, ulysses_degree=self.ulysses)
 
     def describe(self) -> str:
+        if self.replicas > 1:
+            return f"{self.engine} 1 rank, {self.replicas} copies at once (hardware ceiling)"
         degrees = [f"{k}{v}" for k, v in (("U", self.ulysses), ("R", self.ring), ("CFG", self.cfg)) if v > 1]
         return f"{self.engine} {'×'.join(degrees) or '1 rank'}" + (" (true CFG)" if self.true_cfg else "")
 
@@ -48,6 +53,8 @@ LAYOUTS = {
     for layout in (
         Layout("diffusers-1", "diffusers"),
         Layout("diffusers-1-cfg", "diffusers", true_cfg=True),
+        Layout("diffusers-1-x2", "diffusers", replicas=2),
+        Layout("diffusers-1-x4", "diffusers", replicas=4),
         Layout("xdit-1", "xdit"),
         Layout("xdit-ulysses2", "xdit", ulysses=2),
         Layout("xdit-ring2", "xdit", ring=2),
@@ -62,10 +69,13 @@ LAYOUTS = {
 SUITES: dict[str, dict[int, list[str]]] = {
     "overhead": {1: ["diffusers-1", "xdit-1"]},
     "efficiency": {
-        2: ["diffusers-1", "diffusers-1-cfg", "xdit-ulysses2", "xdit-ring2", "xdit-cfg2"],
-        4: ["diffusers-1", "xdit-ulysses2-ring2"],
+        2: ["diffusers-1", "diffusers-1-cfg", "diffusers-1-x2", "xdit-ulysses2", "xdit-ring2", "xdit-cfg2"],
+        4: ["diffusers-1", "diffusers-1-x4", "xdit-ulysses2-ring2"],
     },
-    "diffusers-cp": {2: ["diffusers-1", "xdit-ulysses2", "xdit-ring2", "diffusers-cp-ulysses2", "diffusers-cp-ring2"]},
+    "diffusers-cp": {
+        2: ["diffusers-1", "diffusers-1-x2", "xdit-ulysses2", "xdit-ring2",
+            "diffusers-cp-ulysses2", "diffusers-cp-ring2"],
+    },
 }
 
 

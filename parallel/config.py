@@ -30,6 +30,11 @@ class ParallelConfig:
         return self.ring_degree * self.ulysses_degree
 
     @property
+    def patches(self) -> int:
+        """PipeFusion patches per step after warm-up."""
+        return self.num_patches or self.pipefusion_degree
+
+    @property
     def world_size(self) -> int:
         return self.dp_degree * self.cfg_degree * self.pipefusion_degree * self.sp_degree
 
@@ -56,11 +61,13 @@ class ParallelConfig:
             raise LayoutError(
                 f"--cfg-degree is {self.cfg_degree}; classifier-free guidance has two branches, so use 1 or 2."
             )
-        if self.pipefusion_degree > 1:
+        if self.pipefusion_degree > 1 and self.warmup_steps < 1:
             raise LayoutError(
-                f"--pipefusion-degree {self.pipefusion_degree} is not available in this version of the engine; "
-                "use ulysses/ring/cfg/dp degrees instead."
+                f"--warmup-steps is {self.warmup_steps}; PipeFusion needs at least 1 synchronous step to fill its "
+                "stale K/V, so use --warmup-steps 1 or more."
             )
+        if self.num_patches is not None and self.num_patches < 1:
+            raise LayoutError(f"--num-patches is {self.num_patches}; use 1 or more (default: the pipefusion degree).")
         if self.world_size != world_size:
             raise LayoutError(
                 f"dp {self.dp_degree} × cfg {self.cfg_degree} × pipefusion {self.pipefusion_degree} × "

@@ -44,10 +44,12 @@ def make_scheduler(default, name: str):
     """The scheduler called `name`, built from the pipeline's own (`default`) scheduler config."""
     if name == "default":
         return default
-    flow = isinstance(default, FlowMatchEulerDiscreteScheduler)
+    flow = isinstance(default, FlowMatchEulerDiscreteScheduler) or default.config.get("use_flow_sigmas", False)
     allowed = ["default", "flow-euler"] if flow else ["default", "ddim", "euler", "dpmsolver"]
     if name not in allowed:
         raise ValueError(f"scheduler {name!r} does not fit this {type(default).__name__} model; choose one of {allowed}")
+    if name == "flow-euler" and "flow_shift" in default.config:  # Wan's UniPC: the same shift, as FlowMatch spells it
+        return FlowMatchEulerDiscreteScheduler.from_config(default.config, shift=default.config["flow_shift"])
     return SCHEDULERS[name].from_config(default.config)
 
 

@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--true-cfg-scale", type=float, default=1.0, help="Flux only: real CFG with negative embeds")
     parser.add_argument("--height", type=int, default=1024)
     parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--num-frames", type=int, default=None,
+                        help="video (Wan): frames, 4k+1; default: as many as the latents hold")
     parser.add_argument("--scheduler", choices=["default", *SCHEDULERS], default="default")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: as saved")
     parser.add_argument("--attention-kernel", default=None, help="force a kernel (math, cpu_flash, flash_attn, ...)")
@@ -82,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         parallel = wrap_pipeline(pipeline, attention_kernel=args.attention_kernel)
         device, dtype = pipeline.transformer.device, pipeline.transformer.dtype
         extra = {"true_cfg_scale": args.true_cfg_scale} if args.true_cfg_scale != 1.0 else {}
+        if args.num_frames is not None:
+            extra["num_frames"] = args.num_frames
         start = time.perf_counter()
         latents = parallel(
             **{k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()},

@@ -36,8 +36,10 @@ from transformers import (
 )
 
 FAMILIES = ("pixart-alpha", "pixart-sigma", "sd3", "flux")  # flux = Flux.1-dev style (guidance_embeds=True)
+VIDEO_FAMILIES = ("wan", "wan22")  # Wan 2.1 T2V, Wan 2.2 T2V A14B (two experts): built in tiny_wan.py
 
 HEADS, HEAD_DIM = 4, 16  # every transformer: 4 heads of 16 -> inner dim 64
+BLOCKS = 4  # transformer blocks (Flux: 2 double + 2 single), so PipeFusion can use 4 stages
 T5_DIM = 32  # T5 d_model = PixArt caption_channels = SD3/Flux joint_attention_dim
 CLIP_DIM = 16  # CLIP hidden and projection size; SD3 pooled = 2 * CLIP_DIM, Flux pooled = CLIP_DIM
 POOLED_DIM = {"sd3": 2 * CLIP_DIM, "flux": CLIP_DIM}
@@ -55,6 +57,8 @@ PIPELINE_CALL_DEFAULTS: dict[str, dict] = {
     "sd3": {},
     # Flux.1-dev is guidance-distilled: negatives are only used when the caller sets true_cfg_scale > 1.
     "flux": {},
+    "wan": {},
+    "wan22": {},
 }
 
 
@@ -152,7 +156,7 @@ def _transformer(seed: int, cls, **config):
 def _build_pixart(family: str, seed: int) -> DiffusionPipeline:
     tok, t5 = _t5(seed + 1)
     # out_channels = 2 * in_channels: learned sigma, as in the real checkpoints (the pipeline drops it).
-    transformer = _transformer(seed, PixArtTransformer2DModel, in_channels=4, out_channels=8, num_layers=2,
+    transformer = _transformer(seed, PixArtTransformer2DModel, in_channels=4, out_channels=8, num_layers=BLOCKS,
                                sample_size=8, patch_size=2, cross_attention_dim=HEADS * HEAD_DIM,
                                caption_channels=T5_DIM, norm_num_groups=4, use_additional_conditions=False)
     alpha = family == "pixart-alpha"
@@ -167,7 +171,7 @@ def _build_sd3(seed: int) -> DiffusionPipeline:
     (tok1, clip1), (tok2, clip2) = _clip(seed + 1, True), _clip(seed + 2, True)
     tok3, t5 = _t5(seed + 3)
     transformer = _transformer(seed, SD3Transformer2DModel, sample_size=8, patch_size=2, in_channels=16,
-                               out_channels=16, num_layers=2, joint_attention_dim=T5_DIM,
+                               out_channels=16, num_layers=BLOCKS, joint_attention_dim=T5_DIM,
                                caption_projection_dim=HEADS * HEAD_DIM, pooled_projection_dim=POOLED_DIM["sd3"],
                                pos_embed_max_size=16)  # 16x16 patches: images up to 256x256
     return StableDiffusion3Pipeline(
@@ -179,8 +183,8 @@ def _build_sd3(seed: int) -> DiffusionPipeline:
 def _build_flux(seed: int) -> DiffusionPipeline:
     tok, clip = _clip(seed + 1, False)
     tok2, t5 = _t5(seed + 2)
-    transformer = _transformer(seed, FluxTransformer2DModel, patch_size=1, in_channels=64, num_layers=1,
-                               num_single_layers=1, joint_attention_dim=T5_DIM,
+    transformer = _transformer(seed, FluxTransformer2DModel, patch_size=1, in_channels=64, num_layers=BLOCKS // 2,
+                               num_single_layers=BLOCKS // 2, joint_attention_dim=T5_DIM,
                                pooled_projection_dim=POOLED_DIM["flux"], guidance_embeds=True,
                                axes_dims_rope=(4, 6, 6))
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_image_seq_len=256,
@@ -192,9 +196,13 @@ def _build_flux(seed: int) -> DiffusionPipeline:
 # ---------------------------------------------------------------------------------------------- API
 def build_tiny_pipeline(family: str, *, seed: int = 0) -> DiffusionPipeline:
     """The full fp32 diffusers pipeline of `family`, with random weights fixed by `seed`."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
-    if family == "sd3":
+    if family not in FAMILIES + VIDEO_FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES + VIDEO_FAMILIES}")
+    if family in VIDEO_FAMILIES:
+        from .tiny_wan import build_wan
+
+        pipe = build_wan(family, seed)
+    elif family == "sd3":
         pipe = _build_sd3(seed)
     elif family == "flux":
         pipe = _build_flux(seed)
@@ -212,14 +220,19 @@ def save_tiny_pipeline(family: str, directory, *, seed: int = 0) -> pathlib.Path
 
 
 def make_inputs(family: str, *, batch: int = 1, height: int = 64, width: int = 64, seed: int = 0,
-                negative: bool = True, text_tokens: int | None = None) -> dict[str, torch.Tensor]:
+                negative: bool = True, text_tokens: int | None = None, num_frames: int = 5) -> dict[str, torch.Tensor]:
     """Tensor kwargs of the pipeline's __call__ as if the prompts had been encoded (no text encoders run).
 
     `latents` has the shape prepare_latents accepts as-is (Flux: packed 2x2 patches). PixArt masks end in
     zeros, with a different valid length per sample and for the negative, so wrong masking shows up.
     negative=False is for runs without classifier-free guidance (guidance_scale <= 1; Flux: true_cfg_scale 1):
     with guidance the pipeline would encode an empty negative prompt at its own token count.
+    Video families (Wan) take `num_frames` and get 5-D latents [B, 16, (num_frames - 1) // 4 + 1, H/8, W/8].
     """
+    if family in VIDEO_FAMILIES:
+        from .tiny_wan import make_video_inputs
+
+        return make_video_inputs(batch, height, width, num_frames, seed, negative, text_tokens)
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     gen = torch.Generator().manual_seed(seed)

@@ -16,6 +16,12 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     return {family: tiny_models.save_tiny_pipeline(family, root / family) for family in tiny_models.FAMILIES}
 
 
+@pytest.fixture(scope="session")
+def video_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("video_models")
+    return {family: tiny_models.save_tiny_pipeline(family, root / family) for family in tiny_models.VIDEO_FAMILIES}
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _one_thread():
     torch.set_num_threads(1)

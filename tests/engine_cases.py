@@ -29,17 +29,35 @@ from parallel.loading import load_pipeline, set_scheduler
 from parallel.model_executor import wrap_pipeline
 from parallel.model_executor.layers import attention_seam
 
+_USP = attention_seam.usp_attention
 FAULTS = {
     # Negative control: attention on the local shard only, i.e. a sequence split with no exchange.
     "no_exchange": lambda q, k, v, **kw: torch.nn.functional.scaled_dot_product_attention(q, k, v),
+    # Negative control for uneven token splits: attention also sees the padding keys.
+    "padded_keys": lambda q, k, v, keep=None, **kw: _USP(q, k, v, **kw),
 }
+
+
+def block_bytes(transformer) -> int:
+    """Parameter bytes of the repeated blocks this rank holds."""
+    lists = [m for name, m in transformer.named_children() if name.endswith("transformer_blocks")]
+    return sum(p.numel() * p.element_size() for blocks in lists for p in blocks.parameters())
 
 
 def run_case(case: dict, rank: int) -> None:
     initialize_model_parallel(ParallelConfig(**case["layout"]))
     pipeline = load_pipeline(case["model"])
     set_scheduler(pipeline, case.get("scheduler", "default"))
+    all_blocks = block_bytes(pipeline.transformer)
     parallel = wrap_pipeline(pipeline)
+    if case.get("report_memory"):
+        mine = torch.tensor([block_bytes(parallel.module.transformer.module)])
+        every = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(every, mine)
+        if rank == 0:
+            report = [{"rank": r, "block_parameter_bytes": int(t), "all_block_parameter_bytes": all_blocks}
+                      for r, t in enumerate(every)]
+            Path(case["output"] + ".memory.json").write_text(json.dumps(report))
     original = attention_seam.usp_attention
     if case.get("fault"):
         attention_seam.usp_attention = FAULTS[case["fault"]]
@@ -59,9 +77,9 @@ def main(spec: str) -> int:
     for case in json.loads(Path(spec).read_text()):
         try:
             run_case(case, world.rank)
-        except Exception:  # recorded per case; the matrix goes on
-            if world.rank == 0:
-                Path(case["output"] + ".error").write_text(traceback.format_exc())
+        except Exception:  # recorded per case (rank 0's, else the failing rank's); the matrix goes on
+            suffix = "" if world.rank == 0 else f".rank{world.rank}"
+            Path(case["output"] + ".error" + suffix).write_text(traceback.format_exc())
     destroy_distributed_environment()
     return 0
 

@@ -47,8 +47,10 @@ def test_contract_e_ulysses2_equals_diffusers(tiny_model_dirs, pixart_inputs, tm
         (3, ["--ulysses-degree", "3"], "4 attention heads, which do not split over ulysses degree 3"),
         (3, ["--ring-degree", "3"], "gives 16 image tokens, which do not split over sequence-parallel degree 3"),
         (2, ["--cfg-parallel", "--guidance-scale", "1.0"], "CFG parallel needs classifier-free guidance"),
+        (2, ["--pipefusion-degree", "2", "--num-patches", "3"], "has 4 token rows, which do not split into 3 PipeFusion"),
+        (2, ["--pipefusion-degree", "2", "--warmup-steps", "0"], "PipeFusion needs at least 1 synchronous step"),
     ],
-    ids=["product", "heads", "tokens", "cfg-without-guidance"],
+    ids=["product", "heads", "tokens", "cfg-without-guidance", "patches", "no-warmup"],
 )
 def test_bad_layout_fails_early_with_one_line(tiny_model_dirs, pixart_inputs, tmp_path, nproc, flags, message):
     output = tmp_path / "out.safetensors"

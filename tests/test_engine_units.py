@@ -66,3 +66,24 @@ def test_capability_table_lists_every_family():
     table = capability_table()
     for pipeline in ("PixArtAlphaPipeline", "PixArtSigmaPipeline", "StableDiffusion3Pipeline", "FluxPipeline"):
         assert f"| {pipeline} |" in table
+
+
+def test_pipefusion_degree_above_the_block_count_fails_before_compute():
+    from types import SimpleNamespace
+
+    from parallel.model_executor.pipefusion import PipeFusionStage
+    from parallel.model_executor.models.transformers.pixart_transformer_2d import xFuserPixArtTransformer2DWrapper
+    from parallel import tiny_models
+
+    transformer = tiny_models.build_tiny_pipeline("pixart-alpha").transformer
+    five_stages = SimpleNamespace(world_size=5, rank_in_group=0)
+    with pytest.raises(LayoutError, match="pipefusion degree 5 is more than the model's 4 blocks"):
+        PipeFusionStage(transformer, xFuserPixArtTransformer2DWrapper.plan.pipefusion, five_stages, 5, 1, lambda: "x")
+
+
+def test_stages_balance_parameters_not_block_counts():
+    from parallel.model_executor.pipefusion import balanced_stages
+
+    assert balanced_stages([598, 598, 249, 249], 2) == [(0, 1), (1, 4)]  # Flux: double blocks weigh more
+    assert balanced_stages([1] * 4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert balanced_stages([1, 2, 3, 4, 5, 6, 7, 8], 3) == [(0, 4), (4, 6), (6, 8)]

@@ -56,7 +56,7 @@ def test_save_load_roundtrip(family, tmp_path):
     directory = save_tiny_pipeline(family, tmp_path / family)
     assert isinstance(directory, pathlib.Path)
     size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
-    assert size < 2 * 1024 * 1024, f"saved pipeline is {size} bytes"
+    assert size < 4 * 1024 * 1024, f"saved pipeline is {size} bytes"
     assert not list(directory.rglob("*.bin")), "must be saved as safetensors"
     loaded = DiffusionPipeline.from_pretrained(directory)
     original = _pipe(family)

@@ -1,10 +1,11 @@
-"""`python -m workers serve | sample | status | stop` (contract P in DESIGN.md)."""
+"""`python -m workers serve | join | sample | status | stop | keys` (contract P in DESIGN.md)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -13,6 +14,7 @@ import time
 
 from parallel.config import LayoutError, add_parallel_arguments, config_from_args
 
+from . import auth
 from .client import JobCancelledError, JobFailed, PoolClient, PoolUnreachable
 
 
@@ -31,6 +33,21 @@ def _pool_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
     add_parallel_arguments(parser)
 
 
+def _node_arguments(parser: argparse.ArgumentParser, join: bool) -> None:
+    """Several machines: passed to torchrun's elastic launcher (c10d rendezvous hosted by node 0)."""
+    group = parser.add_argument_group("several machines (torchrun c10d rendezvous)")
+    group.add_argument("--nnodes", type=int, required=join, default=1, help="machines in the pool")
+    group.add_argument("--node-rank", type=int, required=join, default=0,
+                       help="this machine's number: 0 serves clients, 1 … nnodes-1 join")
+    group.add_argument("--rdzv-endpoint", required=join, default=None, help="HOST:PORT of node 0's rendezvous")
+    group.add_argument("--rdzv-id", default="xdit-pool", help="the pool's rendezvous id (the same on every machine)")
+
+
+def _client_keys_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--curve-dir", default=os.environ.get(auth.ENV) or None,
+                        help=f"folder with server.key and client.key_secret, for a pool with CURVE keys (default: ${auth.ENV})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m workers", description="xDiT pool: persistent parallel sampling")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -38,6 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run a pool in the foreground (SIGTERM stops every rank)")
     _pool_arguments(serve, required=True)
     serve.add_argument("--endpoint", default="tcp://127.0.0.1:5599")
+    serve.add_argument("--curve-dir", default=None,
+                       help="keys from `python -m workers keys` (server.key_secret, clients/*.key); required off loopback")
+    _node_arguments(serve, join=False)
+
+    join = commands.add_parser("join", help="run this machine's ranks of node 0's pool (several machines)")
+    _pool_arguments(join, required=True)
+    _node_arguments(join, join=True)
+
+    keys = commands.add_parser("keys", help="create CURVE keys for a pool reachable from other machines")
+    keys.add_argument("--out", required=True, help="a new folder for the keys")
 
     sample = commands.add_parser("sample", help="run one job (on --endpoint, or on a pool started for it)")
     _pool_arguments(sample, required=False)
@@ -50,39 +77,72 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--height", type=int, default=1024)
     sample.add_argument("--width", type=int, default=1024)
     sample.add_argument("--scheduler", default=None)
+    _client_keys_argument(sample)
 
     for name, text in (("status", "print the pool's status"), ("stop", "stop a pool")):
         command = commands.add_parser(name, help=text)
         command.add_argument("--endpoint", required=True)
+        _client_keys_argument(command)
         if name == "status":
             command.add_argument("--json", action="store_true")
     return parser
 
 
-def _spec(args, endpoint: str):
+def _spec(args, endpoint: str | None, curve_dir: str | None = None):
     from .launcher import PoolSpec
 
     return PoolSpec(
         model=args.model, nproc=args.nproc, endpoint=endpoint, parallel=config_from_args(args),
         text_encoders=args.text_encoders, dtype=args.dtype, threads_per_rank=args.threads_per_rank,
+        curve_dir=curve_dir, nnodes=getattr(args, "nnodes", 1), node_rank=getattr(args, "node_rank", 0),
+        rdzv_endpoint=getattr(args, "rdzv_endpoint", None), rdzv_id=getattr(args, "rdzv_id", "xdit-pool"),
     )
+
+
+def _run_in_foreground(pool, banner: str) -> int:
+    """Supervise until SIGTERM/SIGINT or a client's stop; the pool keeps restarting meanwhile."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    pool.spawn()
+    announced = False
+    while not stop.is_set() and pool.running:
+        if pool.ready and not announced and pool.state == "ready":
+            print(banner, flush=True)
+            announced = True
+        stop.wait(0.2)
+    pool.stop()
+    if pool.state == "error":
+        print(f"error: {pool.error}", file=sys.stderr, flush=True)
+        return 1
+    print("xdit pool stopped", flush=True)
+    return 0
 
 
 def serve(args) -> int:
     from .launcher import Pool
 
-    pool = Pool(_spec(args, args.endpoint))
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    pool.start()
-    print(f"xdit pool serving {args.model} on {args.endpoint} with {args.nproc} rank(s) "
-          f"[{pool.spec.parallel.describe()}]", flush=True)
-    while not stop.is_set() and pool.running:
-        stop.wait(0.2)
-    pool.stop()
-    print("xdit pool stopped", flush=True)
-    return 0 if pool.state != "error" else 1
+    pool = Pool(_spec(args, args.endpoint, args.curve_dir))
+    nodes = f" over {args.nnodes} nodes" if args.nnodes > 1 else ""
+    return _run_in_foreground(pool, f"xdit pool serving {args.model} on {args.endpoint} with {pool.spec.world_size} "
+                                    f"rank(s){nodes} [{pool.spec.parallel.describe()}]")
+
+
+def join(args) -> int:
+    from .launcher import Pool
+
+    pool = Pool(_spec(args, None))
+    return _run_in_foreground(pool, f"xdit node {args.node_rank} joined the pool at {args.rdzv_endpoint} with "
+                                    f"{args.nproc} rank(s) [{pool.spec.parallel.describe()}]")
+
+
+def keys(args) -> int:
+    written = auth.create_keys(args.out)
+    print(f"wrote {len(written)} key files (mode 0600) to {args.out}\n"
+          f"  pool:    python -m workers serve --curve-dir {args.out} --endpoint tcp://0.0.0.0:5599 ...\n"
+          f"  clients: copy {args.out}/server.key and {args.out}/client.key_secret into a folder, then pass "
+          f"--curve-dir FOLDER (or set {auth.ENV}=FOLDER)")
+    return 0
 
 
 def sample(args) -> int:
@@ -102,10 +162,11 @@ def sample(args) -> int:
             raise SystemExit("sample needs --endpoint of a running pool, or --model (and --nproc) to start one")
         endpoint = free_endpoint()
         pool = Pool(_spec(args, endpoint)).start()
+    curve_dir = args.curve_dir if pool is None else None  # a pool started here binds loopback without keys
     interrupted = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: interrupted.set())
     try:
-        with PoolClient(endpoint) as client:
+        with PoolClient(endpoint, curve_dir=curve_dir) as client:
             start = time.perf_counter()
 
             def on_step(message):
@@ -128,7 +189,7 @@ def sample(args) -> int:
 
 
 def status(args) -> int:
-    with PoolClient(args.endpoint) as client:
+    with PoolClient(args.endpoint, curve_dir=args.curve_dir) as client:
         try:
             info = client.status()
         except PoolUnreachable as error:
@@ -142,7 +203,7 @@ def status(args) -> int:
 
 
 def stop(args) -> int:
-    with PoolClient(args.endpoint) as client:
+    with PoolClient(args.endpoint, curve_dir=args.curve_dir) as client:
         client.stop()
     return 0
 
@@ -151,7 +212,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     args = build_parser().parse_args(argv)
     try:
-        return {"serve": serve, "sample": sample, "status": status, "stop": stop}[args.command](args)
+        commands = {"serve": serve, "join": join, "sample": sample, "status": status, "stop": stop, "keys": keys}
+        return commands[args.command](args)
     except (LayoutError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -3,6 +3,9 @@
 `PoolClient.sample(...)` submits a job and yields nothing but a result: it calls `on_step` for each
 streamed step, raises JobFailed / JobCancelledError, and notices a pool that stopped answering.
 A client has a fixed identity, so it keeps receiving its replies across the pool's restarts.
+A pool with CURVE keys (auth.py) answers only clients with an allowed key, so a client given
+`curve_dir` speaks CURVE; the client watches its own handshakes, because a refused client gets no
+reply at all, and says at once what is wrong with its keys instead of waiting for a timeout.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ from typing import Callable
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from . import protocol
+from .auth import ENV, HANDSHAKE_FAILURES, ClientKeys
 from .protocol import Message
 
 PING_EVERY_S = 5.0
@@ -23,6 +28,10 @@ MISSED_PINGS = 3
 
 class PoolUnreachable(RuntimeError):
     pass
+
+
+class PoolRefused(PoolUnreachable):
+    """The pool's endpoint refused this client's keys (or their absence): retrying will not help."""
 
 
 class JobFailed(RuntimeError):
@@ -38,16 +47,21 @@ class JobCancelledError(RuntimeError):
 
 
 class PoolClient:
-    def __init__(self, endpoint: str, context: zmq.Context | None = None):
-        self.endpoint = endpoint
+    def __init__(self, endpoint: str, context: zmq.Context | None = None, curve_dir: str | None = None):
+        self.endpoint, self.curve_dir = endpoint, curve_dir
         self._context = context or zmq.Context.instance()
         self.socket = self._context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, f"client-{uuid.uuid4().hex}".encode())
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDTIMEO, 10_000)
+        if curve_dir:
+            ClientKeys.load(curve_dir).apply(self.socket)
+        self._handshakes = self.socket.get_monitor_socket(HANDSHAKE_FAILURES)
         self.socket.connect(endpoint)
 
     def close(self) -> None:
+        self.socket.disable_monitor()
+        self._handshakes.close(linger=0)
         self.socket.close(linger=0)
 
     def __enter__(self) -> "PoolClient":
@@ -61,9 +75,28 @@ class PoolClient:
         self.socket.send_multipart(protocol.encode(message), copy=False)
 
     def receive(self, timeout_s: float) -> Message | None:
-        if not self.socket.poll(int(timeout_s * 1000)):
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self._handshakes, zmq.POLLIN)
+        ready = dict(poller.poll(int(timeout_s * 1000)))
+        if self._handshakes in ready:
+            raise self._refused(recv_monitor_message(self._handshakes))
+        if self.socket not in ready:
             return None
         return protocol.decode(self.socket.recv_multipart(copy=False), from_client=False)
+
+    def _refused(self, event: dict) -> PoolRefused:
+        where = f"the pool at {self.endpoint}"
+        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            why = f"refused this client's key: its public key ({self.curve_dir}/client.key) is not in the pool's clients/ folder"
+        elif event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH and not self.curve_dir:
+            why = (f"requires CURVE keys: pass --curve-dir DIR (or set {ENV}) with its server.key and an "
+                   "allowed client.key_secret, from `python -m workers keys`")
+        elif event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            why = "does not use CURVE keys: connect without --curve-dir"
+        else:
+            why = f"did not accept the handshake: is {self.curve_dir}/server.key that pool's server key?"
+        return PoolRefused(f"{where} {why}")
 
     def request(self, kind: str, job: str = "", timeout_s: float = 10.0) -> Message:
         """Send a status/stop/cancel message and return the reply that belongs to it."""
@@ -74,7 +107,8 @@ class PoolClient:
             reply = self.receive(left)
             if reply is not None and reply.job == tag and reply.type != "step":
                 return reply
-        raise PoolUnreachable(f"no reply from the pool at {self.endpoint} within {timeout_s:.0f} s")
+        keys = "" if self.curve_dir else f" (a pool with CURVE keys answers only clients with an allowed key: --curve-dir or {ENV})"
+        raise PoolUnreachable(f"no reply from the pool at {self.endpoint} within {timeout_s:.0f} s{keys}")
 
     def status(self, timeout_s: float = 10.0) -> dict:
         return self.request("status", timeout_s=timeout_s).params
@@ -93,6 +127,8 @@ class PoolClient:
                     return last
                 if last.get("state") == "error":
                     raise PoolUnreachable(f"the pool failed: {last.get('error')}")
+            except PoolRefused:
+                raise
             except PoolUnreachable:
                 pass
             time.sleep(0.1)

@@ -1,16 +1,24 @@
-"""Starts, watches and restarts a pool: torchrun as a child process group, plus its control channel.
+"""Starts, watches and restarts this machine's share of a pool: torchrun as a child process group, plus its control channel.
 
 The supervisor, not torchrun's agent, decides what a rank's death means: it polls every rank's
 pid every 50 ms (torchrun's own monitor runs every 2 s), so it sees the rank that died first and
 can name it to the client before it stops the others.
 
-The `Pool` object lives in the process that owns the pool (ComfyUI or `python -m workers serve`).
-Its supervisor thread is the only user of its ZMQ sockets. It launches torchrun, hands the client
-endpoint to rank 0 once rank 0 is up, and meanwhile answers clients itself (a stand-in that says
-`starting`), so the endpoint never goes silent: during start-up, and after a crash, when it also
-tells the running job's client which rank died. Ranks die with their parent: torchrun gets SIGTERM
-when the supervisor thread's process dies (PR_SET_PDEATHSIG), and each rank gets SIGKILL when
-torchrun dies.
+The `Pool` object lives in the process that owns the pool (ComfyUI, `python -m workers serve` or
+`join`). Its supervisor thread is the only user of its ZMQ sockets. It launches torchrun, hands the
+client endpoint to rank 0 once rank 0 is up, and meanwhile answers clients itself (standin.StandIn),
+so the endpoint never goes silent: during start-up, and after a crash, when it also tells the running
+job's client what happened. Ranks die with their parent: torchrun gets SIGTERM when the supervisor
+thread's process dies (PR_SET_PDEATHSIG), and each rank gets SIGKILL when torchrun dies.
+
+Several machines (nnodes > 1): each runs a supervisor over its own ranks, under torchrun's elastic
+agent with the c10d rendezvous. Node 0 (`serve`) hosts the rendezvous store and the client endpoint;
+the others `join`. Every launch is `--max-restarts 0`: when the world breaks (a rank or a whole node
+is lost, which the ranks notice in their collectives and report as `world_lost`), every supervisor
+stops its share and launches it again. Node 0's new agent hosts a fresh rendezvous, the others'
+agents exit when theirs disappears and are relaunched into it, and the world forms again as soon as
+every node is back; until then node 0's stand-in says `waiting for nodes`. The control channel stays
+on each machine: node 0's supervisor knows the other nodes only from rank 0's reports.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,16 +37,20 @@ from pathlib import Path
 
 import zmq
 
-from parallel.config import ParallelConfig
+from parallel.config import LayoutError, ParallelConfig
 
-from . import protocol
+from .auth import ServerKeys, check_endpoint
 from .control import pack, unpack
-from .protocol import Message, ProtocolError
+from .protocol import Message
+from .standin import StandIn
 
 log = logging.getLogger("xdit.launcher")
 ROOT = Path(__file__).resolve().parents[1]
 JOB_ERROR_GRACE_S = 3.0
-DELIVERY_RETRY_S = 5.0
+JOIN_RELAUNCH_DELAY_S = 2.0  # lets node 0 notice the break first and host the fresh rendezvous
+RENDEZVOUS_RETRY_S = 1.0
+DEATH_REPORT_S = 0.5  # a rank's peers can notice its death before /proc shows it
+WAITING = "waiting for nodes"
 
 
 class PoolError(RuntimeError):
@@ -47,23 +60,73 @@ class PoolError(RuntimeError):
 @dataclass
 class PoolSpec:
     model: str
-    nproc: int
-    endpoint: str
+    nproc: int  # ranks on this machine
+    endpoint: str | None  # None on a joining node: rank 0, on node 0, serves the clients
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     text_encoders: bool = False
     dtype: str | None = None
     threads_per_rank: int | None = None
     log_file: str | None = None
     devices: str | None = None  # CUDA_VISIBLE_DEVICES for the ranks, e.g. "0,1,2,3"
+    curve_dir: str | None = None  # CURVE keys of the client endpoint (auth.py)
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None  # HOST:PORT of node 0's rendezvous
+    rdzv_id: str = "xdit-pool"
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc
+
+    @property
+    def local_ranks(self) -> range:
+        return range(self.node_rank * self.nproc, (self.node_rank + 1) * self.nproc)
+
+    def ranks_of(self, node: int) -> list[int]:
+        return list(range(node * self.nproc, (node + 1) * self.nproc))
+
+    def check(self) -> None:
+        """Every mistake that would only show up later on some rank, as one clear error now."""
+        try:
+            self.parallel.check(self.world_size)
+        except LayoutError as error:
+            if self.nnodes == 1:
+                raise
+            raise LayoutError(f"{error} (here {self.nnodes} nodes × --nproc {self.nproc} = {self.world_size} ranks)") from None
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT, node 0's address (e.g. 192.168.1.10:29400)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} is outside 0 … {self.nnodes - 1} (--nnodes {self.nnodes})")
+        if self.node_rank == 0 and self.endpoint is None:
+            raise ValueError("node 0 serves the clients: give it --endpoint (`python -m workers serve`)")
+        if self.node_rank > 0 and self.endpoint is not None:
+            raise ValueError(f"--node-rank {self.node_rank}: only node 0 serves clients; start node {self.node_rank} "
+                             "with `python -m workers join`")
+        if self.endpoint is not None:
+            check_endpoint(self.endpoint, self.curve_dir)
+            if self.curve_dir:
+                ServerKeys.load(self.curve_dir)
+
+    def torchrun_arguments(self) -> list[str]:
+        if self.nnodes == 1:
+            return ["--standalone", "--nproc-per-node", str(self.nproc)]
+        # c10d orders nodes its own way (it ignores --node-rank); the ranks put node 0 first themselves.
+        host_conf = ["--rdzv-conf", "is_host=0"] if self.node_rank else []  # node 0 hosts the rendezvous store
+        return ["--nnodes", str(self.nnodes), "--nproc-per-node", str(self.nproc), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", self.rdzv_endpoint, "--rdzv-id", self.rdzv_id, *host_conf, "--max-restarts", "0"]
 
     def rank_arguments(self) -> list[str]:
         p = self.parallel
         args = [
-            "--model", str(self.model), "--endpoint", self.endpoint,
+            "--model", str(self.model), "--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank),
             "--ulysses-degree", str(p.ulysses_degree), "--ring-degree", str(p.ring_degree),
             "--pipefusion-degree", str(p.pipefusion_degree), "--warmup-steps", str(p.warmup_steps),
             "--dp-degree", str(p.dp_degree),
         ]
+        if self.endpoint is not None:
+            args += ["--endpoint", self.endpoint]
+        if self.curve_dir and self.endpoint is not None:
+            args += ["--curve-dir", str(self.curve_dir)]
         if p.num_patches:
             args += ["--num-patches", str(p.num_patches)]
         if p.cfg_degree > 1:
@@ -93,16 +156,25 @@ def _dead(pid: int) -> bool:
         return True
 
 
+def describe_node(row: dict) -> str:
+    ranks = row["ranks"]
+    span = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}–{ranks[-1]}"
+    return f"node {row['node']} ({span}{' on ' + row['host'] if row.get('host') else ''})"
+
+
 class Pool:
-    """A persistent pool of ranks serving `spec.endpoint`."""
+    """This machine's share of a persistent pool; on node 0 it also owns `spec.endpoint`."""
 
     def __init__(self, spec: PoolSpec):
-        spec.parallel.check(spec.nproc)
+        spec.check()
         self.spec = spec
         self.restarts = 0
         self.jobs_done = 0
         self.state = "starting"
         self.error: str | None = None
+        self.restart_reason: str | None = None
+        self.nodes: list[dict] = []  # the world's nodes, as rank 0 last reported them
+        self.host = socket.gethostname()
         self._ready = threading.Event()
         self._stopped = threading.Event()
         self._stop_requested = threading.Event()
@@ -111,9 +183,15 @@ class Pool:
         self.pids: dict[int, int] = {}
 
     # -- public -------------------------------------------------------------------------------------
+    def spawn(self) -> "Pool":
+        """Start supervising without waiting for the ranks (see `ready`, `state`)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._supervise, name="xdit-supervisor", daemon=True)
+            self._thread.start()
+        return self
+
     def start(self, timeout_s: float = 600) -> "Pool":
-        self._thread = threading.Thread(target=self._supervise, name="xdit-supervisor", daemon=True)
-        self._thread.start()
+        self.spawn()
         if not self._ready.wait(timeout_s):
             self.stop()
             raise PoolError(f"the pool did not become ready within {timeout_s:.0f} s")
@@ -133,6 +211,10 @@ class Pool:
         self._stopped.wait()
 
     @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    @property
     def running(self) -> bool:
         return not self._stopped.is_set()
 
@@ -149,13 +231,18 @@ class Pool:
         self._control.setsockopt(zmq.LINGER, 0)
         port = self._control.bind_to_random_port("tcp://127.0.0.1")
         self._control_endpoint = f"tcp://127.0.0.1:{port}"
-        self._standin: zmq.Socket | None = None
-        self._deliveries: list[tuple[float, bytes, list]] = []
+        self._standin: StandIn | None = None
+        self._launch_at: float | None = None
         try:
-            self._bind_standin()
+            if self.spec.endpoint is not None:
+                self._standin = StandIn(self._context, self.spec.endpoint, self.status, self._stop_requested.set,
+                                        self.spec.curve_dir)
+                self._standin.bind()
             self._launch()
             while not self._stop_requested.is_set():
                 self._poll_once()
+                if self._launch_at is not None and time.monotonic() >= self._launch_at:
+                    self._launch()
                 self._check_liveness()
             self._shutdown_ranks()
         except Exception as error:  # noqa: BLE001 - the supervisor must never die silently
@@ -163,7 +250,8 @@ class Pool:
             self.state, self.error = "error", f"supervisor failed: {error}"
         finally:
             self._kill_ranks()
-            self._close_standin()
+            if self._standin is not None:
+                self._standin.shutdown()
             self._control.close()
             self._context.term()
             self.state = "stopped" if self.state != "error" else self.state
@@ -171,14 +259,14 @@ class Pool:
             self._stopped.set()
 
     def _launch(self) -> None:
-        self.state, self.pids = "starting", {}
+        self.state, self.pids, self._launch_at = WAITING if self.spec.nnodes > 1 else "starting", {}, None
         self._ranks_ready: set[int] = set()
         self._current_job: tuple[str, bytes] | None = None
         self._job_errors: dict[int, str] = {}
         self._job_error_since = 0.0
         command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(self.spec.nproc),
-            "--monitor-interval", "2", "-m", "workers.rank", *self.spec.rank_arguments(),
+            sys.executable, "-m", "torch.distributed.run", *self.spec.torchrun_arguments(),
+            "--monitor-interval", "1", "-m", "workers.rank", *self.spec.rank_arguments(),
             "--control", self._control_endpoint, "--jobs-done", str(self.jobs_done), "--restarts", str(self.restarts),
         ]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
@@ -194,34 +282,47 @@ class Pool:
         if output:
             output.close()
 
+    def _relaunch_after(self, delay_s: float) -> None:
+        self.process, self._launch_at = None, time.monotonic() + delay_s
+
     def _poll_once(self) -> None:
         poller = zmq.Poller()
         poller.register(self._control, zmq.POLLIN)
         if self._standin is not None:
-            poller.register(self._standin, zmq.POLLIN)
+            self._standin.register(poller)
         for sock, _ in poller.poll(50):
             if sock is self._control:
                 identity, raw = self._control.recv_multipart()
                 self._on_control(identity, unpack(raw))
-            elif sock is self._standin:  # not closed by a bind_request handled just before
-                self._on_standin(sock.recv_multipart(copy=False))
-        self._retry_deliveries()
+            elif self._standin is not None:
+                self._standin.handle(sock)
+        if self._standin is not None:
+            self._standin.retry()
 
     def _on_control(self, identity: bytes, message: dict) -> None:
         kind, rank = message["type"], message.get("rank", -1)
         if kind == "hello":
             self.pids[rank] = message["pid"]
+            if self.state == WAITING:  # torchrun starts ranks only once every node is in the rendezvous
+                self.state = "starting"
         elif kind == "bind_request":
-            self._close_standin()
+            if self._standin is not None:
+                self._standin.close()
             self._control.send_multipart([identity, pack({"type": "bind_ok"})])
         elif kind == "ready":
             self._ranks_ready.add(rank)
+            self.nodes = message.get("nodes") or self.nodes
             if len(self._ranks_ready) == self.spec.nproc:
                 self.state = "ready"
                 self._ready.set()
-                log.info("pool ready: %d ranks, restarts=%d", self.spec.nproc, self.restarts)
+                log.info("pool ready: %d of %d ranks here, restarts=%d", self.spec.nproc, self.spec.world_size, self.restarts)
         elif kind == "failed":
-            self._start_failed(f"rank {rank} failed to start: {message['error']}")
+            if message.get("fatal", True):
+                self._start_failed(f"rank {rank} failed to start: {message['error']}")
+            else:
+                self._world_broke(rank, message["error"])
+        elif kind == "world_lost":
+            self._world_broke(rank, message["error"])
         elif kind == "job_started":
             self._current_job = (message["job"], message["client"])
             self._job_errors = {}
@@ -233,36 +334,71 @@ class Pool:
         elif kind == "job_error":
             self._job_errors.setdefault(rank, message["error"])
             self._job_error_since = self._job_error_since or time.monotonic()
-            if len(self._job_errors) == self.spec.nproc:  # every rank failed alike: answer and go on
+            if len(self._job_errors) == self.spec.nproc:  # every rank here failed alike: resume (ranks confirm world-wide)
                 first = min(self._job_errors)
                 verdict = pack({"type": "resume", "rank": first, "error": self._job_errors[first]})
-                for r in range(self.spec.nproc):
+                for r in self.spec.local_ranks:
                     self._control.send_multipart([f"rank{r}".encode(), verdict])
                 self._job_errors, self._job_error_since = {}, 0.0
 
+    def _dead_ranks(self) -> list[int]:
+        return sorted(r for r, pid in self.pids.items() if _dead(pid))
+
     def _check_liveness(self) -> None:
+        if self.process is None:
+            return
         if self._job_errors and time.monotonic() - self._job_error_since > JOB_ERROR_GRACE_S:
             rank = min(self._job_errors)
             return self._crashed(f"the job failed on rank {rank} only ({self._job_errors[rank]}); the pool restarts")
-        exit_code = self.process.poll() if self.process else None
-        dead = sorted(r for r, pid in self.pids.items() if _dead(pid))
+        exit_code = self.process.poll()
+        dead = self._dead_ranks()
         if exit_code is None and not dead:
             return
-        if self.state != "ready":
+        if self.state == WAITING:
+            self.restart_reason = (f"torchrun exited with code {exit_code} while waiting for the other nodes at "
+                                   f"{self.spec.rdzv_endpoint}; waiting again")
+            log.warning("%s", self.restart_reason)
+            self._kill_ranks()
+            return self._relaunch_after(RENDEZVOUS_RETRY_S)
+        if self.spec.nnodes == 1 and self.state != "ready":
             return self._start_failed(f"torchrun exited with code {exit_code} while the pool was starting")
-        what = ", ".join(f"rank {r} (pid {self.pids[r]})" for r in dead) or f"torchrun (exit code {exit_code})"
-        self._crashed(f"{what} died; the pool is restarting")
+        if dead:
+            what = ", ".join(f"rank {r} (pid {self.pids[r]})" for r in dead)
+            return self._crashed(f"{what} died; the pool is restarting")
+        if self.spec.nnodes > 1:
+            return self._world_broke(None, f"torchrun exited with code {exit_code}")
+        self._crashed(f"torchrun (exit code {exit_code}) died; the pool is restarting")
+
+    def _world_broke(self, rank: int | None, error: str) -> None:
+        """A rank here lost its peers: name a rank here that died, or else the other nodes."""
+        deadline = time.monotonic() + DEATH_REPORT_S
+        while not (dead := self._dead_ranks()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if dead:
+            what = ", ".join(f"rank {r} (pid {self.pids[r]}) died" for r in dead)
+        elif self.spec.nnodes > 1:
+            what = f"lost contact with {self._other_nodes()}: {error}"
+        else:
+            what = f"rank {rank} lost contact with the other ranks: {error}"
+        self._crashed(f"{what}; the pool restarts when every node is back" if self.spec.nnodes > 1 else
+                      f"{what}; the pool is restarting")
+
+    def _other_nodes(self) -> str:
+        rows = self.nodes or [{"node": n, "ranks": self.spec.ranks_of(n)} for n in range(self.spec.nnodes)]
+        return ", ".join(describe_node(row) for row in rows if row["node"] != self.spec.node_rank)
 
     def _crashed(self, reason: str) -> None:
         log.error("%s", reason)
+        self.restart_reason = reason
         self._kill_ranks()
         self.state = "restarting"
-        self._bind_standin()
-        if self._current_job is not None:
-            job, client = self._current_job
-            self._queue_delivery(client, Message("error", job, {"message": reason, "rank": -1}))
+        if self._standin is not None:
+            self._standin.bind()
+            if self._current_job is not None:
+                job, client = self._current_job
+                self._standin.send(client, Message("error", job, {"message": reason, "rank": -1}))
         self.restarts += 1
-        self._launch()
+        self._relaunch_after(JOIN_RELAUNCH_DELAY_S if self.spec.node_rank else 0.0)
 
     def _start_failed(self, reason: str) -> None:
         log.error("%s", reason)
@@ -311,75 +447,24 @@ class Pool:
         except subprocess.TimeoutExpired:
             pass
 
-    # -- the stand-in endpoint (while rank 0 does not serve) ---------------------------------------
-    def _bind_standin(self) -> None:
-        if self._standin is not None:
-            return
-        sock = self._context.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, 8 * protocol.MAX_FRAME_BYTES)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                sock.bind(self.spec.endpoint)
-                break
-            except zmq.ZMQError:
-                if time.monotonic() > deadline:
-                    sock.close()
-                    raise
-                time.sleep(0.05)
-        self._standin = sock
-
-    def _close_standin(self) -> None:
-        if self._standin is not None:
-            self._standin.unbind(self.spec.endpoint)
-            self._standin.close(linger=0)
-            self._standin = None
-
+    # -- what the stand-in answers ------------------------------------------------------------------
     def status(self) -> dict:
         return {
-            "state": "error" if self.state == "error" else "starting",
-            "world_size": self.spec.nproc,
+            "state": {"error": "error", WAITING: WAITING}.get(self.state, "starting"),
+            "world_size": self.spec.world_size,
             "ranks_alive": sum(not _dead(p) for p in self.pids.values()),
             "jobs_done": self.jobs_done,
             "restarts": self.restarts,
             "model": str(self.spec.model),
             "parallel": {**vars(self.spec.parallel), "description": self.spec.parallel.describe()},
+            "nodes": self.node_table(),
             "error": self.error,
+            "restart_reason": self.restart_reason,
         }
 
-    def _on_standin(self, frames: list) -> None:
-        if len(frames) < 2:
-            return
-        client = frames[0].bytes
-        try:
-            message = protocol.decode(frames[1:])
-        except ProtocolError as error:
-            return self._queue_delivery(client, Message("error", params={"message": str(error), "rank": -1}))
-        if message.type == "status":
-            reply = Message("status", message.job, self.status())
-        elif message.type == "stop":
-            self._stop_requested.set()
-            reply = Message("stopping", message.job)
-        else:
-            text = f"the pool is {self.status()['state']} (restarts: {self.restarts}); retry when status says idle"
-            reply = Message("error", message.job, {"message": text, "rank": -1})
-        self._queue_delivery(client, reply)
-
-    def _queue_delivery(self, client: bytes, message: Message) -> None:
-        self._deliveries.append((time.monotonic() + DELIVERY_RETRY_S, client, protocol.encode(message)))
-        self._retry_deliveries()
-
-    def _retry_deliveries(self) -> None:
-        """Send queued replies; a client that is reconnecting after a crash gets a few seconds."""
-        pending = []
-        for deadline, client, frames in self._deliveries:
-            try:
-                if self._standin is None:
-                    raise zmq.ZMQError(zmq.EHOSTUNREACH)
-                self._standin.send_multipart([client, *frames], copy=False)
-            except zmq.ZMQError:
-                if time.monotonic() < deadline:
-                    pending.append((deadline, client, frames))
-        self._deliveries = pending
+    def node_table(self) -> list[dict]:
+        """Nodes as last reported; this one takes part while its supervisor runs, others once the world formed."""
+        formed = self.state in ("starting", "ready")
+        rows = self.nodes or [{"node": n, "host": self.host if n == self.spec.node_rank else None,
+                               "ranks": self.spec.ranks_of(n), "pids": []} for n in range(self.spec.nnodes)]
+        return [{**row, "alive": row["node"] == self.spec.node_rank or formed} for row in rows]

@@ -4,6 +4,12 @@ Start-up: join the world, report to the supervisor, load and wrap the pipeline, 
 Rank 0 also serves clients (server.ClientServer). Then the job loop: rank 0 takes a job, all ranks
 run it, rank 0 answers. A job that fails on every rank alike is answered and the loop goes on; a
 rank that fails alone is reported to the supervisor, which restarts the pool.
+
+Between jobs rank 0 probes the world every second (a `probe` work item and an all-reduce with a
+short timeout), so a lost peer, on this machine or another one, is noticed while idle too; a rank
+whose collectives fail reports `world_lost` and waits for its supervisor to restart it. The probe
+also keeps idle ranks from hitting gloo's receive timeout. On several machines the ranks renumber
+themselves node by node (node 0 first), because c10d's rendezvous orders machines its own way.
 """
 
 from __future__ import annotations
@@ -12,10 +18,14 @@ import argparse
 import ctypes
 import logging
 import os
+import re
 import signal
+import socket
 import sys
 import time
 import traceback
+from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -30,6 +40,14 @@ from .protocol import Message
 
 log = logging.getLogger("xdit.rank")
 VERDICT_TIMEOUT_S = 10.0
+PROBE_EVERY_S = 1.0
+HEALTH_TIMEOUT_S = 10.0  # a peer silent this long inside a probe or a verdict is lost
+WORLD_LOST_WAIT_S = 30.0
+HOST_BYTES = 64
+
+
+class StartRefused(RuntimeError):
+    """This world cannot work whatever the other nodes do (different layouts or --nproc): do not retry."""
 
 
 def die_with_parent() -> None:
@@ -43,8 +61,11 @@ def die_with_parent() -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m workers.rank")
     parser.add_argument("--model", required=True)
-    parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--endpoint", default=None, help="rank 0 serves clients here (node 0 only)")
+    parser.add_argument("--curve-dir", default=None)
     parser.add_argument("--control", required=True)
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--node-rank", type=int, default=0)
     parser.add_argument("--text-encoders", action="store_true")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--jobs-done", type=int, default=0)
@@ -56,7 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 class Rank:
     def __init__(self, args: argparse.Namespace):
         self.args = args
-        self.rank = int(os.environ["RANK"])
+        self.rank = self._claim_rank()
+        self.phase = "world"  # "world": collectives, which fail when a peer is lost; "load": this rank alone
         self.context = zmq.Context()
         self.control = RankChannel(self.context, args.control, self.rank)
         self.control.send("hello", pid=os.getpid())
@@ -64,7 +86,16 @@ class Rank:
         self.jobs_done = args.jobs_done
         self.memory: list[dict] = []
         self.pids: list[int] = []
+        self.nodes: list[dict] = []
         self.state = "starting"
+
+    def _claim_rank(self) -> int:
+        """Node 0's ranks come first, whatever order the c10d rendezvous gave the machines."""
+        if self.args.nnodes == 1:
+            return int(os.environ["RANK"])
+        rank = self.args.node_rank * int(os.environ["LOCAL_WORLD_SIZE"]) + int(os.environ["LOCAL_RANK"])
+        os.environ["RANK"] = str(rank)  # read by init_process_group (env://)
+        return rank
 
     # -- start-up -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -72,12 +103,19 @@ class Rank:
         from parallel.loading import load_pipeline
         from parallel.model_executor import wrap_pipeline
 
+        nodes_nproc = self.args.nnodes * int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if self.args.nnodes > 1 and int(os.environ["WORLD_SIZE"]) != nodes_nproc:
+            raise StartRefused(f"the world has {os.environ['WORLD_SIZE']} ranks but {self.args.nnodes} nodes × "
+                               f"--nproc {os.environ['LOCAL_WORLD_SIZE']} = {nodes_nproc}: give every node the same --nproc")
         world = init_distributed_environment()
         self.world_size = world.world_size
         self.config = config_from_args(self.args)
-        self.layout = initialize_model_parallel(self.config)
-        # Job metadata and step decisions travel on gloo (CPU) even when the model uses NCCL.
+        # Job metadata, step decisions and probes travel on gloo (CPU) even when the model uses NCCL.
         self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        self.health = dist.new_group(backend="gloo", timeout=timedelta(seconds=HEALTH_TIMEOUT_S))
+        self.nodes, self.pids = self._census()
+        self.layout = initialize_model_parallel(self.config)
+        self.phase = "load"
         if self.rank == 0:
             self._serve()
         # Only rank 0 encodes text, so only rank 0 loads the text encoders.
@@ -86,11 +124,39 @@ class Rank:
         self.default_scheduler = self.pipeline.module.scheduler.module
         self.scheduler_name = "default"
         self.runner = JobRunner(self.pipeline, self.group, self.server)
-        self.pids = self._gather_ints([os.getpid()])
+        self.phase = "world"
         self._update_memory()
-        self.control.send("ready", pid=os.getpid(), memory=self.memory[self.rank] if self.memory else {})
+        self.control.send("ready", pid=os.getpid(), memory=self.memory[self.rank] if self.memory else {}, nodes=self.nodes)
         get_world_group().barrier()
         self.state = "idle"
+
+    def _census(self) -> tuple[list[dict], list[int]]:
+        """Every rank's node, host and pid (for status), and one layout for the whole world."""
+        c = self.config
+        layout = [c.dp_degree, c.cfg_degree, c.pipefusion_degree, c.ring_degree, c.ulysses_degree, c.num_patches or 0, c.warmup_steps]
+        width = 2 + len(layout)
+        flat = self._gather_ints([self.args.node_rank, os.getpid(), *layout])
+        rows = [flat[r * width:(r + 1) * width] for r in range(self.world_size)]
+        hosts = self._gather_text(socket.gethostname())
+        for r, row in enumerate(rows):
+            if row[2:] != layout:
+                names = "dp, cfg, pipefusion, ring, ulysses, patches, warmup"
+                raise StartRefused(f"node {row[0]} runs the layout ({names}) = {tuple(row[2:])} but node "
+                                   f"{self.args.node_rank} runs {tuple(layout)}: start every node with the same layout flags")
+        nodes: dict[int, dict] = {}
+        for r, row in enumerate(rows):
+            node = nodes.setdefault(row[0], {"node": row[0], "host": hosts[r], "ranks": [], "pids": []})
+            node["ranks"].append(r)
+            node["pids"].append(row[1])
+        return [nodes[n] for n in sorted(nodes)], [row[1] for row in rows]
+
+    def _gather_text(self, text: str) -> list[str]:
+        local = torch.zeros(HOST_BYTES, dtype=torch.uint8)
+        data = text.encode()[:HOST_BYTES]
+        local[:len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(parts, local, group=self.group)
+        return [bytes(part.tolist()).rstrip(b"\0").decode(errors="replace") for part in parts]
 
     def _serve(self) -> None:
         from .server import ClientServer
@@ -99,7 +165,7 @@ class Rank:
         reply = self.control.receive(timeout_s=30)
         if not reply or reply["type"] != "bind_ok":
             raise RuntimeError(f"the supervisor did not hand over {self.args.endpoint}")
-        self.server = ClientServer(self.context, self.args.endpoint, self.status, self.validate)
+        self.server = ClientServer(self.context, self.args.endpoint, self.status, self.validate, self.args.curve_dir)
         self.server.start()
 
     def _gather_ints(self, values: list[int]) -> list[int]:
@@ -118,7 +184,9 @@ class Rank:
 
     # -- what rank 0's server asks ------------------------------------------------------------------
     def status(self) -> dict:
-        alive = sum(os.path.exists(f"/proc/{pid}") and not _is_zombie(pid) for pid in self.pids) if self.pids else 0
+        # Ranks on other machines count as alive while the world holds: the probes notice within a second.
+        nodes = [{**row, "alive": row["node"] != self.args.node_rank or all(map(_alive, row["pids"]))} for row in self.nodes]
+        alive = sum(sum(map(_alive, row["pids"])) if row["node"] == self.args.node_rank else len(row["pids"]) for row in nodes)
         return {
             "state": self.state,
             "world_size": self.world_size,
@@ -135,6 +203,7 @@ class Rank:
             "queue": self.server.queue_length() if self.server else 0,
             "step": self.runner.step if self.state == "busy" else 0,
             "pids": self.pids,
+            "nodes": nodes,
         }
 
     def validate(self, message: Message) -> None:
@@ -164,10 +233,10 @@ class Rank:
         while True:
             work, client = None, None
             if self.rank == 0:
-                job = self.server.next_job(timeout_s=0.5)
-                while job is False:
-                    job = self.server.next_job(timeout_s=0.5)
-                if job is None:
+                job = self.server.next_job(timeout_s=PROBE_EVERY_S)
+                if job is False:
+                    work = Work("probe")
+                elif job is None:
                     work = Work("stop")
                 elif job.message.type == "encode":  # rank 0 alone; the others keep waiting
                     self._encode(job)
@@ -175,7 +244,13 @@ class Rank:
                 else:
                     work, client = Work("sample", job.id, job.message.params, job.message.tensors), job.client
                     self.control.send("job_started", job=job.id, client=client)
-            work = broadcast_work(work, self.group)
+            try:
+                work = broadcast_work(work, self.group)
+                if work.kind == "probe":
+                    dist.all_reduce(torch.ones(1), group=self.health)
+                    continue
+            except Exception as error:  # noqa: BLE001 - a peer is gone; the supervisors restart the world
+                self._lost_world(error)
             if work.kind == "stop":
                 return
             self._run(work, client)
@@ -215,7 +290,10 @@ class Rank:
             if self.rank == 0:
                 self.server.job_finished()
                 self.control.send("job_ended", job=work.job, jobs_done=self.jobs_done)
-        self._update_memory()
+        try:
+            self._update_memory()
+        except Exception as error:  # noqa: BLE001 - a peer is gone
+            self._lost_world(error)
 
     def _job_failed(self, work: Work, client: bytes | None, error: Exception) -> None:
         """Ask the supervisor whether every rank failed alike (answer and go on) or not (restart)."""
@@ -225,16 +303,35 @@ class Rank:
         verdict = self.control.receive(timeout_s=VERDICT_TIMEOUT_S)
         if not verdict or verdict["type"] != "resume":
             os._exit(3)  # the supervisor restarts the pool and tells the client
+        try:  # this machine's ranks all failed alike; so did every other machine's, or this times out
+            dist.all_reduce(torch.ones(1), group=self.health)
+        except Exception as lost:  # noqa: BLE001
+            self._lost_world(lost)
         if self.rank == 0:
             self.server.send(client, Message("error", work.job, {"message": verdict["error"], "rank": verdict["rank"]}))
 
 
-def _is_zombie(pid: int) -> bool:
+    def _lost_world(self, error: Exception) -> NoReturn:
+        """A collective failed: a peer died or its machine is gone. The supervisor restarts this rank."""
+        text = f"{type(error).__name__}: {short_error(error)}"
+        log.error("rank %d lost its peers: %s", self.rank, text)
+        self.control.send("world_lost", error=text)
+        self.control.receive(timeout_s=WORLD_LOST_WAIT_S)
+        os._exit(4)
+
+
+def short_error(error: Exception) -> str:
+    """gloo's first sentence, without its source location: "Connection closed by peer [10.0.0.2]:4711"."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+    return re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is typically")[0]
+
+
+def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
-        return True
+        return False
 
 
 def main(argv=None) -> int:
@@ -246,7 +343,9 @@ def main(argv=None) -> int:
     try:
         rank.start()
     except Exception as error:  # noqa: BLE001 - start-up failures go to the supervisor verbatim
-        rank.control.send("failed", error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc())
+        # On several machines a failed collective means a node was lost: the supervisors try again.
+        fatal = rank.args.nnodes == 1 or rank.phase != "world" or isinstance(error, StartRefused)
+        rank.control.send("failed", error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc(), fatal=fatal)
         time.sleep(0.5)
         return 1
     rank.loop()

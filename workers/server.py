@@ -18,6 +18,7 @@ from typing import Any, Callable
 import zmq
 
 from . import protocol
+from .auth import ServerGuard, ServerKeys
 from .protocol import Message, ProtocolError
 
 log = logging.getLogger("xdit.server")
@@ -36,10 +37,13 @@ class Job:
 
 
 class ClientServer(threading.Thread):
-    """Serve clients on `endpoint`; `validate(message)` raises ValueError for a job that can't run."""
+    """Serve clients on `endpoint`; `validate(message)` raises ValueError for a job that can't run.
+
+    With `curve_dir`, only clients holding an allowed key get through (auth.ServerGuard).
+    """
 
     def __init__(self, context: zmq.Context, endpoint: str, status: Callable[[], dict[str, Any]],
-                 validate: Callable[[Message], None]):
+                 validate: Callable[[Message], None], curve_dir: str | None = None):
         super().__init__(name="xdit-client-server", daemon=True)
         self.context, self.endpoint = context, endpoint
         self.status, self.validate = status, validate
@@ -58,6 +62,8 @@ class ClientServer(threading.Thread):
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._router.setsockopt(zmq.LINGER, 1000)
         self._router.setsockopt(zmq.SNDTIMEO, 1000)
+        self._guard = ServerGuard(context, ServerKeys.load(curve_dir)) if curve_dir else None
+        self._monitor = self._guard.secure(self._router) if self._guard else None
         self._router.bind(endpoint)
         self._local = threading.local()
 
@@ -108,13 +114,21 @@ class ClientServer(threading.Thread):
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._outbox, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
         while not self._closed.is_set():
             for sock, _ in poller.poll(100):
                 if sock is self._outbox:
                     client, *frames = self._outbox.recv_multipart(copy=False)
                     self._deliver(client.bytes, frames)
+                elif sock is self._monitor:
+                    self._guard.on_monitor(self._monitor)
                 else:
                     self._handle(self._router.recv_multipart(copy=False))
+        if self._monitor is not None:
+            self._router.disable_monitor()
+            self._monitor.close(linger=0)
+            self._guard.stop()
         self._router.close(linger=1000)
         self._outbox.close()
 

@@ -89,6 +89,17 @@ class GroupCoordinator:
         self.bytes_sent += tensor.nbytes
         return recv, works
 
+    def isend_next(self, tensor: torch.Tensor) -> dist.Work:
+        """Send to the next member without waiting (pipeline stages); wait on the returned work."""
+        tensor = tensor.contiguous()
+        self.bytes_sent += tensor.nbytes
+        return dist.isend(tensor, dst=self.next_rank, group=self.group)
+
+    def recv_prev(self, buffer: torch.Tensor) -> torch.Tensor:
+        """Receive into `buffer` from the previous member."""
+        dist.recv(buffer, src=self.prev_rank, group=self.group)
+        return buffer
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)

@@ -6,6 +6,7 @@ Set by the pipeline wrapper before the denoising loop; read by hooks and attenti
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -17,6 +18,7 @@ class RuntimeState:
     image_tokens: int = 0
     text_tokens: int = 0
     step_index: int = 0
+    token_split: Any = None  # token_split.UnevenSplit while the token count does not divide by the sp degree
 
     def set_input_parameters(
         self, *, height: int, width: int, batch_size: int, num_inference_steps: int, image_tokens: int
@@ -27,6 +29,7 @@ class RuntimeState:
         self.image_tokens = image_tokens
         self.text_tokens = 0
         self.step_index = 0
+        self.token_split = None
 
 
 _RUNTIME = RuntimeState()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import typing
 
 from .plans import CfgMode
 from .register import (
@@ -14,7 +15,11 @@ from .register import (
 
 def _transformer_class_of(pipeline_cls: type) -> type | None:
     annotation = inspect.signature(pipeline_cls.__init__).parameters.get("transformer")
-    return annotation.annotation if annotation and isinstance(annotation.annotation, type) else None
+    if annotation is None:
+        return None
+    # Optional transformers (Wan 2.2 may have only transformer_2) are annotated `X | None`.
+    candidates = typing.get_args(annotation.annotation) or (annotation.annotation,)
+    return next((c for c in candidates if isinstance(c, type) and c is not type(None)), None)
 
 
 def capability_table() -> str:
@@ -29,7 +34,8 @@ def capability_table() -> str:
         sp = "yes" if plan and plan.sequence_parallel else "no"
         cfg = ("yes (batched)" if plan.cfg is CfgMode.BATCHED else "yes (two calls)") if plan else "no"
         name = transformer_cls.__name__ if transformer_cls else "?"
-        rows.append(f"| {pipeline_cls.__name__} | {name} | {sp} | {sp} | {cfg} | yes | no |")
+        pipefusion = "yes" if plan and plan.pipefusion else "no"
+        rows.append(f"| {pipeline_cls.__name__} | {name} | {sp} | {sp} | {cfg} | yes | {pipefusion} |")
     rows.append("")
     rows.append(f"Schedulers: {schedulers}.")
     return "\n".join(rows)

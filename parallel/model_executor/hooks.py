@@ -9,10 +9,11 @@ from typing import Any, Callable
 import torch
 
 from ..config import LayoutError
-from ..distributed import GroupCoordinator, get_runtime_state
+from ..distributed import GroupCoordinator, get_runtime_state, get_ulysses_group
 from .layers import xFuserAttentionBaseWrapper, xFuserLayerBaseWrapper
 from .plans import Gather, ParallelPlan, Split
 from .register import xFuserLayerWrappersRegister
+from .token_split import UnevenSplit
 
 
 def as_keyword_arguments(function: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -33,8 +34,12 @@ def map_first(output: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return output
 
 
-def shard(tensor: torch.Tensor, dim: int, group: GroupCoordinator, what: str) -> torch.Tensor:
+def shard(tensor: torch.Tensor, dim: int, group: GroupCoordinator, what: str, uneven: bool = False) -> torch.Tensor:
     size = tensor.shape[dim]
+    if size % group.world_size and uneven and size >= group.world_size:
+        split = UnevenSplit.of(size, group.world_size, get_ulysses_group().world_size)
+        get_runtime_state().token_split = split
+        return split.shard(tensor, dim, group.rank_in_group)
     if size % group.world_size:
         raise LayoutError(
             f"{what} has {size} tokens, which do not split over sequence-parallel degree {group.world_size}; "
@@ -44,17 +49,19 @@ def shard(tensor: torch.Tensor, dim: int, group: GroupCoordinator, what: str) ->
 
 
 def apply_sequence_plan(
-    transformer: torch.nn.Module, plan: ParallelPlan, sp: GroupCoordinator, kernel: str | None = None
+    transformer: torch.nn.Module, plan: ParallelPlan, sp: GroupCoordinator, kernel: str | None = None,
+    kv_cache: Any = None,
 ) -> tuple[list[torch.utils.hooks.RemovableHandle], list[xFuserLayerBaseWrapper]]:
-    """Shard tokens where the plan says, gather them back, and make the selected attention USP."""
+    """Shard tokens where the plan says, gather them back, and make the selected attention USP
+    (with `kv_cache`, PipeFusion's stale K/V, when the blocks run as a patch pipeline)."""
     handles = [transformer.register_forward_pre_hook(_record_text_tokens(plan.text_input), with_kwargs=True)]
 
-    for path, specs in plan.inputs.items():
-        module = transformer.get_submodule(path)
-        handles.append(module.register_forward_pre_hook(_split_inputs(module, specs, sp), with_kwargs=True))
-
-    for path, op in plan.outputs.items():
-        handles.append(transformer.get_submodule(path).register_forward_hook(_output_op(path, op, sp)))
+    if sp.world_size > 1:
+        for path, specs in plan.inputs.items():
+            module = transformer.get_submodule(path)
+            handles.append(module.register_forward_pre_hook(_split_inputs(module, specs, sp, plan.uneven_tokens), with_kwargs=True))
+        for path, op in plan.outputs.items():
+            handles.append(transformer.get_submodule(path).register_forward_hook(_output_op(path, op, sp, plan.uneven_tokens)))
 
     layers: list[xFuserLayerBaseWrapper] = []
     for name, module in transformer.named_modules():
@@ -63,7 +70,7 @@ def apply_sequence_plan(
         if text_layout is not None:
             wrapper = xFuserLayerWrappersRegister.get_wrapper(module)
             assert issubclass(wrapper, xFuserAttentionBaseWrapper), wrapper
-            layers.append(wrapper(module, name, text_layout, kernel))
+            layers.append(wrapper(module, name, text_layout, kernel, kv_cache))
     if not layers:
         raise ValueError(f"the plan for {type(transformer).__name__} selects no attention layer: {list(plan.attention)}")
     return handles, layers
@@ -77,18 +84,29 @@ def _record_text_tokens(text_input: str):
     return hook
 
 
-def _split_inputs(module: torch.nn.Module, specs: dict[str, Split], sp: GroupCoordinator):
+def _split_inputs(module: torch.nn.Module, specs: dict[str, Split], sp: GroupCoordinator, uneven: bool = False):
     def hook(module_, args, kwargs):
         named = as_keyword_arguments(module.forward, args, kwargs)
         for name, spec in specs.items():
             if named.get(name) is not None:
-                named[name] = shard(named[name], spec.dim, sp, name)
+                named[name] = shard(named[name], spec.dim, sp, name, uneven)
         return (), named
 
     return hook
 
 
-def _output_op(path: str, op: Split | Gather, sp: GroupCoordinator):
+def _output_op(path: str, op: Split | Gather, sp: GroupCoordinator, uneven: bool = False):
     if isinstance(op, Split):
-        return lambda module, args, output: map_first(output, lambda t: shard(t, op.dim, sp, path or "output"))
+        split = lambda t: shard(t, op.dim, sp, path or "output", uneven)  # noqa: E731
+        if op.items is not None:
+            return lambda module, args, output: tuple(split(t) if i in op.items else t for i, t in enumerate(output))
+        return lambda module, args, output: map_first(output, split)
+    if uneven:
+        return lambda module, args, output: map_first(output, lambda t: _gather_uneven(t, op.dim, sp))
     return lambda module, args, output: map_first(output, lambda t: sp.all_gather(t, op.dim))
+
+
+def _gather_uneven(tensor: torch.Tensor, dim: int, sp: GroupCoordinator) -> torch.Tensor:
+    split = get_runtime_state().token_split
+    gathered = sp.all_gather(tensor, dim)
+    return gathered if split is None else split.unpad(gathered, dim)

@@ -15,9 +15,14 @@ from .attention import TextLayout
 
 @dataclass(frozen=True)
 class Split:
-    """Shard this tensor along `dim` (the token axis) over the sequence-parallel group."""
+    """Shard this tensor along `dim` (the token axis) over the sequence-parallel group.
+
+    items: for a module whose output is a tuple, the positions to shard (Wan's rotary embedding
+    returns (cos, sin), both per token); None shards the main output only.
+    """
 
     dim: int
+    items: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,24 @@ class CfgMode(enum.Enum):
 
 
 @dataclass(frozen=True)
+class PipeFusionPlan:
+    """How the repeated blocks run as a patch pipeline (PipeFusion).
+
+    blocks:       ModuleLists of repeated blocks, in execution order (partitioned into stages).
+    carried:      block arguments that flow from block to block; the first is the image tokens
+                  (split into patches on dim 1), the others (the text stream) go whole with each patch.
+    returns:      the block's outputs in order, named like `carried` (a single name: a bare tensor).
+    token_inputs: other block arguments holding one row per token on dim 0, [text, image] in the
+                  given layout (tuples of such tensors too), sliced to each patch (Flux's rotary).
+    """
+
+    blocks: tuple[str, ...]
+    carried: tuple[str, ...] = ("hidden_states",)
+    returns: tuple[str, ...] = ("hidden_states",)
+    token_inputs: dict[str, TextLayout] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class ParallelPlan:
     """How a transformer class is parallelised.
 
@@ -44,6 +67,7 @@ class ParallelPlan:
                matching attention runs USP. Attention not listed (e.g. cross-attention) stays local.
     text_input: the forward argument whose token count is the text length for joint attention.
     cfg:       how guidance branches arrive (see CfgMode).
+    pipefusion: how the blocks form a patch pipeline, if the family supports PipeFusion.
     """
 
     inputs: dict[str, dict[str, Split]] = field(default_factory=dict)
@@ -52,6 +76,8 @@ class ParallelPlan:
     text_input: str = "encoder_hidden_states"
     cfg: CfgMode = CfgMode.BATCHED
     cfg_branches: tuple[str, str] = ("uncond", "cond")
+    uneven_tokens: bool = False
+    pipefusion: PipeFusionPlan | None = None
 
     @property
     def sequence_parallel(self) -> bool:

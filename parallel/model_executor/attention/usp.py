@@ -11,6 +11,7 @@ image output goes back through the all-to-all and the text output is all-gathere
 from __future__ import annotations
 
 import enum
+from typing import Callable
 
 import torch
 
@@ -50,6 +51,11 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     return out, new_lse
 
 
+def _real_keys(k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    index = index.to(k.device)
+    return k.index_select(2, index), v.index_select(2, index)
+
+
 def ring_attention(
     q: torch.Tensor,
     k_local: torch.Tensor,
@@ -59,10 +65,12 @@ def ring_attention(
     ring: GroupCoordinator,
     kernel: AttentionKernel,
     scale: float,
+    keep: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attend `q` to the local K/V plus every other ring member's `k_ring`/`v_ring` block.
 
-    The next block is already in flight while the current one is computed.
+    The next block is already in flight while the current one is computed. With an uneven split
+    every block travels padded; `keep[r]` selects the real keys of ring member r's block.
     """
     kv = torch.stack([k_ring, v_ring]).contiguous()
     pending, works = ring.ring_exchange(kv)
@@ -74,7 +82,10 @@ def ring_attention(
         kv = pending
         if step + 1 < ring.world_size:
             pending, works = ring.ring_exchange(kv)
-        block_out, block_lse = kernel(q, kv[0], kv[1], scale)
+        k_block, v_block = kv[0], kv[1]
+        if keep is not None:
+            k_block, v_block = _real_keys(k_block, v_block, keep[(ring.rank_in_group - step) % ring.world_size])
+        block_out, block_lse = kernel(q, k_block, v_block, scale)
         out, lse = _merge(out, lse, block_out, block_lse)
     return out.to(q.dtype)
 
@@ -90,8 +101,15 @@ def usp_attention(
     text_layout: TextLayout = TextLayout.NONE,
     text_tokens: int = 0,
     scale: float | None = None,
+    image_kv: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    keep: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Exact attention over the whole sequence from sequence-sharded [B, H, S_local, D] inputs."""
+    """Exact attention over the whole sequence from sequence-sharded [B, H, S_local, D] inputs.
+
+    `image_kv`, if given, maps this rank's image K/V (after the Ulysses all-to-all) to the K/V
+    to attend to; PipeFusion uses it to add the other patches' stale K/V.
+    `keep`, for an uneven split (token_split.UnevenSplit.keep), drops the padded image keys.
+    """
     scale = default_scale(q) if scale is None else scale
     u = ulysses.world_size
     heads = q.shape[1]
@@ -105,13 +123,16 @@ def usp_attention(
     qi, ki, vi = qkv.unbind(0)
     h0, h1 = ulysses.rank_in_group * heads // u, (ulysses.rank_in_group + 1) * heads // u
     qt, kt, vt = qt[:, h0:h1], kt[:, h0:h1], vt[:, h0:h1]
+    if image_kv is not None:
+        ki, vi = image_kv(ki, vi)
 
     query = torch.cat([qt, qi], dim=2)
-    k_local, v_local = torch.cat([kt, ki], dim=2), torch.cat([vt, vi], dim=2)
+    ki_real, vi_real = (ki, vi) if keep is None else _real_keys(ki, vi, keep[ring.rank_in_group])
+    k_local, v_local = torch.cat([kt, ki_real], dim=2), torch.cat([vt, vi_real], dim=2)
     if ring.world_size == 1:
         out, _ = kernel(query, k_local, v_local, scale)
     else:
-        out = ring_attention(query, k_local, v_local, ki, vi, ring, kernel, scale)
+        out = ring_attention(query, k_local, v_local, ki, vi, ring, kernel, scale, keep)
 
     out_text, out_image = out[:, :, :text_tokens], out[:, :, text_tokens:]
     out_image = ulysses.all_to_all(out_image, scatter_dim=2, gather_dim=1)

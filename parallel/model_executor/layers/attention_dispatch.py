@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from diffusers.models.transformers.transformer_flux import FluxAttention
+from diffusers.models.transformers.transformer_wan import WanAttention
 
 from ..register import xFuserLayerWrappersRegister
 from .attention_seam import routed, xFuserAttentionBaseWrapper
@@ -11,6 +12,17 @@ from .attention_seam import routed, xFuserAttentionBaseWrapper
 @xFuserLayerWrappersRegister.register(FluxAttention)
 class xFuserFluxAttentionWrapper(xFuserAttentionBaseWrapper):
     call_site = ("diffusers.models.transformers.transformer_flux", "dispatch_attention_fn")
+
+    @staticmethod
+    def reroute(original):
+        return routed(original, tokens_dim=1)
+
+
+@xFuserLayerWrappersRegister.register(WanAttention)
+class xFuserWanAttentionWrapper(xFuserAttentionBaseWrapper):
+    """Wan's self-attention; its cross-attention calls the same function but is never wrapped."""
+
+    call_site = ("diffusers.models.transformers.transformer_wan", "dispatch_attention_fn")
 
     @staticmethod
     def reroute(original):

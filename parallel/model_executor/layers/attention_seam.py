@@ -5,15 +5,17 @@ function: `F.scaled_dot_product_attention` (classic `Attention` processors) or
 `dispatch_attention_fn` (newer processors such as Flux's). We keep every processor untouched and
 reroute only that call: the wrapped layer marks itself active (a context variable) while it runs,
 and the rerouted function runs USP when a layer is active and the original function otherwise.
+Layers are wrapped when the sequence is split (ulysses/ring) or runs as PipeFusion patches.
 So nothing changes for any attention the plan did not select, e.g. cross-attention.
 """
 
 from __future__ import annotations
 
 import contextvars
+import functools
 import importlib
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -27,6 +29,7 @@ class _ActiveLayer:
     name: str
     text_layout: TextLayout
     kernel: str | None
+    kv_cache: Any = None  # PipeFusion's StaleKVCache, when the layer runs in a patch pipeline
     calls: int = 0
 
 
@@ -54,6 +57,8 @@ def _sequence_parallel_attention(query, key, value, attn_mask, dropout_p, is_cau
         text_layout=layer.text_layout,
         text_tokens=get_runtime_state().text_tokens,
         scale=scale,
+        keep=getattr(get_runtime_state().token_split, "keep", None),  # uneven token split: drop padded keys
+        image_kv=functools.partial(layer.kv_cache.exchange, layer.name) if layer.kv_cache is not None else None,
     )
     return out.transpose(1, 2) if tokens_dim == 1 else out
 
@@ -83,10 +88,11 @@ class xFuserAttentionBaseWrapper(xFuserLayerBaseWrapper):
     def reroute(original):  # pragma: no cover - every subclass defines it
         raise NotImplementedError
 
-    def __init__(self, module: torch.nn.Module, name: str, text_layout: TextLayout, kernel: str | None = None):
+    def __init__(self, module: torch.nn.Module, name: str, text_layout: TextLayout, kernel: str | None = None,
+                 kv_cache: Any = None):
         super().__init__(module)
         self._install_route()
-        self._layer = _ActiveLayer(name, text_layout, kernel)
+        self._layer = _ActiveLayer(name, text_layout, kernel, kv_cache)
         self._token: contextvars.Token | None = None
         self._handles.append(module.register_forward_pre_hook(self._enter))
         self._handles.append(module.register_forward_hook(self._exit))

@@ -43,6 +43,10 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
         scheduler_wrapper = xFuserSchedulerWrappersRegister.get_wrapper(pipeline.scheduler)
         pipeline.transformer = transformer_wrapper(pipeline.transformer, attention_kernel)
         pipeline.scheduler = scheduler_wrapper(pipeline.scheduler)
+        if getattr(pipeline, "transformer_2", None) is not None:  # Wan 2.2: the low-noise expert
+            self._original["transformer_2"] = pipeline.transformer_2
+            wrapper_2 = xFuserTransformerWrappersRegister.get_wrapper(pipeline.transformer_2)
+            pipeline.transformer_2 = wrapper_2(pipeline.transformer_2, attention_kernel)
 
     @staticmethod
     def wrap(pipeline: DiffusionPipeline, attention_kernel: str | None = None) -> "xFuserPipelineBaseWrapper":
@@ -62,6 +66,9 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
         self.module.transformer.unwrap()
         self.module.transformer = self._original["transformer"]
         self.module.scheduler = self._original["scheduler"]
+        if "transformer_2" in self._original:
+            self.module.transformer_2.unwrap()
+            self.module.transformer_2 = self._original["transformer_2"]
         return self.module
 
     # -- text -------------------------------------------------------------------------------------
@@ -88,6 +95,15 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
                     f"round it to a multiple of {scale * patch}."
                 )
         return (height // (scale * patch)) * (width // (scale * patch))
+
+    def sequence_tokens(self, kwargs: dict[str, Any]) -> int:
+        """Tokens the sequence-parallel split sees (video pipelines count every latent frame)."""
+        return self.image_tokens(kwargs["height"], kwargs["width"])
+
+    def tokens_split(self, tokens: int) -> bool:
+        """Whether `tokens` split over the sequence-parallel degree: evenly, or unevenly if the plan pads."""
+        sp = self.parallel_config.sp_degree
+        return tokens % sp == 0 or (self.module.transformer.plan.uneven_tokens and tokens >= sp)
 
     def expected_latents_shape(self, batch: int, height: int, width: int) -> tuple[int, ...]:
         scale = self.module.vae_scale_factor
@@ -123,14 +139,23 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
                 f"the model has {heads} attention heads, which do not split over ulysses degree {c.ulysses_degree}; "
                 f"use a ulysses degree in {divisors} and put the rest into --ring-degree."
             )
-        tokens = self.image_tokens(kwargs["height"], kwargs["width"])
+        tokens = self.sequence_tokens(kwargs)
         self.check_inputs(kwargs, batch)
-        if tokens % c.sp_degree:
+        if not self.tokens_split(tokens):
             raise LayoutError(
                 f"{kwargs['height']}x{kwargs['width']} gives {tokens} image tokens, which do not split over "
                 f"sequence-parallel degree {c.sp_degree} (ring {c.ring_degree} × ulysses {c.ulysses_degree}); "
                 f"choose a resolution whose token count divides by {c.sp_degree} or lower the degrees."
             )
+        if c.pipefusion_degree > 1:
+            patch = self.latent_patch or self.module.transformer.config.patch_size
+            rows = kwargs["height"] // (self.module.vae_scale_factor * patch)
+            if rows % (c.patches * c.sp_degree):
+                raise LayoutError(
+                    f"{kwargs['height']}x{kwargs['width']} has {rows} token rows, which do not split into "
+                    f"{c.patches} PipeFusion patches × sequence-parallel degree {c.sp_degree}; choose a height whose "
+                    f"token rows divide by {c.patches * c.sp_degree}, or change --num-patches."
+                )
         if c.cfg_degree > 1 and not self.uses_cfg(kwargs):
             raise LayoutError(self.cfg_parallel_hint(kwargs))
         if batch < c.dp_degree:

@@ -11,6 +11,7 @@ from diffusers import (
     DPMSolverMultistepScheduler,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
+    UniPCMultistepScheduler,
 )
 
 from ...distributed import get_runtime_state
@@ -26,7 +27,8 @@ class xFuserSchedulerBaseWrapper(xFuserBaseWrapper):
 
 
 @xFuserSchedulerWrappersRegister.register(
-    DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler, DDIMScheduler, EulerDiscreteScheduler
+    DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler, DDIMScheduler, EulerDiscreteScheduler,
+    UniPCMultistepScheduler,  # Wan's default (flow sigmas, flow_prediction)
 )
 class xFuserSchedulerWrapper(xFuserSchedulerBaseWrapper):
     """Every listed scheduler steps on whole latents; no per-class change is needed yet."""

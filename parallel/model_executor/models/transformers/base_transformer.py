@@ -1,4 +1,5 @@
-"""The transformer wrapper: applies its family's ParallelPlan and runs CFG parallel around forward."""
+"""The transformer wrapper: applies its family's ParallelPlan (sequence parallel, PipeFusion stage)
+and runs CFG parallel around forward."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from typing import Any, ClassVar
 import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
-from ....distributed import get_cfg_group, get_sp_group
+from ....distributed import get_cfg_group, get_layout, get_pp_group, get_sp_group
 from ...base_wrapper import xFuserBaseWrapper
 from ...hooks import apply_sequence_plan, as_keyword_arguments, map_first
+from ...pipefusion import PipeFusionStage, StaleKVCache
 from ...plans import CfgMode, ParallelPlan
 from ..base_model import xFuserModelBaseWrapper
 
@@ -28,13 +30,23 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
 
     def __init__(self, transformer: torch.nn.Module, attention_kernel: str | None = None):
         super().__init__(transformer)
-        self._cfg = get_cfg_group()
-        self._handles, self._layers = [], []
-        sp = get_sp_group()
-        if sp.world_size > 1:
-            self._handles, self._layers = apply_sequence_plan(transformer, self.plan, sp, attention_kernel)
+        self._cfg, self._pp = get_cfg_group(), get_pp_group()
+        self._handles, self._layers, self._stage = [], [], None
         self._branch: str | None = None
         self._step_results: dict[int, torch.Tensor] = {}
+        config = get_layout().config
+        sp = get_sp_group()
+        cache = None
+        if self._pp.world_size > 1:
+            if self.plan.pipefusion is None:
+                raise ValueError(f"{type(transformer).__name__} has no PipeFusion plan; set the pipefusion degree to 1")
+            cache = StaleKVCache(config.ulysses_degree)
+            self._stage = PipeFusionStage(
+                transformer, self.plan.pipefusion, self._pp, config.num_patches or self._pp.world_size,
+                config.warmup_steps, lambda: self._branch or "default",
+            )
+        if sp.world_size > 1 or cache is not None:
+            self._handles, self._layers = apply_sequence_plan(transformer, self.plan, sp, attention_kernel, cache)
 
     def unwrap(self) -> torch.nn.Module:
         """Remove every hook and return the diffusers transformer as it was."""
@@ -42,7 +54,9 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
             handle.remove()
         for layer in self._layers:
             layer.remove()
-        self._handles, self._layers = [], []
+        if self._stage is not None:  # the other stages' blocks are gone: reload to use another layout
+            self._stage.remove()
+        self._handles, self._layers, self._stage = [], [], None
         return self.module
 
     @contextlib.contextmanager
@@ -58,10 +72,17 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
     @xFuserBaseWrapper.check_parallel_state
     def forward(self, *args, **kwargs):
         if self._cfg.world_size == 1:
-            return self.module(*args, **kwargs)
+            return self._run(*args, **kwargs)
         if self.plan.cfg is CfgMode.BATCHED:
             return self._forward_batched_cfg(args, kwargs)
         return self._forward_sequential_cfg(args, kwargs)
+
+    def _run(self, *args, **kwargs):
+        """The diffusers forward; with PipeFusion, every stage then takes the last stage's output."""
+        output = self.module(*args, **kwargs)
+        if self._pp.world_size > 1:
+            output = map_first(output, lambda t: self._pp.broadcast(t.contiguous(), src=self._pp.world_size - 1))
+        return output
 
     def _forward_batched_cfg(self, args: tuple, kwargs: dict):
         """The pipeline sends cat([uncond, cond]); each cfg rank runs its half, then both halves are gathered."""
@@ -76,7 +97,7 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
                 return {k: half(v) for k, v in value.items()}
             return value
 
-        output = self.module(**{k: half(v) for k, v in named.items()})
+        output = self._run(**{k: half(v) for k, v in named.items()})
         return map_first(output, lambda t: self._cfg.all_gather(t, dim=0))
 
     def _forward_sequential_cfg(self, args: tuple, kwargs: dict):
@@ -91,7 +112,7 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
             )
         index = branches.index(self._branch)
         if index == self._cfg.rank_in_group:
-            output = self.module(*args, **kwargs)
+            output = self._run(*args, **kwargs)
             result = _first(output)
         else:
             named = as_keyword_arguments(self.module.forward, args, kwargs)

@@ -3,7 +3,7 @@
 from diffusers import PixArtTransformer2DModel
 
 from ...attention import TextLayout
-from ...plans import Gather, ParallelPlan, Split
+from ...plans import Gather, ParallelPlan, PipeFusionPlan, Split
 from ...register import xFuserTransformerWrappersRegister
 from .base_transformer import xFuserTransformerBaseWrapper
 
@@ -13,4 +13,5 @@ class xFuserPixArtTransformer2DWrapper(xFuserTransformerBaseWrapper):
     plan = ParallelPlan(
         outputs={"pos_embed": Split(dim=1), "proj_out": Gather(dim=1)},
         attention={"transformer_blocks.*.attn1": TextLayout.NONE},
+        pipefusion=PipeFusionPlan(blocks=("transformer_blocks",)),
     )

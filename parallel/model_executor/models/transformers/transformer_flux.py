@@ -4,7 +4,7 @@ the image shard in both double- and single-stream blocks; true CFG arrives as tw
 from diffusers import FluxTransformer2DModel
 
 from ...attention import TextLayout
-from ...plans import CfgMode, Gather, ParallelPlan, Split
+from ...plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split
 from ...register import xFuserTransformerWrappersRegister
 from .base_transformer import xFuserTransformerBaseWrapper
 
@@ -20,4 +20,10 @@ class xFuserFluxTransformer2DWrapper(xFuserTransformerBaseWrapper):
         },
         cfg=CfgMode.SEQUENTIAL,
         cfg_branches=("cond", "uncond"),
+        pipefusion=PipeFusionPlan(
+            blocks=("transformer_blocks", "single_transformer_blocks"),
+            carried=("hidden_states", "encoder_hidden_states"),
+            returns=("encoder_hidden_states", "hidden_states"),
+            token_inputs={"image_rotary_emb": TextLayout.PREFIX},
+        ),
     )

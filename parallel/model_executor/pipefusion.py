@@ -1,0 +1,203 @@
+"""PipeFusion: the repeated blocks split into pipeline stages, the image into patches.
+
+Each pp rank keeps only its stage's blocks (the others become weightless passthroughs, so their
+parameters are freed). The first local block runs the whole stage: for each patch it receives the
+previous stage's output, runs the local blocks, and sends the result on without waiting, so a
+stage computes patch p+1 while the next stage computes patch p. Attention inside a patch attends
+to fresh K/V of its own patch and, for the other patches, to the K/V they produced most recently
+(StaleKVCache) — the previous step's for later patches. During the first `warmup_steps` steps the
+whole sequence goes through as one patch, which is exact and fills the cache. The last stage's
+output is broadcast to the stage group, so every rank steps the scheduler on the same latents.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..config import LayoutError
+from ..distributed import GroupCoordinator, get_runtime_state
+from .attention import TextLayout
+from .hooks import as_keyword_arguments
+from .plans import PipeFusionPlan
+
+
+@dataclass(frozen=True)
+class PatchContext:
+    index: int
+    count: int
+    asynchronous: bool  # False in warm-up: the whole sequence as one patch, caches refreshed
+    branch: str
+
+
+_PATCH: contextvars.ContextVar[PatchContext | None] = contextvars.ContextVar("xdit_patch", default=None)
+
+
+def balanced_stages(weights: list[int], stages: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) block ranges minimising the heaviest stage (weights: parameter counts)."""
+    n = len(weights)
+    prefix = [0]
+    for weight in weights:
+        prefix.append(prefix[-1] + weight)
+    # best[k][i]: the lightest possible heaviest stage when the first i blocks form k stages
+    best = [[float("inf")] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                heaviest = max(best[k - 1][j], prefix[i] - prefix[j])
+                if heaviest < best[k][i]:
+                    best[k][i], cut[k][i] = heaviest, j
+    bounds, end = [], n
+    for k in range(stages, 0, -1):
+        bounds.append((cut[k][end], end))
+        end = cut[k][end]
+    return bounds[::-1]
+
+
+class StaleKVCache:
+    """Per (guidance branch, attention layer): each patch's image K/V from its latest computation.
+
+    K/V arrive in the layout attention uses after the Ulysses all-to-all: [B, H/U, U × tokens, D],
+    the U token groups being each Ulysses rank's share. A patch is the same slice of every share.
+    """
+
+    def __init__(self, ulysses_degree: int):
+        self.ulysses = ulysses_degree
+        self._store: dict[tuple[str, str], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+
+    def _patches(self, x: torch.Tensor, count: int) -> list[torch.Tensor]:
+        b, h, s, d = x.shape
+        x = x.reshape(b, h, self.ulysses, count, s // (self.ulysses * count), d)
+        return [x[:, :, :, p].reshape(b, h, s // count, d) for p in range(count)]
+
+    def exchange(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record this patch's fresh K/V; return the K/V of the whole image to attend to."""
+        context = _PATCH.get()
+        if context is None:
+            return k, v
+        key = (context.branch, layer)
+        if not context.asynchronous:
+            self._store[key] = (self._patches(k, context.count), self._patches(v, context.count))
+            return k, v
+        ks, vs = self._store[key]
+        ks[context.index], vs[context.index] = k, v
+        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+
+
+class PipeFusionStage:
+    """This rank's stage of `transformer`, installed in place; see the module docstring."""
+
+    def __init__(self, transformer: torch.nn.Module, plan: PipeFusionPlan, pp: GroupCoordinator, num_patches: int,
+                 warmup_steps: int, branch: Callable[[], str]):
+        self.plan, self.pp, self.num_patches, self.warmup_steps, self.branch = plan, pp, num_patches, warmup_steps, branch
+        blocks = [(name, i, block) for name in plan.blocks for i, block in enumerate(transformer.get_submodule(name))]
+        if pp.world_size > len(blocks):
+            raise LayoutError(
+                f"pipefusion degree {pp.world_size} is more than the model's {len(blocks)} blocks; "
+                f"use a pipefusion degree of at most {len(blocks)}."
+            )
+        weights = [sum(p.numel() for p in block.parameters()) for _, _, block in blocks]
+        start, end = balanced_stages(weights, pp.world_size)[pp.rank_in_group]
+        self.block_range = (start, end)
+        self.local = [block for _, _, block in blocks[start:end]]
+        self._forwards = [type(block).forward.__get__(block) for block in self.local]
+        for index, (name, i, block) in enumerate(blocks):
+            if not start <= index < end:  # another stage's block: drop its weights
+                transformer.get_submodule(name)[i] = _Passthrough(plan, type(block).forward.__get__(block))
+        for offset, block in enumerate(self.local):
+            block.forward = self._run_stage if offset == 0 else functools.partial(self._pass, self._forwards[offset])
+
+    def remove(self) -> None:
+        for block in self.local:
+            del block.forward
+
+    # -- the stage ----------------------------------------------------------------------------------
+    def _pass(self, forward, *args, **kwargs):
+        return _returns(self.plan, as_keyword_arguments(forward, args, kwargs))
+
+    def _run_stage(self, *args, **kwargs):
+        named = as_keyword_arguments(self._forwards[0], args, kwargs)
+        image_name, *text_names = self.plan.carried
+        image = named[image_name]
+        runtime = get_runtime_state()
+        asynchronous = runtime.step_index >= self.warmup_steps
+        count = self.num_patches if asynchronous else 1
+        size = image.shape[1] // count
+        outputs, sends = [], []
+        for p in range(count):
+            window = slice(p * size, (p + 1) * size)
+            state = {image_name: image[:, window], **{n: named.get(n) for n in text_names}}
+            if not self.pp.is_first_rank:
+                state = self._receive(state)
+            tokens = {n: _rows(named[n], layout, runtime.text_tokens, window)
+                      for n, layout in self.plan.token_inputs.items() if named.get(n) is not None}
+            with _patch(PatchContext(p, self.num_patches, asynchronous, self.branch())):
+                for forward in self._forwards:
+                    out = forward(**{**named, **tokens, **state})
+                    state = dict(zip(self.plan.returns, out if isinstance(out, tuple) else (out,)))
+            if self.pp.is_last_rank:
+                outputs.append(state)
+            else:
+                sends += [self.pp.isend_next(state[n]) for n in self.plan.carried]
+        for work in sends:
+            work.wait()
+        if not self.pp.is_last_rank:
+            return _returns(self.plan, named)  # a stand-in; the last stage's result is broadcast later
+        result = dict(outputs[-1])
+        result[image_name] = torch.cat([o[image_name] for o in outputs], dim=1)
+        return _returns(self.plan, result)
+
+    def _receive(self, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        buffers = {name: torch.empty_like(template[name], memory_format=torch.contiguous_format) for name in self.plan.carried}
+        return {name: self.pp.recv_prev(buffer) for name, buffer in buffers.items()}
+
+
+@contextlib.contextmanager
+def _patch(context: PatchContext):
+    token = _PATCH.set(context)
+    try:
+        yield
+    finally:
+        _PATCH.reset(token)
+
+
+def _returns(plan: PipeFusionPlan, named: dict[str, Any]):
+    values = tuple(named.get(n) for n in plan.returns)
+    return values if len(values) > 1 else values[0]
+
+
+def _rows(value, layout: TextLayout, text_tokens: int, window: slice):
+    """The text rows and this patch's image rows of a per-token input (or of each tensor in a tuple)."""
+    if isinstance(value, tuple):
+        return tuple(_rows(v, layout, text_tokens, window) for v in value)
+    if layout is TextLayout.PREFIX:
+        text, image = value[:text_tokens], value[text_tokens:]
+        return torch.cat([text, image[window]])
+    if layout is TextLayout.SUFFIX:
+        image, text = value[: value.shape[0] - text_tokens], value[value.shape[0] - text_tokens :]
+        return torch.cat([image[window], text])
+    return value[window]
+
+
+class _Passthrough(torch.nn.Module):
+    """Stands in for a block held by another stage: hands the carried state on unchanged.
+
+    It keeps only the block's argument names, not the block, so the block's weights are freed.
+    """
+
+    def __init__(self, plan: PipeFusionPlan, forward: Callable):
+        super().__init__()
+        self._plan = plan
+        names = [p.name for p in inspect.signature(forward).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+        self._names = names
+
+    def forward(self, *args, **kwargs):
+        return _returns(self._plan, {**dict(zip(self._names, args)), **kwargs})

@@ -1,0 +1,98 @@
+"""Rebuild example_workflows/*.json in the real ComfyUI frontend (run when a node's inputs change).
+
+    .venv/bin/python tests/browser/build_example_workflows.py
+
+The graph is made with the frontend's own LiteGraph (createNode, connect, widget values) and saved with
+`app.graph.serialize()`, so the files are exactly what ComfyUI itself saves. Needs what the browser
+tests need (see tests/test_comfyui_browser.py).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from comfyui_server import ComfyServer, comfyui_paths  # noqa: E402
+from test_comfyui_browser import Browser, _missing  # noqa: E402
+from xdit_test_helpers import ROOT  # noqa: E402
+
+EXAMPLES = {  # file stem: (family, empty latent node, cfg, what the example says about itself)
+    "xdit_pixart_alpha": ("pixart-alpha", "EmptyLatentImage", 4.5, "PixArt-α"),
+    "xdit_pixart_sigma": ("pixart-sigma", "EmptyLatentImage", 4.5, "PixArt-Σ"),
+    "xdit_sd3": ("sd3", "EmptySD3LatentImage", 4.5, "Stable Diffusion 3"),
+    "xdit_flux": ("flux", "EmptySD3LatentImage", 1.0, "Flux (cfg 1: distilled guidance only)"),
+}
+
+BUILD = """async ({ family, empty, cfg, name, stem }) => {
+    app.graph.clear();
+    const add = (type, [x, y], values = {}, extra = {}) => {
+        const node = LiteGraph.createNode(type);
+        node.pos = [x, y];
+        app.graph.add(node);
+        for (const [name, value] of Object.entries(values)) {
+            const widget = node.widgets.find((w) => w.name === name);
+            if (!widget) throw new Error(`${type} has no widget ${name}`);
+            widget.value = value;
+        }
+        Object.assign(node, extra);
+        return node;
+    };
+    const colours = LGraphCanvas.node_colors;
+    const pool = add('XDiTPool', [40, 120], {
+        model: `xdit-tiny-${family} (built-in, no download)`, nproc: 2, ulysses_degree: 2, ring_degree: 1,
+        pipefusion_degree: 1, num_patches: 0, warmup_steps: 1, cfg_parallel: false, dp_degree: 1,
+        text_encoders: true, dtype: 'auto', devices: '', threads_per_rank: 1, endpoint: '' });
+    const positive = add('XDiTTextEncode', [360, 120], { text: 'a lighthouse on a cliff at sunset, dramatic clouds' },
+        { title: 'xDiT Text Encode (positive)', color: colours.green.color, bgcolor: colours.green.bgcolor });
+    const negative = add('XDiTTextEncode', [360, 370], { text: 'blurry, low quality' },
+        { title: 'xDiT Text Encode (negative)', color: colours.red.color, bgcolor: colours.red.bgcolor });
+    const latent = add(empty, [360, 630], { width: 128, height: 128, batch_size: 1 });
+    const sampler = add('XDiTSampler', [810, 120], { seed: 42, control_after_generate: 'fixed', steps: 8, cfg,
+        sampler: 'default', denoise: 1.0, preview: true });
+    const save = add('SaveLatent', [1130, 120], { filename_prefix: `latents/${stem}` });
+    pool.connect(0, positive, 0);
+    pool.connect(0, negative, 0);
+    pool.connect(0, sampler, 0);
+    positive.connect(0, sampler, 1);
+    negative.connect(0, sampler, 2);
+    latent.connect(0, sampler, 3);
+    sampler.connect(0, save, 0);
+    const group = new LiteGraph.LGraphGroup(`xDiT: ${name}, built-in tiny model on 2 ranks (Ulysses 2)`);
+    group.pos = [20, 40];
+    group.size = [1420, 740];
+    app.graph.add(group);
+    app.graph.id = crypto.randomUUID();
+    const workflow = app.graph.serialize();
+    const converted = await app.graphToPrompt();
+    return { workflow, classes: Object.values(converted.output).map((n) => n.class_type) };
+}"""
+
+
+def main() -> None:
+    missing = _missing()
+    if missing:
+        sys.exit(missing)
+    with tempfile.TemporaryDirectory() as work:
+        server = ComfyServer(*comfyui_paths(), Path(work))
+        try:
+            browser = Browser(server.url, Path(work) / "browser.log")
+            try:
+                for stem, (family, empty, cfg, name) in EXAMPLES.items():
+                    result = browser.eval(BUILD, {"family": family, "empty": empty, "cfg": cfg, "name": name, "stem": stem})
+                    assert len(result["classes"]) == 6, result["classes"]
+                    path = ROOT / "example_workflows" / f"{stem}.json"
+                    path.parent.mkdir(exist_ok=True)
+                    path.write_text(json.dumps(result["workflow"], indent=2) + "\n")
+                    print(f"wrote {path.relative_to(ROOT)}")
+            finally:
+                browser.close()
+        finally:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""In the real ComfyUI frontend (headless Chromium): example workflows, the pool panel, degree validation.
+
+Needs the ComfyUI test bed (see tests/comfyui_server.py), Node.js, Chromium and npm playwright-core
+(XDIT_PLAYWRIGHT_DIR: the node_modules folder holding it, else ~/comfyui-testbed/node/node_modules;
+XDIT_CHROMIUM: the browser, else /usr/bin/chromium). Without them every test here is skipped with the
+reason, shown by `pytest -rs`. The page is driven by tests/browser/driver.js over JSON lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from comfyui_server import TESTBED, ComfyServer, comfyui_paths
+from xdit_test_helpers import ROOT
+
+PATHS = comfyui_paths()
+PLAYWRIGHT = Path(os.environ.get("XDIT_PLAYWRIGHT_DIR", TESTBED / "node" / "node_modules"))
+CHROMIUM = Path(os.environ.get("XDIT_CHROMIUM", "/usr/bin/chromium"))
+NODE = shutil.which("node")
+EXAMPLES = sorted((ROOT / "example_workflows").glob("*.json"))
+ARTIFACTS = ROOT / "out" / "test-artifacts"
+
+
+def _missing() -> str | None:
+    if PATHS is None:
+        return "no ComfyUI test bed: set COMFYUI_PATH and COMFYUI_PYTHON (or create ~/comfyui-testbed)"
+    if NODE is None:
+        return "no Node.js (`node` not on PATH): the browser tests drive Chromium with npm playwright-core"
+    if not (PLAYWRIGHT / "playwright-core").is_dir():
+        return f"no npm playwright-core under {PLAYWRIGHT}: `npm install playwright-core` there or set XDIT_PLAYWRIGHT_DIR"
+    if not CHROMIUM.is_file():
+        return f"no Chromium at {CHROMIUM}: `apt-get install chromium` or set XDIT_CHROMIUM"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_missing() is not None, reason=f"browser tests skipped: {_missing()}")
+
+
+class Browser:
+    """tests/browser/driver.js: one headless page on the ComfyUI frontend, answering JSON-line requests."""
+
+    def __init__(self, url: str, log: Path):
+        env = {**os.environ, "NODE_PATH": str(PLAYWRIGHT)}
+        self.stderr = log.open("wb")
+        self.process = subprocess.Popen(
+            [NODE, str(ROOT / "tests" / "browser" / "driver.js"), url, str(CHROMIUM)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, env=env, text=True, bufsize=1,
+        )
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.process.stdout, selectors.EVENT_READ)
+        ready = self._read(120)
+        if not ready.get("ready"):
+            raise RuntimeError(f"the browser did not open ComfyUI: {ready.get('error')}")
+
+    def _read(self, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.selector.select(timeout=deadline - time.monotonic()):
+                line = self.process.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"the browser driver exited (rc {self.process.poll()})")
+                if line.startswith("{"):
+                    return json.loads(line)
+        raise TimeoutError(f"the browser driver did not answer in {timeout_s} s")
+
+    def call(self, cmd: str, timeout_s: float = 120, **request):
+        self.process.stdin.write(json.dumps({"cmd": cmd, **request}) + "\n")
+        reply = self._read(timeout_s)
+        if not reply["ok"]:
+            raise AssertionError(f"browser {cmd} failed: {reply['error']}")
+        return reply["value"]
+
+    def eval(self, js: str, arg=None, timeout_s: float = 120):
+        return self.call("eval", timeout_s, js=js, arg=arg)
+
+    def wait(self, js: str, arg=None, timeout_s: float = 60):
+        return self.call("wait", timeout_s + 10, js=js, arg=arg, timeout=int(timeout_s * 1000))
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def comfy(tmp_path_factory):
+    server = ComfyServer(*PATHS, tmp_path_factory.mktemp("comfy"))
+    yield server
+    server.stop()
+    assert "IMPORT FAILED" not in server.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def page(comfy):
+    browser = Browser(comfy.url, comfy.work / "browser.log")
+    yield browser
+    browser.close()
+
+
+# The xDiT Pool nodes (model, nproc, degrees) of the graph on the page, for checks against the server.
+POOL_NODES = """() => app.graph.nodes.filter((n) => n.comfyClass === 'XDiTPool').map((n) => ({
+    id: n.id, model: n.widgets.find((w) => w.name === 'model').value,
+    nproc: n.widgets.find((w) => w.name === 'nproc').value, error: n.xditError ?? null }))"""
+
+LOAD_CONVERT_QUEUE = """async (workflow) => {
+    await app.loadGraphData(workflow);
+    const converted = await app.graphToPrompt();
+    const classes = Object.values(converted.output).map((node) => node.class_type).sort();
+    const response = await api.queuePrompt(0, converted);
+    return { classes, response };
+}"""
+
+HISTORY = """async (id) => {
+    const response = await api.fetchApi(`/history/${id}`);
+    const entry = (await response.json())[id];
+    return entry?.status?.completed !== undefined && ['success', 'error'].includes(entry.status.status_str) ? entry.status : null;
+}"""
+
+
+def _expose_api(page) -> None:
+    page.eval("async () => { window.api = (await import('/scripts/api.js')).api; return true; }")
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_example_workflow_loads_converts_and_runs(comfy, page, path):
+    workflow = json.loads(path.read_text())
+    _expose_api(page)
+    result = page.eval(LOAD_CONVERT_QUEUE, workflow)
+    assert result["classes"] == sorted(
+        ["XDiTPool", "XDiTTextEncode", "XDiTTextEncode", "XDiTSampler", "SaveLatent",
+         "EmptySD3LatentImage" if "sd3" in path.stem or "flux" in path.stem else "EmptyLatentImage"]
+    )
+    assert not result["response"].get("node_errors"), result["response"]
+    status = page.wait(HISTORY, result["response"]["prompt_id"], timeout_s=120)
+    assert status["status_str"] == "success", json.dumps(status)[-2000:]
+    assert page.eval(POOL_NODES)[0]["error"] is None
+
+
+def test_example_workflows_cover_every_family():
+    assert {p.stem for p in EXAMPLES} == {"xdit_pixart_alpha", "xdit_pixart_sigma", "xdit_sd3", "xdit_flux"}
+
+
+def _open_panel(page) -> None:
+    page.eval("() => document.querySelector('.xdit-panel') || document.querySelector('.pi-sitemap').click()")
+    page.wait("() => document.querySelector('.xdit-panel')", timeout_s=10)
+
+
+def test_panel_streams_steps_live_on_a_cfg_x_ulysses_mesh(comfy, page, tmp_path):
+    """A long job on a cfg 2 × ulysses 2 pool: its step shows live in all four rank cells; then it is interrupted."""
+    workflow = json.loads((ROOT / "example_workflows" / "xdit_pixart_alpha.json").read_text())
+    for node in workflow["nodes"]:
+        if node["type"] == "XDiTPool":  # model, nproc, ulysses, ring, pipefusion, patches, warmup, cfg_parallel, …
+            node["widgets_values"][1], node["widgets_values"][7] = 4, True
+        if node["type"] == "XDiTSampler":  # seed, control_after_generate, steps, cfg, …
+            node["widgets_values"][2] = 400
+    _expose_api(page)
+    _open_panel(page)
+    prompt_id = page.eval(LOAD_CONVERT_QUEUE, workflow)["response"]["prompt_id"]
+    cells = page.wait("""() => {
+        const pool = [...document.querySelectorAll('.xdit-pool[data-state="busy"]')].find(
+            (p) => p.querySelectorAll('.xdit-rank').length === 4);
+        const cells = pool && [...pool.querySelectorAll('.xdit-rank')].map((e) => ({
+            rank: +e.dataset.rank, cfg: +e.dataset.cfg, ulysses: +e.dataset.ulysses,
+            step: e.querySelector('.xdit-rank-step').innerText }));
+        return cells && /^([2-9]|\\d\\d+)\\/400$/.test(cells[0].step) && cells;
+    }""", timeout_s=90)
+    shot = tmp_path / "xdit-panel.png"
+    page.eval("() => document.querySelector('.xdit-pool[data-state=\"busy\"]').scrollIntoView({ block: 'center' })")
+    page.call("screenshot", path=str(shot), selector=".sidebar-content-container")
+    comfy.post("/interrupt")
+    assert [(c["rank"], c["cfg"], c["ulysses"]) for c in cells] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+    assert len({c["step"] for c in cells}) == 1
+    status = page.wait(HISTORY, prompt_id, timeout_s=60)
+    assert any(m[0] == "execution_interrupted" for m in status["messages"]), status
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shutil.copy(shot, ARTIFACTS / "xdit-panel.png")
+    assert shot.stat().st_size > 10_000
+
+
+def test_panel_shows_one_cell_per_rank_of_every_pool(comfy, page):
+    pools = comfy.get("/xdit/pools")["pools"]
+    assert len(pools) >= 4, "the pools of the example workflows are missing (run the whole module)"
+    _open_panel(page)
+    expected = sum(p["key"]["nproc"] for p in pools)
+    cells = page.wait("""(expected) => {
+        const cells = [...document.querySelectorAll('.xdit-panel .xdit-rank[data-rank]')];
+        return cells.length === expected && cells.map((c) => ({ rank: +c.dataset.rank,
+            pool: c.closest('.xdit-pool').dataset.poolId, state: c.dataset.state }));
+    }""", expected, timeout_s=20)
+    for pool in pools:
+        mine = [c for c in cells if c["pool"] == pool["id"]]
+        assert sorted(c["rank"] for c in mine) == list(range(pool["key"]["nproc"]))
+        assert {c["state"] for c in mine} <= {"idle", "busy"}
+    memory_rows = page.wait("""(expected) => {
+        const rows = document.querySelectorAll('.xdit-panel .xdit-memory tr[data-rank]').length;
+        return rows === expected && rows;
+    }""", expected, timeout_s=10)
+    assert memory_rows == expected
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.call("screenshot", path=str(ARTIFACTS / "xdit-page.png"))
+
+
+def test_bad_degree_product_is_flagged_and_not_queued(comfy, page):
+    workflow = json.loads((ROOT / "example_workflows" / "xdit_sd3.json").read_text())
+    page.eval("async (workflow) => { await app.loadGraphData(workflow); return true; }", workflow)
+    assert page.eval(POOL_NODES)[0]["error"] is None
+    before = (len(comfy.get("/history")), comfy.get("/queue"))
+    page.call("requests", reset=True)
+
+    flagged = page.eval("""() => {
+        const node = app.graph.nodes.find((n) => n.comfyClass === 'XDiTPool');
+        const widget = node.widgets.find((w) => w.name === 'ulysses_degree');
+        widget.setValue(3, { node, canvas: app.canvas });
+        return node.xditError;
+    }""")
+    assert flagged and "= 3" in flagged and "nproc is 2" in flagged and "ulysses_degree to 2" in flagged
+    page.eval("() => { document.querySelector('.xdit-panel') && document.querySelector('.pi-sitemap').click();"
+              " app.canvas.ds.offset = [120, 80]; app.canvas.setDirty(true, true); return true; }")
+
+    assert page.eval("() => app.queuePrompt(0, 1)") is False
+    toast = page.wait("() => [...document.querySelectorAll('.p-toast-message')].map((e) => e.innerText).join('\\n')"
+                      " .includes('xDiT Pool') && document.querySelector('.p-toast-message').innerText", timeout_s=10)
+    assert "nproc is 2" in toast
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.call("screenshot", path=str(ARTIFACTS / "xdit-invalid-node.png"))
+    time.sleep(0.5)
+    assert page.call("requests") == [], "the frontend sent the invalid prompt to the server"
+    assert (len(comfy.get("/history")), comfy.get("/queue")) == before
+
+    fixed = page.eval("""() => {
+        const node = app.graph.nodes.find((n) => n.comfyClass === 'XDiTPool');
+        node.widgets.find((w) => w.name === 'ulysses_degree').setValue(1, { node, canvas: app.canvas });
+        node.widgets.find((w) => w.name === 'nproc').setValue(1, { node, canvas: app.canvas });
+        return node.xditError;
+    }""")
+    assert fixed == ""

@@ -1,0 +1,96 @@
+"""PipeFusion through real torchrun ranks: exact when fully synchronous, close with stale K/V,
+per-rank weights, and layouts that cannot work rejected early."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from parallel import tiny_models
+from test_engine_layouts import GUIDANCE, STEPS, SIZE, reference
+from xdit_test_helpers import TOLERANCE, torchrun
+
+EXACT = {  # name: (nproc, layout); warm-up covers every step, so the pipeline is synchronous
+    2: {"pp2": {"pipefusion_degree": 2}},
+    4: {
+        "pp4": {"pipefusion_degree": 4},
+        "pp2_ulysses2": {"pipefusion_degree": 2, "ulysses_degree": 2},
+        "pp2_ring2": {"pipefusion_degree": 2, "ring_degree": 2},
+        "pp2_cfg2": {"pipefusion_degree": 2, "cfg_degree": 2},
+        "pp2_dp2": {"pipefusion_degree": 2, "dp_degree": 2},
+    },
+}
+STALE = {"pp2_warmup1": 1, "pp2_warmup2": 2, "pp2_warmup3": 3}  # asynchronous after warm-up, 2 patches
+FAMILIES = ("pixart-alpha", "sd3", "flux")
+
+
+def call(family: str, layout: str) -> dict:
+    kwargs = {"num_inference_steps": STEPS, "guidance_scale": GUIDANCE[family], "height": SIZE, "width": SIZE}
+    if family == "flux" and "cfg" in layout:
+        kwargs["true_cfg_scale"] = 2.0
+    return kwargs
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dirs, tmp_path_factory):
+    work = tmp_path_factory.mktemp("pipefusion")
+    results = {}
+    for nproc in (2, 4):
+        specs = []
+        cases = [(f, name, dict(layout, warmup_steps=STEPS)) for f in FAMILIES for name, layout in EXACT[nproc].items()]
+        if nproc == 2:
+            cases += [(f, name, {"pipefusion_degree": 2, "warmup_steps": w}) for f in FAMILIES for name, w in STALE.items()]
+        for family, name, layout in cases:
+            batch = 2 if "dp" in name else 1
+            inputs = work / f"{family}-b{batch}.safetensors"
+            if not inputs.exists():
+                save_file(tiny_models.make_inputs(family, batch=batch), inputs)
+            output = work / f"{family}-{name}.safetensors"
+            specs.append({"name": name, "model": str(tiny_model_dirs[family]), "inputs": str(inputs), "output": str(output),
+                          "layout": layout, "call": call(family, name), "report_memory": True})
+            results[(family, name)] = (output, inputs)
+        spec_file = work / f"cases{nproc}.json"
+        spec_file.write_text(json.dumps(specs))
+        run = torchrun(nproc, "tests/engine_cases.py", str(spec_file))
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return results, tiny_model_dirs
+
+
+def result(runs, family, name):
+    results, dirs = runs
+    output, inputs = results[(family, name)]
+    error = Path(str(output) + ".error")
+    assert not error.exists(), error.read_text()
+    expected = reference(dirs[family], inputs, family, "cfg" if "cfg" in name else name, "default")
+    return load_file(output)["latents"], expected, json.loads(Path(str(output) + ".memory.json").read_text())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", [*EXACT[2], *EXACT[4]])
+def test_synchronous_pipefusion_equals_diffusers(runs, family, name):
+    parallel, expected, _ = result(runs, family, name)
+    assert (parallel - expected).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stale_kv_error_is_bounded_and_shrinks_with_warmup(runs, family):
+    errors = []
+    for name in STALE:
+        parallel, expected, _ = result(runs, family, name)
+        assert torch.isfinite(parallel).all()
+        errors.append(((parallel - expected).norm() / expected.norm()).item())
+    assert errors[0] < 0.05, errors  # measured ≤ 1.1e-2 on these models (see the issue note)
+    assert errors[0] > errors[1] > errors[2] > 0, errors  # more synchronous steps, less staleness
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_stage_holds_about_half_the_block_weights(runs, family):
+    _, _, memory = result(runs, family, "pp2")
+    stages = [rank["block_parameter_bytes"] for rank in memory]
+    total = memory[0]["all_block_parameter_bytes"]
+    assert len(stages) == 2 and sum(stages) == total
+    assert all(0.3 * total <= s <= 0.7 * total for s in stages), stages
