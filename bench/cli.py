@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "suites": tables,
         "goals": report.goals(tables),
+        "raw": jobs,  # per job: every layout's times, other load and bytes per round, for re-analysis
     }
     print(report.markdown(tables, summary["goals"], summary["meta"]))
     target = args.json or (DEFAULT_JSON if args.suite == "all" else None)

@@ -92,7 +92,8 @@ def suite_table(suite: str, jobs: dict[int, dict], skipped: dict[str, str], dims
 
 
 def goals(tables: dict[str, dict]) -> list[dict]:
-    """Each goal whose layout was measured: value, target, the peer's value where there is one, met."""
+    """Each goal whose layout was measured: value, target, the peer's value where there is one, met, and
+    whether it rests on clean rounds only (if not, other processes shared the cores while it was timed)."""
     results = []
     rows = {row["layout"]: row for table in tables.values() for row in table["rows"]}
     for suite, name, metric, target, peer in GOALS:
@@ -100,7 +101,8 @@ def goals(tables: dict[str, dict]) -> list[dict]:
             continue
         value = tables[suite][metric] if metric == "overhead" else rows[name][metric]
         met = value <= target if metric == "overhead" else value >= target
-        goal = {"layout": name, "metric": metric, "value": value, "target": target}
+        clean = tables[suite]["rounds"][rows[name]["job_ranks"]]["clean_only"]
+        goal = {"layout": name, "metric": metric, "value": value, "target": target, "clean": clean}
         if peer in rows:
             goal["peer"], goal["peer_value"] = peer, rows[peer][metric]
             met = met and value >= rows[peer][metric]
@@ -134,19 +136,18 @@ def markdown(tables: dict[str, dict], goal_list: list[dict], meta: dict) -> str:
     for suite, table in tables.items():
         lines += ["", f"### {suite}", "", COLUMNS, "|---|" + "---:|" * (COLUMNS.count("|") - 2)]
         lines += [_markdown_row(r) for r in table["rows"]]
-        lines += [""] + [
-            f"{ranks}-rank job: {r['used']} of {r['of']} rounds used"
-            + (f" (other processes under {CLEAN_LOAD} cores)" if r["clean_only"] else " (too few clean rounds: all kept)")
-            for ranks, r in table["rounds"].items()
-        ]
+        for ranks, r in table["rounds"].items():
+            why = f"other processes under {CLEAN_LOAD} cores" if r["clean_only"] else "too few clean rounds: all kept"
+            lines += ["", f"{ranks}-rank job: {r['used']} of {r['of']} rounds used ({why})"]
         if "overhead" in table:
-            lines += [f"wrapper overhead at 1 rank: {100 * table['overhead']:+.2f}% (paired median)"]
+            lines += ["", f"wrapper overhead at 1 rank: {100 * table['overhead']:+.2f}% (paired median)"]
         lines += [f"- skipped {name}: {reason}" for name, reason in table["skipped"].items()]
     if goal_list:
         lines += ["", "### goals", ""]
         for g in goal_list:
             peer = f", {g['peer']} {g['peer_value']:.3f}" if "peer" in g else ""
             relation = "≤" if g["metric"] == "overhead" else "≥"
+            noisy = "" if g["clean"] else " (measured while other processes shared the cores)"
             lines.append(f"- {g['layout']} {g['metric']} {g['value']:.3f} ({relation} {g['target']}{peer}): "
-                         f"{'met' if g['met'] else 'MISSED'}")
+                         f"{'met' if g['met'] else 'MISSED'}{noisy}")
     return "\n".join(lines)

@@ -42,6 +42,14 @@ class FamilyAdapter:
         """Model-space latents of the first sample, in ComfyUI's image layout for its previewer."""
         return self.unpack(preview, height, width) if self.packed else preview
 
+    def format_name(self, channels: int) -> str:
+        """The comfy.latent_formats class of a latent with `channels` channels."""
+        return self.latent_format
+
+    def job_size(self, samples: torch.Tensor) -> dict[str, int]:
+        """The job's pixel size (and frames, for video) of a ComfyUI latent."""
+        return {"height": samples.shape[-2] * 8, "width": samples.shape[-1] * 8}
+
     @staticmethod
     def pack(latents: torch.Tensor) -> torch.Tensor:
         b, c, h, w = latents.shape
@@ -95,6 +103,60 @@ class FamilyAdapter:
             )
 
 
+@dataclass(frozen=True)
+class VideoFamilyAdapter(FamilyAdapter):
+    """Wan: 5-D latents [B, C, T', H, W] with ComfyUI's per-channel latent formats (Wan21: 16 channels,
+    ×8 spatial; Wan22: 48 channels, ×16), 4 frames per latent frame after the first.
+
+    Model space is ComfyUI's process_in, (x − mean) · scale_factor / std with scale_factor 1.0, which is
+    what diffusers' WanPipeline undoes before decoding (x = latents · std + mean); so the conversion uses
+    ComfyUI's own latent format (imported when used: the nodes run inside ComfyUI).
+    """
+
+    formats: tuple[tuple[int, str, int], ...] = ((16, "Wan21", 8), (48, "Wan22", 16))  # channels, format, ×spatial
+    temporal: int = 4
+
+    def _entry(self, channels: int) -> tuple[int, str, int]:
+        for entry in self.formats:
+            if entry[0] == channels:
+                return entry
+        raise ConditioningError(
+            f"a {self.name} video latent has {channels} channels; expected one of {[e[0] for e in self.formats]} "
+            "(Wan 2.1 / 2.2 A14B: 16, Wan 2.2 TI2V 5B: 48)"
+        )
+
+    def _format(self, channels: int):
+        import comfy.latent_formats
+
+        return getattr(comfy.latent_formats, self.format_name(channels))()
+
+    def format_name(self, channels: int) -> str:
+        return self._entry(channels)[1]
+
+    def job_size(self, samples: torch.Tensor) -> dict[str, int]:
+        if samples.ndim != 5:
+            raise ConditioningError(
+                f"{self.name} samples videos: the latent must be 5-D [batch, channels, frames, height, width], "
+                f"got {list(samples.shape)}; use EmptyHunyuanLatentVideo (Wan 2.1 / 2.2 A14B) or a Wan latent node"
+            )
+        _, _, spatial = self._entry(samples.shape[1])
+        return {"height": samples.shape[-2] * spatial, "width": samples.shape[-1] * spatial,
+                "num_frames": (samples.shape[2] - 1) * self.temporal + 1}
+
+    def to_model(self, latents: torch.Tensor) -> torch.Tensor:
+        return self._format(latents.shape[1]).process_in(latents)
+
+    def noise_to_model(self, noise: torch.Tensor) -> torch.Tensor:
+        return noise
+
+    def to_comfy(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        return self._format(latents.shape[1]).process_out(latents)
+
+    def preview_latents(self, preview: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """The middle latent frame, as an image latent [1, C, H, W]."""
+        return preview[:, :, preview.shape[2] // 2] if preview.ndim == 5 else preview
+
+
 def _repeat(tensor: torch.Tensor, batch: int) -> torch.Tensor:
     if tensor.shape[0] == batch:
         return tensor
@@ -119,6 +181,12 @@ ADAPTERS = {
         expects="encode with xDiT Text Encode on this pool, or Flux's DualCLIPLoader (T5 4096 wide, pooled CLIP-L 768)",
     ),
 }
+
+
+ADAPTERS["WanPipeline"] = VideoFamilyAdapter(
+    "wan", "Wan21", 1.0,
+    expects="encode with xDiT Text Encode on this pool, or Wan's UMT5-XXL CLIP loader (4096 wide, 512 tokens)",
+)
 
 
 def adapter_for(pipeline: str) -> FamilyAdapter:

@@ -50,7 +50,7 @@ def pool_key(kwargs, resolve_model: bool = True) -> PoolKey:
         nproc=kwargs["nproc"], parallel=_config(kwargs), text_encoders=kwargs["text_encoders"],
         dtype=None if kwargs["dtype"] == "auto" else kwargs["dtype"],
         devices=kwargs["devices"].strip() or None, threads_per_rank=kwargs["threads_per_rank"] or None,
-        endpoint=endpoint,
+        endpoint=endpoint, curve_dir=(kwargs.get("curve_dir") or "").strip() if endpoint else "",
     )
 
 
@@ -75,10 +75,14 @@ class XDiTPool(io.ComfyNode):
                 io.Boolean.Input("cfg_parallel", default=False, tooltip="Run the two guidance branches on two ranks (counts as degree 2)."),
                 io.Int.Input("dp_degree", default=1, min=1, max=256, tooltip=degree.format("data parallelism over the batch")),
                 io.Boolean.Input("text_encoders", default=True, tooltip="Load the text encoders on rank 0 for xDiT Text Encode."),
-                io.Combo.Input("dtype", options=["auto", "fp32", "bf16", "fp16"], default="auto", tooltip="Weights' dtype (auto: as saved)."),
+                io.Combo.Input("dtype", options=["auto", "fp32", "bf16", "fp16", "fp8"], default="auto",
+                               tooltip="Weights' dtype (auto: as saved; fp8: fp8 storage with bf16 compute)."),
                 io.String.Input("devices", default="", tooltip="CUDA devices for the ranks, e.g. 0,1,2,3 (empty: all)."),
                 io.Int.Input("threads_per_rank", default=0, min=0, max=256, tooltip="CPU threads per rank (0: PyTorch's default)."),
                 io.String.Input("endpoint", default="", tooltip="Use a pool started with `python -m workers serve` at this endpoint instead."),
+                io.String.Input("curve_dir", default="", optional=True,
+                                tooltip="With endpoint, for a pool served with --curve-dir: a folder holding its server.key and "
+                                        "an allowed client.key_secret (from `python -m workers keys`). Empty: $XDIT_CURVE_DIR, if set."),
             ],
             outputs=[XDiTPoolType.Output(display_name="pool")],
         )

@@ -3,12 +3,14 @@
 One pool per (model, layout, options): a second xDiT Pool node with the same settings reuses it.
 Managed pools are stopped when ComfyUI exits (atexit; and the ranks' parent-death signal covers a
 killed ComfyUI). Every node and route gets its own PoolClient per thread (ZMQ sockets are not
-thread-safe).
+thread-safe). A pool reached at an endpoint may need CURVE keys (workers/auth.py): the registry
+remembers each endpoint's key folder, so every client of that endpoint uses it.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import socket
 import threading
 from dataclasses import asdict, dataclass, field
@@ -16,12 +18,15 @@ from pathlib import Path
 
 from parallel import tiny_models
 from parallel.config import ParallelConfig
+from workers.auth import ENV as CURVE_ENV
 from workers.client import PoolClient, PoolUnreachable
 from workers.launcher import Pool, PoolSpec
 
 PACK_ROOT = Path(__file__).resolve().parents[1]
 TINY_PREFIX = "xdit-tiny-"
-TINY_MODELS = [f"{TINY_PREFIX}{family} (built-in, no download)" for family in tiny_models.FAMILIES]
+TINY_MODELS = [
+    f"{TINY_PREFIX}{family} (built-in, no download)" for family in tiny_models.FAMILIES + tiny_models.VIDEO_FAMILIES
+]
 
 
 def tiny_model_dir(choice: str) -> Path:
@@ -43,6 +48,7 @@ class PoolKey:
     devices: str | None = None
     threads_per_rank: int | None = None
     endpoint: str = ""  # set: a pool started elsewhere (python -m workers serve)
+    curve_dir: str = ""  # with endpoint: folder with the pool's server.key and a client.key_secret
 
     @property
     def label(self) -> str:
@@ -57,6 +63,10 @@ class PoolHandle:
     key: PoolKey
     endpoint: str
     status: dict = field(default_factory=dict)
+    loras: tuple[tuple[str, float], ...] = ()  # (file, strength), applied on every rank per job
+
+    def with_lora(self, path: str, strength: float) -> "PoolHandle":
+        return PoolHandle(self.key, self.endpoint, self.status, self.loras + ((path, strength),))
 
     @property
     def pipeline(self) -> str:
@@ -74,12 +84,14 @@ class PoolRegistry:
         self._lock = threading.Lock()
         self._pools: dict[PoolKey, Pool] = {}
         self._endpoints: dict[PoolKey, str] = {}
+        self._curve_dirs: dict[str, str | None] = {}  # endpoint -> key folder of its clients
         self._local = threading.local()
 
     def acquire(self, key: PoolKey, timeout_s: float = 1800) -> PoolHandle:
         """The running pool for `key`, started (and waited for) if needed."""
         if key.endpoint:
             endpoint = key.endpoint
+            self._curve_dirs[endpoint] = key.curve_dir or os.environ.get(CURVE_ENV) or None
         else:
             with self._lock:
                 pool = self._pools.get(key)
@@ -97,9 +109,10 @@ class PoolRegistry:
 
     def client(self, endpoint: str) -> PoolClient:
         clients = self._local.__dict__.setdefault("clients", {})
-        if endpoint not in clients:
-            clients[endpoint] = PoolClient(endpoint)
-        return clients[endpoint]
+        curve_dir = self._curve_dirs.get(endpoint)
+        if (endpoint, curve_dir) not in clients:
+            clients[endpoint, curve_dir] = PoolClient(endpoint, curve_dir=curve_dir)
+        return clients[endpoint, curve_dir]
 
     def fingerprint(self, key: PoolKey) -> str:
         """Changes when the pool for `key` is gone, so ComfyUI re-runs the xDiT Pool node."""

@@ -61,15 +61,17 @@ class XDiTSampler(io.ComfyNode):
         adapter = adapter_for(pool.pipeline)
         if denoise <= 0.0:
             return io.NodeOutput(latent_image)  # nothing to denoise, as KSampler
-        samples = latent_image["samples"]
-        batch, _, h, w = samples.shape
-        height, width = h * 8, w * 8
+        samples = latent_image["samples"]  # images [B, C, H, W]; video (Wan) [B, C, T', H, W]
+        batch = samples.shape[0]
+        size = adapter.job_size(samples)
+        height, width = size["height"], size["width"]
         noise = comfy.sample.prepare_noise(samples, seed, latent_image.get("batch_index"))
         use_negative = cfg > 1.0
         tensors, flux_guidance = adapter.pipeline_inputs(positive, negative if use_negative else None, batch,
                                                          pool.status.get("inputs", {}))
         tensors["latents"] = adapter.noise_to_model(noise).float()
-        params = {"steps": steps, "height": height, "width": width, "preview": preview, "scheduler": sampler}
+        params = {"steps": steps, **size, "preview": preview, "scheduler": sampler,
+                  "loras": [{"path": path, "strength": strength} for path, strength in pool.loras]}
         if denoise < 1.0:  # img2img: start from the given latent, noised to the schedule's point
             tensors["init_latents"] = adapter.to_model(samples.float())
             params["denoise"] = denoise
@@ -80,7 +82,7 @@ class XDiTSampler(io.ComfyNode):
         else:
             params["guidance_scale"] = cfg
 
-        latent_format = getattr(comfy.latent_formats, adapter.latent_format)()
+        latent_format = getattr(comfy.latent_formats, adapter.format_name(samples.shape[1]))()
         previewer = _previewer(latent_format) if preview else None
         progress = comfy.utils.ProgressBar(steps)
         interrupted = []

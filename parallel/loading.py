@@ -14,18 +14,24 @@ from diffusers import (
     FlowMatchEulerDiscreteScheduler,
 )
 
+from .checkpoints import CHECKPOINT_SUFFIXES
+
 SCHEDULERS = {
     "ddim": DDIMScheduler,
     "euler": EulerDiscreteScheduler,
     "dpmsolver": DPMSolverMultistepScheduler,
     "flow-euler": FlowMatchEulerDiscreteScheduler,
 }
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+FP8_STORAGE = torch.float8_e4m3fn  # "fp8": weights stored in fp8, each layer computing in bf16
 
 
 def load_pipeline(model_dir: str | Path, *, text_encoders: bool = False, dtype: str | None = None) -> DiffusionPipeline:
-    """Load a `save_pretrained` folder; text encoders and tokenizers only when asked for."""
+    """Load a `save_pretrained` folder (text encoders and tokenizers only when asked for), or a single-file
+    transformer checkpoint with the pack's shipped configs (parallel/checkpoints)."""
     model_dir = Path(model_dir)
+    if model_dir.is_file() or model_dir.suffix.lower() in CHECKPOINT_SUFFIXES:
+        return _load_single_file(model_dir, text_encoders, dtype)
     index = model_dir / "model_index.json"
     if not index.is_file():
         raise FileNotFoundError(f"{model_dir} is not a diffusers pipeline folder (no model_index.json)")
@@ -35,8 +41,25 @@ def load_pipeline(model_dir: str | Path, *, text_encoders: bool = False, dtype: 
     }
     kwargs = {"torch_dtype": DTYPES[dtype]} if dtype else {}
     pipeline = DiffusionPipeline.from_pretrained(model_dir, **skipped, **kwargs)
+    return _place(pipeline, dtype)
+
+
+def _load_single_file(path: Path, text_encoders: bool, dtype: str | None) -> DiffusionPipeline:
+    if text_encoders:
+        raise ValueError(f"{path.name} is a single-file transformer checkpoint: it has no text encoders. Start the "
+                         "pool without text encoders and encode prompts in ComfyUI (CLIPTextEncode)")
+    from .checkpoints.load import load_single_file_pipeline
+
+    pipeline = load_single_file_pipeline(path, dtype=DTYPES[dtype] if dtype else None)
+    return _place(pipeline, dtype)
+
+
+def _place(pipeline: DiffusionPipeline, dtype: str | None) -> DiffusionPipeline:
+    """On this rank's GPU if there is one; fp8 keeps the transformer's weights in fp8 between uses."""
     if torch.cuda.is_available():
         pipeline.to(f"cuda:{torch.cuda.current_device()}")
+    if dtype == "fp8":
+        pipeline.transformer.enable_layerwise_casting(storage_dtype=FP8_STORAGE, compute_dtype=torch.bfloat16)
     return pipeline
 
 

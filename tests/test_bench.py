@@ -26,7 +26,7 @@ def test_bench_all_tiny_writes_finite_results(tmp_path):
     assert "### efficiency" in run.stdout
 
     results = json.loads(out.read_text())
-    assert set(results) == {"meta", "suites", "goals"}
+    assert set(results) == {"meta", "suites", "goals", "raw"}
     assert set(results["suites"]) == {"overhead", "efficiency", "diffusers-cp"}
     assert math.isfinite(results["suites"]["overhead"]["overhead"])
     ran = set()

@@ -148,8 +148,10 @@ def test_example_workflow_loads_converts_and_runs(comfy, page, path):
     assert page.eval(POOL_NODES)[0]["error"] is None
 
 
-def test_example_workflows_cover_every_family():
-    assert {p.stem for p in EXAMPLES} == {"xdit_pixart_alpha", "xdit_pixart_sigma", "xdit_sd3", "xdit_flux"}
+def test_example_workflows_cover_every_family_and_are_listed_as_templates(comfy):
+    stems = {"xdit_pixart_alpha", "xdit_pixart_sigma", "xdit_sd3", "xdit_flux"}
+    assert {p.stem for p in EXAMPLES} == stems
+    assert set(comfy.get("/api/workflow_templates")["comfyui-xdit-pool"]) == stems
 
 
 def _open_panel(page) -> None:
@@ -202,7 +204,11 @@ def test_panel_shows_one_cell_per_rank_of_every_pool(comfy, page):
     for pool in pools:
         mine = [c for c in cells if c["pool"] == pool["id"]]
         assert sorted(c["rank"] for c in mine) == list(range(pool["key"]["nproc"]))
-        assert {c["state"] for c in mine} <= {"idle", "busy"}
+    states = {p["id"]: p["status"]["state"] for p in comfy.get("/xdit/pools")["pools"]}
+    assert set(states.values()) == {"idle"}
+    page.wait("""(states) => Object.entries(states).every(([id, state]) =>
+        [...document.querySelectorAll(`.xdit-pool[data-pool-id="${id}"] .xdit-rank`)].every((c) => c.dataset.state === state))""",
+              states, timeout_s=10)
     memory_rows = page.wait("""(expected) => {
         const rows = document.querySelectorAll('.xdit-panel .xdit-memory tr[data-rank]').length;
         return rows === expected && rows;
@@ -210,6 +216,23 @@ def test_panel_shows_one_cell_per_rank_of_every_pool(comfy, page):
     assert memory_rows == expected
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.call("screenshot", path=str(ARTIFACTS / "xdit-page.png"))
+
+
+def test_stop_and_restart_buttons(comfy, page):
+    pool = next(p for p in comfy.get("/xdit/pools")["pools"] if "sd3" in p["label"])
+    card = f'.xdit-pool[data-pool-id="{pool["id"]}"]'
+    _open_panel(page)
+    page.call("click", selector=f"{card} .xdit-stop")
+    page.wait(f"""() => [...document.querySelectorAll('{card} .xdit-rank')].map((c) => c.dataset.state).join() === 'stopped,stopped'""",
+              timeout_s=30)
+    assert _state(comfy, pool["id"]) == "stopped"
+    page.call("click", selector=f"{card} .xdit-restart")
+    page.wait(f"() => document.querySelector('{card}').dataset.state === 'idle'", timeout_s=90)
+    assert _state(comfy, pool["id"]) == "idle"
+
+
+def _state(comfy, pool_id: str) -> str:
+    return next(p for p in comfy.get("/xdit/pools")["pools"] if p["id"] == pool_id)["status"]["state"]
 
 
 def test_bad_degree_product_is_flagged_and_not_queued(comfy, page):
@@ -233,9 +256,9 @@ def test_bad_degree_product_is_flagged_and_not_queued(comfy, page):
     toast = page.wait("() => [...document.querySelectorAll('.p-toast-message')].map((e) => e.innerText).join('\\n')"
                       " .includes('xDiT Pool') && document.querySelector('.p-toast-message').innerText", timeout_s=10)
     assert "nproc is 2" in toast
+    time.sleep(0.5)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.call("screenshot", path=str(ARTIFACTS / "xdit-invalid-node.png"))
-    time.sleep(0.5)
     assert page.call("requests") == [], "the frontend sent the invalid prompt to the server"
     assert (len(comfy.get("/history")), comfy.get("/queue")) == before
 
@@ -246,3 +269,15 @@ def test_bad_degree_product_is_flagged_and_not_queued(comfy, page):
         return node.xditError;
     }""")
     assert fixed == ""
+
+    for node in workflow["nodes"]:  # model, nproc, ulysses, ring, pipefusion, patches, warmup, cfg_parallel, dp, …
+        if node["type"] == "XDiTPool":
+            node["widgets_values"][7] = True  # cfg 2 × ulysses 2 on 2 ranks
+    loaded = page.eval("async (workflow) => { await app.loadGraphData(workflow); return app.graph.nodes"
+                       ".find((n) => n.comfyClass === 'XDiTPool').xditError; }", workflow)
+    assert "cfg 2 = 4, but nproc is 2" in loaded and "set ulysses_degree to 1" in loaded
+
+
+def test_the_extension_raised_no_errors_in_the_page(page):
+    errors = [e for e in page.call("errors") if "xdit" in e.lower()]
+    assert not errors, errors

@@ -87,3 +87,21 @@ def test_stages_balance_parameters_not_block_counts():
     assert balanced_stages([598, 598, 249, 249], 2) == [(0, 1), (1, 4)]  # Flux: double blocks weigh more
     assert balanced_stages([1] * 4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert balanced_stages([1, 2, 3, 4, 5, 6, 7, 8], 3) == [(0, 4), (4, 6), (6, 8)]
+
+
+@pytest.mark.parametrize("dtype, share", [("bf16", 0.5), ("fp8", 0.35)])  # fp8: norms stay bf16
+def test_weight_dtypes_shrink_the_transformer_and_still_sample(tiny_model_dirs, dtype, share):
+    from parallel import tiny_models
+    from parallel.loading import load_pipeline
+
+    def transformer_bytes(pipeline):
+        return sum(p.numel() * p.element_size() for p in pipeline.transformer.parameters())
+
+    full = load_pipeline(tiny_model_dirs["flux"])
+    small = load_pipeline(tiny_model_dirs["flux"], dtype=dtype)
+    assert transformer_bytes(small) <= share * transformer_bytes(full) * 1.05
+    inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tiny_models.make_inputs("flux", negative=False).items()}
+    with torch.no_grad():
+        out = small(**inputs, num_inference_steps=2, guidance_scale=3.5, height=64, width=64, output_type="latent",
+                    return_dict=False)[0]
+    assert torch.isfinite(out.float()).all()

@@ -19,7 +19,7 @@ function widgetValue(node, name) {
 }
 
 /** The problem with this XDiTPool node's layout, as one sentence with the numbers and the fix; "" if none. */
-export function layoutError(node) {
+function layoutError(node) {
   if (String(widgetValue(node, "endpoint") ?? "").trim()) return ""; // the remote pool owns its layout
   const nproc = Number(widgetValue(node, "nproc"));
   const degrees = {
@@ -56,8 +56,10 @@ function allNodes() {
   return graphs.flatMap((graph) => graph?.nodes ?? graph?._nodes ?? []);
 }
 
+const SKIPPED_MODES = new Set([2, 4]); // muted or bypassed: not part of the prompt
+
 function invalidPools() {
-  return allNodes().filter((node) => node.comfyClass === "XDiTPool" && validate(node));
+  return allNodes().filter((node) => node.comfyClass === "XDiTPool" && !SKIPPED_MODES.has(node.mode) && validate(node));
 }
 
 function notify(detail) {
@@ -94,24 +96,31 @@ function patchPoolNode(nodeType) {
   chain("onConfigure", function () { validate(this); });
   chain("onWidgetChanged", function () { validate(this); });
   chain("onDrawForeground", function (ctx) {
-    if (!this.xditError || this.flags?.collapsed) return;
-    const titleHeight = globalThis.LiteGraph?.NODE_TITLE_HEIGHT ?? 30;
-    ctx.save();
-    ctx.font = "12px sans-serif";
-    ctx.fillStyle = "#ff4d4f";
-    ctx.textBaseline = "bottom";
-    const text = `⚠ ${this.xditError}`;
-    const width = this.size[0] + 160;
-    const words = text.split(" ");
-    const lines = [];
-    for (const word of words) {
-      const line = lines.length ? `${lines[lines.length - 1]} ${word}` : word;
-      if (lines.length && ctx.measureText(line).width <= width) lines[lines.length - 1] = line;
-      else lines.push(word);
-    }
-    lines.forEach((line, i) => ctx.fillText(line, 0, -titleHeight - 6 - (lines.length - 1 - i) * 15));
-    ctx.restore();
+    if (this.xditError && !this.flags?.collapsed) drawWarning(ctx, this.xditError, this.size[0], this.size[1] + 6);
   });
+}
+
+/** The layout error in a red box under the node, wrapped to the node's width. */
+function drawWarning(ctx, message, width, top) {
+  const [padding, lineHeight] = [6, 15];
+  ctx.save();
+  ctx.font = "12px sans-serif";
+  const lines = [];
+  for (const word of `⚠ ${message}`.split(" ")) {
+    const line = lines.length ? `${lines[lines.length - 1]} ${word}` : word;
+    if (lines.length && ctx.measureText(line).width <= width - 2 * padding) lines[lines.length - 1] = line;
+    else lines.push(word);
+  }
+  ctx.fillStyle = "rgba(120, 20, 24, 0.92)";
+  ctx.strokeStyle = "#ff4d4f";
+  ctx.beginPath();
+  ctx.roundRect(0, top, width, lines.length * lineHeight + 2 * padding, 6);
+  ctx.fill();
+  ctx.stroke();
+  ctx.fillStyle = "#fff";
+  ctx.textBaseline = "top";
+  lines.forEach((line, i) => ctx.fillText(line, padding, top + padding + i * lineHeight));
+  ctx.restore();
 }
 
 function guardQueue() {
@@ -213,6 +222,9 @@ class PoolPanel {
     this.fetchError = "";
     api.addEventListener("xdit.pool.step", ({ detail }) => this.onStep(detail));
     api.addEventListener("xdit.pool.update", ({ detail }) => this.setPools(detail?.pools));
+    for (const event of ["execution_success", "execution_error", "execution_interrupted"]) {
+      api.addEventListener(event, () => this.root && this.refresh()); // a job ended: show its pool idle now
+    }
   }
 
   mount(el) {
@@ -308,7 +320,7 @@ class PoolPanel {
         h("span", { className: "xdit-pool-title", title: status.model ?? pool.key?.model ?? "" }, pool.label),
         h("span", { className: "xdit-state", style: { background: STATE_COLOURS[state] ?? "#888" } }, state)),
       h("div", { className: "xdit-hint xdit-pipeline" },
-        `${status.pipeline ?? "pipeline loading…"} · ${pool.endpoint}${pool.managed ? "" : " (external)"}`),
+        `${status.pipeline ?? (state === "starting" ? "loading the model…" : "–")} · ${pool.endpoint}${pool.managed ? "" : " (external)"}`),
       h("div", { className: "xdit-chips" }, chips.map(([name, value]) =>
         h("span", { className: "xdit-chip", dataset: { fact: name } }, h("b", {}, String(value)), ` ${name}`))),
       status.error ? h("div", { className: "xdit-pool-error" }, status.error) : null,

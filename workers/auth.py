@@ -168,7 +168,7 @@ class ServerGuard:
             return  # ZAP refused it and callback() logged it with the address
         endpoint = event["endpoint"].decode(errors="replace")
         why = {zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "it offered no CURVE keys",
-               zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: "it used another server key"}.get(event["value"], "its handshake failed")
+               zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: "it used another server key"}.get(event["value"], "its handshake failed (no CURVE keys, or another server key)")
         self._refused(f"on {endpoint}: {why} (ZMQ does not report its address before authentication)")
 
     def _refused(self, detail: str) -> None:

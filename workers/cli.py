@@ -28,7 +28,7 @@ def _pool_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument("--model", required=required, help="diffusers pipeline folder")
     parser.add_argument("--nproc", type=int, default=1, help="number of ranks")
     parser.add_argument("--text-encoders", action="store_true", help="also load the text encoders")
-    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None)
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "fp8"], default=None, help="fp8: fp8 storage, bf16 compute")
     parser.add_argument("--threads-per-rank", type=int, default=None)
     add_parallel_arguments(parser)
 

@@ -87,11 +87,11 @@ class PoolClient:
 
     def _refused(self, event: dict) -> PoolRefused:
         where = f"the pool at {self.endpoint}"
-        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-            why = f"refused this client's key: its public key ({self.curve_dir}/client.key) is not in the pool's clients/ folder"
-        elif event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH and not self.curve_dir:
+        if not self.curve_dir:
             why = (f"requires CURVE keys: pass --curve-dir DIR (or set {ENV}) with its server.key and an "
                    "allowed client.key_secret, from `python -m workers keys`")
+        elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            why = f"refused this client's key: its public key ({self.curve_dir}/client.key) is not in the pool's clients/ folder"
         elif event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
             why = "does not use CURVE keys: connect without --curve-dir"
         else:

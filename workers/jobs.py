@@ -108,6 +108,7 @@ class JobRunner:
             "guidance_scale": float(params["guidance_scale"]),
             "height": params["height"],
             "width": params["width"],
+            **({"num_frames": params["num_frames"]} if "num_frames" in params else {}),
             **extra,
         }
         init_latents = kwargs.pop("init_latents", None)

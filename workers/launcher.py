@@ -32,16 +32,13 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
 
-from parallel.config import LayoutError, ParallelConfig
-
-from .auth import ServerKeys, check_endpoint
 from .control import pack, unpack
 from .protocol import Message
+from .spec import PoolSpec
 from .standin import StandIn
 
 log = logging.getLogger("xdit.launcher")
@@ -57,85 +54,7 @@ class PoolError(RuntimeError):
     """The pool could not start (the message carries the failing rank's own error)."""
 
 
-@dataclass
-class PoolSpec:
-    model: str
-    nproc: int  # ranks on this machine
-    endpoint: str | None  # None on a joining node: rank 0, on node 0, serves the clients
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    text_encoders: bool = False
-    dtype: str | None = None
-    threads_per_rank: int | None = None
-    log_file: str | None = None
-    devices: str | None = None  # CUDA_VISIBLE_DEVICES for the ranks, e.g. "0,1,2,3"
-    curve_dir: str | None = None  # CURVE keys of the client endpoint (auth.py)
-    nnodes: int = 1
-    node_rank: int = 0
-    rdzv_endpoint: str | None = None  # HOST:PORT of node 0's rendezvous
-    rdzv_id: str = "xdit-pool"
-
-    @property
-    def world_size(self) -> int:
-        return self.nnodes * self.nproc
-
-    @property
-    def local_ranks(self) -> range:
-        return range(self.node_rank * self.nproc, (self.node_rank + 1) * self.nproc)
-
-    def ranks_of(self, node: int) -> list[int]:
-        return list(range(node * self.nproc, (node + 1) * self.nproc))
-
-    def check(self) -> None:
-        """Every mistake that would only show up later on some rank, as one clear error now."""
-        try:
-            self.parallel.check(self.world_size)
-        except LayoutError as error:
-            if self.nnodes == 1:
-                raise
-            raise LayoutError(f"{error} (here {self.nnodes} nodes × --nproc {self.nproc} = {self.world_size} ranks)") from None
-        if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise ValueError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT, node 0's address (e.g. 192.168.1.10:29400)")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"--node-rank {self.node_rank} is outside 0 … {self.nnodes - 1} (--nnodes {self.nnodes})")
-        if self.node_rank == 0 and self.endpoint is None:
-            raise ValueError("node 0 serves the clients: give it --endpoint (`python -m workers serve`)")
-        if self.node_rank > 0 and self.endpoint is not None:
-            raise ValueError(f"--node-rank {self.node_rank}: only node 0 serves clients; start node {self.node_rank} "
-                             "with `python -m workers join`")
-        if self.endpoint is not None:
-            check_endpoint(self.endpoint, self.curve_dir)
-            if self.curve_dir:
-                ServerKeys.load(self.curve_dir)
-
-    def torchrun_arguments(self) -> list[str]:
-        if self.nnodes == 1:
-            return ["--standalone", "--nproc-per-node", str(self.nproc)]
-        # c10d orders nodes its own way (it ignores --node-rank); the ranks put node 0 first themselves.
-        host_conf = ["--rdzv-conf", "is_host=0"] if self.node_rank else []  # node 0 hosts the rendezvous store
-        return ["--nnodes", str(self.nnodes), "--nproc-per-node", str(self.nproc), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", self.rdzv_endpoint, "--rdzv-id", self.rdzv_id, *host_conf, "--max-restarts", "0"]
-
-    def rank_arguments(self) -> list[str]:
-        p = self.parallel
-        args = [
-            "--model", str(self.model), "--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank),
-            "--ulysses-degree", str(p.ulysses_degree), "--ring-degree", str(p.ring_degree),
-            "--pipefusion-degree", str(p.pipefusion_degree), "--warmup-steps", str(p.warmup_steps),
-            "--dp-degree", str(p.dp_degree),
-        ]
-        if self.endpoint is not None:
-            args += ["--endpoint", self.endpoint]
-        if self.curve_dir and self.endpoint is not None:
-            args += ["--curve-dir", str(self.curve_dir)]
-        if p.num_patches:
-            args += ["--num-patches", str(p.num_patches)]
-        if p.cfg_degree > 1:
-            args.append("--cfg-parallel")
-        if self.text_encoders:
-            args.append("--text-encoders")
-        if self.dtype:
-            args += ["--dtype", self.dtype]
-        return args
+__all__ = ["Pool", "PoolError", "PoolSpec"]
 
 
 def _parent_death_signal(sig: int):
@@ -345,7 +264,7 @@ class Pool:
         return sorted(r for r, pid in self.pids.items() if _dead(pid))
 
     def _check_liveness(self) -> None:
-        if self.process is None:
+        if self.process is None or self._stop_requested.is_set():
             return
         if self._job_errors and time.monotonic() - self._job_error_since > JOB_ERROR_GRACE_S:
             rank = min(self._job_errors)

@@ -25,6 +25,7 @@ MAX_FRAME_BYTES = 64 * 1024 * 1024
 MAX_TENSORS = 16
 MAX_DIMS = 6
 MAX_PROMPT_CHARS = 20_000
+MAX_LORAS = 16
 
 DTYPES = {
     "float32": torch.float32,
@@ -58,6 +59,8 @@ CLIENT_MESSAGES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "scheduler": ((str,), False),
         "preview": ((bool,), False),
         "denoise": (_NUMBER, False),
+        "num_frames": ((int,), False),
+        "loras": ((list,), False),
     },
     "encode": {"prompt": ((str,), True)},
     "cancel": {},
@@ -187,6 +190,21 @@ def decode(frames: list, *, from_client: bool = True) -> Message:
     return Message(kind, job, params, tensors)
 
 
+def _check_loras(loras: list) -> None:
+    if len(loras) > MAX_LORAS:
+        raise ProtocolError(f"{len(loras)} LoRAs in one job; the limit is {MAX_LORAS}")
+    for lora in loras:
+        if (
+            not isinstance(lora, dict)
+            or set(lora) != {"path", "strength"}
+            or not isinstance(lora["path"], str)
+            or not isinstance(lora["strength"], _NUMBER)
+            or isinstance(lora["strength"], bool)
+            or not math.isfinite(lora["strength"])
+        ):
+            raise ProtocolError("each LoRA must be a map {path: string, strength: finite number}")
+
+
 def _check_params(kind: str, params: dict) -> None:
     schema = CLIENT_MESSAGES[kind]
     unknown = sorted(set(params) - set(schema))
@@ -205,6 +223,7 @@ def _check_params(kind: str, params: dict) -> None:
     if kind == "encode" and len(params["prompt"]) > MAX_PROMPT_CHARS:
         raise ProtocolError(f"prompt is {len(params['prompt'])} characters; the limit is {MAX_PROMPT_CHARS}")
     if kind == "submit":
+        _check_loras(params.get("loras", []))
         if "denoise" in params and not 0.0 < params["denoise"] <= 1.0:
             raise ProtocolError(f"denoise is {params['denoise']}; use a value above 0 and at most 1")
         if not 1 <= params["steps"] <= 1000:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import zmq
 
 from parallel.config import add_parallel_arguments, config_from_args
+from parallel.lora import LoraManager, LoraSpec
 
 from .control import RankChannel
 from .jobs import JobCancelled, JobRunner, Work, broadcast_work
@@ -124,6 +125,7 @@ class Rank:
         self.default_scheduler = self.pipeline.module.scheduler.module
         self.scheduler_name = "default"
         self.runner = JobRunner(self.pipeline, self.group, self.server)
+        self.loras = LoraManager(self.pipeline.module)
         self.phase = "world"
         self._update_memory()
         self.control.send("ready", pid=os.getpid(), memory=self.memory[self.rank] if self.memory else {}, nodes=self.nodes)
@@ -197,6 +199,9 @@ class Rank:
             "pipeline": type(self.pipeline.module).__name__ if self.state != "starting" else None,
             "inputs": self.pipeline.input_widths() if self.state != "starting" else {},
             "text_encoders": self.args.text_encoders,
+            "dtype": self.args.dtype or "as saved",
+            "loads": {"pipeline": 1, "lora": self.loras.loads if self.state != "starting" else 0},
+            "loras": [vars(spec) for spec in self.loras.active] if self.state != "starting" else [],
             "mesh": [self.layout.coordinates(r) for r in range(self.world_size)],
             "parallel": {**vars(self.config), "description": self.config.describe()},
             "memory": self.memory,
@@ -221,6 +226,9 @@ class Rank:
             raise ValueError("submit needs a 'latents' tensor (the initial noise)")
         init = kwargs.pop("init_latents", None)
         self.pipeline.prepare(kwargs)
+        for lora in message.params.get("loras", []):
+            if not os.path.isfile(lora["path"]):
+                raise ValueError(f"LoRA file {lora['path']} does not exist on the pool's machine")
         if init is not None and init.shape != message.tensors["latents"].shape:
             latents = message.tensors["latents"]
             raise ValueError(f"init_latents {list(init.shape)} must have the shape of latents {list(latents.shape)}")
@@ -276,6 +284,7 @@ class Rank:
 
                 self.pipeline.use_scheduler(make_scheduler(self.default_scheduler, name))
                 self.scheduler_name = name
+            self.loras.apply([LoraSpec(lora["path"], float(lora["strength"])) for lora in work.params.get("loras", [])])
             latents = self.runner.run(work, client)
             if self.rank == 0:
                 self.server.send(client, Message("result", work.job, {}, {"latents": latents}))

@@ -22,7 +22,8 @@ async function main() {
   const page = await browser.newPage({ viewport: { width: 1500, height: 950 } });
   const errors = [];
   let prompts = [];
-  page.on("pageerror", (error) => errors.push(String(error)));
+  page.on("pageerror", (error) => errors.push(String(error?.stack ?? error)));
+  page.on("response", (response) => { if (response.status() >= 400) errors.push(`HTTP ${response.status()} ${response.url()}`); });
   page.on("console", (message) => { if (message.type() === "error") errors.push(`console: ${message.text()}`); });
   page.on("request", (request) => {
     if (request.method() === "POST" && /\/prompt$/.test(new URL(request.url()).pathname)) prompts.push(request.postData());

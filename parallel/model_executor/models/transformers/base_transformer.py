@@ -34,6 +34,7 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
         self._handles, self._layers, self._stage = [], [], None
         self._branch: str | None = None
         self._step_results: dict[int, torch.Tensor] = {}
+        self.module_names = frozenset(name for name, _ in transformer.named_modules())  # before any stage split
         config = get_layout().config
         sp = get_sp_group()
         cache = None

@@ -1,0 +1,310 @@
+"""Per-rank activation memory of Wan video sampling: analytic for real shapes, measured on a mini model.
+
+    python -m bench.wan_memory [--json OUT.json] [--no-measure]
+
+Activation memory is what one transformer call holds beyond its weights: one rank's share of the
+video tokens flowing through the blocks, plus the buffers of sequence-parallel attention. It is
+linear in the tokens a rank holds (attention kernels keep no S×S matrix), so the analytic model
+(`analytic_peak`) counts, phase by phase, the tensors alive at once per local token, following
+diffusers' WanTransformerBlock and this engine's USP path; the peak is the largest phase.
+
+The measurement runs a mini Wan transformer (4 heads of 32, FFN 2.7× as in Wan 14B, 2 blocks) in
+bf16 with diffusers' fp32-kept modules, on real torchrun ranks, and counts every tensor that the
+transformer call allocates (a TorchDispatchMode tracking live storages); the same analytic model,
+evaluated at the mini shape, is printed next to it. CUDA's caching allocator would add fragmentation
+on top; this counts tensors only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import weakref
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class WanDims:
+    heads: int
+    head_dim: int
+    ffn: int
+    layers: int
+    text_tokens: int = 512
+
+    @property
+    def dim(self) -> int:
+        return self.heads * self.head_dim
+
+
+MODELS = {
+    "Wan2.1/2.2-T2V-14B (per expert)": WanDims(heads=40, head_dim=128, ffn=13824, layers=40),
+    "Wan2.1-T2V-1.3B": WanDims(heads=12, head_dim=128, ffn=8960, layers=30),
+}
+MINI = WanDims(heads=4, head_dim=32, ffn=346, layers=2, text_tokens=16)
+# name: (ulysses, ring, cfg, dp); cfg and dp leave a rank's tokens whole (it runs one branch / one sample)
+LAYOUTS = {
+    "1 rank": (1, 1, 1, 1),
+    "cfg2": (1, 1, 2, 1),
+    "ulysses2": (2, 1, 1, 1),
+    "ring2": (1, 2, 1, 1),
+    "ulysses4": (4, 1, 1, 1),
+    "ring4": (1, 4, 1, 1),
+    "ulysses2×ring2": (2, 2, 1, 1),
+    "cfg2×ulysses2": (2, 1, 2, 1),
+    "ulysses8": (8, 1, 1, 1),
+    "ulysses4×ring2": (4, 2, 1, 1),
+    "cfg2×ulysses4": (4, 1, 2, 1),
+}
+MEASURED = ("1 rank", "cfg2", "ulysses2", "ring2", "ulysses4", "ring4", "ulysses2×ring2")
+
+
+def video_tokens(frames: int, height: int, width: int) -> int:
+    return ((frames - 1) // 4 + 1) * (height // 16) * (width // 16)
+
+
+# -- analytic --------------------------------------------------------------------------------------
+def analytic_peak(dims: WanDims, tokens: int, ulysses: int, ring: int, act: int = 2) -> dict[str, float]:
+    """Bytes one rank holds at the peak of each phase of a transformer call, for `act`-byte activations.
+
+    Per local token s (tokens / (ulysses·ring), rounded up: uneven splits pad), with D = model width,
+    F = FFN width, r = rotary (cos, sin) kept in fp32, f = 4 bytes for diffusers' fp32 upcasts:
+    - carried through every block: the block's input (held by the caller), the running hidden state,
+      the rotary table: 2·D·act + r.
+    - self-attention: the modulated input, q/k/v, rotary temporaries; with Ulysses the stacked q/k/v,
+      the all-to-all's send and receive buffers and their concatenation (4 copies of 3·D); with Ring
+      the travelling K/V block and the one in flight (2 × 2·D·u/u), and the fp32 merge buffer.
+    - cross-attention: modulated input, q, output; the text K/V are replicated (2·T·D per rank).
+    - FFN: modulated input, the previous attention output, up-projection and GELU output (2·F).
+    - residuals: diffusers adds in fp32 (x.float() + y.float() · gate): three fp32 temporaries.
+    """
+    s = math.ceil(tokens / (ulysses * ring))
+    d, f_dim, hd = dims.dim, dims.ffn, dims.head_dim
+    rope = 2 * hd * 4
+    carried = s * (2 * d * act + rope)
+    usp = 0.0
+    if ulysses > 1:
+        usp += 4 * 3 * d * act  # stack, send, receive, concatenation (the 3 q/k/v inputs are counted below)
+    if ring > 1:
+        usp += 2 * 2 * d * act + d * 4  # K/V block being used and the one in flight; fp32 output merge
+    self_attention = s * (d * act + 3 * d * act + 2 * d * 4 + usp + d * act)  # input, qkv, rope temps, USP, out
+    cross = s * 3 * d * act + 2 * dims.text_tokens * d * act
+    ffn = s * (2 * d * act + 2 * f_dim * act)
+    residual = s * (2 * d * act + 3 * d * 4)
+    phases = {"self-attention": self_attention, "cross-attention": cross, "ffn": ffn, "residual": residual}
+    result = {name: carried + extra for name, extra in phases.items()}
+    result["peak"] = max(result.values())
+    result["tokens_per_rank"] = s
+    return result
+
+
+# -- measurement -----------------------------------------------------------------------------------
+def _tracker():
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class LiveTensors(TorchDispatchMode):
+        """Bytes of the storages that ops allocated and are still referenced; peak since `reset`."""
+
+        def __init__(self):
+            super().__init__()
+            self.live: dict[int, list[int]] = {}
+            self.now = self.peak = 0
+
+        def reset(self) -> int:
+            self.peak = self.now
+            return self.now
+
+        def _release(self, ptr: int) -> None:
+            entry = self.live.get(ptr)
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    self.now -= entry[0]
+                    del self.live[ptr]
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in tree_flatten(out)[0]:
+                if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+                    continue
+                storage = tensor.untyped_storage()
+                ptr = storage.data_ptr()
+                if not ptr:
+                    continue
+                entry = self.live.get(ptr)
+                if entry is None:
+                    entry = self.live[ptr] = [storage.nbytes(), 0]
+                    self.now += entry[0]
+                    self.peak = max(self.peak, self.now)
+                entry[1] += 1
+                weakref.finalize(tensor, self._release, ptr)
+            return out
+
+    return LiveTensors()
+
+
+def _save_mini(directory: Path) -> None:
+    import torch
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    from parallel import tiny_models, tiny_wan
+
+    tok, umt5 = tiny_wan._umt5(1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=MINI.heads, attention_head_dim=MINI.head_dim, in_channels=16,
+            out_channels=16, text_dim=tiny_models.T5_DIM, freq_dim=32, ffn_dim=MINI.ffn, num_layers=MINI.layers,
+            cross_attn_norm=True, rope_max_seq_len=64,
+        )
+    WanPipeline(tokenizer=tok, text_encoder=umt5, vae=tiny_wan._wan_vae(2), scheduler=tiny_wan.scheduler(),
+                transformer=transformer).save_pretrained(directory)
+
+
+def worker(spec_path: str) -> int:
+    """torchrun entry: measure every layout of the spec whose world size is this launch's."""
+    import torch
+
+    from parallel.config import ParallelConfig
+    from parallel.distributed import (
+        destroy_distributed_environment, destroy_model_parallel, init_distributed_environment, initialize_model_parallel,
+    )
+    from parallel.loading import load_pipeline
+    from parallel.model_executor import wrap_pipeline
+
+    spec = json.loads(Path(spec_path).read_text())
+    world = init_distributed_environment()
+    torch.set_num_threads(1)
+    results = {}
+    for name in spec["layouts"]:
+        u, r, cfg, dp = LAYOUTS[name]
+        if u * r * cfg * dp != world.world_size:
+            continue
+        initialize_model_parallel(ParallelConfig(ulysses_degree=u, ring_degree=r, cfg_degree=cfg, dp_degree=dp))
+        pipeline = load_pipeline(spec["model"], dtype="bf16")
+        parallel = wrap_pipeline(pipeline)
+        tracker, peaks = _tracker(), []
+        transformer = pipeline.transformer.module
+        start = transformer.register_forward_pre_hook(lambda *a: peaks.append(-tracker.reset()))
+        stop = transformer.register_forward_hook(lambda *a: peaks.__setitem__(-1, peaks[-1] + tracker.peak))
+        frames, height, width = spec["video"]
+        generator = torch.Generator().manual_seed(0)
+        latents = torch.randn(dp, 16, (frames - 1) // 4 + 1, height // 8, width // 8, generator=generator)
+        embeds = torch.randn(dp, MINI.text_tokens, 32, generator=generator)
+        with torch.no_grad(), tracker:
+            parallel(latents=latents, prompt_embeds=embeds, negative_prompt_embeds=embeds, num_inference_steps=1,
+                     guidance_scale=5.0, height=height, width=width, output_type="latent", return_dict=False)
+        start.remove(), stop.remove()
+        mine = torch.tensor([max(peaks)], dtype=torch.int64)
+        every = [torch.zeros_like(mine) for _ in range(world.world_size)]
+        torch.distributed.all_gather(every, mine)
+        results[name] = [int(t) for t in every]
+        parallel.unwrap()
+        destroy_model_parallel()
+    if world.rank == 0:
+        Path(spec["output"]).write_text(json.dumps(results))
+    destroy_distributed_environment()
+    return 0
+
+
+def measure(frames: int, height: int, width: int) -> dict[str, list[int]]:
+    """Per-rank peak activation bytes of one transformer call on the mini model, per layout."""
+    results: dict[str, list[int]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / "mini"
+        _save_mini(model)
+        sizes = sorted({math.prod(LAYOUTS[name]) for name in MEASURED})
+        for nproc in sizes:
+            spec = Path(tmp) / f"spec{nproc}.json"
+            output = Path(tmp) / f"out{nproc}.json"
+            spec.write_text(json.dumps({"model": str(model), "layouts": MEASURED, "video": [frames, height, width],
+                                        "output": str(output)}))
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+            run = subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                 "-m", "bench.wan_memory", "--worker", str(spec)],
+                cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+            )
+            if run.returncode != 0:
+                raise RuntimeError(run.stderr[-3000:])
+            results.update(json.loads(output.read_text()))
+    return results
+
+
+# -- report ----------------------------------------------------------------------------------------
+def _gib(value: float) -> str:
+    return f"{value / 2**30:.2f}"
+
+
+def _mib(value: float) -> str:
+    return f"{value / 2**20:.3f}"
+
+
+def report(measured: dict[str, list[int]] | None, mini_video: tuple[int, int, int]) -> tuple[str, dict]:
+    real_video = (81, 480, 832)
+    tokens = video_tokens(*real_video)
+    lines = [
+        f"## Wan, 81 frames 832×480: {tokens} video tokens (21 latent frames × 30 × 52), bf16, text 512 tokens",
+        "",
+        "Per-rank activation memory of one transformer call (GiB; weights not included).",
+        "",
+    ]
+    data: dict = {"real": {}, "mini": {}}
+    for model, dims in MODELS.items():
+        lines += [f"### {model}: {dims.heads} heads × {dims.head_dim}, FFN {dims.ffn}, {dims.layers} blocks", "",
+                  "| layout | tokens/rank | self-attn | ffn | residual | peak | vs 1 rank |", "|---|---|---|---|---|---|---|"]
+        base = analytic_peak(dims, tokens, 1, 1)["peak"]
+        for name, (u, r, cfg, dp) in LAYOUTS.items():
+            if dims.heads % u:
+                lines.append(f"| {name} | – | {dims.heads} heads do not split over ulysses {u} | | | | |")
+                continue
+            a = analytic_peak(dims, tokens, u, r)
+            data["real"].setdefault(model, {})[name] = a
+            lines.append(f"| {name} | {a['tokens_per_rank']} | {_gib(a['self-attention'])} | {_gib(a['ffn'])} | "
+                         f"{_gib(a['residual'])} | **{_gib(a['peak'])}** | {a['peak'] / base:.2f} |")
+        lines.append("")
+    mini_tokens = video_tokens(*mini_video)
+    lines += [f"## Measured: mini Wan ({MINI.heads}×{MINI.head_dim}, FFN {MINI.ffn}, bf16), "
+              f"{mini_video[0]} frames {mini_video[2]}×{mini_video[1]} = {mini_tokens} tokens", "",
+              "| layout | measured per rank (MiB) | analytic (MiB) | measured / analytic |", "|---|---|---|---|"]
+    for name in MEASURED:
+        u, r, _, _ = LAYOUTS[name]
+        a = analytic_peak(MINI, mini_tokens, u, r)["peak"]
+        if measured and name in measured:
+            ranks = measured[name]
+            data["mini"][name] = {"measured": ranks, "analytic": a}
+            shown = ", ".join(_mib(x) for x in ranks)
+            lines.append(f"| {name} | {shown} | {_mib(a)} | {max(ranks) / a:.2f} |")
+        else:
+            lines.append(f"| {name} | (not measured) | {_mib(a)} | |")
+    return "\n".join(lines), data
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.wan_memory", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", default=None, help="also write the numbers here")
+    parser.add_argument("--no-measure", action="store_true", help="analytic tables only (no torchrun)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args.worker)
+    mini_video = (33, 128, 128)  # 9 latent frames × 8 × 8 = 576 tokens
+    measured = None if args.no_measure else measure(*mini_video)
+    text, data = report(measured, mini_video)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"dims": {k: asdict(v) for k, v in MODELS.items()}, **data}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""LoRA on parallel layouts through the pool: equal to diffusers' own pipeline with the LoRA fused,
+removable exactly, switchable without reloading the model, clear errors for bad files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+from safetensors.torch import save_file
+
+from parallel import tiny_models
+from pool_helpers import PARAMS, free_endpoint, idle_client, start_serve, stop_serve
+from workers.client import JobFailed
+from xdit_test_helpers import TOLERANCE
+
+FLUX_PARAMS = {**PARAMS, "guidance_scale": 3.5}
+RANK = 4
+
+
+def peft_lora(path, seed: int, blocks=("transformer_blocks.0", "single_transformer_blocks.1")) -> str:
+    """A diffusers/PEFT-format LoRA for the tiny Flux (random A and B, so it changes the output)."""
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for block in blocks:
+        for layer in ("attn.to_q", "attn.to_k", "attn.to_v"):
+            weights[f"transformer.{block}.{layer}.lora_A.weight"] = torch.randn(RANK, 64, generator=g) * 0.3
+            weights[f"transformer.{block}.{layer}.lora_B.weight"] = torch.randn(64, RANK, generator=g) * 0.3
+    save_file(weights, path)
+    return str(path)
+
+
+def kohya_lora(path, seed: int) -> str:
+    """A Kohya-format Flux LoRA (fused qkv of the double blocks), converted by diffusers on load."""
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for i in range(2):
+        for part, out in (("img_attn_qkv", 192), ("txt_attn_qkv", 192), ("img_attn_proj", 64)):
+            weights[f"lora_unet_double_blocks_{i}_{part}.lora_down.weight"] = torch.randn(RANK, 64, generator=g) * 0.3
+            weights[f"lora_unet_double_blocks_{i}_{part}.lora_up.weight"] = torch.randn(out, RANK, generator=g) * 0.3
+            weights[f"lora_unet_double_blocks_{i}_{part}.alpha"] = torch.tensor(float(RANK))
+    save_file(weights, path)
+    return str(path)
+
+
+def pixart_lora(path) -> str:
+    """A LoRA for PixArt's layer names (attn1 = self-attention), which Flux does not have."""
+    g = torch.Generator().manual_seed(9)
+    weights = {f"transformer.transformer_blocks.0.attn1.to_q.lora_A.weight": torch.randn(RANK, 64, generator=g),
+               f"transformer.transformer_blocks.0.attn1.to_q.lora_B.weight": torch.randn(64, RANK, generator=g)}
+    save_file(weights, path)
+    return str(path)
+
+
+def fused_reference(model_dir, inputs, loras: list[tuple[str, float]]) -> torch.Tensor:
+    pipeline = DiffusionPipeline.from_pretrained(model_dir)
+    names = []
+    for i, (path, strength) in enumerate(loras):
+        pipeline.load_lora_weights(path, adapter_name=f"l{i}")
+        names.append(f"l{i}")
+    if names:
+        pipeline.set_adapters(names, adapter_weights=[s for _, s in loras])
+        pipeline.fuse_lora(adapter_names=names, lora_scale=1.0)
+        pipeline.unload_lora_weights()
+    with torch.no_grad():
+        return pipeline(**inputs, num_inference_steps=4, guidance_scale=3.5, height=64, width=64,
+                        output_type="latent", return_dict=False)[0]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loras")
+    corrupt = root / "corrupt.safetensors"
+    corrupt.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    return {"peft": peft_lora(root / "peft.safetensors", 1), "kohya": kohya_lora(root / "kohya.safetensors", 2),
+            "pixart": pixart_lora(root / "pixart.safetensors"), "corrupt": str(corrupt), "missing": str(root / "nope.safetensors")}
+
+
+@pytest.mark.parametrize("layout", [("--ulysses-degree", "2"), ("--pipefusion-degree", "2", "--warmup-steps", "4")],
+                         ids=["ulysses2", "pipefusion2"])
+def test_lora_on_a_parallel_pool(tiny_model_dirs, files, tmp_path, layout):
+    model = tiny_model_dirs["flux"]
+    inputs = tiny_models.make_inputs("flux", negative=False)
+    endpoint = free_endpoint()
+    process = start_serve(model, endpoint, "--nproc", "2", *layout, log=tmp_path / "serve.log")
+    try:
+        client, _ = idle_client(endpoint)
+        base = client.sample(inputs, FLUX_PARAMS)
+        with_peft = client.sample(inputs, {**FLUX_PARAMS, "loras": [{"path": files["peft"], "strength": 0.7}]})
+        assert (with_peft - fused_reference(model, inputs, [(files["peft"], 0.7)])).abs().max() <= TOLERANCE
+        assert (with_peft - base).abs().max() > 100 * TOLERANCE  # the LoRA really changes the result
+
+        assert torch.equal(client.sample(inputs, FLUX_PARAMS), base)  # removed: the base model exactly
+
+        stack = [{"path": files["peft"], "strength": 0.5}, {"path": files["kohya"], "strength": 1.2}]
+        stacked = client.sample(inputs, {**FLUX_PARAMS, "loras": stack})
+        expected = fused_reference(model, inputs, [(files["peft"], 0.5), (files["kohya"], 1.2)])
+        assert (stacked - expected).abs().max() <= TOLERANCE
+
+        status = client.status()
+        assert status["loads"] == {"pipeline": 1, "lora": 2} and status["restarts"] == 0  # no model reload
+
+        for bad, message in ((files["pixart"], "is not a LoRA for this FluxTransformer2DModel"),
+                             (files["corrupt"], "is not a readable LoRA file"),
+                             (files["missing"], "does not exist")):
+            with pytest.raises(JobFailed, match=message):
+                client.sample(inputs, {**FLUX_PARAMS, "loras": [{"path": bad, "strength": 1.0}]})
+        assert client.status()["restarts"] == 0
+        assert torch.equal(client.sample(inputs, FLUX_PARAMS), base)
+        client.close()
+    finally:
+        stop_serve(process)

@@ -1,0 +1,126 @@
+"""A pool over two "machines" on this one: `serve --nnodes 2 --node-rank 0` and `join --node-rank 1`.
+
+Two supervisors, two torchrun elastic agents meeting in a c10d rendezvous on 127.0.0.1, one rank
+each (Ulysses 2 across the nodes), CURVE keys on the endpoint as in the README's two-machine recipe.
+Results are compared with diffusers' single-process output. Then node 1 is killed outright (its
+supervisor's process group, its torchrun and its rank, all SIGKILL, as when a machine dies), and the
+pool must fail the running job naming the node, say `waiting for nodes`, and come back when node 1
+joins again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from parallel import tiny_models
+from workers.client import JobFailed, PoolClient
+
+from xdit_test_helpers import TOLERANCE
+from pool_helpers import PARAMS, ROOT, alive, free_endpoint, reference, start_serve, stop_serve, wait_gone
+
+FAMILY = "pixart-alpha"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_join(model_dir, *flags: str, log) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "workers", "join", "--model", str(model_dir), "--threads-per-rank", "1", *flags]
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+
+def wait_for_state(client: PoolClient, state: str, timeout_s: float = 60) -> dict:
+    deadline = time.monotonic() + timeout_s
+    status = {}
+    while time.monotonic() < deadline:
+        status = client.status()
+        if status["state"] == state:
+            return status
+        time.sleep(0.1)
+    raise AssertionError(f"the pool never said {state!r}: {status}")
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tiny_model_dirs, tmp_path_factory):
+    work = tmp_path_factory.mktemp("two_nodes")
+    keys = work / "keys"
+    made = subprocess.run([sys.executable, "-m", "workers", "keys", "--out", str(keys)], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert made.returncode == 0, made.stderr
+    model = tiny_model_dirs[FAMILY]
+    endpoint = free_endpoint()
+    shared = ("--nproc", "1", "--ulysses-degree", "2", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}")
+    node0 = start_serve(model, endpoint, *shared, "--node-rank", "0", "--curve-dir", str(keys), log=work / "node0.log")
+    join = lambda: start_join(model, *shared, "--node-rank", "1", log=work / "node1.log")  # noqa: E731
+    state = {"node1": join()}
+    client = PoolClient(endpoint, curve_dir=str(keys))
+    client.wait_until_idle(180)
+    inputs = tiny_models.make_inputs(FAMILY)
+    yield {"client": client, "inputs": inputs, "expected": reference(model, FAMILY, inputs), "join": join,
+           "state": state, "work": work}
+    pids = [pid for node in client.status()["nodes"] for pid in node["pids"]]
+    client.close()
+    stop_serve(node0)
+    stop_serve(state["node1"])
+    assert node0.returncode == 0, (work / "node0.log").read_text()[-3000:]
+    assert wait_gone(pids) == [], "ranks outlived their supervisors"
+
+
+def test_two_nodes_equal_diffusers_and_status_lists_both(two_nodes):
+    client = two_nodes["client"]
+    status = client.status()
+    assert status["state"] == "idle" and status["world_size"] == 2 and status["ranks_alive"] == 2
+    assert [(n["node"], n["ranks"], n["alive"]) for n in status["nodes"]] == [(0, [0], True), (1, [1], True)]
+    assert all(n["host"] == socket.gethostname() and len(n["pids"]) == 1 for n in status["nodes"])
+    latents = client.sample(two_nodes["inputs"], PARAMS)
+    assert (latents - two_nodes["expected"]).abs().max().item() <= TOLERANCE
+
+
+def test_losing_node_1_fails_the_job_waits_and_recovers_when_it_joins_again(two_nodes):
+    client, state = two_nodes["client"], two_nodes["state"]
+    before = client.status()
+    rank1 = before["nodes"][1]["pids"][0]
+    torchrun1 = parent(rank1)
+    seen = []
+
+    def kill_node_1_at_step_three(message):
+        seen.append(message)
+        if len(seen) == 3:  # the whole machine goes: supervisor, torchrun agent and rank, no goodbyes
+            os.killpg(state["node1"].pid, signal.SIGKILL)
+            os.kill(torchrun1, signal.SIGKILL)
+            os.kill(rank1, signal.SIGKILL)
+
+    with pytest.raises(JobFailed, match=r"lost contact with node 1 \(rank 1 on .*\).*every node is back"):
+        client.sample(two_nodes["inputs"], {**PARAMS, "steps": 1000}, on_step=kill_node_1_at_step_three)
+    state["node1"].wait(10)
+    assert not any(alive(p) for p in (rank1, torchrun1))
+
+    waiting = wait_for_state(client, "waiting for nodes")
+    assert [(n["node"], n["alive"]) for n in waiting["nodes"]] == [(0, True), (1, False)]
+    assert "node 1" in waiting["restart_reason"]
+    with pytest.raises(JobFailed, match="waiting for nodes"):
+        client.sample(two_nodes["inputs"], PARAMS)
+
+    state["node1"] = two_nodes["join"]()
+    status = client.wait_until_idle(180)
+    assert status["restarts"] >= before["restarts"] + 1 and status["ranks_alive"] == 2
+    assert status["nodes"][1]["pids"] != [rank1]
+    latents = client.sample(two_nodes["inputs"], PARAMS)
+    assert (latents - two_nodes["expected"]).abs().max().item() <= TOLERANCE

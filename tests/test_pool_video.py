@@ -1,0 +1,41 @@
+"""Wan 2.2 (both experts held by every rank) on a served pool: a video job equals diffusers.
+
+A real `python -m workers serve` pool with Ring 2 samples a 9-frame 48×48 video, whose 27 tokens
+split unevenly, with `num_frames` in the job; the result and the step previews are checked.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parallel import tiny_models
+from pool_helpers import free_endpoint, idle_client, pool_processes, reference, start_serve, stop_serve, wait_gone
+from xdit_test_helpers import TOLERANCE
+
+FAMILY = "wan22"
+FRAMES, SIZE = 9, 48
+
+
+def test_wan22_video_job_on_a_ring2_pool_equals_diffusers(video_model_dirs, tmp_path):
+    model = video_model_dirs[FAMILY]
+    endpoint = free_endpoint()
+    process = start_serve(model, endpoint, "--nproc", "2", "--ring-degree", "2", log=tmp_path / "serve.log")
+    client = None
+    try:
+        client, status = idle_client(endpoint)
+        assert status["pipeline"] == "WanPipeline" and status["inputs"] == {"prompt_embeds": 32, "negative_prompt_embeds": 32}
+        inputs = tiny_models.make_inputs(FAMILY, height=SIZE, width=SIZE, num_frames=FRAMES)
+        params = {"steps": 4, "guidance_scale": 5.0, "height": SIZE, "width": SIZE, "num_frames": FRAMES}
+        previews = []
+        latents = client.sample(inputs, params, on_step=lambda message: previews.append(message.tensors["preview"].shape))
+        expected = reference(model, FAMILY, inputs, params)
+        assert latents.shape == expected.shape == (1, 16, 3, SIZE // 8, SIZE // 8)
+        assert (latents - expected).abs().max().item() <= TOLERANCE
+        assert previews == [torch.Size([1, 16, 3, SIZE // 8, SIZE // 8])] * 4
+        pids = pool_processes(client.status())
+    finally:
+        if client is not None:
+            client.close()
+        stop_serve(process)
+    assert process.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    assert wait_gone(pids) == []

@@ -1,0 +1,433 @@
+"""Single-file transformer checkpoints (parallel/checkpoints): detection, loading, and the clear errors.
+
+Tiny checkpoints are written in the ORIGINAL single-file layouts (BFL Flux, SAI SD3, PixArt's own) by the
+inverse of diffusers' key conversion, from a tiny diffusers transformer; loading the file must give the
+same pipeline output as loading the diffusers folder the transformer came from. No hub access:
+HF_HUB_OFFLINE is set for the whole module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import huggingface_hub.constants
+import pytest
+import torch
+from diffusers import DPMSolverMultistepScheduler
+from safetensors.torch import save_file
+
+from parallel import tiny_models
+from parallel.checkpoints import CheckpointFile, detect_checkpoint
+from parallel.checkpoints.detect import CONFIGS, SUPPORTED
+from parallel.loading import load_pipeline
+from xdit_test_helpers import TOLERANCE, torchrun
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # read at import by the torchrun ranks' huggingface_hub
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    """No hub, and no network at all: any connection attempt in this process fails the test."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+    def refuse(sock, address):
+        raise AssertionError(f"network access to {address} during a single-file test")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+
+# variant: (tiny family, changes to the tiny transformer so it is a small model of that variant). Where no
+# weight shows the head size it is the architecture's own: SD3 64, PixArt 72.
+VARIANTS = {
+    "flux1-dev": ("flux", {}),
+    "flux1-schnell": ("flux", {"guidance_embeds": False}),
+    "sd3-medium": ("sd3", {"num_attention_heads": 2, "attention_head_dim": 64, "caption_projection_dim": 128}),
+    "sd3.5-medium": ("sd3", {"qk_norm": "rms_norm", "dual_attention_layers": (0, 1)}),
+    "sd3.5-large": ("sd3", {"qk_norm": "rms_norm"}),
+    # α-1024-MS: micro-conditions (resolution, aspect ratio), which the pipeline feeds at sample size 128 only
+    "pixart-alpha-1024": ("pixart-alpha", {"num_attention_heads": 2, "attention_head_dim": 72,
+                                           "cross_attention_dim": 144, "use_additional_conditions": True,
+                                           "sample_size": 128}),
+    "pixart-sigma-1024": ("pixart-sigma", {"num_attention_heads": 2, "attention_head_dim": 72,
+                                           "cross_attention_dim": 144}),
+}
+PIXART_TOKENS = {"pixart-alpha": 120, "pixart-sigma": 300}
+GUIDANCE = {"pixart-alpha": 4.5, "pixart-sigma": 4.5, "sd3": 4.5, "flux": 3.5}
+
+
+# ------------------------------------------------------------------ diffusers -> original layouts (inverse)
+def _swap_halves(t: torch.Tensor) -> torch.Tensor:
+    """diffusers' swap_scale_shift is its own inverse."""
+    a, b = t.chunk(2, dim=0)
+    return torch.cat([b, a], dim=0)
+
+
+class _Inverse:
+    """Builds an original-layout dict from a diffusers state dict, checking every diffusers key is used."""
+
+    def __init__(self, state_dict: dict):
+        self.src, self.out = dict(state_dict), {}
+
+    def move(self, src: str, dst: str, kinds=("weight", "bias"), fn=lambda t: t):
+        for kind in kinds:
+            self.out[f"{dst}.{kind}" if kind else dst] = fn(self.src.pop(f"{src}.{kind}" if kind else src)).clone()
+
+    def fuse(self, srcs, dst: str):
+        for kind in ("weight", "bias"):
+            self.out[f"{dst}.{kind}"] = torch.cat([self.src.pop(f"{s}.{kind}") for s in srcs], dim=0)
+
+    def done(self) -> dict:
+        assert not self.src, f"diffusers keys with no original counterpart: {sorted(self.src)}"
+        return self.out
+
+
+def flux_to_bfl(sd: dict, config) -> dict:
+    inv = _Inverse(sd)
+    for src, dst in (("timestep_embedder", "time_in"), ("text_embedder", "vector_in"),
+                     ("guidance_embedder", "guidance_in")):
+        if f"time_text_embed.{src}.linear_1.weight" in inv.src:
+            inv.move(f"time_text_embed.{src}.linear_1", f"{dst}.in_layer")
+            inv.move(f"time_text_embed.{src}.linear_2", f"{dst}.out_layer")
+    inv.move("context_embedder", "txt_in")
+    inv.move("x_embedder", "img_in")
+    for i in range(config.num_layers):
+        d, b = f"transformer_blocks.{i}.", f"double_blocks.{i}."
+        inv.move(d + "norm1.linear", b + "img_mod.lin")
+        inv.move(d + "norm1_context.linear", b + "txt_mod.lin")
+        inv.fuse([d + "attn.to_q", d + "attn.to_k", d + "attn.to_v"], b + "img_attn.qkv")
+        inv.fuse([d + "attn.add_q_proj", d + "attn.add_k_proj", d + "attn.add_v_proj"], b + "txt_attn.qkv")
+        for src, dst in (("norm_q", "img_attn.norm.query_norm"), ("norm_k", "img_attn.norm.key_norm"),
+                         ("norm_added_q", "txt_attn.norm.query_norm"), ("norm_added_k", "txt_attn.norm.key_norm")):
+            inv.out[b + dst + ".scale"] = inv.src.pop(d + f"attn.{src}.weight")
+        inv.move(d + "ff.net.0.proj", b + "img_mlp.0")
+        inv.move(d + "ff.net.2", b + "img_mlp.2")
+        inv.move(d + "ff_context.net.0.proj", b + "txt_mlp.0")
+        inv.move(d + "ff_context.net.2", b + "txt_mlp.2")
+        inv.move(d + "attn.to_out.0", b + "img_attn.proj")
+        inv.move(d + "attn.to_add_out", b + "txt_attn.proj")
+    for i in range(config.num_single_layers):
+        d, b = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
+        inv.move(d + "norm.linear", b + "modulation.lin")
+        inv.fuse([d + "attn.to_q", d + "attn.to_k", d + "attn.to_v", d + "proj_mlp"], b + "linear1")
+        inv.out[b + "norm.query_norm.scale"] = inv.src.pop(d + "attn.norm_q.weight")
+        inv.out[b + "norm.key_norm.scale"] = inv.src.pop(d + "attn.norm_k.weight")
+        inv.move(d + "proj_out", b + "linear2")
+    inv.move("proj_out", "final_layer.linear")
+    inv.move("norm_out.linear", "final_layer.adaLN_modulation.1", fn=_swap_halves)
+    return inv.done()
+
+
+def sd3_to_sai(sd: dict, config) -> dict:
+    inv = _Inverse(sd)
+    inv.out["pos_embed"] = inv.src.pop("pos_embed.pos_embed").clone()
+    inv.move("pos_embed.proj", "x_embedder.proj")
+    inv.move("time_text_embed.timestep_embedder.linear_1", "t_embedder.mlp.0")
+    inv.move("time_text_embed.timestep_embedder.linear_2", "t_embedder.mlp.2")
+    inv.move("time_text_embed.text_embedder.linear_1", "y_embedder.mlp.0")
+    inv.move("time_text_embed.text_embedder.linear_2", "y_embedder.mlp.2")
+    inv.move("context_embedder", "context_embedder")
+    last = config.num_layers - 1
+    for i in range(config.num_layers):
+        d, x, c = f"transformer_blocks.{i}.", f"joint_blocks.{i}.x_block.", f"joint_blocks.{i}.context_block."
+        inv.fuse([d + "attn.to_q", d + "attn.to_k", d + "attn.to_v"], x + "attn.qkv")
+        inv.fuse([d + "attn.add_q_proj", d + "attn.add_k_proj", d + "attn.add_v_proj"], c + "attn.qkv")
+        if config.qk_norm:
+            inv.move(d + "attn.norm_q", x + "attn.ln_q", kinds=("weight",))
+            inv.move(d + "attn.norm_k", x + "attn.ln_k", kinds=("weight",))
+            inv.move(d + "attn.norm_added_q", c + "attn.ln_q", kinds=("weight",))
+            inv.move(d + "attn.norm_added_k", c + "attn.ln_k", kinds=("weight",))
+        inv.move(d + "attn.to_out.0", x + "attn.proj")
+        if i in config.dual_attention_layers:
+            inv.fuse([d + "attn2.to_q", d + "attn2.to_k", d + "attn2.to_v"], x + "attn2.qkv")
+            if config.qk_norm:
+                inv.move(d + "attn2.norm_q", x + "attn2.ln_q", kinds=("weight",))
+                inv.move(d + "attn2.norm_k", x + "attn2.ln_k", kinds=("weight",))
+            inv.move(d + "attn2.to_out.0", x + "attn2.proj")
+        inv.move(d + "norm1.linear", x + "adaLN_modulation.1")
+        inv.move(d + "ff.net.0.proj", x + "mlp.fc1")
+        inv.move(d + "ff.net.2", x + "mlp.fc2")
+        if i == last:  # the last context block only modulates (shift/scale order differs from diffusers)
+            inv.move(d + "norm1_context.linear", c + "adaLN_modulation.1", fn=_swap_halves)
+        else:
+            inv.move(d + "norm1_context.linear", c + "adaLN_modulation.1")
+            inv.move(d + "attn.to_add_out", c + "attn.proj")
+            inv.move(d + "ff_context.net.0.proj", c + "mlp.fc1")
+            inv.move(d + "ff_context.net.2", c + "mlp.fc2")
+    inv.move("proj_out", "final_layer.linear")
+    inv.move("norm_out.linear", "final_layer.adaLN_modulation.1", fn=_swap_halves)
+    return inv.done()
+
+
+def pixart_to_original(sd: dict, config, tokens: int, pos_embed: torch.Tensor) -> dict:
+    inv = _Inverse(sd)
+    inv.move("pos_embed.proj", "x_embedder.proj")
+    inv.move("caption_projection.linear_1", "y_embedder.y_proj.fc1")
+    inv.move("caption_projection.linear_2", "y_embedder.y_proj.fc2")
+    emb = "adaln_single.emb."
+    inv.move(emb + "timestep_embedder.linear_1", "t_embedder.mlp.0")
+    inv.move(emb + "timestep_embedder.linear_2", "t_embedder.mlp.2")
+    if config.use_additional_conditions:
+        for dst, src in (("csize_embedder", "resolution_embedder"), ("ar_embedder", "aspect_ratio_embedder")):
+            inv.move(f"{emb}{src}.linear_1", f"{dst}.mlp.0")
+            inv.move(f"{emb}{src}.linear_2", f"{dst}.mlp.2")
+    inv.move("adaln_single.linear", "t_block.1")
+    for i in range(config.num_layers):
+        d, b = f"transformer_blocks.{i}.", f"blocks.{i}."
+        inv.move(d + "scale_shift_table", b + "scale_shift_table", kinds=(None,))
+        inv.fuse([d + "attn1.to_q", d + "attn1.to_k", d + "attn1.to_v"], b + "attn.qkv")
+        inv.move(d + "attn1.to_out.0", b + "attn.proj")
+        inv.move(d + "attn2.to_q", b + "cross_attn.q_linear")
+        inv.fuse([d + "attn2.to_k", d + "attn2.to_v"], b + "cross_attn.kv_linear")
+        inv.move(d + "attn2.to_out.0", b + "cross_attn.proj")
+        inv.move(d + "ff.net.0.proj", b + "mlp.fc1")
+        inv.move(d + "ff.net.2", b + "mlp.fc2")
+    inv.move("proj_out", "final_layer.linear")
+    inv.move("scale_shift_table", "final_layer.scale_shift_table", kinds=(None,))
+    out = inv.done()
+    # Saved by the PixArt repository next to the weights; diffusers recomputes / does not use them.
+    out["y_embedder.y_embedding"] = torch.zeros(tokens, config.caption_channels)
+    out["pos_embed"] = pos_embed.clone()
+    return out
+
+
+def original_layout(family: str, transformer) -> dict:
+    sd, config = transformer.state_dict(), transformer.config
+    if family == "flux":
+        return flux_to_bfl(sd, config)
+    if family == "sd3":
+        return sd3_to_sai(sd, config)
+    return pixart_to_original(sd, config, PIXART_TOKENS[family], transformer.pos_embed.pos_embed)
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+def _variant_pipeline(variant: str):
+    family, changes = VARIANTS[variant]
+    pipe = tiny_models.build_tiny_pipeline(family, seed=3)
+    if changes:
+        cls = type(pipe.transformer)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(3)
+            # without "_use_default_values", which would make from_config ignore `changes` to defaulted keys
+            config = {k: v for k, v in pipe.transformer.config.items() if not k.startswith("_")}
+            transformer = cls.from_config({**config, **changes}).eval()
+        tiny_models._peak_attention(transformer, tiny_models.QK_SCALE)
+        pipe = type(pipe)(**{**pipe.components, "transformer": transformer})
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """variant -> (diffusers folder, original-layout .safetensors); PixArt-Σ also as a .pth."""
+    root = tmp_path_factory.mktemp("single_file")
+    out = {}
+    for variant, (family, _) in VARIANTS.items():
+        pipe = _variant_pipeline(variant)
+        folder = root / variant
+        pipe.save_pretrained(folder, safe_serialization=True)
+        weights = original_layout(family, pipe.transformer)
+        path = root / f"{variant}.safetensors"
+        save_file({k: v.contiguous() for k, v in weights.items()}, path)
+        out[variant] = (folder, path)
+        if variant == "pixart-sigma-1024":
+            torch.save({"state_dict": weights}, root / "PixArt-Sigma-XL-2-1024-MS.pth")
+    return out
+
+
+def _run(pipe, family: str) -> torch.Tensor:
+    with torch.no_grad():
+        return pipe(**tiny_models.make_inputs(family), **tiny_models.PIPELINE_CALL_DEFAULTS[family],
+                    guidance_scale=GUIDANCE[family], height=64, width=64, num_inference_steps=4,
+                    output_type="latent").images
+
+
+def _same_scheduler(file_pipe, folder_pipe, family: str) -> None:
+    """Both pipelines on the file's shipped scheduler, so only the transformer and its config can differ.
+
+    PixArt's shipped scheduler predicts epsilon, which blows an untrained tiny model's latents up ~150x and
+    makes 1e-4 meaningless; its v-prediction twin keeps them O(1).
+    """
+    scheduler = file_pipe.scheduler
+    if family.startswith("pixart"):
+        scheduler = DPMSolverMultistepScheduler.from_config(scheduler.config, prediction_type="v_prediction")
+    file_pipe.scheduler = scheduler
+    folder_pipe.scheduler = type(scheduler).from_config(scheduler.config)
+
+
+# ------------------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_detection(checkpoints, variant):
+    family, _ = VARIANTS[variant]
+    folder, path = checkpoints[variant]
+    detected = detect_checkpoint(path)
+    assert (detected.variant, detected.family) == (variant, family)
+    reference = load_pipeline(folder).transformer.config
+    for key, value in detected.overrides.items():  # every value read from the shapes matches the real config
+        expected = reference[key]
+        if key == "interpolation_scale" and expected is None:  # diffusers' default for this sample size
+            expected = max(reference.sample_size // 64, 1)
+        assert value == (list(expected) if isinstance(expected, tuple) else expected), key
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_single_file_equals_folder(checkpoints, variant):
+    family, _ = VARIANTS[variant]
+    folder, path = checkpoints[variant]
+    file_pipe, folder_pipe = load_pipeline(path), load_pipeline(folder)
+    assert type(file_pipe) is type(folder_pipe)
+    assert file_pipe.vae is None and file_pipe.text_encoder is None
+    shipped = json.loads((CONFIGS / variant / "scheduler" / "scheduler_config.json").read_text())
+    assert type(file_pipe.scheduler).__name__ == shipped["_class_name"]
+    assert all(file_pipe.scheduler.config[k] == v for k, v in shipped.items() if not k.startswith("_")
+               and v is not None)
+    theirs = folder_pipe.transformer.state_dict()
+    for key, value in file_pipe.transformer.state_dict().items():
+        assert torch.equal(value, theirs[key]), key
+    assert theirs.keys() == file_pipe.transformer.state_dict().keys()
+    _same_scheduler(file_pipe, folder_pipe, family)
+    got, want = _run(file_pipe, family), _run(folder_pipe, family)
+    assert torch.isfinite(want).all() and want.abs().max() < 50
+    assert (got - want).abs().max() < TOLERANCE, f"{variant}: max diff {(got - want).abs().max():.2e}"
+
+
+def test_wrong_head_split_is_caught(checkpoints):
+    """Negative control: the same weights under another head split give another output, so the 1e-4 check
+    above would catch a wrongly derived head count."""
+    folder, path = checkpoints["pixart-sigma-1024"]
+    pipe = load_pipeline(path)
+    _same_scheduler(pipe, load_pipeline(folder), "pixart-sigma")
+    good = _run(pipe, "pixart-sigma")
+    config = {**pipe.transformer.config, "num_attention_heads": 4, "attention_head_dim": 36}
+    wrong = type(pipe.transformer).from_config(config)
+    wrong.load_state_dict(pipe.transformer.state_dict())
+    pipe.transformer = wrong.eval()
+    assert (_run(pipe, "pixart-sigma") - good).abs().max() > 100 * TOLERANCE
+
+
+def test_pth_checkpoint(checkpoints):
+    folder, safetensors_path = checkpoints["pixart-sigma-1024"]
+    path = safetensors_path.parent / "PixArt-Sigma-XL-2-1024-MS.pth"
+    assert detect_checkpoint(path).variant == "pixart-sigma-1024"
+    from_pth, from_safetensors = load_pipeline(path), load_pipeline(safetensors_path)
+    theirs = from_safetensors.transformer.state_dict()
+    assert all(torch.equal(v, theirs[k]) for k, v in from_pth.transformer.state_dict().items())
+
+
+def test_pth_is_never_unpickled_with_code(tmp_path):
+    """weights_only=True: a pickle that would run code on load is refused, not run."""
+    path = tmp_path / "evil.pth"
+    marker = tmp_path / "ran"
+    torch.save({"state_dict": _Evil(str(marker))}, path)
+    with pytest.raises(ValueError, match="cannot be read"):
+        detect_checkpoint(path)
+    assert not marker.exists()
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_whole_checkpoint_prefix(checkpoints, tmp_path):
+    """SAI/ComfyUI whole checkpoints keep the transformer under model.diffusion_model. next to VAE and text
+    encoders; only the transformer is read."""
+    folder, path = checkpoints["sd3.5-large"]
+    weights = CheckpointFile(path).state_dict()
+    whole = {f"model.diffusion_model.{k}": v for k, v in weights.items()}
+    whole["first_stage_model.decoder.conv_in.weight"] = torch.zeros(4, 4)
+    whole["text_encoders.clip_l.transformer.text_model.final_layer_norm.weight"] = torch.zeros(4)
+    save_file(whole, tmp_path / "sd3.5_large.safetensors")
+    pipe = load_pipeline(tmp_path / "sd3.5_large.safetensors")
+    theirs = load_pipeline(folder).transformer.state_dict()
+    assert all(torch.equal(v, theirs[k]) for k, v in pipe.transformer.state_dict().items())
+
+
+def test_stored_dtype_is_kept(checkpoints, tmp_path):
+    _, path = checkpoints["flux1-schnell"]
+    half = {k: v.to(torch.bfloat16) for k, v in CheckpointFile(path).state_dict().items()}
+    save_file(half, tmp_path / "flux1-schnell-bf16.safetensors")
+    assert load_pipeline(tmp_path / "flux1-schnell-bf16.safetensors").transformer.dtype == torch.bfloat16
+    assert load_pipeline(tmp_path / "flux1-schnell-bf16.safetensors", dtype="fp32").transformer.dtype == torch.float32
+
+
+# ------------------------------------------------------------------------------------------------ errors
+def test_unknown_checkpoint_lists_supported(tmp_path):
+    path = tmp_path / "sd15.safetensors"
+    save_file({"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(4, 4, 3, 3)}, path)
+    with pytest.raises(ValueError) as error:
+        load_pipeline(path)
+    message = str(error.value)
+    assert str(path) in message and "not a supported single-file transformer checkpoint" in message
+    for _, name, _ in SUPPORTED.values():
+        assert name in message
+
+
+def test_truncated_file(checkpoints, tmp_path):
+    _, path = checkpoints["flux1-dev"]
+    data = path.read_bytes()
+    for cut, name in ((len(data) // 2, "half.safetensors"), (6, "header.safetensors")):
+        broken = tmp_path / name
+        broken.write_bytes(data[:cut])
+        with pytest.raises(ValueError, match="corrupted or truncated") as error:
+            load_pipeline(broken)
+        assert str(broken) in str(error.value)
+    pth = path.parent / "PixArt-Sigma-XL-2-1024-MS.pth"
+    (tmp_path / "half.pth").write_bytes(pth.read_bytes()[: pth.stat().st_size // 2])
+    with pytest.raises(ValueError, match="corrupted or truncated"):
+        load_pipeline(tmp_path / "half.pth")
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "flux1-dev.safetensors"
+    with pytest.raises(FileNotFoundError, match="does not exist") as error:
+        load_pipeline(path)
+    assert str(path) in str(error.value)
+
+
+def test_incomplete_or_mismatching_weights(checkpoints, tmp_path):
+    """A file of a supported layout that lacks a tensor, or whose tensors disagree with each other."""
+    _, path = checkpoints["sd3-medium"]
+    weights = CheckpointFile(path).state_dict()
+    save_file({k: v for k, v in weights.items() if k != "joint_blocks.1.x_block.mlp.fc2.weight"}, tmp_path / "a.safetensors")
+    with pytest.raises(ValueError, match="lacks tensor 'joint_blocks.1.x_block.mlp.fc2.weight'"):
+        load_pipeline(tmp_path / "a.safetensors")
+    bad = dict(weights, **{"joint_blocks.1.x_block.mlp.fc1.weight": torch.zeros(7, 128)})
+    save_file(bad, tmp_path / "b.safetensors")
+    with pytest.raises(ValueError, match=r"does not fit .*of the wrong shape.*fc1"):
+        load_pipeline(tmp_path / "b.safetensors")
+    save_file({k: v for k, v in weights.items() if not k.startswith("joint_blocks.2.")}, tmp_path / "c.safetensors")
+    with pytest.raises(ValueError, match=r"block indices \[0, 1, 3\]"):
+        detect_checkpoint(tmp_path / "c.safetensors")
+
+
+def test_text_encoders_refused(checkpoints):
+    _, path = checkpoints["flux1-dev"]
+    with pytest.raises(ValueError, match="no text encoders"):
+        load_pipeline(path, text_encoders=True)
+
+
+def test_shipped_configs_are_complete():
+    for variant in SUPPORTED:
+        for part in ("model_index.json", "transformer/config.json", "scheduler/scheduler_config.json"):
+            assert json.loads((CONFIGS / variant / part).read_text()), f"{variant}/{part}"
+
+
+# --------------------------------------------------------------------------------------- engine (torchrun)
+def test_engine_takes_a_file(checkpoints, tmp_path):
+    """Contract E with --model FILE on 2 ranks (Ulysses 2) equals the single-process file pipeline."""
+    family = "flux"
+    _, path = checkpoints["flux1-dev"]
+    inputs = tiny_models.make_inputs(family)
+    save_file(inputs, tmp_path / "in.safetensors")
+    result = torchrun(2, "-m", "parallel.run", "--model", str(path), "--inputs", str(tmp_path / "in.safetensors"),
+                      "--output", str(tmp_path / "out.safetensors"), "--steps", "4", "--guidance-scale",
+                      str(GUIDANCE[family]), "--height", "64", "--width", "64", "--ulysses-degree", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    want = _run(load_pipeline(path), family)
+    got = load_file(tmp_path / "out.safetensors")["latents"]
+    assert (got - want).abs().max() < TOLERANCE
