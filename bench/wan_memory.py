@@ -43,6 +43,11 @@ class WanDims:
     def dim(self) -> int:
         return self.heads * self.head_dim
 
+    @property
+    def block_parameters(self) -> int:
+        """Self- and cross-attention (q, k, v, out: 8·D²), FFN (2·D·F), the rest is small."""
+        return self.layers * (8 * self.dim**2 + 2 * self.dim * self.ffn)
+
 
 MODELS = {
     "Wan2.1/2.2-T2V-14B (per expert)": WanDims(heads=40, head_dim=128, ffn=13824, layers=40),
@@ -72,37 +77,39 @@ def video_tokens(frames: int, height: int, width: int) -> int:
 
 # -- analytic --------------------------------------------------------------------------------------
 def analytic_peak(dims: WanDims, tokens: int, ulysses: int, ring: int, act: int = 2) -> dict[str, float]:
-    """Bytes one rank holds at the peak of each phase of a transformer call, for `act`-byte activations.
+    """Bytes one rank holds at each step of a transformer call that can be its peak, and the peak.
 
-    Per local token s (tokens / (ulysses·ring), rounded up: uneven splits pad), with D = model width,
-    F = FFN width, r = rotary (cos, sin) kept in fp32, f = 4 bytes for diffusers' fp32 upcasts:
-    - carried through every block: the block's input (held by the caller), the running hidden state,
-      the rotary table: 2·D·act + r.
-    - self-attention: the modulated input, q/k/v, rotary temporaries; with Ulysses the stacked q/k/v,
-      the all-to-all's send and receive buffers and their concatenation (4 copies of 3·D); with Ring
-      the travelling K/V block and the one in flight (2 × 2·D·u/u), and the fp32 merge buffer.
-    - cross-attention: modulated input, q, output; the text K/V are replicated (2·T·D per rank).
-    - FFN: modulated input, the previous attention output, up-projection and GELU output (2·F).
-    - residuals: diffusers adds in fp32 (x.float() + y.float() · gate): three fp32 temporaries.
+    The largest step is in block 0: the transformer's forward keeps the unsplit patch-embedded tokens
+    in a local variable until block 0 returns (the split is a hook on block 0's input), and the token
+    shards of the rotary table are views that keep the whole table alive. So every step starts from
+    base = S·D·act + S·2·hd·4 (fp32 rotary cos and sin). With s = ⌈S / (ulysses·ring)⌉ local tokens,
+    a = s·D·act one local activation and f = s·D·4 its fp32 copy (diffusers upcasts norms and
+    residuals to fp32), the steps are, following WanTransformerBlock and this engine's USP:
+    - cross-attention q RMSNorm: block input, the attn1 residual, attn2's input, attn1's output, q
+      (4a), and RMSNorm's fp32 upcast, square and scale (3f). The text K/V (2·T·D·act) are replicated.
+    - FFN: hidden, attn2's output, the FFN input (3a), up-projection and GELU output (2·s·F·act).
+    - FFN residual: hidden, attn2's output, FFN input and output (4a); x.float() + y.float()·gate (3f).
+    - USP, Ulysses all-to-all (ulysses > 1): attn1's input and q/k/v (4a); the stacked q/k/v, the
+      all-to-all's send and receive buffers and its concatenation (4 × 3a).
+    - USP, Ring (ring > 1): attn1's input, q/k/v and their stack or all-to-all result (7a); the query
+      and local K/V joined with the (empty) text (3a); the K/V block in use and the one in flight
+      (4a); the block's output (a); the fp32 running output, the block output upcast and the two
+      rescaled terms of the log-sum-exp merge (4f).
     """
     s = math.ceil(tokens / (ulysses * ring))
-    d, f_dim, hd = dims.dim, dims.ffn, dims.head_dim
-    rope = 2 * hd * 4
-    carried = s * (2 * d * act + rope)
-    usp = 0.0
+    a, f = s * dims.dim * act, s * dims.dim * 4
+    base = tokens * dims.dim * act + tokens * 2 * dims.head_dim * 4
+    steps = {
+        "cross-attn": base + 4 * a + 3 * f + 2 * dims.text_tokens * dims.dim * act,
+        "ffn": base + 3 * a + 2 * s * dims.ffn * act,
+        "residual": base + 4 * a + 3 * f,
+    }
     if ulysses > 1:
-        usp += 4 * 3 * d * act  # stack, send, receive, concatenation (the 3 q/k/v inputs are counted below)
+        steps["ulysses"] = base + 4 * a + 12 * a
     if ring > 1:
-        usp += 2 * 2 * d * act + d * 4  # K/V block being used and the one in flight; fp32 output merge
-    self_attention = s * (d * act + 3 * d * act + 2 * d * 4 + usp + d * act)  # input, qkv, rope temps, USP, out
-    cross = s * 3 * d * act + 2 * dims.text_tokens * d * act
-    ffn = s * (2 * d * act + 2 * f_dim * act)
-    residual = s * (2 * d * act + 3 * d * 4)
-    phases = {"self-attention": self_attention, "cross-attention": cross, "ffn": ffn, "residual": residual}
-    result = {name: carried + extra for name, extra in phases.items()}
-    result["peak"] = max(result.values())
-    result["tokens_per_rank"] = s
-    return result
+        steps["ring"] = base + 7 * a + 3 * a + 4 * a + a + 4 * f
+    peak_step = max(steps, key=steps.get)
+    return {**steps, "peak": steps[peak_step], "peak_step": peak_step, "tokens_per_rank": s, "base": base}
 
 
 # -- measurement -----------------------------------------------------------------------------------
@@ -170,6 +177,31 @@ def _save_mini(directory: Path) -> None:
                 transformer=transformer).save_pretrained(directory)
 
 
+def transformer_peak(pipeline, run) -> int:
+    """Peak bytes that the transformer calls made during `run()` allocate beyond what existed at entry."""
+    tracker, peaks = _tracker(), []
+    transformer = getattr(pipeline.transformer, "module", pipeline.transformer)
+    start = transformer.register_forward_pre_hook(lambda *a: peaks.append(-tracker.reset()))
+    stop = transformer.register_forward_hook(lambda *a: peaks.__setitem__(-1, peaks[-1] + tracker.peak))
+    try:
+        with tracker:
+            run()
+    finally:
+        start.remove(), stop.remove()
+    return max(peaks)
+
+
+def mini_inputs(batch: int, video: tuple[int, int, int]) -> dict:
+    import torch
+
+    frames, height, width = video
+    generator = torch.Generator().manual_seed(0)
+    latents = torch.randn(batch, 16, (frames - 1) // 4 + 1, height // 8, width // 8, generator=generator)
+    embeds = torch.randn(batch, MINI.text_tokens, 32, generator=generator)
+    return {"latents": latents, "prompt_embeds": embeds, "negative_prompt_embeds": embeds, "num_inference_steps": 1,
+            "guidance_scale": 5.0, "height": height, "width": width, "output_type": "latent", "return_dict": False}
+
+
 def worker(spec_path: str) -> int:
     """torchrun entry: measure every layout of the spec whose world size is this launch's."""
     import torch
@@ -192,19 +224,10 @@ def worker(spec_path: str) -> int:
         initialize_model_parallel(ParallelConfig(ulysses_degree=u, ring_degree=r, cfg_degree=cfg, dp_degree=dp))
         pipeline = load_pipeline(spec["model"], dtype="bf16")
         parallel = wrap_pipeline(pipeline)
-        tracker, peaks = _tracker(), []
-        transformer = pipeline.transformer.module
-        start = transformer.register_forward_pre_hook(lambda *a: peaks.append(-tracker.reset()))
-        stop = transformer.register_forward_hook(lambda *a: peaks.__setitem__(-1, peaks[-1] + tracker.peak))
-        frames, height, width = spec["video"]
-        generator = torch.Generator().manual_seed(0)
-        latents = torch.randn(dp, 16, (frames - 1) // 4 + 1, height // 8, width // 8, generator=generator)
-        embeds = torch.randn(dp, MINI.text_tokens, 32, generator=generator)
-        with torch.no_grad(), tracker:
-            parallel(latents=latents, prompt_embeds=embeds, negative_prompt_embeds=embeds, num_inference_steps=1,
-                     guidance_scale=5.0, height=height, width=width, output_type="latent", return_dict=False)
-        start.remove(), stop.remove()
-        mine = torch.tensor([max(peaks)], dtype=torch.int64)
+        inputs = mini_inputs(dp, tuple(spec["video"]))
+        with torch.no_grad():
+            peak = transformer_peak(pipeline, lambda: parallel(**inputs))
+        mine = torch.tensor([peak], dtype=torch.int64)
         every = [torch.zeros_like(mine) for _ in range(world.world_size)]
         torch.distributed.all_gather(every, mine)
         results[name] = [int(t) for t in every]
@@ -261,7 +284,11 @@ def report(measured: dict[str, list[int]] | None, mini_video: tuple[int, int, in
     data: dict = {"real": {}, "mini": {}}
     for model, dims in MODELS.items():
         lines += [f"### {model}: {dims.heads} heads × {dims.head_dim}, FFN {dims.ffn}, {dims.layers} blocks", "",
-                  "| layout | tokens/rank | self-attn | ffn | residual | peak | vs 1 rank |", "|---|---|---|---|---|---|---|"]
+                  f"Weights on every rank (sequence, CFG and data parallel replicate them): "
+                  f"{_gib(dims.block_parameters * 2)} GiB of bf16 block weights per transformer "
+                  f"(Wan 2.2 A14B holds two: {_gib(dims.block_parameters * 4)} GiB).", "",
+                  "| layout | tokens/rank | unsplit block-0 input + rotary | ffn | USP step | peak (step) | vs 1 rank |",
+                  "|---|---|---|---|---|---|---|"]
         base = analytic_peak(dims, tokens, 1, 1)["peak"]
         for name, (u, r, cfg, dp) in LAYOUTS.items():
             if dims.heads % u:
@@ -269,23 +296,25 @@ def report(measured: dict[str, list[int]] | None, mini_video: tuple[int, int, in
                 continue
             a = analytic_peak(dims, tokens, u, r)
             data["real"].setdefault(model, {})[name] = a
-            lines.append(f"| {name} | {a['tokens_per_rank']} | {_gib(a['self-attention'])} | {_gib(a['ffn'])} | "
-                         f"{_gib(a['residual'])} | **{_gib(a['peak'])}** | {a['peak'] / base:.2f} |")
+            usp = max(a.get("ulysses", 0), a.get("ring", 0))
+            lines.append(f"| {name} | {a['tokens_per_rank']} | {_gib(a['base'])} | {_gib(a['ffn'])} | "
+                         f"{_gib(usp) if usp else '–'} | **{_gib(a['peak'])}** ({a['peak_step']}) | {a['peak'] / base:.2f} |")
         lines.append("")
     mini_tokens = video_tokens(*mini_video)
     lines += [f"## Measured: mini Wan ({MINI.heads}×{MINI.head_dim}, FFN {MINI.ffn}, bf16), "
               f"{mini_video[0]} frames {mini_video[2]}×{mini_video[1]} = {mini_tokens} tokens", "",
-              "| layout | measured per rank (MiB) | analytic (MiB) | measured / analytic |", "|---|---|---|---|"]
+              "| layout | measured per rank (MiB) | analytic (MiB), peak step | measured / analytic |", "|---|---|---|---|"]
     for name in MEASURED:
         u, r, _, _ = LAYOUTS[name]
-        a = analytic_peak(MINI, mini_tokens, u, r)["peak"]
+        model = analytic_peak(MINI, mini_tokens, u, r)
+        a = model["peak"]
         if measured and name in measured:
             ranks = measured[name]
             data["mini"][name] = {"measured": ranks, "analytic": a}
             shown = ", ".join(_mib(x) for x in ranks)
-            lines.append(f"| {name} | {shown} | {_mib(a)} | {max(ranks) / a:.2f} |")
+            lines.append(f"| {name} | {shown} | {_mib(a)}, {model['peak_step']} | {max(ranks) / a:.2f} |")
         else:
-            lines.append(f"| {name} | (not measured) | {_mib(a)} | |")
+            lines.append(f"| {name} | (not measured) | {_mib(a)}, {model['peak_step']} | |")
     return "\n".join(lines), data
 
 

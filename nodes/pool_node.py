@@ -7,11 +7,15 @@ import os
 import folder_paths
 from comfy_api.latest import io
 
+from parallel.checkpoints import CHECKPOINT_SUFFIXES, checkpoint_variant
 from parallel.config import LayoutError, ParallelConfig
 
 from .pools import POOLS, TINY_MODELS, TINY_PREFIX, PoolKey, tiny_model_dir
 
 XDiTPoolType = io.Custom("XDIT_POOL")
+FILE_PREFIX = "file: "
+# ComfyUI's model folders that hold single-file transformers; diffusion_models also covers models/unet.
+CHECKPOINT_FOLDERS = ("diffusion_models", "checkpoints")
 
 
 def diffusers_models() -> list[str]:
@@ -22,12 +26,31 @@ def diffusers_models() -> list[str]:
             for name in sorted(os.listdir(root)):
                 if os.path.isfile(os.path.join(root, name, "model_index.json")):
                     found.append(name)
-    return found + TINY_MODELS
+    return found + single_file_models() + TINY_MODELS
+
+
+def single_file_models() -> list[str]:
+    """Supported single-file transformer checkpoints (Flux.1, SD3/3.5, PixArt) in ComfyUI's model folders."""
+    found, seen = [], set()
+    for folder in CHECKPOINT_FOLDERS:
+        for name in folder_paths.get_filename_list(folder):
+            path = folder_paths.get_full_path(folder, name)
+            if path and name.lower().endswith(CHECKPOINT_SUFFIXES) and os.path.realpath(path) not in seen \
+                    and checkpoint_variant(path):
+                seen.add(os.path.realpath(path))
+                found.append(f"{FILE_PREFIX}{folder}/{name}")
+    return found
 
 
 def model_path(choice: str) -> str:
     if choice.startswith(TINY_PREFIX):
         return str(tiny_model_dir(choice))
+    if choice.startswith(FILE_PREFIX):
+        folder, _, name = choice.removeprefix(FILE_PREFIX).partition("/")
+        path = folder_paths.get_full_path(folder, name) if folder in CHECKPOINT_FOLDERS else None
+        if path is None:
+            raise ValueError(f"model {choice!r}: no file {name!r} in ComfyUI's models/{folder} folders")
+        return path
     for root in folder_paths.get_folder_paths("diffusers"):
         if os.path.isfile(os.path.join(root, choice, "model_index.json")):
             return os.path.join(root, choice)
@@ -47,7 +70,9 @@ def pool_key(kwargs, resolve_model: bool = True) -> PoolKey:
     endpoint = kwargs.get("endpoint", "").strip()
     return PoolKey(
         model=model_path(kwargs["model"]) if resolve_model and not endpoint else kwargs["model"],
-        nproc=kwargs["nproc"], parallel=_config(kwargs), text_encoders=kwargs["text_encoders"],
+        nproc=kwargs["nproc"], parallel=_config(kwargs),
+        # a single-file checkpoint is the transformer alone: prompts are encoded in ComfyUI
+        text_encoders=kwargs["text_encoders"] and not kwargs["model"].startswith(FILE_PREFIX),
         dtype=None if kwargs["dtype"] == "auto" else kwargs["dtype"],
         devices=kwargs["devices"].strip() or None, threads_per_rank=kwargs["threads_per_rank"] or None,
         endpoint=endpoint, curve_dir=(kwargs.get("curve_dir") or "").strip() if endpoint else "",
@@ -65,7 +90,9 @@ class XDiTPool(io.ComfyNode):
             description="A persistent pool of ranks holding a diffusers DiT model, sampling in parallel.",
             inputs=[
                 io.Combo.Input("model", options=diffusers_models(),
-                               tooltip="A diffusers pipeline folder under models/diffusers, or a built-in tiny model."),
+                               tooltip="A diffusers pipeline folder under models/diffusers, a single-file transformer "
+                                       "checkpoint (file: Flux.1 dev/schnell, SD3 medium, SD3.5 medium/large, PixArt-α/Σ "
+                                       "1024; its prompts are encoded with ComfyUI's CLIPTextEncode), or a built-in tiny model."),
                 io.Int.Input("nproc", default=2, min=1, max=256, tooltip="Number of ranks (one per GPU)."),
                 io.Int.Input("ulysses_degree", default=2, min=1, max=256, tooltip=degree.format("Ulysses sequence parallelism")),
                 io.Int.Input("ring_degree", default=1, min=1, max=256, tooltip=degree.format("Ring attention")),

@@ -10,6 +10,7 @@ remembers each endpoint's key folder, so every client of that endpoint uses it.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import os
 import socket
 import threading
@@ -30,9 +31,11 @@ TINY_MODELS = [
 
 
 def tiny_model_dir(choice: str) -> Path:
-    """Build the built-in tiny pipeline once, into the pack's own cache folder."""
+    """Build the built-in tiny pipeline once, into the pack's own cache folder (keyed by the
+    builder's source, so a changed builder never serves a stale model)."""
     family = choice.removeprefix(TINY_PREFIX).split(" ")[0]
-    directory = PACK_ROOT / ".cache" / "tiny" / family
+    version = hashlib.sha1(Path(tiny_models.__file__).read_bytes()).hexdigest()[:10]
+    directory = PACK_ROOT / ".cache" / "tiny" / version / family
     if not (directory / "model_index.json").exists():
         tiny_models.save_tiny_pipeline(family, directory)
     return directory

@@ -37,14 +37,26 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def install_pack_requirements(python: Path, work: Path) -> None:
+    """What ComfyUI Manager does for a custom node: our requirements into ComfyUI's own environment,
+    never replacing the torch it has."""
+    torch_version = subprocess.run([str(python), "-c", "import torch; print(torch.__version__.split('+')[0])"],
+                                   capture_output=True, text=True, check=True).stdout.strip()
+    constraints = work / "constraints.txt"
+    constraints.write_text(f"torch=={torch_version}\n")
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-c", str(constraints),
+                    "-r", str(ROOT / "requirements.txt")], check=True, capture_output=True, timeout=600)
+
+
 class ComfyServer:
     def __init__(self, comfy: Path, python: Path, work: Path):
         self.work = work
-        for name in ("custom_nodes", "models/diffusers", "output", "user/default"):
+        install_pack_requirements(python, work)
+        for name in ("custom_nodes", "models/diffusers", "models/loras", "output", "user/default"):
             (work / name).mkdir(parents=True, exist_ok=True)
         (work / "custom_nodes" / "comfyui-xdit-pool").symlink_to(ROOT)
         (work / "extra.yaml").write_text(
-            f"xdit:\n  base_path: {work}\n  custom_nodes: custom_nodes\n  diffusers: models/diffusers\n"
+            f"xdit:\n  base_path: {work}\n  custom_nodes: custom_nodes\n  diffusers: models/diffusers\n  loras: models/loras\n"
         )
         (work / "user" / "default" / "comfy.settings.json").write_text(json.dumps({"Comfy.TutorialCompleted": True}))
         self.port = _free_port()

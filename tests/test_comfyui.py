@@ -186,3 +186,25 @@ def test_user_errors_are_readable_and_the_pool_stays_usable(comfy, tiny_model_di
     entry = comfy.wait(comfy.queue(workflow("sd3")))
     assert entry["status"]["status_str"] == "success"
     assert (saved_latent(comfy, entry) - reference(tiny_model_dirs["sd3"], "sd3")).abs().max() <= TOLERANCE
+
+
+def test_xdit_lora_node_applies_a_lora_like_diffusers_fused(comfy, tiny_model_dirs):
+    from test_lora import fused_reference, peft_lora
+
+    lora = peft_lora(comfy.work / "models" / "loras" / "xdit_test_lora.safetensors", 3)
+    prompt = workflow("flux", prefix="lora")
+    prompt["8"] = {"class_type": "XDiTLoRA", "inputs": {"pool": ["1", 0], "lora_name": "xdit_test_lora.safetensors",
+                                                         "strength": 0.8}}
+    prompt["5"]["inputs"]["pool"] = ["8", 0]
+    entry = comfy.wait(comfy.queue(prompt))
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+
+    pipeline = DiffusionPipeline.from_pretrained(tiny_model_dirs["flux"])
+    with torch.no_grad():
+        embeds, pooled, _ = pipeline.encode_prompt("a cat on a mat", None)
+    noise = torch.randn((1, 16, 8, 8), generator=torch.manual_seed(7))
+    inputs = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled,
+              "latents": pipeline._pack_latents(noise, 1, 16, 8, 8)}
+    expected = pipeline._unpack_latents(fused_reference(tiny_model_dirs["flux"], inputs, [(lora, 0.8)]), 64, 64, 8)
+    expected = expected / FAMILIES["flux"][2] + FAMILIES["flux"][3]
+    assert (saved_latent(comfy, entry) - expected).abs().max().item() <= TOLERANCE

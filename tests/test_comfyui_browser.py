@@ -114,12 +114,21 @@ POOL_NODES = """() => app.graph.nodes.filter((n) => n.comfyClass === 'XDiTPool')
     id: n.id, model: n.widgets.find((w) => w.name === 'model').value,
     nproc: n.widgets.find((w) => w.name === 'nproc').value, error: n.xditError ?? null }))"""
 
+# Load a saved workflow, convert it, and queue it the way the Run button does (app.queuePrompt, through the
+# xDiT validation hook); a spy on api.queuePrompt catches the server's answer for the prompt id.
 LOAD_CONVERT_QUEUE = """async (workflow) => {
     await app.loadGraphData(workflow);
     const converted = await app.graphToPrompt();
     const classes = Object.values(converted.output).map((node) => node.class_type).sort();
-    const response = await api.queuePrompt(0, converted);
-    return { classes, response };
+    const original = api.queuePrompt;
+    let response = null;
+    api.queuePrompt = async (...args) => (response = await original.apply(api, args));
+    try {
+        await app.queuePrompt(0, 1);
+        return { classes, response };
+    } finally {
+        api.queuePrompt = original;
+    }
 }"""
 
 HISTORY = """async (id) => {
@@ -142,7 +151,7 @@ def test_example_workflow_loads_converts_and_runs(comfy, page, path):
         ["XDiTPool", "XDiTTextEncode", "XDiTTextEncode", "XDiTSampler", "SaveLatent",
          "EmptySD3LatentImage" if "sd3" in path.stem or "flux" in path.stem else "EmptyLatentImage"]
     )
-    assert not result["response"].get("node_errors"), result["response"]
+    assert result["response"] and not result["response"].get("node_errors"), result
     status = page.wait(HISTORY, result["response"]["prompt_id"], timeout_s=120)
     assert status["status_str"] == "success", json.dumps(status)[-2000:]
     assert page.eval(POOL_NODES)[0]["error"] is None
@@ -252,13 +261,14 @@ def test_bad_degree_product_is_flagged_and_not_queued(comfy, page):
     page.eval("() => { document.querySelector('.xdit-panel') && document.querySelector('.pi-sitemap').click();"
               " app.canvas.ds.offset = [120, 80]; app.canvas.setDirty(true, true); return true; }")
 
-    assert page.eval("() => app.queuePrompt(0, 1)") is False
+    page.call("click", selector='[data-testid="queue-button"] button:first-child')  # the Run button, as a user would
     toast = page.wait("() => [...document.querySelectorAll('.p-toast-message')].map((e) => e.innerText).join('\\n')"
                       " .includes('xDiT Pool') && document.querySelector('.p-toast-message').innerText", timeout_s=10)
     assert "nproc is 2" in toast
     time.sleep(0.5)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.call("screenshot", path=str(ARTIFACTS / "xdit-invalid-node.png"))
+    assert page.eval("() => app.queuePrompt(0, 1)") is False
     assert page.call("requests") == [], "the frontend sent the invalid prompt to the server"
     assert (len(comfy.get("/history")), comfy.get("/queue")) == before
 

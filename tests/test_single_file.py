@@ -8,9 +8,13 @@ HF_HUB_OFFLINE is set for the whole module.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import socket
+import sys
+import types
 
 import huggingface_hub.constants
 import pytest
@@ -22,7 +26,7 @@ from parallel import tiny_models
 from parallel.checkpoints import CheckpointFile, detect_checkpoint
 from parallel.checkpoints.detect import CONFIGS, SUPPORTED
 from parallel.loading import load_pipeline
-from xdit_test_helpers import TOLERANCE, torchrun
+from xdit_test_helpers import ROOT, TOLERANCE, torchrun
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # read at import by the torchrun ranks' huggingface_hub
 
@@ -351,6 +355,9 @@ def test_stored_dtype_is_kept(checkpoints, tmp_path):
     save_file(half, tmp_path / "flux1-schnell-bf16.safetensors")
     assert load_pipeline(tmp_path / "flux1-schnell-bf16.safetensors").transformer.dtype == torch.bfloat16
     assert load_pipeline(tmp_path / "flux1-schnell-bf16.safetensors", dtype="fp32").transformer.dtype == torch.float32
+    fp8 = {k: v.to(torch.float8_e4m3fn) for k, v in half.items()}  # plain fp8 storage computes in bf16
+    save_file(fp8, tmp_path / "flux1-schnell-fp8.safetensors")
+    assert load_pipeline(tmp_path / "flux1-schnell-fp8.safetensors").transformer.dtype == torch.bfloat16
 
 
 # ------------------------------------------------------------------------------------------------ errors
@@ -396,11 +403,21 @@ def test_incomplete_or_mismatching_weights(checkpoints, tmp_path):
         load_pipeline(tmp_path / "a.safetensors")
     bad = dict(weights, **{"joint_blocks.1.x_block.mlp.fc1.weight": torch.zeros(7, 128)})
     save_file(bad, tmp_path / "b.safetensors")
-    with pytest.raises(ValueError, match=r"does not fit .*of the wrong shape.*fc1"):
+    with pytest.raises(ValueError, match=r"does not fit .*of the wrong shape.*transformer_blocks.1.ff.net.0.proj.weight \(7, 128\)"):
         load_pipeline(tmp_path / "b.safetensors")
     save_file({k: v for k, v in weights.items() if not k.startswith("joint_blocks.2.")}, tmp_path / "c.safetensors")
     with pytest.raises(ValueError, match=r"block indices \[0, 1, 3\]"):
         detect_checkpoint(tmp_path / "c.safetensors")
+
+
+def test_quantized_checkpoint_refused(checkpoints, tmp_path):
+    """fp8-scaled files carry per-tensor scales next to the weights: loading the weights alone would be wrong."""
+    _, path = checkpoints["flux1-dev"]
+    weights = dict(CheckpointFile(path).state_dict(), scaled_fp8=torch.zeros(0, dtype=torch.float8_e4m3fn))
+    weights["img_in.scale_weight"] = torch.ones(1)
+    save_file(weights, tmp_path / "flux1-dev-fp8-scaled.safetensors")
+    with pytest.raises(ValueError, match="quantized checkpoint"):
+        load_pipeline(tmp_path / "flux1-dev-fp8-scaled.safetensors")
 
 
 def test_text_encoders_refused(checkpoints):
@@ -413,6 +430,66 @@ def test_shipped_configs_are_complete():
     for variant in SUPPORTED:
         for part in ("model_index.json", "transformer/config.json", "scheduler/scheduler_config.json"):
             assert json.loads((CONFIGS / variant / part).read_text()), f"{variant}/{part}"
+
+
+# ------------------------------------------------------------------------------------ xDiT Pool's model list
+def _pool_node_module(monkeypatch, folders: dict[str, list]):
+    """nodes/pool_node.py against stand-ins for ComfyUI's folder_paths and comfy_api (not installed here),
+    without running nodes/__init__.py (which registers routes on a ComfyUI server)."""
+    fake_folders = types.ModuleType("folder_paths")
+    fake_folders.get_folder_paths = lambda name: [str(p) for p in folders.get(name, [])]
+
+    def files(name):
+        return sorted(str(f.relative_to(root)) for root in folders.get(name, []) for f in root.rglob("*") if f.is_file())
+
+    def full_path(name, filename):
+        return next((str(root / filename) for root in folders.get(name, []) if (root / filename).is_file()), None)
+
+    fake_folders.get_filename_list, fake_folders.get_full_path = files, full_path
+    latest = types.ModuleType("comfy_api.latest")
+    latest.io = types.SimpleNamespace(Custom=lambda name: name, ComfyNode=object)
+    package = types.ModuleType("xdit_nodes_under_test")
+    package.__path__ = [str(ROOT / "nodes")]
+    for name, module in (("folder_paths", fake_folders), ("comfy_api", types.ModuleType("comfy_api")),
+                         ("comfy_api.latest", latest), ("xdit_nodes_under_test", package)):
+        monkeypatch.setitem(sys.modules, name, module)
+    spec = importlib.util.spec_from_file_location("xdit_nodes_under_test.pool_node", ROOT / "nodes" / "pool_node.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)  # imports .pools as xdit_nodes_under_test.pools
+    return module
+
+
+@pytest.fixture
+def _forget_node_modules():
+    yield
+    for name in [n for n in sys.modules if n.startswith("xdit_nodes_under_test.")]:
+        del sys.modules[name]
+
+
+@pytest.mark.usefixtures("_forget_node_modules")
+def test_pool_node_lists_single_files(checkpoints, tmp_path, monkeypatch):
+    unet, diffusion_models, ckpts = tmp_path / "unet", tmp_path / "diffusion_models", tmp_path / "checkpoints"
+    for folder in (unet, diffusion_models / "flux", ckpts):
+        folder.mkdir(parents=True)
+    shutil.copy(checkpoints["flux1-dev"][1], diffusion_models / "flux" / "flux1-dev.safetensors")
+    shutil.copy(checkpoints["pixart-sigma-1024"][1].parent / "PixArt-Sigma-XL-2-1024-MS.pth", unet)
+    shutil.copy(checkpoints["sd3.5-large"][1], ckpts / "sd3.5_large.safetensors")
+    save_file({"input_blocks.0.0.weight": torch.zeros(1)}, ckpts / "v1-5-pruned.safetensors")  # not a DiT: not listed
+    (ckpts / "notes.txt").write_text("not a checkpoint")
+    node = _pool_node_module(monkeypatch, {"diffusion_models": [unet, diffusion_models], "checkpoints": [ckpts]})
+    files = [m for m in node.diffusers_models() if m.startswith(node.FILE_PREFIX)]
+    assert files == ["file: diffusion_models/PixArt-Sigma-XL-2-1024-MS.pth",
+                     "file: diffusion_models/flux/flux1-dev.safetensors", "file: checkpoints/sd3.5_large.safetensors"]
+    assert node.model_path(files[1]) == str(diffusion_models / "flux" / "flux1-dev.safetensors")
+    assert detect_checkpoint(node.model_path(files[2])).variant == "sd3.5-large"
+    with pytest.raises(ValueError, match="no file 'gone.safetensors'"):
+        node.model_path("file: checkpoints/gone.safetensors")
+    kwargs = {"model": files[1], "nproc": 2, "dp_degree": 1, "cfg_parallel": False, "pipefusion_degree": 1,
+              "ring_degree": 1, "ulysses_degree": 2, "num_patches": 0, "warmup_steps": 1, "text_encoders": True,
+              "dtype": "auto", "devices": "", "threads_per_rank": 0, "endpoint": ""}
+    key = node.pool_key(kwargs)
+    assert key.model == node.model_path(files[1]) and not key.text_encoders  # a file has no text encoders
 
 
 # --------------------------------------------------------------------------------------- engine (torchrun)

@@ -29,8 +29,9 @@ function layoutError(node) {
     dp: Number(widgetValue(node, "dp_degree")),
     cfg: widgetValue(node, "cfg_parallel") ? 2 : 1,
   };
-  if (degrees.pipefusion > 1) {
-    return `pipefusion_degree ${degrees.pipefusion} is not available in this version; set it to 1 and use ulysses/ring/cfg/dp.`;
+  const warmup = Number(widgetValue(node, "warmup_steps"));
+  if (degrees.pipefusion > 1 && warmup < 1) {
+    return `warmup_steps is ${warmup}; PipeFusion needs at least 1 synchronous step to fill its stale K/V, so set warmup_steps to 1 or more.`;
   }
   const product = Object.values(degrees).reduce((a, b) => a * b, 1);
   if (product === nproc) return "";

@@ -1,6 +1,15 @@
 """Single-file transformer checkpoints (flux1-dev.safetensors, sd3.5_large.safetensors, PixArt .pth) as
 ComfyUI users keep them: detection here (no diffusers import), loading in `load`."""
 
-from .detect import CHECKPOINT_SUFFIXES, SUPPORTED, CheckpointFile, Detected, detect_checkpoint, supported_list
+from .detect import (
+    CHECKPOINT_SUFFIXES,
+    SUPPORTED,
+    CheckpointFile,
+    Detected,
+    checkpoint_variant,
+    detect_checkpoint,
+    supported_list,
+)
 
-__all__ = ["CHECKPOINT_SUFFIXES", "SUPPORTED", "CheckpointFile", "Detected", "detect_checkpoint", "supported_list"]
+__all__ = ["CHECKPOINT_SUFFIXES", "SUPPORTED", "CheckpointFile", "Detected", "checkpoint_variant", "detect_checkpoint",
+           "supported_list"]

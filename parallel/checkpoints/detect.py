@@ -9,7 +9,9 @@ calls this to list checkpoints.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import re
 import zipfile
 from dataclasses import dataclass, field
@@ -29,8 +31,8 @@ SUPPORTED = {  # variant: (family, what users call it, the layout marker)
     "sd3-medium": ("sd3", "SD3 medium", "SAI keys joint_blocks.*, no q/k norm"),
     "sd3.5-medium": ("sd3", "SD3.5 medium", "SAI keys joint_blocks.*, q/k norm, x_block.attn2"),
     "sd3.5-large": ("sd3", "SD3.5 large", "SAI keys joint_blocks.*, q/k norm, no attn2"),
-    "pixart-alpha-1024": ("pixart-alpha", "PixArt-α XL-2 1024-MS", "PixArt keys blocks.*.cross_attn, 120 caption tokens"),
-    "pixart-sigma-1024": ("pixart-sigma", "PixArt-Σ XL-2 1024-MS", "PixArt keys blocks.*.cross_attn, 300 caption tokens"),
+    "pixart-alpha-1024": ("pixart-alpha", "PixArt-α XL-2 1024-MS", "PixArt keys blocks.*.cross_attn, 120 tokens"),
+    "pixart-sigma-1024": ("pixart-sigma", "PixArt-Σ XL-2 1024-MS", "PixArt keys blocks.*.cross_attn, 300 tokens"),
 }
 # Head sizes fixed by the architectures where no weight shows them: SAI's MMDiT sets hidden = 64 x depth,
 # heads = depth (head size 64) unless q/k norms show it; PixArt-XL is 16 heads of 72.
@@ -158,10 +160,12 @@ def _flux(checkpoint: CheckpointFile) -> Detected:
     head_dim = shape("double_blocks.0.img_attn.norm.query_norm.scale")[0]
     guidance = "guidance_in.in_layer.weight" in checkpoint.shapes
     return Detected(checkpoint.path, "flux1-dev" if guidance else "flux1-schnell", {
-        "in_channels": in_channels, "attention_head_dim": head_dim, "num_attention_heads": shape.heads(hidden, head_dim),
+        "in_channels": in_channels, "attention_head_dim": head_dim,
+        "num_attention_heads": shape.heads(hidden, head_dim),
         "num_layers": shape.blocks(r"double_blocks\.(\d+)\."),
         "num_single_layers": shape.blocks(r"single_blocks\.(\d+)\."),
-        "joint_attention_dim": shape("txt_in.weight")[1], "pooled_projection_dim": shape("vector_in.in_layer.weight")[1],
+        "joint_attention_dim": shape("txt_in.weight")[1],
+        "pooled_projection_dim": shape("vector_in.in_layer.weight")[1],
         "guidance_embeds": guidance, "axes_dims_rope": _flux_rope_axes(head_dim),
     })
 
@@ -223,6 +227,9 @@ def _pixart(checkpoint: CheckpointFile) -> Detected:
     return Detected(checkpoint.path, variant, overrides)
 
 
+# Weights stored with per-tensor scales (ComfyUI's fp8_scaled) or bitsandbytes blocks would load unscaled.
+QUANTIZED_MARKERS = ("scaled_fp8", ".scale_weight", ".weight_scale", ".absmax", ".quant_map", ".quant_state")
+
 LAYOUTS = (  # the key that marks each original layout, and its reader
     ("double_blocks.0.img_attn.qkv.weight", _flux),
     ("joint_blocks.0.x_block.attn.qkv.weight", _sd3),
@@ -233,6 +240,10 @@ LAYOUTS = (  # the key that marks each original layout, and its reader
 def detect_checkpoint(path: str | Path | CheckpointFile) -> Detected:
     """The supported variant in the file at `path`, or one error saying what the file is not."""
     checkpoint = path if isinstance(path, CheckpointFile) else CheckpointFile(path)
+    quantized = next((k for k in checkpoint.shapes if any(m in k for m in QUANTIZED_MARKERS)), None)
+    if quantized:
+        raise ValueError(f"{checkpoint.path} is a quantized checkpoint (tensor {quantized!r}: fp8-scaled or "
+                         "bitsandbytes), which would load without its scales; use the bf16, fp16 or plain fp8 file")
     for marker, reader in LAYOUTS:
         if marker in checkpoint.shapes:
             return reader(checkpoint)
@@ -240,3 +251,24 @@ def detect_checkpoint(path: str | Path | CheckpointFile) -> Detected:
     raise ValueError(f"{checkpoint.path} is not a supported single-file transformer checkpoint (first tensors: "
                      f"{sample}). Supported: {supported_list()}. A diffusers-format model goes under "
                      "models/diffusers as the whole pipeline folder")
+
+
+def checkpoint_variant(path: str | Path) -> str | None:
+    """The supported variant in `path`, or None; cached per file version, for listing model folders.
+
+    A pickle that is not a zip archive (legacy torch.save) cannot be memory-mapped and would be read whole,
+    so listing skips it; loading it by path still works.
+    """
+    stat = os.stat(path)
+    return _cached_variant(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_variant(path: str, mtime_ns: int, size: int) -> str | None:
+    pickled = not path.lower().endswith((".safetensors", ".sft"))
+    if pickled and not zipfile.is_zipfile(path):
+        return None
+    try:
+        return detect_checkpoint(path).variant
+    except (ValueError, OSError):
+        return None

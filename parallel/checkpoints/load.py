@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -33,29 +34,26 @@ FLUX1_WIDTH = 3072
 
 
 def _flux_to_diffusers(state_dict: dict, config: dict) -> dict:
-    """diffusers' converter; a narrower Flux (the test models) gets its linear1 rows padded to the split
-    diffusers expects and the pieces cut back after. Flux.1 checkpoints pass through untouched."""
+    """diffusers' converter. A narrower Flux (the test models) gets its fused linear1 rows padded to the split
+    diffusers expects and the pieces cut back after; Flux.1 checkpoints pass through untouched."""
     width = config["num_attention_heads"] * config["attention_head_dim"]
-    mlp = {}
-    if width != FLUX1_WIDTH:
-        for i in range(config["num_single_layers"]):
-            for kind in ("weight", "bias"):
-                key = f"single_blocks.{i}.linear1.{kind}"
-                fused = state_dict[key]
-                mlp[i] = fused.shape[0] - 3 * width
-                if width > FLUX1_WIDTH or mlp[i] > 4 * FLUX1_WIDTH:
-                    raise ValueError(f"{key} has {fused.shape[0]} rows: wider than Flux.1 ({FLUX1_WIDTH})")
-                padded = fused.new_zeros((7 * FLUX1_WIDTH, *fused.shape[1:]))
-                for n, (start, size) in enumerate(((0, width), (width, width), (2 * width, width), (3 * width, mlp[i]))):
-                    padded[n * FLUX1_WIDTH:n * FLUX1_WIDTH + size] = fused[start:start + size]
-                state_dict[key] = padded
+    if width == FLUX1_WIDTH:
+        return convert_flux_transformer_checkpoint_to_diffusers(state_dict)
+    targets = [FLUX1_WIDTH] * 3 + [4 * FLUX1_WIDTH]
+    sizes = {}
+    for key in [k for k in state_dict if re.fullmatch(r"single_blocks\.\d+\.linear1\.(weight|bias)", k)]:
+        fused = state_dict[key]
+        sizes[key] = [width] * 3 + [fused.shape[0] - 3 * width]
+        if not all(0 < size <= target for size, target in zip(sizes[key], targets)):
+            raise ValueError(f"{key} has {fused.shape[0]} rows, which is not q, k, v of {width} and an MLP part "
+                             f"no wider than Flux.1's ({4 * FLUX1_WIDTH})")
+        state_dict[key] = torch.cat([torch.cat([piece, piece.new_zeros((target - len(piece), *piece.shape[1:]))])
+                                     for piece, target in zip(fused.split(sizes[key]), targets)])
     converted = convert_flux_transformer_checkpoint_to_diffusers(state_dict)
-    for i, rows in mlp.items():
-        prefix = f"single_transformer_blocks.{i}."
-        for kind in ("weight", "bias"):
-            for name in ("attn.to_q", "attn.to_k", "attn.to_v"):
-                converted[f"{prefix}{name}.{kind}"] = converted[f"{prefix}{name}.{kind}"][:width]
-            converted[f"{prefix}proj_mlp.{kind}"] = converted[f"{prefix}proj_mlp.{kind}"][:rows]
+    for key, (q, k, v, mlp) in sizes.items():
+        block, kind = f"single_transformer_blocks.{key.split('.')[1]}.", key.rsplit(".", 1)[1]
+        for name, rows in (("attn.to_q", q), ("attn.to_k", k), ("attn.to_v", v), ("proj_mlp", mlp)):
+            converted[f"{block}{name}.{kind}"] = converted[f"{block}{name}.{kind}"][:rows]
     return converted
 
 
@@ -121,11 +119,11 @@ def _check_fits(model: torch.nn.Module, state_dict: dict, detected: Detected) ->
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     missing = sorted(expected.keys() - state_dict.keys())
     unexpected = sorted(state_dict.keys() - expected.keys())
-    wrong = [f"{k} {tuple(state_dict[k].shape)} (expected {expected[k]})" for k in sorted(expected.keys() & state_dict.keys())
-             if tuple(state_dict[k].shape) != expected[k]]
+    wrong = [f"{k} {tuple(state_dict[k].shape)} (expected {expected[k]})"
+             for k in sorted(expected.keys() & state_dict.keys()) if tuple(state_dict[k].shape) != expected[k]]
     if missing or unexpected or wrong:
-        problems = [f"{len(v)} {what}: {v[:4]}{' ...' if len(v) > 4 else ''}"
-                    for what, v in (("missing", missing), ("unexpected", unexpected), ("of the wrong shape", wrong)) if v]
+        found = (("missing", missing), ("unexpected", unexpected), ("of the wrong shape", wrong))
+        problems = [f"{len(v)} {what}: {v[:4]}{' ...' if len(v) > 4 else ''}" for what, v in found if v]
         raise ValueError(f"{detected.path} does not fit the {detected.describe()} transformer: "
                          f"{'; '.join(problems)}. The file is damaged or a variant this pack does not support")
 
@@ -141,6 +139,8 @@ def load_transformer(detected: Detected, checkpoint: CheckpointFile, index: dict
     except KeyError as error:
         raise ValueError(f"{detected.path} looks like {detected.describe()} but lacks tensor {error}: the file is "
                          "incomplete or a variant this pack does not support") from None
+    except (ValueError, RuntimeError) as error:  # fused tensors that do not split as the shapes say
+        raise ValueError(f"{detected.path} does not convert as {detected.describe()}: {error}") from None
     with init_empty_weights():
         model = cls.from_config(config)
     _check_fits(model, state_dict, detected)

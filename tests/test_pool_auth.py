@@ -1,0 +1,166 @@
+"""CURVE keys on the client endpoint: only clients with an allowed key get anything back.
+
+A real pool (one rank, loopback, with keys: keys make it authenticated whatever the address) is
+served to clients with the right keys, with no keys, and with a key it does not know; binding
+beyond loopback without keys is refused before anything binds. Nothing here listens beyond 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import zmq
+
+from parallel import tiny_models
+from parallel.config import ParallelConfig
+from workers import protocol
+from workers.auth import ClientKeys, create_keys, is_loopback
+from workers.client import PoolClient, PoolRefused, PoolUnreachable
+from workers.launcher import PoolSpec
+from workers.protocol import Message
+
+from xdit_test_helpers import TOLERANCE
+from pool_helpers import PARAMS, ROOT, free_endpoint, reference, start_serve, stop_serve
+
+FAMILY = "sd3"
+REFUSAL = "refused a client without an allowed key"
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "workers", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    root = tmp_path_factory.mktemp("keys")
+    made = cli("keys", "--out", str(root / "pool"))
+    assert made.returncode == 0, made.stderr
+    create_keys(root / "stranger")
+    # a client that knows the pool's server key but holds a keypair the pool never accepted
+    (root / "unknown").mkdir()
+    shutil.copy(root / "pool" / "server.key", root / "unknown" / "server.key")
+    shutil.copy(root / "stranger" / "client.key_secret", root / "unknown" / "client.key_secret")
+    return root
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_model_dirs, keys, tmp_path_factory):
+    work = tmp_path_factory.mktemp("auth_pool")
+    endpoint = free_endpoint()
+    process = start_serve(tiny_model_dirs[FAMILY], endpoint, "--nproc", "1", "--curve-dir", str(keys / "pool"),
+                          log=work / "serve.log")
+    client = PoolClient(endpoint, curve_dir=str(keys / "pool"))
+    client.wait_until_idle(120)
+    inputs = tiny_models.make_inputs(FAMILY)
+    yield {"endpoint": endpoint, "client": client, "inputs": inputs, "log": work / "serve.log",
+           "expected": reference(tiny_model_dirs[FAMILY], FAMILY, inputs)}
+    client.close()
+    stop_serve(process)
+    assert process.returncode == 0, (work / "serve.log").read_text()[-3000:]
+
+
+def test_keys_are_written_private(keys):
+    files = sorted(p.relative_to(keys / "pool").as_posix() for p in (keys / "pool").rglob("*") if p.is_file())
+    assert files == ["client.key", "client.key_secret", "clients/client.key", "server.key", "server.key_secret"]
+    for path in (keys / "pool").rglob("*"):
+        assert stat.S_IMODE(path.stat().st_mode) == (0o700 if path.is_dir() else 0o600), path
+    with pytest.raises(ValueError, match="already holds keys"):
+        create_keys(keys / "pool")
+
+
+def test_a_client_with_the_keys_gets_diffusers_results(pool):
+    latents = pool["client"].sample(pool["inputs"], PARAMS)
+    assert (latents - pool["expected"]).abs().max().item() <= TOLERANCE
+
+
+def _silence(socket: zmq.Socket, endpoint: str, wait_s: float = 2.0) -> bool:
+    """Send a valid status request; True when nothing at all comes back."""
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(endpoint)
+    try:
+        socket.send_multipart(protocol.encode(Message("status", f"probe-{uuid.uuid4().hex[:8]}")))
+        return not socket.poll(int(wait_s * 1000))
+    finally:
+        socket.close()
+
+
+def test_clients_without_an_allowed_key_get_nothing_and_the_pool_logs_them(pool, keys):
+    jobs_done = pool["client"].status()["jobs_done"]
+    context = zmq.Context.instance()
+    assert _silence(context.socket(zmq.DEALER), pool["endpoint"])  # no keys at all
+    unknown = context.socket(zmq.DEALER)
+    ClientKeys.load(keys / "unknown").apply(unknown)  # right server key, client key not accepted
+    assert _silence(unknown, pool["endpoint"])
+
+    with PoolClient(pool["endpoint"]) as bare, pytest.raises(PoolRefused, match="requires CURVE keys.*--curve-dir"):
+        bare.status(timeout_s=5)
+    with PoolClient(pool["endpoint"], curve_dir=str(keys / "unknown")) as stranger, \
+            pytest.raises(PoolRefused, match="refused this client's key"):
+        stranger.sample(pool["inputs"], PARAMS)
+
+    deadline = time.monotonic() + 10
+    while (log := pool["log"].read_text()).count(REFUSAL) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert f"{REFUSAL} from 127.0.0.1" in log  # the ZAP handler saw the unknown key and its address
+    assert f"{REFUSAL} on {pool['endpoint']}: " in log  # the keyless client failed before ZAP
+    assert pool["client"].status()["jobs_done"] == jobs_done  # nothing of theirs ran
+
+
+def test_a_client_that_never_hears_back_times_out_with_a_clear_error():
+    endpoint = free_endpoint()  # nothing listens here: the same silence a refused client meets
+    with PoolClient(endpoint) as client, pytest.raises(PoolUnreachable, match="no reply .* CURVE keys .*--curve-dir"):
+        client.status(timeout_s=1)
+
+
+def test_cli_clients_take_keys_by_flag_or_environment(pool, keys):
+    with_flag = cli("status", "--endpoint", pool["endpoint"], "--json", "--curve-dir", str(keys / "pool"))
+    assert with_flag.returncode == 0 and '"state": "idle"' in with_flag.stdout, with_flag.stderr
+    with_env = cli("status", "--endpoint", pool["endpoint"], env={"XDIT_CURVE_DIR": str(keys / "pool")})
+    assert with_env.returncode == 0 and "state: idle" in with_env.stdout
+
+
+def test_serving_beyond_loopback_without_keys_is_refused_before_binding(tiny_model_dirs):
+    port = free_endpoint().rsplit(":", 1)[1]
+    run = cli("serve", "--model", str(tiny_model_dirs[FAMILY]), "--endpoint", f"tcp://0.0.0.0:{port}")
+    assert run.returncode == 2, run.stderr
+    assert "python -m workers keys --out DIR" in run.stderr and "--curve-dir DIR" in run.stderr
+    assert "serving" not in run.stdout and "torch.distributed.run" not in run.stderr
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://*:5599", "tcp://192.168.1.10:5599", "tcp://eth0:5599"])
+def test_every_network_endpoint_needs_keys(tiny_model_dirs, endpoint):
+    with pytest.raises(ValueError, match=r"python -m workers keys --out DIR.*--curve-dir DIR"):
+        PoolSpec(model=str(tiny_model_dirs[FAMILY]), nproc=1, endpoint=endpoint).check()
+
+
+def test_loopback_is_told_apart_from_the_network():
+    local = ["tcp://127.0.0.1:5599", "tcp://127.1.2.3:1", "tcp://localhost:5599", "tcp://[::1]:5599", "ipc:///tmp/x"]
+    network = ["tcp://0.0.0.0:5599", "tcp://*:5599", "tcp://10.0.0.2:5599", "tcp://[::]:5599", "tcp://eth0:5599",
+               "tcp://myhost:5599"]
+    assert all(map(is_loopback, local)) and not any(map(is_loopback, network))
+
+
+def test_the_node_registry_reaches_a_keyed_pool(pool, keys):
+    """nodes/pools.py (the xDiT Pool node's endpoint mode): every client of the endpoint gets its keys."""
+    spec = importlib.util.spec_from_file_location("xdit_pools_under_test", ROOT / "nodes" / "pools.py")
+    pools = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pools)
+    registry = pools.PoolRegistry()
+    key = pools.PoolKey(model="remote", nproc=1, parallel=ParallelConfig(), endpoint=pool["endpoint"],
+                        curve_dir=str(keys / "pool"))
+    handle = registry.acquire(key, timeout_s=30)
+    assert handle.status["state"] == "idle"
+    latents = registry.client(handle.endpoint).sample(pool["inputs"], PARAMS)
+    assert (latents - pool["expected"]).abs().max().item() <= TOLERANCE
+    registry.remember(key, handle.endpoint)  # as the node does, for the web panel
+    assert registry.describe()[0]["status"]["state"] == "idle"
