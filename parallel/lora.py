@@ -1,7 +1,7 @@
 """LoRA on a parallel pipeline: load once per file, stack by strength, remove without reloading.
 
 Files are read with the pipeline family's own diffusers converter (`lora_state_dict`), which takes
-diffusers/PEFT, Kohya and (for Flux) BFL layouts, then injected into this rank's transformer with
+diffusers/PEFT, Kohya and XLabs layouts (BFL's Flux layout is converted in lora_formats.py), then injected into this rank's transformer with
 PEFT (`load_lora_adapter`). Our parallel hooks sit on attention modules, not on the Linear layers
 PEFT wraps, so every layout keeps working. Under PipeFusion each stage takes only the weights of
 the blocks it holds; weights that match no layer of the model at all mean a LoRA for another model.
@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from .lora_formats import bfl_flux_to_diffusers, is_bfl_flux_lora
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,17 @@ class LoraManager:
     def _load(self, path: str) -> None:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"LoRA file {path} does not exist")
+        state = self._read(path)
+        weights = {k.removeprefix("transformer."): v for k, v in state.items() if k.startswith("transformer.")}
+        mine = self._select(path, weights)
+        name = "lora_" + hashlib.sha1(path.encode()).hexdigest()[:12]
+        if mine:  # empty when another PipeFusion stage holds every layer this LoRA changes
+            self.transformer.load_lora_adapter(mine, adapter_name=name, prefix=None)
+        self.loaded[path] = name if mine else ""
+        self.loads += 1
+
+    def _read(self, path: str) -> dict[str, torch.Tensor]:
+        """The file's weights with diffusers' names, converted from Kohya/XLabs/BFL layouts."""
         loader = getattr(type(self.pipeline), "lora_state_dict", None)
         if loader is None:
             raise ValueError(
@@ -65,13 +78,10 @@ class LoraManager:
         except Exception as error:  # noqa: BLE001 - diffusers raises many kinds for bad files
             raise ValueError(f"{os.path.basename(path)} is not a readable LoRA file ({type(error).__name__}: {error})") from None
         state = state[0] if isinstance(state, tuple) else state
-        weights = {k.removeprefix("transformer."): v for k, v in state.items() if k.startswith("transformer.")}
-        mine = self._select(path, weights)
-        name = "lora_" + hashlib.sha1(path.encode()).hexdigest()[:12]
-        if mine:  # empty when another PipeFusion stage holds every layer this LoRA changes
-            self.transformer.load_lora_adapter(mine, adapter_name=name, prefix=None)
-        self.loaded[path] = name if mine else ""
-        self.loads += 1
+        if is_bfl_flux_lora(state):
+            config = self.transformer.config
+            state = bfl_flux_to_diffusers(state, config.num_attention_heads * config.attention_head_dim)
+        return state
 
     def _select(self, path: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The weights whose layers this rank holds; refuse a LoRA made for another model."""

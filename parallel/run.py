@@ -28,6 +28,7 @@ INPUT_NAMES = (
     "negative_pooled_prompt_embeds",
     "prompt_attention_mask",
     "negative_prompt_attention_mask",
+    "image",  # image-to-video (Wan): the first frame, [1, 3, H, W] in [0, 1]
 )
 
 

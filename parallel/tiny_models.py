@@ -36,7 +36,9 @@ from transformers import (
 )
 
 FAMILIES = ("pixart-alpha", "pixart-sigma", "sd3", "flux")  # flux = Flux.1-dev style (guidance_embeds=True)
-VIDEO_FAMILIES = ("wan", "wan22")  # Wan 2.1 T2V, Wan 2.2 T2V A14B (two experts): built in tiny_wan.py
+# Wan 2.1 T2V, Wan 2.2 T2V A14B (two experts), Wan 2.2 TI2V 5B (48 channels): built in tiny_wan.py
+VIDEO_FAMILIES = ("wan", "wan22", "wan22-5b")
+IMAGE_TO_VIDEO_FAMILIES = ("wan22-i2v",)  # Wan 2.2 I2V A14B: WanImageToVideoPipeline, takes an `image`
 
 HEADS, HEAD_DIM = 4, 16  # every transformer: 4 heads of 16 -> inner dim 64
 BLOCKS = 4  # transformer blocks (Flux: 2 double + 2 single), so PipeFusion can use 4 stages
@@ -59,6 +61,8 @@ PIPELINE_CALL_DEFAULTS: dict[str, dict] = {
     "flux": {},
     "wan": {},
     "wan22": {},
+    "wan22-5b": {},
+    "wan22-i2v": {},
 }
 
 
@@ -196,9 +200,10 @@ def _build_flux(seed: int) -> DiffusionPipeline:
 # ---------------------------------------------------------------------------------------------- API
 def build_tiny_pipeline(family: str, *, seed: int = 0) -> DiffusionPipeline:
     """The full fp32 diffusers pipeline of `family`, with random weights fixed by `seed`."""
-    if family not in FAMILIES + VIDEO_FAMILIES:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES + VIDEO_FAMILIES}")
-    if family in VIDEO_FAMILIES:
+    known = FAMILIES + VIDEO_FAMILIES + IMAGE_TO_VIDEO_FAMILIES
+    if family not in known:
+        raise ValueError(f"unknown family {family!r}; expected one of {known}")
+    if family in VIDEO_FAMILIES + IMAGE_TO_VIDEO_FAMILIES:
         from .tiny_wan import build_wan
 
         pipe = build_wan(family, seed)
@@ -227,12 +232,13 @@ def make_inputs(family: str, *, batch: int = 1, height: int = 64, width: int = 6
     zeros, with a different valid length per sample and for the negative, so wrong masking shows up.
     negative=False is for runs without classifier-free guidance (guidance_scale <= 1; Flux: true_cfg_scale 1):
     with guidance the pipeline would encode an empty negative prompt at its own token count.
-    Video families (Wan) take `num_frames` and get 5-D latents [B, 16, (num_frames - 1) // 4 + 1, H/8, W/8].
+    Video families (Wan) take `num_frames` and get 5-D latents [B, C, (num_frames - 1) // 4 + 1, H/8, W/8]
+    (wan22-5b: 48 channels, H/16 × W/16); image-to-video also gets `image`.
     """
-    if family in VIDEO_FAMILIES:
+    if family in VIDEO_FAMILIES + IMAGE_TO_VIDEO_FAMILIES:
         from .tiny_wan import make_video_inputs
 
-        return make_video_inputs(batch, height, width, num_frames, seed, negative, text_tokens)
+        return make_video_inputs(family, batch, height, width, num_frames, seed, negative, text_tokens)
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     gen = torch.Generator().manual_seed(seed)

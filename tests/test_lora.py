@@ -42,6 +42,28 @@ def kohya_lora(path, seed: int) -> str:
     return str(path)
 
 
+def bfl_and_peft_lora(bfl_path, peft_path, seed: int) -> tuple[str, str]:
+    """The same Flux LoRA in BFL's layout (fused q/k/v, single-block linear1) and split for diffusers."""
+    g = torch.Generator().manual_seed(seed)
+    bfl, peft = {}, {}
+    a, b = torch.randn(RANK, 64, generator=g) * 0.3, torch.randn(192, RANK, generator=g) * 0.3
+    bfl["diffusion_model.double_blocks.1.img_attn.qkv.lora_A.weight"] = a
+    bfl["diffusion_model.double_blocks.1.img_attn.qkv.lora_B.weight"] = b
+    for target, part in zip(("to_q", "to_k", "to_v"), b.split(64)):
+        peft[f"transformer.transformer_blocks.1.attn.{target}.lora_A.weight"] = a.clone()
+        peft[f"transformer.transformer_blocks.1.attn.{target}.lora_B.weight"] = part.clone()
+    mlp = 64 * 4
+    a, b = torch.randn(RANK, 64, generator=g) * 0.3, torch.randn(192 + mlp, RANK, generator=g) * 0.3
+    bfl["diffusion_model.single_blocks.0.linear1.lora_A.weight"] = a
+    bfl["diffusion_model.single_blocks.0.linear1.lora_B.weight"] = b
+    for target, part in zip(("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"), b.split([64, 64, 64, mlp])):
+        peft[f"transformer.single_transformer_blocks.0.{target}.lora_A.weight"] = a.clone()
+        peft[f"transformer.single_transformer_blocks.0.{target}.lora_B.weight"] = part.clone()
+    save_file(bfl, bfl_path)
+    save_file(peft, peft_path)
+    return str(bfl_path), str(peft_path)
+
+
 def pixart_lora(path) -> str:
     """A LoRA for PixArt's layer names (attn1 = self-attention), which Flux does not have."""
     g = torch.Generator().manual_seed(9)
@@ -71,7 +93,9 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("loras")
     corrupt = root / "corrupt.safetensors"
     corrupt.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    bfl, bfl_as_peft = bfl_and_peft_lora(root / "bfl.safetensors", root / "bfl_as_peft.safetensors", 4)
     return {"peft": peft_lora(root / "peft.safetensors", 1), "kohya": kohya_lora(root / "kohya.safetensors", 2),
+            "bfl": bfl, "bfl_as_peft": bfl_as_peft,
             "pixart": pixart_lora(root / "pixart.safetensors"), "corrupt": str(corrupt), "missing": str(root / "nope.safetensors")}
 
 
@@ -96,8 +120,11 @@ def test_lora_on_a_parallel_pool(tiny_model_dirs, files, tmp_path, layout):
         expected = fused_reference(model, inputs, [(files["peft"], 0.5), (files["kohya"], 1.2)])
         assert (stacked - expected).abs().max() <= TOLERANCE
 
+        from_bfl = client.sample(inputs, {**FLUX_PARAMS, "loras": [{"path": files["bfl"], "strength": 0.9}]})
+        assert (from_bfl - fused_reference(model, inputs, [(files["bfl_as_peft"], 0.9)])).abs().max() <= TOLERANCE
+
         status = client.status()
-        assert status["loads"] == {"pipeline": 1, "lora": 2} and status["restarts"] == 0  # no model reload
+        assert status["loads"] == {"pipeline": 1, "lora": 3} and status["restarts"] == 0  # no model reload
 
         for bad, message in ((files["pixart"], "is not a LoRA for this FluxTransformer2DModel"),
                              (files["corrupt"], "is not a readable LoRA file"),

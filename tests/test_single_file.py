@@ -322,7 +322,7 @@ def test_pth_is_never_unpickled_with_code(tmp_path):
     path = tmp_path / "evil.pth"
     marker = tmp_path / "ran"
     torch.save({"state_dict": _Evil(str(marker))}, path)
-    with pytest.raises(ValueError, match="cannot be read"):
+    with pytest.raises(ValueError, match="holds more than tensors"):
         detect_checkpoint(path)
     assert not marker.exists()
 
@@ -385,6 +385,9 @@ def test_truncated_file(checkpoints, tmp_path):
     (tmp_path / "half.pth").write_bytes(pth.read_bytes()[: pth.stat().st_size // 2])
     with pytest.raises(ValueError, match="corrupted or truncated"):
         load_pipeline(tmp_path / "half.pth")
+    (tmp_path / "garbage.pth").write_bytes(os.urandom(1000))
+    with pytest.raises(ValueError, match="corrupted or truncated"):
+        load_pipeline(tmp_path / "garbage.pth")
 
 
 def test_missing_file(tmp_path):

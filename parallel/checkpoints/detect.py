@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import pickle
 import re
 import zipfile
 from dataclasses import dataclass, field
@@ -97,7 +98,12 @@ class CheckpointFile:
         # weights_only: a pickle can run code; this one only rebuilds tensors and plain containers.
         try:
             data = torch.load(self.path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(self.path))
-        except Exception as error:  # torch raises RuntimeError, UnpicklingError, EOFError, OSError, ...
+        except pickle.UnpicklingError as error:
+            if "Weights only load failed" not in str(error):
+                raise self._broken(error) from None
+            raise ValueError(f"{self.path} holds more than tensors (refused unread, since unpickling it could run "
+                             f"code): {str(error).splitlines()[0]}") from None
+        except Exception as error:  # torch raises RuntimeError, EOFError, OSError, ... for a damaged file
             raise self._broken(error) from None
         while isinstance(data, dict) and isinstance(data.get("state_dict"), dict):  # PixArt's {"state_dict": ...}
             data = data["state_dict"]

@@ -88,7 +88,7 @@ def _split_inputs(module: torch.nn.Module, specs: dict[str, Split], sp: GroupCoo
     def hook(module_, args, kwargs):
         named = as_keyword_arguments(module.forward, args, kwargs)
         for name, spec in specs.items():
-            if named.get(name) is not None:
+            if named.get(name) is not None and spec.ndim in (None, named[name].ndim):
                 named[name] = shard(named[name], spec.dim, sp, name, uneven)
         return (), named
 

@@ -19,10 +19,13 @@ class Split:
 
     items: for a module whose output is a tuple, the positions to shard (Wan's rotary embedding
     returns (cos, sin), both per token); None shards the main output only.
+    ndim:  shard only tensors with this many dimensions (Wan 2.2 TI2V's per-token timesteps are
+    [B, S]; other Wan models pass one timestep per sample, [B]).
     """
 
     dim: int
     items: tuple[int, ...] | None = None
+    ndim: int | None = None
 
 
 @dataclass(frozen=True)

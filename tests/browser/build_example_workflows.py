@@ -27,7 +27,7 @@ EXAMPLES = {  # file stem: (family, empty latent node, cfg, what the example say
     "xdit_flux": ("flux", "EmptySD3LatentImage", 1.0, "Flux (cfg 1: distilled guidance only)"),
 }
 
-BUILD = """async ({ family, empty, cfg, name, stem }) => {
+BUILD = """async ({ family, empty, cfg, name, stem, id }) => {
     app.graph.clear();
     const add = (type, [x, y], values = {}, extra = {}) => {
         const node = LiteGraph.createNode(type);
@@ -65,7 +65,7 @@ BUILD = """async ({ family, empty, cfg, name, stem }) => {
     group.pos = [20, 40];
     group.size = [1420, 740];
     app.graph.add(group);
-    app.graph.id = crypto.randomUUID();
+    app.graph.id = id ?? crypto.randomUUID();
     const workflow = app.graph.serialize();
     const converted = await app.graphToPrompt();
     return { workflow, classes: Object.values(converted.output).map((n) => n.class_type) };
@@ -82,9 +82,11 @@ def main() -> None:
             browser = Browser(server.url, Path(work) / "browser.log")
             try:
                 for stem, (family, empty, cfg, name) in EXAMPLES.items():
-                    result = browser.eval(BUILD, {"family": family, "empty": empty, "cfg": cfg, "name": name, "stem": stem})
-                    assert len(result["classes"]) == 6, result["classes"]
                     path = ROOT / "example_workflows" / f"{stem}.json"
+                    old_id = json.loads(path.read_text()).get("id") if path.exists() else None  # keep diffs small
+                    spec = {"family": family, "empty": empty, "cfg": cfg, "name": name, "stem": stem, "id": old_id}
+                    result = browser.eval(BUILD, spec)
+                    assert len(result["classes"]) == 6, result["classes"]
                     path.parent.mkdir(exist_ok=True)
                     path.write_text(json.dumps(result["workflow"], indent=2) + "\n")
                     print(f"wrote {path.relative_to(ROOT)}")

@@ -23,10 +23,13 @@ async function main() {
   const errors = [];
   let prompts = [];
   page.on("pageerror", (error) => errors.push(String(error?.stack ?? error)));
-  page.on("response", (response) => { if (response.status() >= 400) errors.push(`HTTP ${response.status()} ${response.url()}`); });
+  page.on("response", (response) => {
+    if (response.status() >= 400) errors.push(`HTTP ${response.status()} ${response.url()}`);
+  });
   page.on("console", (message) => { if (message.type() === "error") errors.push(`console: ${message.text()}`); });
   page.on("request", (request) => {
-    if (request.method() === "POST" && /\/prompt$/.test(new URL(request.url()).pathname)) prompts.push(request.postData());
+    const isPrompt = request.method() === "POST" && /\/prompt$/.test(new URL(request.url()).pathname);
+    if (isPrompt) prompts.push(request.postData());
   });
   await page.goto(url, { waitUntil: "load", timeout: 60000 });
   await page.waitForFunction(() => window.app?.graph && window.app.extensionManager, null, { timeout: 60000 });

@@ -1,4 +1,5 @@
-"""Wan 2.1 / 2.2 text-to-video: 5-D latents [B, C, T', H/8, W/8], one token per latent frame × 2×2 pixels.
+"""Wan 2.1 / 2.2 text- and image-to-video: 5-D latents [B, C, T', H/8, W/8] (TI2V 5B: 48 channels, H/16),
+one token per latent frame × 2×2 latent pixels.
 
 Wan 2.2 A14B's second (low-noise) expert, `transformer_2`, is wrapped by the base class like the first.
 A video's token count rarely divides by the sequence-parallel degree; the plan splits it unevenly, so
@@ -10,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from diffusers import WanPipeline
+from diffusers import WanImageToVideoPipeline, WanPipeline
 
 from ...config import LayoutError
 from ..register import xFuserPipelineWrapperRegister
@@ -32,6 +33,13 @@ class xFuserWanPipeline(xFuserPipelineBaseWrapper):
         """As `WanPipeline(prompt=...)` encodes it: UMT5, padded with zeros to 512 tokens."""
         embeds, _ = self.module.encode_prompt(prompt, do_classifier_free_guidance=False, max_sequence_length=PROMPT_TOKENS)
         return {"prompt_embeds": embeds}
+
+    def prepare(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], int, int]:
+        """Given latents define the frames: image-to-video builds its condition for num_frames frames."""
+        latents = kwargs.get("latents")
+        if kwargs.get("num_frames") is None and isinstance(latents, torch.Tensor) and latents.ndim == 5:
+            kwargs = {**kwargs, "num_frames": (latents.shape[2] - 1) * self.module.vae_scale_factor_temporal + 1}
+        return super().prepare(kwargs)
 
     # -- shapes -------------------------------------------------------------------------------------
     def latent_frames(self, kwargs: dict[str, Any]) -> int:
@@ -96,3 +104,14 @@ class xFuserWanPipeline(xFuserPipelineBaseWrapper):
 
     def partial_denoise(self, kwargs: dict[str, Any], init_latents: torch.Tensor, denoise: float) -> dict[str, Any]:
         raise ValueError("denoise below 1 is not available for Wan yet (WanPipeline takes no sigmas); use denoise 1.0")
+
+
+@xFuserPipelineWrapperRegister.register(WanImageToVideoPipeline)
+class xFuserWanImageToVideoPipeline(xFuserWanPipeline):
+    """Wan image-to-video: the transformer also takes the first frame's VAE latents and a frame mask
+    (36 input channels for 16 output channels); every rank encodes the image with its own VAE."""
+
+    def check_inputs(self, kwargs: dict[str, Any], batch: int) -> None:
+        if kwargs.get("image") is None:
+            raise ValueError(f"{type(self.module).__name__} needs `image`, the first frame to animate")
+        super().check_inputs(kwargs, batch)

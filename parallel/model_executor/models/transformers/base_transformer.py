@@ -101,6 +101,10 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
         output = self._run(**{k: half(v) for k, v in named.items()})
         return map_first(output, lambda t: self._cfg.all_gather(t, dim=0))
 
+    def empty_output(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """A buffer shaped like the output for `hidden_states` (Wan I2V takes 36 channels, returns 16)."""
+        return torch.empty_like(hidden_states)
+
     def _forward_sequential_cfg(self, args: tuple, kwargs: dict):
         """The pipeline calls once per branch. Each cfg rank computes only its own branch; the other
         call returns a buffer that is filled in place once the step's last branch has been exchanged
@@ -117,7 +121,7 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
             result = _first(output)
         else:
             named = as_keyword_arguments(self.module.forward, args, kwargs)
-            result = torch.empty_like(named["hidden_states"])
+            result = self.empty_output(named["hidden_states"])
             output = Transformer2DModelOutput(sample=result) if named.get("return_dict", True) else (result,)
         self._step_results[index] = result
         if index == len(branches) - 1:
