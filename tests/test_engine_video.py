@@ -1,11 +1,12 @@
 """Wan video through real torchrun ranks equals diffusers' single-process pipeline (fp32, 1e-4).
 
-Both tiny Wan pipelines (2.1; 2.2 with two experts) run every layout on 5-frame 64×64 videos whose
-32 tokens split evenly, and the sequence-parallel layouts again on 9-frame 48×48 videos whose 27
-tokens do not (shards of 14/13 or 7/7/7/6 tokens). Two torchrun launches (2 and 4 ranks) run the
-matrix through tests/engine_cases.py; references are computed here by the unmodified pipeline.
+The tiny Wan 2.1 and Wan 2.2 A14B (two experts) pipelines run every layout on 5-frame videos whose
+32 tokens split evenly, and the sequence-parallel layouts again on 9-frame videos whose 27 tokens do
+not (shards of 14/13 or 7/7/7/6 tokens). Wan 2.2 TI2V 5B (48 channels, per-token timesteps) and
+Wan 2.2 I2V A14B (WanImageToVideoPipeline) run a selection. Two torchrun launches (2 and 4 ranks) run
+the matrix through tests/engine_cases.py; references are computed here by the unmodified pipeline.
 Negative controls: a split without exchange, and an uneven split whose padding keys are attended.
-Contract E runs once and refuses layouts that cannot split the heads or the video's tokens.
+Contract E runs twice and refuses layouts that cannot split the heads or the video's tokens.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from parallel.model_executor.token_split import UnevenSplit
 from xdit_test_helpers import TOLERANCE, torchrun
 
 STEPS, GUIDANCE = 4, 5.0
-VIDEOS = {"even": (5, 64, 64), "uneven": (9, 48, 48)}  # name: (num_frames, height, width)
+# name: (num_frames, height, width); TI2V 5B's ×16 VAE needs twice the pixels for the same tokens
+VIDEOS = {"even": (5, 64, 64), "uneven": (9, 48, 48)}
+VIDEOS_5B = {"even": (5, 128, 128), "uneven": (9, 96, 96)}
 LAYOUTS = {
     2: {
         "ulysses2": {"ulysses_degree": 2},
@@ -42,8 +45,12 @@ LAYOUTS = {
 }
 SEQUENCE_LAYOUTS = ("ulysses2", "ring2", "ulysses4", "ring4", "ulysses2_ring2", "cfg2_ulysses2")
 # (nproc, family, layout, video, variant)
-CASES = [(n, f, l, "even", "default") for n, ls in LAYOUTS.items() for f in tiny_models.VIDEO_FAMILIES for l in ls]
+MATRIX_FAMILIES = ("wan", "wan22")  # every layout; TI2V 5B and I2V a selection
+CASES = [(n, f, l, "even", "default") for n, ls in LAYOUTS.items() for f in MATRIX_FAMILIES for l in ls]
 CASES += [(n, "wan", l, "uneven", "default") for n, ls in LAYOUTS.items() for l in ls if l in SEQUENCE_LAYOUTS]
+CASES += [(2, f, l, v, "default") for f in ("wan22-5b", "wan22-i2v") for l, v in
+          [("ulysses2", "uneven"), ("ring2", "uneven"), ("cfg2", "even"), ("dp2", "even")]]
+CASES += [(4, f, l, "uneven", "default") for f in ("wan22-5b", "wan22-i2v") for l in ("ulysses2_ring2", "cfg2_ulysses2")]
 CASES += [
     (4, "wan22", "ulysses2_ring2", "uneven", "default"),
     (2, "wan", "ring2", "even", "flow-euler"),  # FlowMatchEulerDiscreteScheduler instead of UniPC
@@ -51,7 +58,7 @@ CASES += [
     (2, "wan22", "cfg2", "even", "guidance2"),  # Wan 2.2's own guidance scale for the low-noise expert
 ]
 CONTROLS = [
-    *[(2, f, "ulysses2", "even", "no_exchange") for f in tiny_models.VIDEO_FAMILIES],
+    *[(2, f, "ulysses2", "even", "no_exchange") for f in MATRIX_FAMILIES],
     (2, "wan", "ring2", "uneven", "padded_keys"),
     (4, "wan", "ulysses4", "uneven", "padded_keys"),
 ]
@@ -61,25 +68,38 @@ def case_name(nproc, family, layout, video, variant) -> str:
     return f"{family}-{layout}-{video}" + ("" if variant == "default" else f"-{variant}")
 
 
-def call_kwargs(video: str, variant: str) -> dict:
-    _, height, width = VIDEOS[video]
+def video_of(family: str, video: str) -> tuple[int, int, int]:
+    return (VIDEOS_5B if family == "wan22-5b" else VIDEOS)[video]
+
+
+def call_kwargs(family: str, video: str, variant: str) -> dict:
+    """No num_frames: the engine takes the frames from the latents (image-to-video needs them)."""
+    _, height, width = video_of(family, video)
     kwargs = {"num_inference_steps": STEPS, "guidance_scale": GUIDANCE, "height": height, "width": width}
     if variant == "guidance2":
         kwargs["guidance_scale_2"] = 2.0
     return kwargs
 
 
-def reference(model_dir: Path, inputs: Path, video: str, variant: str) -> torch.Tensor:
+def reference(model_dir: Path, inputs: Path, family: str, video: str, variant: str) -> torch.Tensor:
     pipeline = DiffusionPipeline.from_pretrained(model_dir)
     pipeline.set_progress_bar_config(disable=True)
     if variant == "flow-euler":
         set_scheduler(pipeline, variant)
+    frames = video_of(family, video)[0]
     with torch.no_grad():
-        return pipeline(**load_file(inputs), **call_kwargs(video, variant), output_type="latent", return_dict=False)[0]
+        return pipeline(**load_file(inputs), **call_kwargs(family, video, variant), num_frames=frames,
+                        output_type="latent", return_dict=False)[0]
 
 
 @pytest.fixture(scope="module")
-def matrix(video_model_dirs, tmp_path_factory):
+def image_to_video_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("i2v_models")
+    return {f: tiny_models.save_tiny_pipeline(f, root / f) for f in tiny_models.IMAGE_TO_VIDEO_FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def matrix(video_model_dirs, image_to_video_dirs, tmp_path_factory):
     """Run both launches once; return {case: (output file, inputs file)}."""
     work = tmp_path_factory.mktemp("video_matrix")
     results = {}
@@ -87,19 +107,19 @@ def matrix(video_model_dirs, tmp_path_factory):
         specs = []
         for case in [c for c in CASES + CONTROLS if c[0] == nproc]:
             _, family, layout, video, variant = case
-            frames, height, width = VIDEOS[video]
+            frames, height, width = video_of(family, video)
             batch = 2 if layout.startswith("dp") else 1
-            inputs = work / f"{video}-b{batch}.safetensors"
+            inputs = work / f"{family}-{video}-b{batch}.safetensors"
             if not inputs.exists():
                 save_file(tiny_models.make_inputs(family, batch=batch, height=height, width=width, num_frames=frames), inputs)
             name = case_name(*case)
             specs.append({
                 "name": name,
-                "model": str(video_model_dirs[family]),
+                "model": str({**video_model_dirs, **image_to_video_dirs}[family]),
                 "inputs": str(inputs),
                 "output": str(work / f"{name}.safetensors"),
                 "layout": LAYOUTS[nproc][layout],
-                "call": call_kwargs(video, variant),
+                "call": call_kwargs(family, video, variant),
                 "scheduler": "flow-euler" if variant == "flow-euler" else "default",
                 "fault": variant if variant in ("no_exchange", "padded_keys") else None,
             })
@@ -108,7 +128,7 @@ def matrix(video_model_dirs, tmp_path_factory):
         spec_file.write_text(json.dumps(specs))
         run = torchrun(nproc, "tests/engine_cases.py", str(spec_file))
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return results, video_model_dirs
+    return results, {**video_model_dirs, **image_to_video_dirs}
 
 
 def _result(matrix, case):
@@ -117,7 +137,7 @@ def _result(matrix, case):
     errors = sorted(output.parent.glob(output.name + ".error*"))
     assert not errors, errors[0].read_text()
     _, family, _, video, variant = case
-    return load_file(output)["latents"], reference(dirs[family], inputs, video, variant)
+    return load_file(output)["latents"], reference(dirs[family], inputs, family, video, variant)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case_name(*c) for c in CASES])
@@ -166,15 +186,21 @@ def run_engine(nproc, model_dir, inputs, output, *flags):
     )
 
 
-def test_contract_e_wan22_uneven_ulysses2_equals_diffusers(video_model_dirs, tmp_path):
+@pytest.mark.parametrize("family, flags, described", [
+    ("wan22", ["--ulysses-degree", "2"], "WanPipeline 48x48 4 steps on 2 rank(s) [ulysses=2]"),
+    ("wan22-i2v", ["--ring-degree", "2"], "WanImageToVideoPipeline 48x48 4 steps on 2 rank(s) [ring=2]"),
+])
+def test_contract_e_uneven_video_equals_diffusers(video_model_dirs, image_to_video_dirs, tmp_path, family, flags,
+                                                   described):
+    model = {**video_model_dirs, **image_to_video_dirs}[family]
     frames, height, width = VIDEOS["uneven"]
     inputs, output = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
-    save_file(tiny_models.make_inputs("wan22", height=height, width=width, num_frames=frames), inputs)
-    run = run_engine(2, video_model_dirs["wan22"], inputs, output, "--height", str(height), "--width", str(width),
-                     "--num-frames", str(frames), "--ulysses-degree", "2")
+    save_file(tiny_models.make_inputs(family, height=height, width=width, num_frames=frames), inputs)
+    run = run_engine(2, model, inputs, output, "--height", str(height), "--width", str(width),
+                     "--num-frames", str(frames), *flags)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "WanPipeline" in run.stdout and "2 rank(s) [ulysses=2]" in run.stdout
-    expected = reference(video_model_dirs["wan22"], inputs, "uneven", "default")
+    assert described in run.stdout
+    expected = reference(model, inputs, family, "uneven", "default")
     assert (load_file(output)["latents"] - expected).abs().max().item() <= TOLERANCE
 
 

@@ -41,10 +41,8 @@ function layoutError(node) {
 
 function validate(node) {
   const error = layoutError(node);
-  if (error !== (node.xditError ?? "")) {
-    node.xditError = error;
-    node.setDirtyCanvas?.(true, true);
-  }
+  if (error !== node.xditError) node.setDirtyCanvas?.(true, true);
+  node.xditError = error;
   return error;
 }
 

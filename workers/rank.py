@@ -277,6 +277,7 @@ class Rank:
 
     def _run(self, work: Work, client: bytes | None) -> None:
         self.state = "busy"
+        reply = None  # sent once the state says idle, so a client that asks right after sees idle
         try:
             name = work.params.get("scheduler", "default")
             if name != self.scheduler_name:
@@ -286,17 +287,17 @@ class Rank:
                 self.scheduler_name = name
             self.loras.apply([LoraSpec(lora["path"], float(lora["strength"])) for lora in work.params.get("loras", [])])
             latents = self.runner.run(work, client)
-            if self.rank == 0:
-                self.server.send(client, Message("result", work.job, {}, {"latents": latents}))
+            reply = Message("result", work.job, {}, {"latents": latents})
             self.jobs_done += 1
         except JobCancelled as cancelled:
-            if self.rank == 0:
-                self.server.send(client, Message("cancelled", work.job, {"step": cancelled.step}))
+            reply = Message("cancelled", work.job, {"step": cancelled.step})
         except Exception as error:  # noqa: BLE001 - any failure of the job is reported, then judged
-            self._job_failed(work, client, error)
+            reply = self._job_failed(work, error)
         finally:
             self.state = "idle"
             if self.rank == 0:
+                if reply is not None:
+                    self.server.send(client, reply)
                 self.server.job_finished()
                 self.control.send("job_ended", job=work.job, jobs_done=self.jobs_done)
         try:
@@ -304,7 +305,7 @@ class Rank:
         except Exception as error:  # noqa: BLE001 - a peer is gone
             self._lost_world(error)
 
-    def _job_failed(self, work: Work, client: bytes | None, error: Exception) -> None:
+    def _job_failed(self, work: Work, error: Exception) -> Message:
         """Ask the supervisor whether every rank failed alike (answer and go on) or not (restart)."""
         text = f"{type(error).__name__}: {error}"
         log.error("job %s failed on rank %d: %s", work.job, self.rank, traceback.format_exc())
@@ -316,9 +317,7 @@ class Rank:
             dist.all_reduce(torch.ones(1), group=self.health)
         except Exception as lost:  # noqa: BLE001
             self._lost_world(lost)
-        if self.rank == 0:
-            self.server.send(client, Message("error", work.job, {"message": verdict["error"], "rank": verdict["rank"]}))
-
+        return Message("error", work.job, {"message": verdict["error"], "rank": verdict["rank"]})
 
     def _lost_world(self, error: Exception) -> NoReturn:
         """A collective failed: a peer died or its machine is gone. The supervisor restarts this rank."""

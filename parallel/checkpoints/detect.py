@@ -83,7 +83,7 @@ class CheckpointFile:
     def _is_safetensors(self) -> bool:
         return self.path.suffix.lower() in (".safetensors", ".sft")
 
-    def _broken(self, error: Exception) -> ValueError:
+    def _broken(self, error: Exception | str) -> ValueError:
         return ValueError(f"{self.path} cannot be read as a {self.path.suffix} checkpoint: {error}. The file is "
                           f"corrupted or truncated (an interrupted download?); download it again")
 
@@ -98,11 +98,14 @@ class CheckpointFile:
         # weights_only: a pickle can run code; this one only rebuilds tensors and plain containers.
         try:
             data = torch.load(self.path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(self.path))
-        except pickle.UnpicklingError as error:
-            if "Weights only load failed" not in str(error):
-                raise self._broken(error) from None
-            raise ValueError(f"{self.path} holds more than tensors (refused unread, since unpickling it could run "
-                             f"code): {str(error).splitlines()[0]}") from None
+        except pickle.UnpicklingError as error:  # torch's weights-only unpickler, for garbage too
+            lines = [line.strip() for line in str(error).splitlines()]
+            refused = next((line for line in lines if "Unsupported global" in line), None)
+            if refused is None:  # torch's own text would suggest weights_only=False: only the cause is kept
+                raise self._broken(next((line for line in lines if line.startswith("Unsupported")),
+                                        "not a torch pickle")) from None
+            raise ValueError(f"{self.path} holds more than tensors, so it was not unpickled (that could run "
+                             f"code): {refused.split('. Please')[0]}") from None
         except Exception as error:  # torch raises RuntimeError, EOFError, OSError, ... for a damaged file
             raise self._broken(error) from None
         while isinstance(data, dict) and isinstance(data.get("state_dict"), dict):  # PixArt's {"state_dict": ...}

@@ -62,7 +62,7 @@ def _sd3_to_diffusers(state_dict: dict, config: dict) -> dict:
 
 
 def _pixart_to_diffusers(state_dict: dict, config: dict) -> dict:
-    """diffusers' scripts/convert_pixart_sigma_to_diffusers.py (the same layout as PixArt-α's), as a function."""
+    """PixArt-α/Σ original keys → diffusers names (the layout diffusers' PixArt conversion script documents)."""
     out = {}
 
     def move(src: str, dst: str) -> None:
