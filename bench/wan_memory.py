@@ -38,6 +38,7 @@ class WanDims:
     ffn: int
     layers: int
     text_tokens: int = 512
+    experts: int = 1  # Wan 2.2 A14B: a high-noise and a low-noise transformer, both held by every rank
 
     @property
     def dim(self) -> int:
@@ -50,7 +51,7 @@ class WanDims:
 
 
 MODELS = {
-    "Wan2.1/2.2-T2V-14B (per expert)": WanDims(heads=40, head_dim=128, ffn=13824, layers=40),
+    "Wan 2.2 A14B (Wan 2.1 14B: one expert)": WanDims(heads=40, head_dim=128, ffn=13824, layers=40, experts=2),
     "Wan2.1-T2V-1.3B": WanDims(heads=12, head_dim=128, ffn=8960, layers=30),
 }
 MINI = WanDims(heads=4, head_dim=32, ffn=346, layers=2, text_tokens=16)
@@ -285,8 +286,9 @@ def report(measured: dict[str, list[int]] | None, mini_video: tuple[int, int, in
     for model, dims in MODELS.items():
         lines += [f"### {model}: {dims.heads} heads × {dims.head_dim}, FFN {dims.ffn}, {dims.layers} blocks", "",
                   f"Weights on every rank (sequence, CFG and data parallel replicate them): "
-                  f"{_gib(dims.block_parameters * 2)} GiB of bf16 block weights per transformer "
-                  f"(Wan 2.2 A14B holds two: {_gib(dims.block_parameters * 4)} GiB).", "",
+                  f"{_gib(dims.block_parameters * 2)} GiB of bf16 block weights per transformer"
+                  + (f", {_gib(dims.block_parameters * 2 * dims.experts)} GiB for {dims.experts} experts; only one "
+                     "runs at a time, so activations are per transformer call." if dims.experts > 1 else "."), "",
                   "| layout | tokens/rank | unsplit block-0 input + rotary | ffn | USP step | peak (step) | vs 1 rank |",
                   "|---|---|---|---|---|---|---|"]
         base = analytic_peak(dims, tokens, 1, 1)["peak"]
