@@ -17,19 +17,10 @@ import time
 import torch
 from safetensors.torch import load_file, save_file
 
-from .config import LayoutError, add_parallel_arguments, config_from_args
+from .config import PIPELINE_TENSOR_INPUTS, LayoutError, add_parallel_arguments, config_from_args
 from .loading import DTYPES, SCHEDULERS, load_pipeline, set_scheduler
 
-INPUT_NAMES = (
-    "latents",
-    "prompt_embeds",
-    "negative_prompt_embeds",
-    "pooled_prompt_embeds",
-    "negative_pooled_prompt_embeds",
-    "prompt_attention_mask",
-    "negative_prompt_attention_mask",
-    "image",  # image-to-video (Wan): the first frame, [1, 3, H, W] in [0, 1]
-)
+INPUT_NAMES = PIPELINE_TENSOR_INPUTS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -19,6 +19,8 @@ from typing import Any
 import msgpack
 import torch
 
+from parallel.config import PIPELINE_TENSOR_INPUTS
+
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 64 * 1024
 MAX_FRAME_BYTES = 64 * 1024 * 1024
@@ -36,16 +38,7 @@ DTYPES = {
     "bool": torch.bool,
 }
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-JOB_INPUTS = (
-    "latents",
-    "init_latents",
-    "prompt_embeds",
-    "negative_prompt_embeds",
-    "pooled_prompt_embeds",
-    "negative_pooled_prompt_embeds",
-    "prompt_attention_mask",
-    "negative_prompt_attention_mask",
-)
+JOB_INPUTS = (*PIPELINE_TENSOR_INPUTS, "init_latents")  # init_latents: img2img's starting point
 
 # type -> {param: (python types, required)}; anything else in params is an error.
 _NUMBER = (int, float)
