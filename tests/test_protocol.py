@@ -467,7 +467,7 @@ def test_bad_spec_keys(bad):
     rejects([pack(submit_header(tensors=[spec("prompt_embeds"), bad])), bytes(16), bytes(16)], expected)
 
 
-@pytest.mark.parametrize("name", ["image", "", "LATENTS", "latents ", b"latents", 7, None])
+@pytest.mark.parametrize("name", ["mask", "", "LATENTS", "latents ", b"latents", 7, None])
 def test_tensor_name_not_accepted_for_submit(name):
     rejects([pack(submit_header(tensors=[spec(name)])), bytes(16)], r"tensor .* is not accepted here; allowed: \['latents'")
 
