@@ -34,7 +34,8 @@ def tiny_model_dir(choice: str) -> Path:
     """Build the built-in tiny pipeline once, into the pack's own cache folder (keyed by the
     builder's source, so a changed builder never serves a stale model)."""
     family = choice.removeprefix(TINY_PREFIX).split(" ")[0]
-    version = hashlib.sha1(Path(tiny_models.__file__).read_bytes()).hexdigest()[:10]
+    builders = [Path(tiny_models.__file__), Path(tiny_models.__file__).with_name("tiny_wan.py")]
+    version = hashlib.sha1(b"".join(path.read_bytes() for path in builders)).hexdigest()[:10]
     directory = PACK_ROOT / ".cache" / "tiny" / version / family
     if not (directory / "model_index.json").exists():
         tiny_models.save_tiny_pipeline(family, directory)

@@ -153,7 +153,7 @@ def test_example_workflow_loads_converts_and_runs(comfy, page, path):
 
 
 def test_example_workflows_cover_every_family_and_are_listed_as_templates(comfy):
-    stems = {"xdit_pixart_alpha", "xdit_pixart_sigma", "xdit_sd3", "xdit_flux"}
+    stems = {"xdit_pixart_alpha", "xdit_pixart_sigma", "xdit_sd3", "xdit_flux", "xdit_wan"}
     assert {p.stem for p in EXAMPLES} == stems
     assert set(comfy.get("/api/workflow_templates")["comfyui-xdit-pool"]) == stems
 

@@ -76,10 +76,14 @@ def two_nodes(tiny_model_dirs, tmp_path_factory):
     yield {"client": client, "inputs": inputs, "expected": reference(model, FAMILY, inputs), "join": join,
            "state": state, "work": work}
     pids = [pid for node in client.status()["nodes"] for pid in node["pids"]]
+    client.stop()  # a client's stop ends every machine's share, and each supervisor with it
     client.close()
-    stop_serve(node0)
-    stop_serve(state["node1"])
-    assert node0.returncode == 0, (work / "node0.log").read_text()[-3000:]
+    try:
+        codes = [node0.wait(30), state["node1"].wait(30)]
+    finally:
+        stop_serve(node0)
+        stop_serve(state["node1"])
+    assert codes == [0, 0], (work / "node0.log").read_text()[-3000:]
     assert wait_gone(pids) == [], "ranks outlived their supervisors"
 
 
@@ -122,5 +126,24 @@ def test_losing_node_1_fails_the_job_waits_and_recovers_when_it_joins_again(two_
     status = client.wait_until_idle(180)
     assert status["restarts"] >= before["restarts"] + 1 and status["ranks_alive"] == 2
     assert status["nodes"][1]["pids"] != [rank1]
+    latents = client.sample(two_nodes["inputs"], PARAMS)
+    assert (latents - two_nodes["expected"]).abs().max().item() <= TOLERANCE
+
+
+
+def test_a_rank_lost_on_node_0_restarts_both_nodes_without_help(two_nodes):
+    """Node 0 relaunches its share; node 1's rank loses its peer and its `join` relaunches by itself."""
+    client, node1 = two_nodes["client"], two_nodes["state"]["node1"]
+    before = client.status()
+    os.kill(before["nodes"][0]["pids"][0], signal.SIGKILL)
+    deadline = time.monotonic() + 180
+    status = before
+    while status["restarts"] == before["restarts"] or status["state"] != "idle":
+        assert time.monotonic() < deadline, f"the pool did not come back: {status}"
+        time.sleep(0.2)
+        status = client.wait_until_idle(180)
+    assert node1.poll() is None, "node 1's join stopped instead of relaunching its share"
+    assert all(n["pids"] != b["pids"] for n, b in zip(status["nodes"], before["nodes"]))
+    assert "lost contact with node 0 (rank 0" in (two_nodes["work"] / "node1.log").read_text()
     latents = client.sample(two_nodes["inputs"], PARAMS)
     assert (latents - two_nodes["expected"]).abs().max().item() <= TOLERANCE

@@ -97,7 +97,7 @@ class ServerKeys:
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> "ServerKeys":
-        directory = Path(directory)
+        directory = Path(directory).expanduser()
         public, secret = _read(directory, f"{SERVER}.key_secret")
         if not secret:
             raise ValueError(f"{directory / (SERVER + '.key_secret')} holds no secret key: {HOW_TO_CREATE}")
@@ -114,7 +114,7 @@ class ClientKeys:
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> "ClientKeys":
-        directory = Path(directory)
+        directory = Path(directory).expanduser()
         server, _ = _read(directory, f"{SERVER}.key")
         public, secret = _read(directory, f"{CLIENT}.key_secret")
         if not secret:

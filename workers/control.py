@@ -4,6 +4,8 @@ The supervisor binds a ROUTER; each rank connects a DEALER whose identity is `ra
 are single msgpack maps. Ranks report hello/ready/failed, job start/end/error; the supervisor
 grants rank 0 the client endpoint (`bind_ok`) and decides after a job error whether ranks resume
 or the pool restarts. Only processes of this pool talk here, but it is still msgpack, not pickle.
+Every message names the launch it comes from (the supervisor's restart count when it started the
+rank), so a late message from a rank of a previous launch cannot act on the current one.
 """
 
 from __future__ import annotations
@@ -28,15 +30,15 @@ def unpack(raw: bytes) -> dict[str, Any]:
 class RankChannel:
     """A rank's end of the control channel."""
 
-    def __init__(self, context: zmq.Context, endpoint: str, rank: int):
-        self.rank = rank
+    def __init__(self, context: zmq.Context, endpoint: str, rank: int, launch: int):
+        self.rank, self.launch = rank, launch
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, f"rank{rank}".encode())
         self.socket.setsockopt(zmq.LINGER, 2000)
         self.socket.connect(endpoint)
 
     def send(self, kind: str, **fields: Any) -> None:
-        self.socket.send(pack({"type": kind, "rank": self.rank, **fields}))
+        self.socket.send(pack({"type": kind, "rank": self.rank, "launch": self.launch, **fields}))
 
     def receive(self, timeout_s: float | None = None) -> dict[str, Any] | None:
         if timeout_s is not None and not self.socket.poll(int(timeout_s * 1000)):

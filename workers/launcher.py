@@ -1,7 +1,7 @@
 """Starts, watches and restarts this machine's share of a pool: torchrun as a child process group, plus its control channel.
 
 The supervisor, not torchrun's agent, decides what a rank's death means: it polls every rank's
-pid every 50 ms (torchrun's own monitor runs every 2 s), so it sees the rank that died first and
+pid every 50 ms (torchrun's own monitor runs every second), so it sees the rank that died first and
 can name it to the client before it stops the others.
 
 The `Pool` object lives in the process that owns the pool (ComfyUI, `python -m workers serve` or
@@ -220,6 +220,8 @@ class Pool:
 
     def _on_control(self, identity: bytes, message: dict) -> None:
         kind, rank = message["type"], message.get("rank", -1)
+        if message.get("launch") != self.restarts:
+            return  # sent by a rank of a launch that has since been stopped
         if kind == "hello":
             self.pids[rank] = message["pid"]
             if self.state == WAITING:  # torchrun starts ranks only once every node is in the rendezvous
@@ -289,9 +291,13 @@ class Pool:
         self._crashed(f"torchrun (exit code {exit_code}) died; the pool is restarting")
 
     def _world_broke(self, rank: int | None, error: str) -> None:
-        """A rank here lost its peers: name a rank here that died, or else the other nodes."""
+        """A rank here lost its peers: name a rank here that died, or else the other nodes.
+
+        The reporting rank itself may die meanwhile (torchrun stops its ranks when it loses the
+        rendezvous): that is a consequence, not the cause.
+        """
         deadline = time.monotonic() + DEATH_REPORT_S
-        while not (dead := self._dead_ranks()) and time.monotonic() < deadline:
+        while not (dead := [r for r in self._dead_ranks() if r != rank]) and time.monotonic() < deadline:
             time.sleep(0.05)
         if dead:
             what = ", ".join(f"rank {r} (pid {self.pids[r]}) died" for r in dead)

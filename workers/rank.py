@@ -81,7 +81,7 @@ class Rank:
         self.rank = self._claim_rank()
         self.phase = "world"  # "world": collectives, which fail when a peer is lost; "load": this rank alone
         self.context = zmq.Context()
-        self.control = RankChannel(self.context, args.control, self.rank)
+        self.control = RankChannel(self.context, args.control, self.rank, args.restarts)
         self.control.send("hello", pid=os.getpid())
         self.server = None
         self.jobs_done = args.jobs_done

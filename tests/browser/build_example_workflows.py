@@ -25,6 +25,7 @@ EXAMPLES = {  # file stem: (family, empty latent node, cfg, what the example say
     "xdit_pixart_sigma": ("pixart-sigma", "EmptyLatentImage", 4.5, "PixArt-Σ"),
     "xdit_sd3": ("sd3", "EmptySD3LatentImage", 4.5, "Stable Diffusion 3"),
     "xdit_flux": ("flux", "EmptySD3LatentImage", 1.0, "Flux (cfg 1: distilled guidance only)"),
+    "xdit_wan": ("wan22", "EmptyHunyuanLatentVideo", 5.0, "Wan 2.2 text-to-video"),
 }
 
 BUILD = """async ({ family, empty, cfg, name, stem, id }) => {
