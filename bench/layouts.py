@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 from parallel.config import ParallelConfig
 
+
 @dataclass(frozen=True)
 class Layout:
     name: str
-    engine: str  # diffusers: the plain pipeline on rank 0; xdit: our wrapper; diffusers-cp: enable_parallelism
+    engine: str  # diffusers: the plain pipeline (rank 0 only); xdit: our wrapper; diffusers-cp: enable_parallelism
     ulysses: int = 1
     ring: int = 1
     cfg: int = 1

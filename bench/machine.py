@@ -3,7 +3,8 @@
 /proc/stat counts every CPU's busy time; subtracting the CPU time our own ranks used over the same
 interval leaves what other processes took, in cores. On a dedicated machine it stays near 0. When
 something else runs alongside (another session's test suite on the same two cores), it explains the
-spread, and `settle` can wait for it to pass before a round starts.
+spread, and `settle` can wait for it to pass before a round starts. /proc/stat counts in clock ticks
+(10 ms), so for runs much shorter than a second (the tiny model) the figure is mostly rounding.
 """
 
 from __future__ import annotations

@@ -17,10 +17,10 @@ from .layouts import LAYOUTS, SUITES, Layout
 CLEAN_LOAD = 0.2  # cores other processes may have used during every run of a round for it to count as clean
 MIN_CLEAN_ROUNDS = 3
 
-GOALS = (  # (suite, layout, metric, target, comparison peer or None)
-    ("overhead", "xdit-1", "overhead", 0.02, None),
-    ("efficiency", "xdit-ulysses2", "efficiency", 0.90, "diffusers-cp-ulysses2"),
-    ("efficiency", "xdit-cfg2", "efficiency", 0.95, None),
+GOALS = (  # (layout, metric, target, comparison peer or None)
+    ("xdit-1", "overhead", 0.02, None),
+    ("xdit-ulysses2", "efficiency", 0.90, "diffusers-cp-ulysses2"),
+    ("xdit-cfg2", "efficiency", 0.95, None),
 )
 
 
@@ -95,17 +95,18 @@ def goals(tables: dict[str, dict]) -> list[dict]:
     """Each goal whose layout was measured: value, target, the peer's value where there is one, met, and
     whether it rests on clean rounds only (if not, other processes shared the cores while it was timed)."""
     results = []
-    rows = {row["layout"]: row for table in tables.values() for row in table["rows"]}
-    for suite, name, metric, target, peer in GOALS:
-        if name not in rows:
+    found = {row["layout"]: (row, table) for table in tables.values() for row in table["rows"]}
+    for name, metric, target, peer in GOALS:
+        if name not in found:
             continue
-        value = tables[suite][metric] if metric == "overhead" else rows[name][metric]
+        row, table = found[name]
+        value = table["overhead"] if metric == "overhead" else row[metric]
         met = value <= target if metric == "overhead" else value >= target
-        clean = tables[suite]["rounds"][rows[name]["job_ranks"]]["clean_only"]
+        clean = table["rounds"][row["job_ranks"]]["clean_only"]
         goal = {"layout": name, "metric": metric, "value": value, "target": target, "clean": clean}
-        if peer in rows:
-            goal["peer"], goal["peer_value"] = peer, rows[peer][metric]
-            met = met and value >= rows[peer][metric]
+        if peer in found:
+            goal["peer"], goal["peer_value"] = peer, found[peer][0][metric]
+            met = met and value >= goal["peer_value"]
         results.append({**goal, "met": met})
     return results
 

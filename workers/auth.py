@@ -83,6 +83,8 @@ def check_endpoint(endpoint: str, curve_dir: str | None) -> None:
 
 
 def _read(directory: Path, name: str) -> tuple[bytes, bytes | None]:
+    if not zmq.has("curve"):
+        raise ValueError(f"this pyzmq (libzmq {zmq.zmq_version()}) was built without CURVE; install the pyzmq wheel from PyPI")
     path = directory / name
     if not path.is_file():
         raise ValueError(f"no {path}: {HOW_TO_CREATE}")
@@ -152,7 +154,11 @@ class ServerGuard:
         self._auth.configure_curve_callback("*", credentials_provider=self)
 
     def callback(self, domain: str, client_key: bytes) -> bool:
-        allowed = client_key in zmq.auth.load_certificates(self.keys.clients)
+        try:
+            allowed = client_key in zmq.auth.load_certificates(self.keys.clients)
+        except (OSError, ValueError) as error:  # the folder went away: refuse, and say why
+            log.error("cannot read the accepted client keys in %s: %s", self.keys.clients, error)
+            allowed = False
         if not allowed:
             self._refused(f"from {self._auth.address}: its key is not in {self.keys.clients}")
         return allowed

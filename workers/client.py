@@ -123,14 +123,15 @@ class PoolClient:
         while time.monotonic() < deadline:
             try:
                 last = self.status(timeout_s=2.0)
-                if last.get("state") == "idle":
-                    return last
-                if last.get("state") == "error":
-                    raise PoolUnreachable(f"the pool failed: {last.get('error')}")
             except PoolRefused:
                 raise
-            except PoolUnreachable:
-                pass
+            except PoolUnreachable:  # not up yet, or restarting: ask again
+                time.sleep(0.1)
+                continue
+            if last.get("state") == "idle":
+                return last
+            if last.get("state") == "error":
+                raise PoolUnreachable(f"the pool failed: {last.get('error')}")
             time.sleep(0.1)
         raise PoolUnreachable(f"the pool at {self.endpoint} did not become idle in {timeout_s:.0f} s (last: {last})")
 

@@ -34,6 +34,10 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
         self._handles, self._layers, self._stage = [], [], None
         self._branch: str | None = None
         self._step_results: dict[int, torch.Tensor] = {}
+        if getattr(transformer, "_xdit_partial", False):
+            raise ValueError(
+                f"this {type(transformer).__name__} lost the blocks of other PipeFusion stages; load it again to wrap it"
+            )
         self.module_names = frozenset(name for name, _ in transformer.named_modules())  # before any stage split
         config = get_layout().config
         sp = get_sp_group()
@@ -57,6 +61,7 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
             layer.remove()
         if self._stage is not None:  # the other stages' blocks are gone: reload to use another layout
             self._stage.remove()
+            self.module._xdit_partial = True
         self._handles, self._layers, self._stage = [], [], None
         return self.module
 

@@ -1,0 +1,137 @@
+"""PipeFusion-2 next to one rank and Ulysses-2 on the same model: time and bytes per step.
+
+    python -m bench.pipefusion [--tiny] [--runs 5] [--steps 4]
+
+One torchrun job of 2 ranks, one thread each, layouts interleaved round by round. The 1-rank time is
+the plain diffusers pipeline on rank 0 while rank 1 waits in a barrier. PipeFusion runs with one
+synchronous warm-up step and 2 patches, so the other steps use the stale-K/V patch pipeline; it gets
+a fresh copy of the pipeline each run, since a stage frees the blocks it does not hold.
+Bytes are what each rank's group coordinators counted, per step, next to what the method must move.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = Path(__file__).resolve().parent / "out"
+LAYOUTS = {"1 rank (diffusers)": None, "ulysses2": {"ulysses_degree": 2},
+           "pipefusion2": {"pipefusion_degree": 2, "warmup_steps": 1, "num_patches": 2}}
+
+
+def analytic_bytes(name: str, dims, steps: int) -> float:
+    """Mean bytes per rank per step that the method must send (fp32)."""
+    i, t, c = dims.image_tokens, dims.text_tokens, dims.out_channels
+    d = dims.heads * dims.head_dim
+    if name == "ulysses2":  # q,k,v out and o back for the image shard; text head outputs gathered; final gather
+        per_layer = 4 * (i / 2) * d / 2 + t * (d / 2)
+        return (dims.attention_layers * per_layer + (i / 2) * c) * 4
+    if name == "pipefusion2":  # stage 0 sends each patch (+ the text stream); stage 1 broadcasts the output
+        warm, patched = (i + t) * d, (i + 2 * t) * d
+        activations = (warm + (steps - 1) * patched) / steps
+        return (activations + i * c) / 2 * 4
+    return 0.0
+
+
+def drive(spec: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from parallel.config import ParallelConfig
+    from parallel.distributed import destroy_model_parallel, init_distributed_environment, initialize_model_parallel
+    from parallel.distributed.parallel_state import all_coordinators
+    from parallel.model_executor import wrap_pipeline
+
+    from .model import MODELS
+
+    torch.set_num_threads(1)
+    world = init_distributed_environment()
+    model = MODELS[spec["model"]]
+    pipeline = model.pipeline()
+    inputs = {k: v for k, v in model.inputs(pipeline).items() if not k.startswith("negative")}
+    kwargs = {**model.call_kwargs(true_cfg=False), "num_inference_steps": spec["steps"]}
+    times = {name: [] for name in LAYOUTS}
+    sent = {name: 0 for name in LAYOUTS}
+    outputs = {}
+    for round_ in range(spec["runs"] + 1):  # round 0 warms up, untimed
+        for name, degrees in LAYOUTS.items():
+            wrapped = None
+            if degrees is not None:
+                initialize_model_parallel(ParallelConfig(**degrees))
+                wrapped = wrap_pipeline(copy.deepcopy(pipeline) if "pipefusion_degree" in degrees else pipeline)
+            dist.barrier()
+            start = time.perf_counter()
+            with torch.no_grad():
+                out = (wrapped or pipeline)(**inputs, **kwargs)[0] if wrapped or world.rank == 0 else None
+            elapsed = time.perf_counter() - start
+            dist.barrier()
+            if wrapped is not None:
+                sent[name] = sum(c.bytes_sent for c in all_coordinators().values())
+                wrapped.unwrap()
+                destroy_model_parallel()
+            if round_:
+                times[name].append(elapsed)
+            elif out is not None:
+                outputs[name] = out
+    every = [None] * world.world_size
+    dist.all_gather_object(every, sent)
+    if world.rank == 0:
+        base = outputs["1 rank (diffusers)"]
+        diffs = {name: (out - base).abs().max().item() for name, out in outputs.items()}
+        Path(spec["result"]).write_text(json.dumps({"times": times, "sent": every, "diffs": diffs,
+                                                     "dims": vars(model.dims(pipeline))}))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.pipefusion", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="the tiny test model: checks the machinery only")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--json", type=Path, default=OUT / "pipefusion.json")
+    parser.add_argument("--drive", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.drive:
+        drive(json.loads(args.drive.read_text()))
+        return 0
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    spec_file = args.json.with_suffix(".spec.json")
+    result = args.json.with_suffix(".raw.json")
+    spec_file.write_text(json.dumps({"model": "tiny" if args.tiny else "medium", "runs": args.runs, "steps": args.steps,
+                                     "result": str(result)}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    "-m", "bench.pipefusion", "--drive", str(spec_file)], cwd=ROOT, env=env, check=True)
+    raw = json.loads(result.read_text())
+    from .analytic import ModelDims
+
+    dims = ModelDims(**raw["dims"])
+    base = statistics.median(raw["times"]["1 rank (diffusers)"])
+    rows = {}
+    for name, times in raw["times"].items():
+        median = statistics.median(times)
+        mean_sent = statistics.mean(rank[name] for rank in raw["sent"]) / args.steps
+        rows[name] = {"median_s": median, "spread": (max(times) - min(times)) / median, "step_ms": 1000 * median / args.steps,
+                      "efficiency": base / (2 * median) if name != "1 rank (diffusers)" else 1.0,
+                      "bytes_per_step_per_rank": mean_sent, "bytes_analytic": analytic_bytes(name, dims, args.steps),
+                      "max_abs_diff_vs_1_rank": raw["diffs"].get(name)}
+    args.json.write_text(json.dumps({"steps": args.steps, "runs": args.runs, "rows": rows}, indent=2))
+    print(f"| layout ({'tiny' if args.tiny else 'medium'} Flux, {args.steps} steps) | ms/step | spread | efficiency "
+          f"| KiB/step/rank (method) | max abs Δ vs 1 rank |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, r in rows.items():
+        diff = "–" if r["max_abs_diff_vs_1_rank"] is None else f"{r['max_abs_diff_vs_1_rank']:.1e}"
+        print(f"| {name} | {r['step_ms']:.0f} | {r['spread']:.0%} | {r['efficiency']:.2f} | "
+              f"{r['bytes_per_step_per_rank'] / 1024:.0f} ({r['bytes_analytic'] / 1024:.0f}) | {diff} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

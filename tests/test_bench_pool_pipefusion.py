@@ -1,0 +1,36 @@
+"""The pool-overhead and PipeFusion benchmarks run end to end on the tiny model (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+from xdit_test_helpers import ROOT
+
+
+def run(module: str, out, *args: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", module, "--json", str(out), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_pool_overhead_benchmark(tmp_path):
+    report = run("bench.pool_overhead", tmp_path / "pool.json", "--model", "tiny", "--runs", "1", "--steps", "2")
+    assert set(report["rows"]) == {"in-process", "pool", "pool + previews"}
+    assert all(math.isfinite(row["median_s"]) for row in report["rows"].values())
+    assert report["max_abs_diff"] == 0.0  # the pool computes exactly what the pipeline does
+
+
+def test_pipefusion_benchmark(tmp_path):
+    report = run("bench.pipefusion", tmp_path / "pf.json", "--tiny", "--runs", "1")
+    rows = report["rows"]
+    assert set(rows) == {"1 rank (diffusers)", "ulysses2", "pipefusion2"}
+    for name in ("ulysses2", "pipefusion2"):
+        assert rows[name]["bytes_per_step_per_rank"] == rows[name]["bytes_analytic"]
+        assert math.isfinite(rows[name]["efficiency"])
+    assert rows["ulysses2"]["max_abs_diff_vs_1_rank"] < 1e-4
