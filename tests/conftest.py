@@ -25,3 +25,15 @@ def video_model_dirs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session", autouse=True)
 def _one_thread():
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def comfy(tmp_path_factory):
+    """A real ComfyUI server with this pack, one per test module that asks for it (needs the test bed:
+    modules using it skip themselves, with the reason, when comfyui_paths() finds none)."""
+    from comfyui_server import ComfyServer, comfyui_paths
+
+    server = ComfyServer(*comfyui_paths(), tmp_path_factory.mktemp("comfy"))
+    yield server
+    server.stop()
+    assert "IMPORT FAILED" not in server.log.read_text()

@@ -15,6 +15,7 @@ from diffusers import DiffusionPipeline
 
 from parallel import tiny_models
 from workers.client import PoolClient
+from workers.processes import is_alive
 
 from xdit_test_helpers import ROOT
 PARAMS = {"steps": 4, "guidance_scale": 4.5, "height": 64, "width": 64}
@@ -42,19 +43,13 @@ def pool_processes(status: dict) -> list[int]:
     return pids
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def wait_gone(pids: list[int], timeout_s: float = 15) -> list[int]:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
+    while time.monotonic() < deadline and any(is_alive(p) for p in pids):
         time.sleep(0.1)
-    return [p for p in pids if alive(p)]
+    return [p for p in pids if is_alive(p)]
 
 
 def stop_serve(process: subprocess.Popen, sig=signal.SIGTERM) -> None:

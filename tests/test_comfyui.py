@@ -16,7 +16,7 @@ import torch
 from diffusers import DiffusionPipeline
 from safetensors.torch import load_file
 
-from comfyui_server import ComfyServer, comfyui_paths
+from comfyui_server import comfyui_paths
 from parallel import tiny_models
 from xdit_test_helpers import TOLERANCE
 
@@ -32,13 +32,6 @@ FAMILIES = {  # family: (empty latent node, cfg, scale, shift)
     "flux": ("EmptySD3LatentImage", 1.0, 0.3611, 0.1159),
 }
 
-
-@pytest.fixture(scope="module")
-def comfy(tmp_path_factory):
-    server = ComfyServer(*PATHS, tmp_path_factory.mktemp("comfy"))
-    yield server
-    server.stop()
-    assert "IMPORT FAILED" not in server.log.read_text()
 
 
 def workflow(family: str, *, steps=4, size=64, seed=7, positive="a cat on a mat", negative="blurry", nproc=2,

@@ -14,7 +14,7 @@ import shutil
 import pytest
 
 from pool_helpers import free_endpoint, start_serve, stop_serve
-from test_comfyui import PATHS, comfy, reference, saved_latent, workflow  # noqa: F401 - comfy is a fixture
+from test_comfyui import PATHS, reference, saved_latent, workflow
 from workers.auth import create_keys
 from workers.client import PoolClient
 from xdit_test_helpers import TOLERANCE
@@ -46,14 +46,14 @@ def remote_workflow(endpoint: str, curve_dir: str) -> dict:
     return prompt
 
 
-def test_the_pool_node_with_keys_equals_diffusers(comfy, keyed_pool, tiny_model_dirs):  # noqa: F811
+def test_the_pool_node_with_keys_equals_diffusers(comfy, keyed_pool, tiny_model_dirs):
     entry = comfy.wait(comfy.queue(remote_workflow(keyed_pool["endpoint"], keyed_pool["client_keys"])))
     assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
     expected = reference(tiny_model_dirs[FAMILY], FAMILY)
     assert (saved_latent(comfy, entry) - expected).abs().max().item() <= TOLERANCE
 
 
-def test_the_pool_node_without_keys_says_what_is_missing(comfy, keyed_pool):  # noqa: F811
+def test_the_pool_node_without_keys_says_what_is_missing(comfy, keyed_pool):
     entry = comfy.wait(comfy.queue(remote_workflow(keyed_pool["endpoint"], "")), 120)
     assert entry["status"]["status_str"] == "error"
     errors = json.dumps([m for m in entry["status"]["messages"] if m[0] == "execution_error"])

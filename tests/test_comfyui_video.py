@@ -17,7 +17,7 @@ import torch
 from diffusers import DiffusionPipeline
 from safetensors.torch import load_file
 
-from comfyui_server import ComfyServer, comfyui_paths
+from comfyui_server import comfyui_paths
 from xdit_test_helpers import ROOT, TOLERANCE
 
 PATHS = comfyui_paths()
@@ -28,13 +28,6 @@ pytestmark = pytest.mark.skipif(
 FAMILY, FRAMES, SIZE, STEPS, CFG, SEED = "wan22", 9, 48, 4, 5.0, 5
 POSITIVE, NEGATIVE = "a red fox in the snow", "blurry"
 
-
-@pytest.fixture(scope="module")
-def comfy(tmp_path_factory):
-    server = ComfyServer(*PATHS, tmp_path_factory.mktemp("comfy_video"))
-    yield server
-    server.stop()
-    assert "IMPORT FAILED" not in server.log.read_text()
 
 
 def workflow() -> dict:

@@ -23,26 +23,13 @@ from parallel import tiny_models
 from parallel.loading import set_scheduler
 from parallel.model_executor.token_split import UnevenSplit
 
+from test_engine_layouts import LAYOUTS  # the same layouts as the image families
 from xdit_test_helpers import TOLERANCE, torchrun
 
 STEPS, GUIDANCE = 4, 5.0
 # name: (num_frames, height, width); TI2V 5B's ×16 VAE needs twice the pixels for the same tokens
 VIDEOS = {"even": (5, 64, 64), "uneven": (9, 48, 48)}
 VIDEOS_5B = {"even": (5, 128, 128), "uneven": (9, 96, 96)}
-LAYOUTS = {
-    2: {
-        "ulysses2": {"ulysses_degree": 2},
-        "ring2": {"ring_degree": 2},
-        "cfg2": {"cfg_degree": 2},
-        "dp2": {"dp_degree": 2},
-    },
-    4: {
-        "ulysses4": {"ulysses_degree": 4},
-        "ring4": {"ring_degree": 4},
-        "ulysses2_ring2": {"ulysses_degree": 2, "ring_degree": 2},
-        "cfg2_ulysses2": {"cfg_degree": 2, "ulysses_degree": 2},
-    },
-}
 SEQUENCE_LAYOUTS = ("ulysses2", "ring2", "ulysses4", "ring4", "ulysses2_ring2", "cfg2_ulysses2")
 # (nproc, family, layout, video, variant)
 MATRIX_FAMILIES = ("wan", "wan22")  # every layout; TI2V 5B and I2V a selection

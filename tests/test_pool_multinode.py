@@ -23,7 +23,8 @@ from parallel import tiny_models
 from workers.client import JobFailed, PoolClient
 
 from xdit_test_helpers import TOLERANCE
-from pool_helpers import PARAMS, ROOT, alive, free_endpoint, reference, start_serve, stop_serve, wait_gone
+from pool_helpers import PARAMS, ROOT, free_endpoint, reference, start_serve, stop_serve, wait_gone
+from workers.processes import is_alive as alive
 
 FAMILY = "pixart-alpha"
 

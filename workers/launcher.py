@@ -37,6 +37,7 @@ from pathlib import Path
 import zmq
 
 from .control import pack, unpack
+from .processes import is_alive
 from .protocol import Message
 from .spec import PoolSpec
 from .standin import StandIn
@@ -65,14 +66,6 @@ def _parent_death_signal(sig: int):
             pass
 
     return set_signal
-
-
-def _dead(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
 
 
 def describe_node(row: dict) -> str:
@@ -263,7 +256,7 @@ class Pool:
                 self._job_errors, self._job_error_since = {}, 0.0
 
     def _dead_ranks(self) -> list[int]:
-        return sorted(r for r, pid in self.pids.items() if _dead(pid))
+        return sorted(r for r, pid in self.pids.items() if not is_alive(pid))
 
     def _check_liveness(self) -> None:
         if self.process is None or self._stop_requested.is_set():
@@ -336,18 +329,10 @@ class Pool:
         """Let ranks that were asked to stop exit by themselves; then make sure of it."""
         if self.process and self.process.poll() is None:
             try:
-                self.process.wait(3 if all(_dead(p) for p in self.pids.values()) else 0.5)
-                return
+                self.process.wait(3 if not any(is_alive(p) for p in self.pids.values()) else 0.5)
             except subprocess.TimeoutExpired:
                 pass
-            try:
-                os.killpg(self.process.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
+        self._kill_ranks()
 
     def _kill_ranks(self) -> None:
         """Stop torchrun and every rank, whatever state they are in; wait until they are gone."""
@@ -359,10 +344,10 @@ class Pool:
             except ProcessLookupError:
                 break
             deadline = time.monotonic() + grace
-            while time.monotonic() < deadline and not (self.process.poll() is not None and all(_dead(p) for p in self.pids.values())):
+            while time.monotonic() < deadline and not (self.process.poll() is not None and not any(is_alive(p) for p in self.pids.values())):
                 time.sleep(0.02)
         for pid in self.pids.values():  # ranks are in torchrun's session; this is only a safety net
-            if not _dead(pid):
+            if is_alive(pid):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -377,7 +362,7 @@ class Pool:
         return {
             "state": {"error": "error", WAITING: WAITING}.get(self.state, "starting"),
             "world_size": self.spec.world_size,
-            "ranks_alive": sum(not _dead(p) for p in self.pids.values()),
+            "ranks_alive": sum(is_alive(p) for p in self.pids.values()),
             "jobs_done": self.jobs_done,
             "restarts": self.restarts,
             "model": str(self.spec.model),

@@ -37,6 +37,7 @@ from parallel.lora import LoraManager, LoraSpec
 from .control import RankChannel
 from .jobs import JobCancelled, JobRunner, Work, broadcast_work
 from .memory import memory_of_this_rank
+from .processes import is_alive
 from .protocol import Message
 
 log = logging.getLogger("xdit.rank")
@@ -187,8 +188,8 @@ class Rank:
     # -- what rank 0's server asks ------------------------------------------------------------------
     def status(self) -> dict:
         # Ranks on other machines count as alive while the world holds: the probes notice within a second.
-        nodes = [{**row, "alive": row["node"] != self.args.node_rank or all(map(_alive, row["pids"]))} for row in self.nodes]
-        alive = sum(sum(map(_alive, row["pids"])) if row["node"] == self.args.node_rank else len(row["pids"]) for row in nodes)
+        nodes = [{**row, "alive": row["node"] != self.args.node_rank or all(map(is_alive, row["pids"]))} for row in self.nodes]
+        alive = sum(sum(map(is_alive, row["pids"])) if row["node"] == self.args.node_rank else len(row["pids"]) for row in nodes)
         return {
             "state": self.state,
             "world_size": self.world_size,
@@ -332,14 +333,6 @@ def short_error(error: Exception) -> str:
     """gloo's first sentence, without its source location: "Connection closed by peer [10.0.0.2]:4711"."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
     return re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is typically")[0]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def main(argv=None) -> int:
