@@ -94,6 +94,31 @@ class ComfyServer:
     def queue(self, prompt: dict, client_id: str | None = None) -> str:
         return self.post("/prompt", {"prompt": prompt, "client_id": client_id or uuid.uuid4().hex})["prompt_id"]
 
+    def run_watching(self, prompt: dict, timeout_s: float = 300) -> tuple[str, list[int], int, str]:
+        """Queue `prompt` while listening on the websocket: (prompt id, progress values, binary
+        preview frames, the final event type)."""
+        import websocket
+
+        client_id = uuid.uuid4().hex
+        ws = websocket.create_connection(f"ws://127.0.0.1:{self.port}/ws?clientId={client_id}", timeout=timeout_s)
+        try:
+            prompt_id = self.queue(prompt, client_id)
+            progress, previews = [], 0
+            while True:
+                message = ws.recv()
+                if isinstance(message, bytes):
+                    previews += 1
+                    continue
+                event = json.loads(message)
+                if event["data"].get("prompt_id") != prompt_id:
+                    continue
+                if event["type"] == "progress":
+                    progress.append(event["data"]["value"])
+                if event["type"] in ("execution_success", "execution_error", "execution_interrupted"):
+                    return prompt_id, progress, previews, event["type"]
+        finally:
+            ws.close()
+
     def wait(self, prompt_id: str, timeout_s: float = 300) -> dict:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-import uuid
 
 import pytest
 import torch
@@ -105,24 +104,8 @@ def test_workflow_equals_diffusers_single_process(comfy, tiny_model_dirs, family
 
 
 def test_progress_and_preview_frames_arrive_over_the_websocket(comfy):
-    import websocket
-
-    client_id = uuid.uuid4().hex
-    ws = websocket.create_connection(f"ws://127.0.0.1:{comfy.port}/ws?clientId={client_id}", timeout=120)
-    prompt_id = comfy.queue(workflow("sd3", steps=6, seed=11), client_id)
-    progress, previews = [], 0
-    while True:
-        message = ws.recv()
-        if isinstance(message, bytes):
-            previews += 1
-            continue
-        event = json.loads(message)
-        if event["type"] == "progress" and event["data"].get("prompt_id") == prompt_id:
-            progress.append(event["data"]["value"])
-        if event["type"] in ("execution_success", "execution_error") and event["data"].get("prompt_id") == prompt_id:
-            break
-    ws.close()
-    assert event["type"] == "execution_success"
+    _, progress, previews, outcome = comfy.run_watching(workflow("sd3", steps=6, seed=11))
+    assert outcome == "execution_success"
     assert progress[-6:] == [1, 2, 3, 4, 5, 6]
     assert previews >= 1
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import uuid
 
 import pytest
 import torch
@@ -64,21 +63,7 @@ def reference(model_dir) -> torch.Tensor:
 
 
 def test_wan_video_workflow_equals_diffusers_and_streams_previews(comfy, video_model_dirs):
-    import websocket
-
-    client_id = uuid.uuid4().hex
-    ws = websocket.create_connection(f"ws://127.0.0.1:{comfy.port}/ws?clientId={client_id}", timeout=300)
-    prompt_id = comfy.queue(workflow(), client_id)
-    previews = 0
-    while True:
-        message = ws.recv()
-        if isinstance(message, bytes):
-            previews += 1
-            continue
-        event = json.loads(message)
-        if event["type"] in ("execution_success", "execution_error") and event["data"].get("prompt_id") == prompt_id:
-            break
-    ws.close()
+    prompt_id, _, previews, _ = comfy.run_watching(workflow())
     entry = comfy.wait(prompt_id)
     assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
     assert previews >= 1
