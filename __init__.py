@@ -1,18 +1,12 @@
 """ComfyUI entry point of xDiT Pool (imported by ComfyUI under this folder's name).
 
-The engine packages `parallel` and `workers` are top-level packages in the pool's ranks, so the
-pack's folder is appended to sys.path for them here (appended: ComfyUI's own `nodes` module keeps
-precedence; our node code is imported only relatively, as this package's `.nodes`).
-Outside ComfyUI (pytest collects this folder as a package) there is nothing to register.
+Everything the pack needs is imported relative to this package (`.nodes`, `..parallel`, `..workers`), so
+loading it adds no top-level `parallel` or `workers` module and leaves sys.path alone; the pool's rank
+processes, which are our own, run with the pack folder on their path. Outside ComfyUI (pytest collects
+this folder as a package) there is nothing to register.
 """
 
 import importlib.util
-import os
-import sys
-
-_PACK = os.path.dirname(os.path.abspath(__file__))
-if _PACK not in sys.path:
-    sys.path.append(_PACK)
 
 WEB_DIRECTORY = "./web"
 __all__ = ["WEB_DIRECTORY"]

@@ -7,8 +7,8 @@ import os
 import folder_paths
 from comfy_api.latest import io
 
-from parallel.checkpoints import CHECKPOINT_SUFFIXES, checkpoint_variant
-from parallel.config import LayoutError, ParallelConfig
+from ..parallel.checkpoints import CHECKPOINT_SUFFIXES, checkpoint_variant
+from ..parallel.config import LayoutError, ParallelConfig
 
 from .pools import POOLS, TINY_MODELS, TINY_PREFIX, PoolKey, tiny_model_dir
 

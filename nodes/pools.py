@@ -10,36 +10,21 @@ remembers each endpoint's key folder, so every client of that endpoint uses it.
 from __future__ import annotations
 
 import atexit
-import hashlib
 import os
 import socket
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from parallel import tiny_models
-from parallel.config import ParallelConfig
-from workers.auth import ENV as CURVE_ENV
-from workers.client import PoolClient, PoolUnreachable
-from workers.launcher import Pool, PoolSpec
+from ..parallel import builtin_models
+from ..parallel.config import ParallelConfig
+from ..workers.auth import ENV as CURVE_ENV
+from ..workers.client import PoolClient, PoolUnreachable
+from ..workers.launcher import Pool, PoolSpec
 
-PACK_ROOT = Path(__file__).resolve().parents[1]
-TINY_PREFIX = "xdit-tiny-"
-TINY_MODELS = [
-    f"{TINY_PREFIX}{family} (built-in, no download)" for family in tiny_models.FAMILIES + tiny_models.VIDEO_FAMILIES
-]
-
-
-def tiny_model_dir(choice: str) -> Path:
-    """Build the built-in tiny pipeline once, into the pack's own cache folder (keyed by the
-    builder's source, so a changed builder never serves a stale model)."""
-    family = choice.removeprefix(TINY_PREFIX).split(" ")[0]
-    builders = [Path(tiny_models.__file__), Path(tiny_models.__file__).with_name("tiny_wan.py")]
-    version = hashlib.sha1(b"".join(path.read_bytes() for path in builders)).hexdigest()[:10]
-    directory = PACK_ROOT / ".cache" / "tiny" / version / family
-    if not (directory / "model_index.json").exists():
-        tiny_models.save_tiny_pipeline(family, directory)
-    return directory
+TINY_PREFIX = builtin_models.PREFIX
+TINY_MODELS = [f"{name} (built-in, no download)" for name in builtin_models.NAMES]
+tiny_model_dir = builtin_models.builtin_model_dir
 
 
 @dataclass(frozen=True)

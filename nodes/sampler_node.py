@@ -102,7 +102,7 @@ class XDiTSampler(io.ComfyNode):
         def should_cancel():
             return bool(interrupted) or comfy.model_management.processing_interrupted()
 
-        from workers.client import JobCancelledError
+        from ..workers.client import JobCancelledError
 
         try:
             latents = POOLS.client(pool.endpoint).sample(tensors, params, on_step=on_step, should_cancel=should_cancel)

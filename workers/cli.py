@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from parallel.config import LayoutError, add_parallel_arguments, config_from_args
+from .engine import LayoutError, add_parallel_arguments, config_from_args
 
 from . import auth
 from .client import JobCancelledError, JobFailed, PoolClient, PoolUnreachable

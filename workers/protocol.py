@@ -19,7 +19,7 @@ from typing import Any
 import msgpack
 import torch
 
-from parallel.config import PIPELINE_TENSOR_INPUTS
+from .engine import PIPELINE_TENSOR_INPUTS
 
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 64 * 1024

@@ -31,10 +31,8 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from parallel.config import add_parallel_arguments, config_from_args
-from parallel.lora import LoraManager, LoraSpec
-
 from .control import RankChannel
+from .engine import add_parallel_arguments, config_from_args, engine
 from .jobs import JobCancelled, JobRunner, Work, broadcast_work
 from .memory import memory_of_this_rank
 from .processes import is_alive
@@ -101,22 +99,22 @@ class Rank:
 
     # -- start-up -----------------------------------------------------------------------------------
     def start(self) -> None:
-        from parallel.distributed import get_world_group, init_distributed_environment, initialize_model_parallel
-        from parallel.loading import load_pipeline
-        from parallel.model_executor import wrap_pipeline
+        distributed = engine("distributed")
+        load_pipeline = engine("loading").load_pipeline
+        wrap_pipeline = engine("model_executor").wrap_pipeline
 
         nodes_nproc = self.args.nnodes * int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         if self.args.nnodes > 1 and int(os.environ["WORLD_SIZE"]) != nodes_nproc:
             raise StartRefused(f"the world has {os.environ['WORLD_SIZE']} ranks but {self.args.nnodes} nodes × "
                                f"--nproc {os.environ['LOCAL_WORLD_SIZE']} = {nodes_nproc}: give every node the same --nproc")
-        world = init_distributed_environment()
+        world = distributed.init_distributed_environment()
         self.world_size = world.world_size
         self.config = config_from_args(self.args)
         # Job metadata, step decisions and probes travel on gloo (CPU) even when the model uses NCCL.
         self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
         self.health = dist.new_group(backend="gloo", timeout=timedelta(seconds=HEALTH_TIMEOUT_S))
         self.nodes, self.pids = self._census()
-        self.layout = initialize_model_parallel(self.config)
+        self.layout = distributed.initialize_model_parallel(self.config)
         self.phase = "load"
         if self.rank == 0:
             self._serve()
@@ -126,11 +124,11 @@ class Rank:
         self.default_scheduler = self.pipeline.module.scheduler.module
         self.scheduler_name = "default"
         self.runner = JobRunner(self.pipeline, self.group, self.server)
-        self.loras = LoraManager(self.pipeline.module)
+        self.loras = engine("lora").LoraManager(self.pipeline.module)
         self.phase = "world"
         self._update_memory()
         self.control.send("ready", pid=os.getpid(), memory=self.memory[self.rank] if self.memory else {}, nodes=self.nodes)
-        get_world_group().barrier()
+        distributed.get_world_group().barrier()
         self.state = "idle"
 
     def _census(self) -> tuple[list[dict], list[int]]:
@@ -233,9 +231,7 @@ class Rank:
         if init is not None and init.shape != message.tensors["latents"].shape:
             latents = message.tensors["latents"]
             raise ValueError(f"init_latents {list(init.shape)} must have the shape of latents {list(latents.shape)}")
-        from parallel.loading import make_scheduler
-
-        make_scheduler(self.default_scheduler, message.params.get("scheduler", "default"))
+        engine("loading").make_scheduler(self.default_scheduler, message.params.get("scheduler", "default"))
 
     # -- the job loop -------------------------------------------------------------------------------
     def loop(self) -> None:
@@ -282,11 +278,9 @@ class Rank:
         try:
             name = work.params.get("scheduler", "default")
             if name != self.scheduler_name:
-                from parallel.loading import make_scheduler
-
-                self.pipeline.use_scheduler(make_scheduler(self.default_scheduler, name))
+                self.pipeline.use_scheduler(engine("loading").make_scheduler(self.default_scheduler, name))
                 self.scheduler_name = name
-            self.loras.apply([LoraSpec(lora["path"], float(lora["strength"])) for lora in work.params.get("loras", [])])
+            self.loras.apply([engine("lora").LoraSpec(lora["path"], float(lora["strength"])) for lora in work.params.get("loras", [])])
             latents = self.runner.run(work, client)
             reply = Message("result", work.job, {}, {"latents": latents})
             self.jobs_done += 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from parallel.config import LayoutError, ParallelConfig
+from .engine import LayoutError, ParallelConfig
 
 from .auth import ServerKeys, check_endpoint
 

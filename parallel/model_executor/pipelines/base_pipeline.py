@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 
+from ...call_parameters import CallParameter
 from ...config import LayoutError, ParallelConfig
 from ...distributed import get_dp_group, get_layout, get_runtime_state
 from ..base_wrapper import xFuserBaseWrapper
@@ -27,13 +28,15 @@ from ..register import (
 class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
     """Subclasses register for a diffusers pipeline class and may set:
 
-    call_defaults: keyword arguments the family needs when it is given embeddings instead of text.
-    latent_patch:  latent pixels per token side, if not the transformer's `patch_size` (Flux packs 2×2).
+    call_defaults:   keyword arguments the family needs when it is given embeddings instead of text.
+    latent_patch:    latent pixels per token side, if not the transformer's `patch_size` (Flux packs 2×2).
+    call_parameters: the family's own `__call__` scalars that a job may set.
     """
 
     call_defaults: ClassVar[dict[str, Any]] = {}
     latent_patch: ClassVar[int | None] = None
     embedding_sizes: ClassVar[dict[str, str]] = {}  # input tensor -> transformer config entry of its last dim
+    call_parameters: ClassVar[dict[str, CallParameter]] = {}  # family scalars a job may set (call_parameters.py)
 
     def __init__(self, pipeline: DiffusionPipeline, attention_kernel: str | None = None):
         super().__init__(pipeline)

@@ -4,6 +4,7 @@ import numpy as np
 import torch
 from diffusers import FluxPipeline
 
+from ...call_parameters import CallParameter
 from ..register import xFuserPipelineWrapperRegister
 from .base_pipeline import xFuserPipelineBaseWrapper
 
@@ -16,6 +17,9 @@ class xFuserFluxPipeline(xFuserPipelineBaseWrapper):
         "negative_prompt_embeds": "joint_attention_dim",
         "pooled_prompt_embeds": "pooled_projection_dim",
         "negative_pooled_prompt_embeds": "pooled_projection_dim",
+    }
+    call_parameters = {
+        "true_cfg_scale": CallParameter(float, "real classifier-free guidance with negative embeddings (1: off)", 0.0, 100.0),
     }
 
     def flow_sigmas(self, total: int) -> np.ndarray:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from diffusers import WanImageToVideoPipeline, WanPipeline
 
+from ...call_parameters import CallParameter
 from ...config import LayoutError
 from ..register import xFuserPipelineWrapperRegister
 from .base_pipeline import xFuserPipelineBaseWrapper
@@ -24,6 +25,11 @@ PROMPT_TOKENS = 512  # WanPipeline.__call__'s max_sequence_length: what a text p
 @xFuserPipelineWrapperRegister.register(WanPipeline)
 class xFuserWanPipeline(xFuserPipelineBaseWrapper):
     embedding_sizes = {"prompt_embeds": "text_dim", "negative_prompt_embeds": "text_dim"}
+    call_parameters = {
+        "num_frames": CallParameter(int, "video frames, 4k+1 (default: as many as the latents hold)", 1, 10_000),
+        "guidance_scale_2": CallParameter(float, "Wan 2.2 A14B: guidance of the low-noise expert (default: guidance_scale)",
+                                          0.0, 100.0),
+    }
 
     def _config(self):
         transformer = self.module.transformer if self.module.transformer is not None else self.module.transformer_2

@@ -1,0 +1,61 @@
+"""Built-in tiny models: `xdit-tiny-<family>` is accepted wherever a model path is (contract E, the pool
+CLI, the xDiT Pool node).
+
+They are built in code on first use (random weights, offline tokenizers: they make noise, not pictures)
+and cached in the pack's `.cache/tiny/` keyed by the builders' source, so a changed builder never serves
+a stale model. Listing the names imports nothing heavy: ComfyUI shows them at start-up without diffusers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+PREFIX = "xdit-tiny-"
+FAMILIES = ("pixart-alpha", "pixart-sigma", "sd3", "flux", "wan", "wan22", "wan22-5b", "wan22-i2v")
+NAMES = tuple(PREFIX + family for family in FAMILIES)
+_HERE = Path(__file__).resolve().parent
+CACHE = _HERE.parent / ".cache" / "tiny"
+
+
+def is_builtin(model: str | os.PathLike) -> bool:
+    return str(model).startswith(PREFIX) and not os.path.exists(model)
+
+
+def family_of(model: str) -> str:
+    family = str(model).removeprefix(PREFIX).split(" ")[0]
+    if family not in FAMILIES:
+        raise ValueError(f"{model!r} is not a built-in model; the built-in tiny models are {', '.join(NAMES)}")
+    return family
+
+
+def builtin_model_dir(model: str) -> Path:
+    """The pipeline folder of built-in `model`, built once (atomically, so concurrent callers agree)."""
+    family = family_of(model)
+    builders = sorted(_HERE.glob("tiny_*.py"))
+    version = hashlib.sha1(b"".join(path.read_bytes() for path in builders)).hexdigest()[:10]
+    directory = CACHE / version / family
+    if (directory / "model_index.json").is_file():
+        return directory
+    from . import tiny_models  # diffusers and transformers: only when a tiny model is built
+
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=directory.parent))
+    try:
+        tiny_models.save_tiny_pipeline(family, staging)
+        try:
+            staging.rename(directory)
+        except OSError:  # another process finished first: keep its copy
+            if not (directory / "model_index.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return directory
+
+
+def resolve_model(model: str | os.PathLike) -> str:
+    """A model argument as a path: built-in names become their cached folder, anything else is kept."""
+    return str(builtin_model_dir(str(model))) if is_builtin(model) else str(model)
