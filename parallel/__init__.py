@@ -1,1 +1,1 @@
-"""The parallel engine: xDiT-style wrappers around diffusers pipelines (see DESIGN.md)."""
+"""The parallel engine: xDiT-style wrappers around diffusers pipelines (see docs/architecture.md)."""

@@ -1,1 +1,1 @@
-"""The persistent worker pool: torchrun ranks behind a ZeroMQ endpoint (see DESIGN.md, contract P)."""
+"""The persistent worker pool: torchrun ranks behind a ZeroMQ endpoint (docs/architecture.md, contract P)."""
