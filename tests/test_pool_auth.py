@@ -27,7 +27,7 @@ from workers.client import PoolClient, PoolRefused, PoolUnreachable
 from workers.launcher import PoolSpec
 from workers.protocol import Message
 
-from xdit_test_helpers import TOLERANCE
+from xdit_test_helpers import TOLERANCE, import_node_module
 from pool_helpers import PARAMS, ROOT, free_endpoint, reference, start_serve, stop_serve
 
 FAMILY = "sd3"
@@ -150,11 +150,9 @@ def test_loopback_is_told_apart_from_the_network():
     assert all(map(is_loopback, local)) and not any(map(is_loopback, network))
 
 
-def test_the_node_registry_reaches_a_keyed_pool(pool, keys):
+def test_the_node_registry_reaches_a_keyed_pool(pool, keys, monkeypatch):
     """nodes/pools.py (the xDiT Pool node's endpoint mode): every client of the endpoint gets its keys."""
-    spec = importlib.util.spec_from_file_location("xdit_pools_under_test", ROOT / "nodes" / "pools.py")
-    pools = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pools)
+    pools = import_node_module(monkeypatch, "pools")
     registry = pools.PoolRegistry()
     key = pools.PoolKey(model="remote", nproc=1, parallel=ParallelConfig(), endpoint=pool["endpoint"],
                         curve_dir=str(keys / "pool"))

@@ -26,7 +26,7 @@ from parallel import tiny_models
 from parallel.checkpoints import CheckpointFile, detect_checkpoint
 from parallel.checkpoints.detect import CONFIGS, SUPPORTED
 from parallel.loading import load_pipeline
-from xdit_test_helpers import ROOT, TOLERANCE, torchrun
+from xdit_test_helpers import ROOT, TOLERANCE, import_node_module, torchrun
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # read at import by the torchrun ranks' huggingface_hub
 
@@ -451,26 +451,10 @@ def _pool_node_module(monkeypatch, folders: dict[str, list]):
     fake_folders.get_filename_list, fake_folders.get_full_path = files, full_path
     latest = types.ModuleType("comfy_api.latest")
     latest.io = types.SimpleNamespace(Custom=lambda name: name, ComfyNode=object)
-    package = types.ModuleType("xdit_nodes_under_test")
-    package.__path__ = [str(ROOT / "nodes")]
-    for name, module in (("folder_paths", fake_folders), ("comfy_api", types.ModuleType("comfy_api")),
-                         ("comfy_api.latest", latest), ("xdit_nodes_under_test", package)):
-        monkeypatch.setitem(sys.modules, name, module)
-    spec = importlib.util.spec_from_file_location("xdit_nodes_under_test.pool_node", ROOT / "nodes" / "pool_node.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)  # imports .pools as xdit_nodes_under_test.pools
-    return module
+    return import_node_module(monkeypatch, "pool_node", {"folder_paths": fake_folders, "comfy_api": types.ModuleType("comfy_api"),
+                                                        "comfy_api.latest": latest})
 
 
-@pytest.fixture
-def _forget_node_modules():
-    yield
-    for name in [n for n in sys.modules if n.startswith("xdit_nodes_under_test.")]:
-        del sys.modules[name]
-
-
-@pytest.mark.usefixtures("_forget_node_modules")
 def test_pool_node_lists_single_files(checkpoints, tmp_path, monkeypatch):
     unet, diffusion_models, ckpts = tmp_path / "unet", tmp_path / "diffusion_models", tmp_path / "checkpoints"
     for folder in (unet, diffusion_models / "flux", ckpts):

@@ -16,3 +16,22 @@ def torchrun(nproc: int, *args: str, timeout: float = 600) -> subprocess.Complet
     env = {**os.environ, "OMP_NUM_THREADS": "1", "XDIT_THREADS_PER_RANK": "1", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+PACK_UNDER_TEST = "xdit_pack_under_test"
+
+
+def import_node_module(monkeypatch, name: str, stand_ins: dict | None = None):
+    """Import `nodes/<name>.py` as ComfyUI does, as a submodule of the pack (so its `..parallel` imports
+    resolve), without running the pack's or nodes/'s __init__.py (which register on a ComfyUI server).
+    `stand_ins` maps module names (folder_paths, comfy_api.latest, ...) to stand-in modules."""
+    import importlib
+    import types
+
+    pack, nodes = types.ModuleType(PACK_UNDER_TEST), types.ModuleType(f"{PACK_UNDER_TEST}.nodes")
+    pack.__path__, nodes.__path__ = [str(ROOT)], [str(ROOT / "nodes")]
+    for module_name, module in {**(stand_ins or {}), PACK_UNDER_TEST: pack, nodes.__name__: nodes}.items():
+        monkeypatch.setitem(sys.modules, module_name, module)
+    for loaded in [n for n in sys.modules if n.startswith(f"{PACK_UNDER_TEST}.") and n != nodes.__name__]:
+        monkeypatch.delitem(sys.modules, loaded)
+    return importlib.import_module(f"{nodes.__name__}.{name}")
