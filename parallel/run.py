@@ -1,4 +1,4 @@
-"""One-shot parallel sampling (contract E in DESIGN.md).
+"""One-shot parallel sampling (contract E in docs/architecture.md).
 
     torchrun --nproc-per-node N -m parallel.run --model DIR --inputs IN.safetensors \
         --output OUT.safetensors --steps S --guidance-scale G --height H --width W [layout flags]

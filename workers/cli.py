@@ -1,4 +1,4 @@
-"""`python -m workers serve | join | sample | status | stop | keys` (contract P in DESIGN.md)."""
+"""`python -m workers serve | join | sample | status | stop | keys` (contract P in docs/architecture.md)."""
 
 from __future__ import annotations
 
