@@ -91,6 +91,14 @@ def _read(directory: Path, name: str) -> tuple[bytes, bytes | None]:
     return zmq.auth.load_certificate(path)
 
 
+def _read_pair(directory: Path, name: str) -> tuple[bytes, bytes]:
+    """A keypair file (`<name>.key_secret`): its public and its secret key."""
+    public, secret = _read(directory, f"{name}.key_secret")
+    if not secret:
+        raise ValueError(f"{directory / (name + '.key_secret')} holds no secret key: {HOW_TO_CREATE}")
+    return public, secret
+
+
 @dataclass(frozen=True)
 class ServerKeys:
     public: bytes
@@ -100,9 +108,7 @@ class ServerKeys:
     @classmethod
     def load(cls, directory: str | os.PathLike) -> "ServerKeys":
         directory = Path(directory).expanduser()
-        public, secret = _read(directory, f"{SERVER}.key_secret")
-        if not secret:
-            raise ValueError(f"{directory / (SERVER + '.key_secret')} holds no secret key: {HOW_TO_CREATE}")
+        public, secret = _read_pair(directory, SERVER)
         if not (directory / CLIENTS).is_dir():
             raise ValueError(f"no {directory / CLIENTS} folder of accepted client keys: {HOW_TO_CREATE}")
         return cls(public, secret, directory / CLIENTS)
@@ -118,9 +124,7 @@ class ClientKeys:
     def load(cls, directory: str | os.PathLike) -> "ClientKeys":
         directory = Path(directory).expanduser()
         server, _ = _read(directory, f"{SERVER}.key")
-        public, secret = _read(directory, f"{CLIENT}.key_secret")
-        if not secret:
-            raise ValueError(f"{directory / (CLIENT + '.key_secret')} holds no secret key: {HOW_TO_CREATE}")
+        public, secret = _read_pair(directory, CLIENT)
         return cls(server, public, secret)
 
     def apply(self, socket: zmq.Socket) -> None:
