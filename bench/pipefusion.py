@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from parallel.launch import ROOT, rank_environment, torchrun_command
+
 OUT = Path(__file__).resolve().parent / "out"
 LAYOUTS = {"1 rank (diffusers)": None, "ulysses2": {"ulysses_degree": 2},
            "pipefusion2": {"pipefusion_degree": 2, "warmup_steps": 1, "num_patches": 2}}
@@ -106,9 +105,8 @@ def main(argv=None) -> int:
     result = args.json.with_suffix(".raw.json")
     spec_file.write_text(json.dumps({"model": "tiny" if args.tiny else "medium", "runs": args.runs, "steps": args.steps,
                                      "result": str(result)}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    "-m", "bench.pipefusion", "--drive", str(spec_file)], cwd=ROOT, env=env, check=True)
+    subprocess.run(torchrun_command(2, "-m", "bench.pipefusion", "--drive", str(spec_file)), cwd=ROOT,
+                   env=rank_environment(), check=True)
     raw = json.loads(result.read_text())
     from .analytic import ModelDims
 

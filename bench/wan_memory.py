@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from parallel.launch import ROOT, rank_environment, torchrun_command
 
 
 @dataclass(frozen=True)
@@ -252,12 +251,8 @@ def measure(frames: int, height: int, width: int) -> dict[str, list[int]]:
             output = Path(tmp) / f"out{nproc}.json"
             spec.write_text(json.dumps({"model": str(model), "layouts": MEASURED, "video": [frames, height, width],
                                         "output": str(output)}))
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-            run = subprocess.run(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                 "-m", "bench.wan_memory", "--worker", str(spec)],
-                cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-            )
+            run = subprocess.run(torchrun_command(nproc, "-m", "bench.wan_memory", "--worker", str(spec)),
+                                 cwd=ROOT, env=rank_environment(), capture_output=True, text=True, timeout=900)
             if run.returncode != 0:
                 raise RuntimeError(run.stderr[-3000:])
             results.update(json.loads(output.read_text()))

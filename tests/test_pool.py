@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from parallel import tiny_models
+from parallel.launch import rank_environment
 from workers.client import JobCancelledError, JobFailed, PoolClient
 
 from xdit_test_helpers import TOLERANCE
@@ -58,8 +59,7 @@ def assert_matches(latents, expected):
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "workers", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "workers", *args], cwd=ROOT, env=rank_environment(), capture_output=True, text=True, timeout=300)
 
 
 def test_two_cli_jobs_equal_diffusers_without_reloading(pool):
