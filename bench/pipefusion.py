@@ -12,6 +12,7 @@ Bytes are what each rank's group coordinators counted, per step, next to what th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -45,9 +46,9 @@ def drive(spec: dict) -> None:
     import torch.distributed as dist
 
     from parallel.config import ParallelConfig
-    from parallel.distributed import destroy_model_parallel, init_distributed_environment, initialize_model_parallel
+    from parallel.distributed import init_distributed_environment
     from parallel.distributed.parallel_state import all_coordinators
-    from parallel.model_executor import wrap_pipeline
+    from parallel.model_executor import under_layout
 
     from .model import MODELS
 
@@ -62,20 +63,18 @@ def drive(spec: dict) -> None:
     outputs = {}
     for round_ in range(spec["runs"] + 1):  # round 0 warms up, untimed
         for name, degrees in LAYOUTS.items():
-            wrapped = None
-            if degrees is not None:
-                initialize_model_parallel(ParallelConfig(**degrees))
-                wrapped = wrap_pipeline(copy.deepcopy(pipeline) if "pipefusion_degree" in degrees else pipeline)
-            dist.barrier()
-            start = time.perf_counter()
-            with torch.no_grad():
-                out = (wrapped or pipeline)(**inputs, **kwargs)[0] if wrapped or world.rank == 0 else None
-            elapsed = time.perf_counter() - start
-            dist.barrier()
-            if wrapped is not None:
-                sent[name] = sum(c.bytes_sent for c in all_coordinators().values())
-                wrapped.unwrap()
-                destroy_model_parallel()
+            # PipeFusion keeps only its stage's blocks: it runs on a copy.
+            scope = contextlib.nullcontext() if degrees is None else under_layout(
+                copy.deepcopy(pipeline) if "pipefusion_degree" in degrees else pipeline, ParallelConfig(**degrees))
+            with scope as wrapped:
+                dist.barrier()
+                start = time.perf_counter()
+                with torch.no_grad():
+                    out = (wrapped or pipeline)(**inputs, **kwargs)[0] if wrapped or world.rank == 0 else None
+                elapsed = time.perf_counter() - start
+                dist.barrier()
+                if wrapped is not None:
+                    sent[name] = sum(c.bytes_sent for c in all_coordinators().values())
             if round_:
                 times[name].append(elapsed)
             elif out is not None:

@@ -207,11 +207,9 @@ def worker(spec_path: str) -> int:
     import torch
 
     from parallel.config import ParallelConfig
-    from parallel.distributed import (
-        destroy_distributed_environment, destroy_model_parallel, init_distributed_environment, initialize_model_parallel,
-    )
+    from parallel.distributed import destroy_distributed_environment, init_distributed_environment
     from parallel.loading import load_pipeline
-    from parallel.model_executor import wrap_pipeline
+    from parallel.model_executor import under_layout
 
     spec = json.loads(Path(spec_path).read_text())
     world = init_distributed_environment()
@@ -221,18 +219,15 @@ def worker(spec_path: str) -> int:
         u, r, cfg, dp = LAYOUTS[name]
         if u * r * cfg * dp != world.world_size:
             continue
-        initialize_model_parallel(ParallelConfig(ulysses_degree=u, ring_degree=r, cfg_degree=cfg, dp_degree=dp))
         pipeline = load_pipeline(spec["model"], dtype="bf16")
-        parallel = wrap_pipeline(pipeline)
         inputs = mini_inputs(dp, tuple(spec["video"]))
-        with torch.no_grad():
-            peak = transformer_peak(pipeline, lambda: parallel(**inputs))
-        mine = torch.tensor([peak], dtype=torch.int64)
-        every = [torch.zeros_like(mine) for _ in range(world.world_size)]
-        torch.distributed.all_gather(every, mine)
+        with under_layout(pipeline, ParallelConfig(ulysses_degree=u, ring_degree=r, cfg_degree=cfg, dp_degree=dp)) as parallel:
+            with torch.no_grad():
+                peak = transformer_peak(pipeline, lambda: parallel(**inputs))
+            mine = torch.tensor([peak], dtype=torch.int64)
+            every = [torch.zeros_like(mine) for _ in range(world.world_size)]
+            torch.distributed.all_gather(every, mine)
         results[name] = [int(t) for t in every]
-        parallel.unwrap()
-        destroy_model_parallel()
     if world.rank == 0:
         Path(spec["output"]).write_text(json.dumps(results))
     destroy_distributed_environment()

@@ -16,6 +16,24 @@ def torchrun(nproc: int, *args: str, timeout: float = 600) -> subprocess.Complet
                           text=True, timeout=timeout)
 
 
+def diffusers_latents(model, family: str | None = None, *, scheduler: str | None = None, **call):
+    """The reference every test compares with: diffusers' own pipeline in this one process (`model`: a saved
+    folder or a loaded pipeline), under no_grad as the pipeline runs itself, returning `output_type="latent"`,
+    with the tiny `family`'s call defaults (tiny_models.PIPELINE_CALL_DEFAULTS) and `scheduler` if given."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    from parallel import tiny_models
+    from parallel.loading import set_scheduler
+
+    pipeline = model if isinstance(model, DiffusionPipeline) else DiffusionPipeline.from_pretrained(model)
+    if scheduler:
+        set_scheduler(pipeline, scheduler)
+    with torch.no_grad():
+        return pipeline(**tiny_models.PIPELINE_CALL_DEFAULTS.get(family, {}), **call, output_type="latent",
+                        return_dict=False)[0]
+
+
 PACK_UNDER_TEST = "xdit_pack_under_test"
 
 
