@@ -21,11 +21,12 @@ import tempfile
 from importlib.metadata import version
 from pathlib import Path
 
+from parallel.launch import ROOT, rank_environment, torchrun_command
+
 from . import machine, report
 from .analytic import ModelDims
 from .layouts import LAYOUTS, SUITES, jobs_for
 
-ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_JSON = ROOT / "bench" / "out" / "results.json"
 
 
@@ -49,11 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run_job(ranks: int, names: list[str], model: str, args: argparse.Namespace, workdir: Path) -> dict:
     spec, result = workdir / f"spec{ranks}.json", workdir / f"result{ranks}.json"
     spec.write_text(json.dumps({"model": model, "layouts": names, "runs": args.runs, "settle_s": args.settle}))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-               "-m", "bench.driver", str(spec), str(result)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = torchrun_command(ranks, "-m", "bench.driver", str(spec), str(result))
     print(f"$ {' '.join(command[1:])}   # {', '.join(names)}", file=sys.stderr, flush=True)
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    done = subprocess.run(command, cwd=ROOT, env=rank_environment(), capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"bench job on {ranks} ranks failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
     return json.loads(result.read_text())

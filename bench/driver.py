@@ -25,14 +25,9 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from parallel.distributed import (
-    destroy_distributed_environment,
-    destroy_model_parallel,
-    init_distributed_environment,
-    initialize_model_parallel,
-)
+from parallel.distributed import destroy_distributed_environment, init_distributed_environment
 from parallel.distributed.parallel_state import all_coordinators
-from parallel.model_executor import wrap_pipeline
+from parallel.model_executor import under_layout
 
 from . import machine
 from .diffusers_cp import FunctionalCollectiveBytes, enable_context_parallel
@@ -80,13 +75,8 @@ class Runners:
         if layout.engine == "diffusers":
             yield Run(lambda: self._call(self.pipeline, layout) if self.rank < layout.replicas else None, lambda: 0)
         elif layout.engine == "xdit":
-            initialize_model_parallel(layout.parallel_config())
-            wrapped = wrap_pipeline(self.pipeline)
-            try:
+            with under_layout(self.pipeline, layout.parallel_config()) as wrapped:
                 yield Run(lambda: self._call(wrapped, layout), _xdit_bytes_sent)
-            finally:
-                wrapped.unwrap()
-                destroy_model_parallel()
         else:
             counter = FunctionalCollectiveBytes()
             with counter.counting():

@@ -12,16 +12,16 @@ Bytes are what each rank's group coordinators counted, per step, next to what th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
-import os
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from parallel.launch import ROOT, rank_environment, torchrun_command
+
 OUT = Path(__file__).resolve().parent / "out"
 LAYOUTS = {"1 rank (diffusers)": None, "ulysses2": {"ulysses_degree": 2},
            "pipefusion2": {"pipefusion_degree": 2, "warmup_steps": 1, "num_patches": 2}}
@@ -46,9 +46,9 @@ def drive(spec: dict) -> None:
     import torch.distributed as dist
 
     from parallel.config import ParallelConfig
-    from parallel.distributed import destroy_model_parallel, init_distributed_environment, initialize_model_parallel
+    from parallel.distributed import init_distributed_environment
     from parallel.distributed.parallel_state import all_coordinators
-    from parallel.model_executor import wrap_pipeline
+    from parallel.model_executor import under_layout
 
     from .model import MODELS
 
@@ -63,20 +63,18 @@ def drive(spec: dict) -> None:
     outputs = {}
     for round_ in range(spec["runs"] + 1):  # round 0 warms up, untimed
         for name, degrees in LAYOUTS.items():
-            wrapped = None
-            if degrees is not None:
-                initialize_model_parallel(ParallelConfig(**degrees))
-                wrapped = wrap_pipeline(copy.deepcopy(pipeline) if "pipefusion_degree" in degrees else pipeline)
-            dist.barrier()
-            start = time.perf_counter()
-            with torch.no_grad():
-                out = (wrapped or pipeline)(**inputs, **kwargs)[0] if wrapped or world.rank == 0 else None
-            elapsed = time.perf_counter() - start
-            dist.barrier()
-            if wrapped is not None:
-                sent[name] = sum(c.bytes_sent for c in all_coordinators().values())
-                wrapped.unwrap()
-                destroy_model_parallel()
+            # PipeFusion keeps only its stage's blocks: it runs on a copy.
+            scope = contextlib.nullcontext() if degrees is None else under_layout(
+                copy.deepcopy(pipeline) if "pipefusion_degree" in degrees else pipeline, ParallelConfig(**degrees))
+            with scope as wrapped:
+                dist.barrier()
+                start = time.perf_counter()
+                with torch.no_grad():
+                    out = (wrapped or pipeline)(**inputs, **kwargs)[0] if wrapped or world.rank == 0 else None
+                elapsed = time.perf_counter() - start
+                dist.barrier()
+                if wrapped is not None:
+                    sent[name] = sum(c.bytes_sent for c in all_coordinators().values())
             if round_:
                 times[name].append(elapsed)
             elif out is not None:
@@ -106,9 +104,8 @@ def main(argv=None) -> int:
     result = args.json.with_suffix(".raw.json")
     spec_file.write_text(json.dumps({"model": "tiny" if args.tiny else "medium", "runs": args.runs, "steps": args.steps,
                                      "result": str(result)}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    "-m", "bench.pipefusion", "--drive", str(spec_file)], cwd=ROOT, env=env, check=True)
+    subprocess.run(torchrun_command(2, "-m", "bench.pipefusion", "--drive", str(spec_file)), cwd=ROOT,
+                   env=rank_environment(), check=True)
     raw = json.loads(result.read_text())
     from .analytic import ModelDims
 

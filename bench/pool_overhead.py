@@ -21,7 +21,7 @@ import torch
 
 from workers.client import PoolClient
 from workers.launcher import Pool, PoolSpec
-from workers.cli import free_endpoint
+from workers.endpoints import free_endpoint
 
 from .model import MODELS
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from parallel.launch import ROOT, rank_environment, torchrun_command
 
 
 @dataclass(frozen=True)
@@ -208,11 +207,9 @@ def worker(spec_path: str) -> int:
     import torch
 
     from parallel.config import ParallelConfig
-    from parallel.distributed import (
-        destroy_distributed_environment, destroy_model_parallel, init_distributed_environment, initialize_model_parallel,
-    )
+    from parallel.distributed import destroy_distributed_environment, init_distributed_environment
     from parallel.loading import load_pipeline
-    from parallel.model_executor import wrap_pipeline
+    from parallel.model_executor import under_layout
 
     spec = json.loads(Path(spec_path).read_text())
     world = init_distributed_environment()
@@ -222,18 +219,15 @@ def worker(spec_path: str) -> int:
         u, r, cfg, dp = LAYOUTS[name]
         if u * r * cfg * dp != world.world_size:
             continue
-        initialize_model_parallel(ParallelConfig(ulysses_degree=u, ring_degree=r, cfg_degree=cfg, dp_degree=dp))
         pipeline = load_pipeline(spec["model"], dtype="bf16")
-        parallel = wrap_pipeline(pipeline)
         inputs = mini_inputs(dp, tuple(spec["video"]))
-        with torch.no_grad():
-            peak = transformer_peak(pipeline, lambda: parallel(**inputs))
-        mine = torch.tensor([peak], dtype=torch.int64)
-        every = [torch.zeros_like(mine) for _ in range(world.world_size)]
-        torch.distributed.all_gather(every, mine)
+        with under_layout(pipeline, ParallelConfig(ulysses_degree=u, ring_degree=r, cfg_degree=cfg, dp_degree=dp)) as parallel:
+            with torch.no_grad():
+                peak = transformer_peak(pipeline, lambda: parallel(**inputs))
+            mine = torch.tensor([peak], dtype=torch.int64)
+            every = [torch.zeros_like(mine) for _ in range(world.world_size)]
+            torch.distributed.all_gather(every, mine)
         results[name] = [int(t) for t in every]
-        parallel.unwrap()
-        destroy_model_parallel()
     if world.rank == 0:
         Path(spec["output"]).write_text(json.dumps(results))
     destroy_distributed_environment()
@@ -252,12 +246,8 @@ def measure(frames: int, height: int, width: int) -> dict[str, list[int]]:
             output = Path(tmp) / f"out{nproc}.json"
             spec.write_text(json.dumps({"model": str(model), "layouts": MEASURED, "video": [frames, height, width],
                                         "output": str(output)}))
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-            run = subprocess.run(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                 "-m", "bench.wan_memory", "--worker", str(spec)],
-                cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-            )
+            run = subprocess.run(torchrun_command(nproc, "-m", "bench.wan_memory", "--worker", str(spec)),
+                                 cwd=ROOT, env=rank_environment(), capture_output=True, text=True, timeout=900)
             if run.returncode != 0:
                 raise RuntimeError(run.stderr[-3000:])
             results.update(json.loads(output.read_text()))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import socket
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from ..parallel import builtin_models
 from ..parallel.config import ParallelConfig
 from ..workers.auth import ENV as CURVE_ENV
 from ..workers.client import PoolClient, PoolUnreachable
+from ..workers.endpoints import free_endpoint
 from ..workers.launcher import Pool, PoolSpec
 
 TINY_PREFIX = builtin_models.PREFIX
@@ -62,12 +62,6 @@ class PoolHandle:
         return self.status.get("pipeline") or "?"
 
 
-def _free_endpoint() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
-
-
 class PoolRegistry:
     def __init__(self):
         self._lock = threading.Lock()
@@ -85,7 +79,7 @@ class PoolRegistry:
             with self._lock:
                 pool = self._pools.get(key)
                 if pool is None or not pool.running:
-                    endpoint = _free_endpoint()
+                    endpoint = free_endpoint()
                     spec = PoolSpec(model=key.model, nproc=key.nproc, endpoint=endpoint, parallel=key.parallel,
                                     text_encoders=key.text_encoders, dtype=key.dtype, devices=key.devices,
                                     threads_per_rank=key.threads_per_rank)

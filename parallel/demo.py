@@ -9,7 +9,6 @@ and prints the sampling time next to the same pipeline run in one process.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from . import tiny_models
+from .launch import rank_environment, torchrun_command
 
 
 def decode_to_png(model_dir: Path, latents: torch.Tensor, family: str, path: Path) -> None:
@@ -49,16 +49,14 @@ def main() -> int:
     inputs = args.out / "inputs.safetensors"
     save_file(tiny_models.make_inputs(args.family, height=args.size, width=args.size), inputs)
     output = args.out / "latents.safetensors"
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-        "-m", "parallel.run", "--model", str(model_dir), "--inputs", str(inputs), "--output", str(output),
+    command = torchrun_command(
+        args.nproc, "-m", "parallel.run", "--model", str(model_dir), "--inputs", str(inputs), "--output", str(output),
         "--steps", str(args.steps), "--guidance-scale", "4.5", "--height", str(args.size), "--width", str(args.size),
         "--ulysses-degree", str(args.nproc),
-    ]
+    )
     print("$", " ".join(command), flush=True)
     start = time.perf_counter()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "XDIT_THREADS_PER_RANK": "1"}
-    subprocess.run(command, check=True, env=env)
+    subprocess.run(command, check=True, env=rank_environment())
     print(f"torchrun wall time (start-up included): {time.perf_counter() - start:.1f} s")
 
     from diffusers import DiffusionPipeline

@@ -10,7 +10,6 @@ OUT gets `latents`: what the same pipeline returns with output_type="latent".
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -18,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .config import PIPELINE_TENSOR_INPUTS, LayoutError, add_parallel_arguments, config_from_args
+from .launch import apply_threads_per_rank
 from .loading import DTYPES, SCHEDULERS, load_pipeline, set_scheduler
 
 INPUT_NAMES = PIPELINE_TENSOR_INPUTS
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from .distributed import destroy_distributed_environment, init_distributed_environment, initialize_model_parallel
 
     world = init_distributed_environment()
-    torch.set_num_threads(int(os.environ.get("XDIT_THREADS_PER_RANK", torch.get_num_threads())))
+    apply_threads_per_rank()
     try:
         initialize_model_parallel(config_from_args(args))
         inputs = read_inputs(args.inputs)

@@ -19,14 +19,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from parallel.config import ParallelConfig
-from parallel.distributed import (
-    destroy_distributed_environment,
-    destroy_model_parallel,
-    init_distributed_environment,
-    initialize_model_parallel,
-)
+from parallel.distributed import destroy_distributed_environment, init_distributed_environment
 from parallel.loading import load_pipeline, set_scheduler
-from parallel.model_executor import wrap_pipeline
+from parallel.model_executor import under_layout
 from parallel.model_executor.layers import attention_seam
 
 _USP = attention_seam.usp_attention
@@ -45,28 +40,25 @@ def block_bytes(transformer) -> int:
 
 
 def run_case(case: dict, rank: int) -> None:
-    initialize_model_parallel(ParallelConfig(**case["layout"]))
     pipeline = load_pipeline(case["model"])
     set_scheduler(pipeline, case.get("scheduler", "default"))
     all_blocks = block_bytes(pipeline.transformer)
-    parallel = wrap_pipeline(pipeline)
-    if case.get("report_memory"):
-        mine = torch.tensor([block_bytes(parallel.module.transformer.module)])
-        every = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size())]
-        torch.distributed.all_gather(every, mine)
-        if rank == 0:
-            report = [{"rank": r, "block_parameter_bytes": int(t), "all_block_parameter_bytes": all_blocks}
-                      for r, t in enumerate(every)]
-            Path(case["output"] + ".memory.json").write_text(json.dumps(report))
-    original = attention_seam.usp_attention
-    if case.get("fault"):
-        attention_seam.usp_attention = FAULTS[case["fault"]]
-    try:
-        latents = parallel(**load_file(case["inputs"]), **case["call"], output_type="latent", return_dict=False)[0]
-    finally:
-        attention_seam.usp_attention = original
-        parallel.unwrap()
-        destroy_model_parallel()
+    with under_layout(pipeline, ParallelConfig(**case["layout"])) as parallel:
+        if case.get("report_memory"):
+            mine = torch.tensor([block_bytes(parallel.module.transformer.module)])
+            every = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size())]
+            torch.distributed.all_gather(every, mine)
+            if rank == 0:
+                report = [{"rank": r, "block_parameter_bytes": int(t), "all_block_parameter_bytes": all_blocks}
+                          for r, t in enumerate(every)]
+                Path(case["output"] + ".memory.json").write_text(json.dumps(report))
+        original = attention_seam.usp_attention
+        if case.get("fault"):
+            attention_seam.usp_attention = FAULTS[case["fault"]]
+        try:
+            latents = parallel(**load_file(case["inputs"]), **case["call"], output_type="latent", return_dict=False)[0]
+        finally:
+            attention_seam.usp_attention = original
     if rank == 0:
         save_file({"latents": latents.contiguous()}, case["output"])
 

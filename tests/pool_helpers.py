@@ -4,34 +4,26 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
-from diffusers import DiffusionPipeline
 
-from parallel import tiny_models
+from parallel.launch import rank_environment
 from workers.client import PoolClient
+from workers.endpoints import free_endpoint  # noqa: F401 - the pool tests take it from here
 from workers.processes import is_alive
 
-from xdit_test_helpers import ROOT
+from xdit_test_helpers import ROOT, diffusers_latents
 PARAMS = {"steps": 4, "guidance_scale": 4.5, "height": 64, "width": 64}
 
 
-def free_endpoint() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
-
-
 def start_serve(model_dir: Path, endpoint: str, *flags: str, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "workers", "serve", "--model", str(model_dir), "--endpoint", endpoint,
                "--threads-per-rank", "1", *flags]
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT,
+    return subprocess.Popen(command, cwd=ROOT, env=rank_environment(), stdout=log.open("ab"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
@@ -62,14 +54,11 @@ def stop_serve(process: subprocess.Popen, sig=signal.SIGTERM) -> None:
 
 
 def reference(model_dir: Path, family: str, inputs: dict, params: dict = PARAMS) -> torch.Tensor:
-    pipeline = DiffusionPipeline.from_pretrained(model_dir)
+    """diffusers' result for a pool job's inputs and parameters."""
     extra = {"true_cfg_scale": params["true_cfg_scale"]} if "true_cfg_scale" in params else {}
-    with torch.no_grad():
-        return pipeline(
-            **inputs, **tiny_models.PIPELINE_CALL_DEFAULTS[family], num_inference_steps=params["steps"],
-            guidance_scale=params["guidance_scale"], height=params["height"], width=params["width"],
-            output_type="latent", return_dict=False, **extra,
-        )[0]
+    return diffusers_latents(model_dir, family, **inputs, num_inference_steps=params["steps"],
+                             guidance_scale=params["guidance_scale"], height=params["height"], width=params["width"],
+                             **extra)
 
 
 def idle_client(endpoint: str, timeout_s: float = 120) -> tuple[PoolClient, dict]:

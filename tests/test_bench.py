@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 
-from xdit_test_helpers import ROOT
+from parallel.launch import ROOT, rank_environment
 
 ROW_NUMBERS = ("median_s", "spread", "step_ms", "efficiency", "work_ceiling", "bytes_per_step",
                "bytes_per_step_analytic", "max_abs_diff", "foreign_cores")
@@ -19,9 +18,8 @@ ROW_NUMBERS = ("median_s", "spread", "step_ms", "efficiency", "work_ceiling", "b
 
 def test_bench_all_tiny_writes_finite_results(tmp_path):
     out = tmp_path / "results.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, "-m", "bench", "all", "--tiny", "--runs", "1", "--json", str(out)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                         cwd=ROOT, env=rank_environment(threads_per_rank=None), capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "### efficiency" in run.stdout
 

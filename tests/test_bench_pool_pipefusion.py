@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 
-from xdit_test_helpers import ROOT
+from parallel.launch import ROOT, rank_environment
 
 
 def run(module: str, out, *args: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", module, "--json", str(out), *args], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", module, "--json", str(out), *args], cwd=ROOT, env=rank_environment(),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())

@@ -16,8 +16,7 @@ from diffusers import DiffusionPipeline
 from safetensors.torch import load_file
 
 from comfyui_server import comfyui_paths
-from parallel import tiny_models
-from xdit_test_helpers import TOLERANCE
+from xdit_test_helpers import TOLERANCE, diffusers_latents
 
 PATHS = comfyui_paths()
 pytestmark = pytest.mark.skipif(
@@ -77,8 +76,7 @@ def reference(model_dir, family, *, steps=4, size=64, seed=7, positive="a cat on
             ne, nm, _, _ = pipeline.encode_prompt(negative, do_classifier_free_guidance=False)
             kwargs = {"prompt_embeds": pe, "prompt_attention_mask": pm, "negative_prompt_embeds": ne,
                       "negative_prompt_attention_mask": nm, "guidance_scale": cfg, "latents": noise}
-        latents = pipeline(**kwargs, **tiny_models.PIPELINE_CALL_DEFAULTS[family], num_inference_steps=steps,
-                           height=size, width=size, output_type="latent", return_dict=False)[0]
+    latents = diffusers_latents(pipeline, family, **kwargs, num_inference_steps=steps, height=size, width=size)
     if family == "flux":
         latents = pipeline._unpack_latents(latents, size, size, 8)
     return latents / scale + shift

@@ -17,7 +17,7 @@ from diffusers import DiffusionPipeline
 from safetensors.torch import load_file
 
 from comfyui_server import comfyui_paths
-from xdit_test_helpers import ROOT, TOLERANCE
+from xdit_test_helpers import ROOT, TOLERANCE, diffusers_latents
 
 PATHS = comfyui_paths()
 pytestmark = pytest.mark.skipif(
@@ -53,9 +53,8 @@ def reference(model_dir) -> torch.Tensor:
     with torch.no_grad():
         positive, _ = pipeline.encode_prompt(POSITIVE, do_classifier_free_guidance=False, max_sequence_length=512)
         negative, _ = pipeline.encode_prompt(NEGATIVE, do_classifier_free_guidance=False, max_sequence_length=512)
-        latents = pipeline(prompt_embeds=positive, negative_prompt_embeds=negative, latents=noise, guidance_scale=CFG,
-                           num_inference_steps=STEPS, height=SIZE, width=SIZE, num_frames=FRAMES,
-                           output_type="latent", return_dict=False)[0]
+    latents = diffusers_latents(pipeline, prompt_embeds=positive, negative_prompt_embeds=negative, latents=noise,
+                                guidance_scale=CFG, num_inference_steps=STEPS, height=SIZE, width=SIZE, num_frames=FRAMES)
     # WanPipeline's own decode step: ComfyUI's Wan21 process_out has the same numbers.
     mean = torch.tensor(pipeline.vae.config.latents_mean).view(1, -1, 1, 1, 1)
     std = torch.tensor(pipeline.vae.config.latents_std).view(1, -1, 1, 1, 1)

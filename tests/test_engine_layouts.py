@@ -11,13 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import DiffusionPipeline
 from safetensors.torch import load_file, save_file
 
 from parallel import tiny_models
-from parallel.loading import set_scheduler
 
-from xdit_test_helpers import TOLERANCE, torchrun
+from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
 
 STEPS, SIZE = 4, 64
 GUIDANCE = {"pixart-alpha": 4.5, "pixart-sigma": 4.5, "sd3": 4.5, "flux": 3.5}
@@ -54,12 +52,8 @@ def case_name(nproc, family, layout, variant) -> str:
 
 
 def reference(model_dir: Path, inputs: Path, family: str, layout: str, variant: str) -> torch.Tensor:
-    pipeline = DiffusionPipeline.from_pretrained(model_dir)
-    if variant in ("ddim", "euler"):
-        set_scheduler(pipeline, variant)
-    kwargs = {**tiny_models.PIPELINE_CALL_DEFAULTS[family], **call_kwargs(family, layout, variant)}
-    with torch.no_grad():
-        return pipeline(**load_file(inputs), **kwargs, output_type="latent", return_dict=False)[0]
+    scheduler = variant if variant in ("ddim", "euler") else None
+    return diffusers_latents(model_dir, family, scheduler=scheduler, **load_file(inputs), **call_kwargs(family, layout, variant))
 
 
 @pytest.fixture(scope="module")

@@ -20,11 +20,10 @@ from diffusers import DiffusionPipeline
 from safetensors.torch import load_file, save_file
 
 from parallel import tiny_models
-from parallel.loading import set_scheduler
 from parallel.model_executor.token_split import UnevenSplit
 
 from test_engine_layouts import LAYOUTS  # the same layouts as the image families
-from xdit_test_helpers import TOLERANCE, torchrun
+from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
 
 STEPS, GUIDANCE = 4, 5.0
 # name: (num_frames, height, width); TI2V 5B's ×16 VAE needs twice the pixels for the same tokens
@@ -69,14 +68,9 @@ def call_kwargs(family: str, video: str, variant: str) -> dict:
 
 
 def reference(model_dir: Path, inputs: Path, family: str, video: str, variant: str) -> torch.Tensor:
-    pipeline = DiffusionPipeline.from_pretrained(model_dir)
-    pipeline.set_progress_bar_config(disable=True)
-    if variant == "flow-euler":
-        set_scheduler(pipeline, variant)
-    frames = video_of(family, video)[0]
-    with torch.no_grad():
-        return pipeline(**load_file(inputs), **call_kwargs(family, video, variant), num_frames=frames,
-                        output_type="latent", return_dict=False)[0]
+    scheduler = variant if variant == "flow-euler" else None
+    return diffusers_latents(model_dir, scheduler=scheduler, **load_file(inputs), **call_kwargs(family, video, variant),
+                             num_frames=video_of(family, video)[0])
 
 
 @pytest.fixture(scope="module")

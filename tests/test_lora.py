@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from parallel import tiny_models
 from pool_helpers import PARAMS, free_endpoint, idle_client, start_serve, stop_serve
 from workers.client import JobFailed
-from xdit_test_helpers import TOLERANCE
+from xdit_test_helpers import TOLERANCE, diffusers_latents
 
 FLUX_PARAMS = {**PARAMS, "guidance_scale": 3.5}
 RANK = 4
@@ -83,9 +83,7 @@ def fused_reference(model_dir, inputs, loras: list[tuple[str, float]]) -> torch.
         pipeline.set_adapters(names, adapter_weights=[s for _, s in loras])
         pipeline.fuse_lora(adapter_names=names, lora_scale=1.0)
         pipeline.unload_lora_weights()
-    with torch.no_grad():
-        return pipeline(**inputs, num_inference_steps=4, guidance_scale=3.5, height=64, width=64,
-                        output_type="latent", return_dict=False)[0]
+    return diffusers_latents(pipeline, **inputs, num_inference_steps=4, guidance_scale=3.5, height=64, width=64)
 
 
 @pytest.fixture(scope="module")

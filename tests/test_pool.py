@@ -18,9 +18,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from parallel import tiny_models
+from parallel.launch import rank_environment
 from workers.client import JobCancelledError, JobFailed, PoolClient
 
-from xdit_test_helpers import TOLERANCE
+from xdit_test_helpers import TOLERANCE, diffusers_latents
 from pool_helpers import (
     PARAMS,
     ROOT,
@@ -58,8 +59,7 @@ def assert_matches(latents, expected):
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "workers", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "workers", *args], cwd=ROOT, env=rank_environment(), capture_output=True, text=True, timeout=300)
 
 
 def test_two_cli_jobs_equal_diffusers_without_reloading(pool):
@@ -151,16 +151,9 @@ def test_bad_jobs_get_one_clear_error_and_change_nothing(pool):
 
 
 def test_other_schedulers_through_the_pool(pool, tiny_model_dirs):
-    from diffusers import DiffusionPipeline
-
-    from parallel.loading import set_scheduler
-
     latents = pool["client"].sample(pool["inputs"], {**PARAMS, "scheduler": "ddim"})
-    pipeline = DiffusionPipeline.from_pretrained(tiny_model_dirs[FAMILY])
-    set_scheduler(pipeline, "ddim")
-    with torch.no_grad():
-        expected = pipeline(**pool["inputs"], **tiny_models.PIPELINE_CALL_DEFAULTS[FAMILY], num_inference_steps=4,
-                            guidance_scale=4.5, height=64, width=64, output_type="latent", return_dict=False)[0]
+    expected = diffusers_latents(tiny_model_dirs[FAMILY], FAMILY, scheduler="ddim", **pool["inputs"], num_inference_steps=4,
+                                 guidance_scale=4.5, height=64, width=64)
     assert_matches(latents, expected)
     assert_matches(pool["client"].sample(pool["inputs"], PARAMS), pool["expected"])  # back to the default
 
@@ -305,10 +298,8 @@ def test_img2img_on_the_pool_equals_the_same_schedule_in_one_process(tiny_model_
         sigma = scheduler.sigmas[0]
         start = sigma * inputs["latents"] + (1 - sigma) * init
         extra["sigmas"] = sigmas.tolist()
-    with torch.no_grad():
-        expected = pipeline(**{**inputs, "latents": start}, **tiny_models.PIPELINE_CALL_DEFAULTS[family], **extra,
-                            num_inference_steps=steps, guidance_scale=guidance, height=64, width=64,
-                            output_type="latent", return_dict=False)[0]
+    expected = diffusers_latents(pipeline, family, **{**inputs, "latents": start}, **extra, num_inference_steps=steps,
+                                 guidance_scale=guidance, height=64, width=64)
     assert (parallel - expected).abs().max().item() <= TOLERANCE
     # img2img keeps more of the init latents than text-to-image does
     assert (parallel - init).norm() < (full - init).norm()

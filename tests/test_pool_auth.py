@@ -8,7 +8,6 @@ beyond loopback without keys is refused before anything binds. Nothing here list
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import stat
 import subprocess
@@ -21,6 +20,7 @@ import zmq
 
 from parallel import tiny_models
 from parallel.config import ParallelConfig
+from parallel.launch import rank_environment
 from workers import protocol
 from workers.auth import ClientKeys, create_keys, is_loopback
 from workers.client import PoolClient, PoolRefused, PoolUnreachable
@@ -35,7 +35,7 @@ REFUSAL = "refused a client without an allowed key"
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    env = {**rank_environment(), **(env or {})}
     return subprocess.run([sys.executable, "-m", "workers", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
 

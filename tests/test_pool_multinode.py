@@ -20,7 +20,9 @@ import time
 import pytest
 
 from parallel import tiny_models
+from parallel.launch import rank_environment
 from workers.client import JobFailed, PoolClient
+from workers.endpoints import free_port
 
 from xdit_test_helpers import TOLERANCE
 from pool_helpers import PARAMS, ROOT, free_endpoint, reference, start_serve, stop_serve, wait_gone
@@ -29,16 +31,9 @@ from workers.processes import is_alive as alive
 FAMILY = "pixart-alpha"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_join(model_dir, *flags: str, log) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "workers", "join", "--model", str(model_dir), "--threads-per-rank", "1", *flags]
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT,
+    return subprocess.Popen(command, cwd=ROOT, env=rank_environment(), stdout=log.open("ab"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
@@ -63,7 +58,7 @@ def two_nodes(tiny_model_dirs, tmp_path_factory):
     work = tmp_path_factory.mktemp("two_nodes")
     keys = work / "keys"
     made = subprocess.run([sys.executable, "-m", "workers", "keys", "--out", str(keys)], cwd=ROOT, capture_output=True,
-                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          text=True, env=rank_environment(threads_per_rank=None))
     assert made.returncode == 0, made.stderr
     model = tiny_model_dirs[FAMILY]
     endpoint = free_endpoint()

@@ -2,20 +2,36 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from parallel.launch import ROOT, rank_environment, torchrun_command
+
 TOLERANCE = 1e-4
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run `torchrun --nproc-per-node nproc ARGS` from the repo root with one thread per rank."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "XDIT_THREADS_PER_RANK": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(torchrun_command(nproc, *args), cwd=ROOT, env=rank_environment(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def diffusers_latents(model, family: str | None = None, *, scheduler: str | None = None, **call):
+    """The reference every test compares with: diffusers' own pipeline in this one process (`model`: a saved
+    folder or a loaded pipeline), under no_grad as the pipeline runs itself, returning `output_type="latent"`,
+    with the tiny `family`'s call defaults (tiny_models.PIPELINE_CALL_DEFAULTS) and `scheduler` if given."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    from parallel import tiny_models
+    from parallel.loading import set_scheduler
+
+    pipeline = model if isinstance(model, DiffusionPipeline) else DiffusionPipeline.from_pretrained(model)
+    if scheduler:
+        set_scheduler(pipeline, scheduler)
+    with torch.no_grad():
+        return pipeline(**tiny_models.PIPELINE_CALL_DEFAULTS.get(family, {}), **call, output_type="latent",
+                        return_dict=False)[0]
 
 
 PACK_UNDER_TEST = "xdit_pack_under_test"

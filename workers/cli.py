@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -16,12 +15,7 @@ from .engine import LayoutError, add_parallel_arguments, config_from_args
 
 from . import auth
 from .client import JobCancelledError, JobFailed, PoolClient, PoolUnreachable
-
-
-def free_endpoint() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+from .endpoints import free_endpoint
 
 
 def _pool_arguments(parser: argparse.ArgumentParser, required: bool) -> None:

@@ -29,21 +29,19 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import zmq
 
 from .control import pack, unpack
+from .engine import launch
 from .processes import is_alive
 from .protocol import Message
 from .spec import PoolSpec
 from .standin import StandIn
 
 log = logging.getLogger("xdit.launcher")
-ROOT = Path(__file__).resolve().parents[1]
 JOB_ERROR_GRACE_S = 3.0
 JOIN_RELAUNCH_DELAY_S = 2.0  # lets node 0 notice the break first and host the fresh rendezvous
 RENDEZVOUS_RETRY_S = 1.0
@@ -176,19 +174,17 @@ class Pool:
         self._current_job: tuple[str, bytes] | None = None
         self._job_errors: dict[int, str] = {}
         self._job_error_since = 0.0
-        command = [
-            sys.executable, "-m", "torch.distributed.run", *self.spec.torchrun_arguments(),
-            "--monitor-interval", "1", "-m", "workers.rank", *self.spec.rank_arguments(),
+        spec = self.spec
+        command = launch.torchrun_command(
+            spec.nproc, "-m", "workers.rank", *spec.rank_arguments(),
             "--control", self._control_endpoint, "--jobs-done", str(self.jobs_done), "--restarts", str(self.restarts),
-        ]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-        if self.spec.devices:
-            env["CUDA_VISIBLE_DEVICES"] = self.spec.devices
-        if self.spec.threads_per_rank:
-            env["OMP_NUM_THREADS"] = env["XDIT_THREADS_PER_RANK"] = str(self.spec.threads_per_rank)
+            nnodes=spec.nnodes, node_rank=spec.node_rank, rdzv_endpoint=spec.rdzv_endpoint, rdzv_id=spec.rdzv_id,
+            options=("--monitor-interval", "1"),
+        )
+        env = launch.rank_environment(spec.threads_per_rank, spec.devices)
         output = open(self.spec.log_file, "ab") if self.spec.log_file else None
         self.process = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT if output else None,
+            command, cwd=launch.ROOT, env=env, stdout=output, stderr=subprocess.STDOUT if output else None,
             start_new_session=True, preexec_fn=_parent_death_signal(signal.SIGTERM),
         )
         if output:

@@ -332,7 +332,7 @@ def short_error(error: Exception) -> str:
 def main(argv=None) -> int:
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"[rank {os.environ.get('RANK')}] %(levelname)s %(message)s")
-    torch.set_num_threads(int(os.environ.get("XDIT_THREADS_PER_RANK", torch.get_num_threads())))
+    engine("launch").apply_threads_per_rank()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     rank = Rank(parse_args(argv))
     try:

@@ -1,8 +1,8 @@
 """What a pool is made of on this machine: model, ranks, layout, endpoint and keys, and its place among machines.
 
 `check()` turns every mistake that would only show up later on some rank into one clear error
-before anything starts; `torchrun_arguments()` and `rank_arguments()` are the two command lines the
-supervisor builds from it.
+before anything starts; `rank_arguments()` is the rank command line the supervisor builds from it
+(torchrun's own comes from parallel/launch.py).
 """
 
 from __future__ import annotations
@@ -62,14 +62,6 @@ class PoolSpec:
             check_endpoint(self.endpoint, self.curve_dir)
             if self.curve_dir:
                 ServerKeys.load(self.curve_dir)
-
-    def torchrun_arguments(self) -> list[str]:
-        if self.nnodes == 1:
-            return ["--standalone", "--nproc-per-node", str(self.nproc)]
-        # c10d orders nodes its own way (it ignores --node-rank); the ranks put node 0 first themselves.
-        host_conf = ["--rdzv-conf", "is_host=0"] if self.node_rank else []  # node 0 hosts the rendezvous store
-        return ["--nnodes", str(self.nnodes), "--nproc-per-node", str(self.nproc), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", self.rdzv_endpoint, "--rdzv-id", self.rdzv_id, *host_conf, "--max-restarts", "0"]
 
     def rank_arguments(self) -> list[str]:
         p = self.parallel

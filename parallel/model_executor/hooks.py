@@ -11,7 +11,7 @@ import torch
 from ..config import LayoutError
 from ..distributed import GroupCoordinator, get_runtime_state, get_ulysses_group
 from .layers import xFuserAttentionBaseWrapper, xFuserLayerBaseWrapper
-from .plans import Gather, ParallelPlan, Split
+from .plans import Gather, ParallelPlan, Split, check_dims
 from .register import xFuserLayerWrappersRegister
 from .token_split import UnevenSplit
 
@@ -59,7 +59,8 @@ def apply_sequence_plan(
     if sp.world_size > 1:
         for path, specs in plan.inputs.items():
             module = transformer.get_submodule(path)
-            handles.append(module.register_forward_pre_hook(_split_inputs(module, specs, sp, plan.uneven_tokens), with_kwargs=True))
+            where = path or type(transformer).__name__
+            handles.append(module.register_forward_pre_hook(_split_inputs(module, where, specs, sp, plan.uneven_tokens), with_kwargs=True))
         for path, op in plan.outputs.items():
             handles.append(transformer.get_submodule(path).register_forward_hook(_output_op(path, op, sp, plan.uneven_tokens)))
 
@@ -84,11 +85,13 @@ def _record_text_tokens(text_input: str):
     return hook
 
 
-def _split_inputs(module: torch.nn.Module, specs: dict[str, Split], sp: GroupCoordinator, uneven: bool = False):
+def _split_inputs(module: torch.nn.Module, where: str, specs: dict[str, Split], sp: GroupCoordinator,
+                  uneven: bool = False):
     def hook(module_, args, kwargs):
         named = as_keyword_arguments(module.forward, args, kwargs)
         for name, spec in specs.items():
             if named.get(name) is not None and spec.ndim in (None, named[name].ndim):
+                check_dims(named[name], spec, where, f"input {name!r}")
                 named[name] = shard(named[name], spec.dim, sp, name, uneven)
         return (), named
 
@@ -96,14 +99,23 @@ def _split_inputs(module: torch.nn.Module, specs: dict[str, Split], sp: GroupCoo
 
 
 def _output_op(path: str, op: Split | Gather, sp: GroupCoordinator, uneven: bool = False):
+    def checked(function: Callable[[torch.Tensor], torch.Tensor], what: str = "the output"):
+        def apply(tensor: torch.Tensor) -> torch.Tensor:
+            check_dims(tensor, op, path or "the transformer", what)
+            return function(tensor)
+
+        return apply
+
     if isinstance(op, Split):
         split = lambda t: shard(t, op.dim, sp, path or "output", uneven)  # noqa: E731
         if op.items is not None:
-            return lambda module, args, output: tuple(split(t) if i in op.items else t for i, t in enumerate(output))
-        return lambda module, args, output: map_first(output, split)
+            return lambda module, args, output: tuple(
+                checked(split, f"output item {i}")(t) if i in op.items else t for i, t in enumerate(output)
+            )
+        return lambda module, args, output: map_first(output, checked(split))
     if uneven:
-        return lambda module, args, output: map_first(output, lambda t: _gather_uneven(t, op.dim, sp))
-    return lambda module, args, output: map_first(output, lambda t: sp.all_gather(t, op.dim))
+        return lambda module, args, output: map_first(output, checked(lambda t: _gather_uneven(t, op.dim, sp)))
+    return lambda module, args, output: map_first(output, checked(lambda t: sp.all_gather(t, op.dim)))
 
 
 def _gather_uneven(tensor: torch.Tensor, dim: int, sp: GroupCoordinator) -> torch.Tensor:

@@ -10,6 +10,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import torch
+
+from ..config import LayoutError
 from .attention import TextLayout
 
 
@@ -21,18 +24,35 @@ class Split:
     returns (cos, sin), both per token); None shards the main output only.
     ndim:  shard only tensors with this many dimensions (Wan 2.2 TI2V's per-token timesteps are
     [B, S]; other Wan models pass one timestep per sample, [B]).
+    expected_dims: the number of dimensions this tensor must have; any other is a LayoutError, so a
+    diffusers upgrade that reshapes it fails loudly instead of splitting the wrong axis.
     """
 
     dim: int
     items: tuple[int, ...] | None = None
     ndim: int | None = None
+    expected_dims: int | None = None
 
 
 @dataclass(frozen=True)
 class Gather:
-    """All-gather this tensor along `dim` over the sequence-parallel group, undoing a Split."""
+    """All-gather this tensor along `dim` over the sequence-parallel group, undoing a Split.
+
+    expected_dims: as for Split.
+    """
 
     dim: int
+    expected_dims: int | None = None
+
+
+def check_dims(tensor: torch.Tensor, op: Split | Gather, module: str, what: str) -> None:
+    """One LayoutError line when `tensor` has not the number of dimensions the plan was written for."""
+    if op.expected_dims is not None and tensor.ndim != op.expected_dims:
+        raise LayoutError(
+            f"the parallel plan expects {what} of {module} with {op.expected_dims} dimensions, got {tensor.ndim} "
+            f"(shape {list(tensor.shape)}): this diffusers version changed its layout; update the plan's "
+            f"{type(op).__name__}(dim={op.dim}, expected_dims={op.expected_dims}) or install the tested diffusers version."
+        )
 
 
 class CfgMode(enum.Enum):

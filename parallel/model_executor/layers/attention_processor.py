@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import types
 
-import torch.nn.functional
 from diffusers.models.attention_processor import Attention
 
 from ..register import xFuserLayerWrappersRegister
@@ -29,4 +28,4 @@ class xFuserAttentionWrapper(xFuserAttentionBaseWrapper):
 
     @staticmethod
     def reroute(original):
-        return _RoutedFunctional(original if isinstance(original, types.ModuleType) else torch.nn.functional)
+        return _RoutedFunctional(original)

@@ -7,6 +7,16 @@ reroute only that call: the wrapped layer marks itself active (a context variabl
 and the rerouted function runs USP when a layer is active and the original function otherwise.
 Layers are wrapped when the sequence is split (ulysses/ring) or runs as PipeFusion patches.
 So nothing changes for any attention the plan did not select, e.g. cross-attention.
+
+The reroute replaces one module global (`call_site`), shared by every wrapped layer that uses it and
+counted: the last layer to be removed puts the original back, so an unwrapped model runs exactly
+diffusers' code again. The active mark is cleared by an `always_call` forward hook, so an exception
+inside attention cannot leave later attention routed to USP.
+
+Why not diffusers' own seams: its attention backend registry (`attention_dispatch`) is keyed by the
+closed `AttentionBackendName` enum, so a new backend means writing into private registry state, and
+it only covers `dispatch_attention_fn` callers (not the classic processors' `F`); the processors'
+`_parallel_config` selects diffusers' own context-parallel implementation and device meshes, not ours.
 """
 
 from __future__ import annotations
@@ -75,6 +85,39 @@ def routed(original: Callable, tokens_dim: int) -> Callable:
     return attention
 
 
+@dataclass
+class _Route:
+    original: Any
+    replacement: Any
+    users: int = 0
+
+
+_ROUTES: dict[tuple[str, str], _Route] = {}
+
+
+def _take_route(call_site: tuple[str, str], reroute: Callable[[Any], Any]) -> None:
+    """Install the reroute of `call_site` for one more layer (the first one replaces the global)."""
+    route = _ROUTES.get(call_site)
+    if route is None:
+        site = importlib.import_module(call_site[0])
+        original = getattr(site, call_site[1])
+        route = _ROUTES[call_site] = _Route(original, reroute(original))
+        setattr(site, call_site[1], route.replacement)
+    route.users += 1
+
+
+def _release_route(call_site: tuple[str, str]) -> None:
+    """One layer fewer uses the reroute; the last one puts the original global back."""
+    route = _ROUTES[call_site]
+    route.users -= 1
+    if route.users:
+        return
+    del _ROUTES[call_site]
+    site = importlib.import_module(call_site[0])
+    if getattr(site, call_site[1]) is route.replacement:  # a later patch on top of ours stays in place
+        setattr(site, call_site[1], route.original)
+
+
 class xFuserAttentionBaseWrapper(xFuserLayerBaseWrapper):
     """Makes one attention layer sequence parallel.
 
@@ -91,30 +134,30 @@ class xFuserAttentionBaseWrapper(xFuserLayerBaseWrapper):
     def __init__(self, module: torch.nn.Module, name: str, text_layout: TextLayout, kernel: str | None = None,
                  kv_cache: Any = None):
         super().__init__(module)
-        self._install_route()
+        _take_route(self.call_site, self.reroute)
+        self._routed = True
         self._layer = _ActiveLayer(name, text_layout, kernel, kv_cache)
         self._token: contextvars.Token | None = None
         self._handles.append(module.register_forward_pre_hook(self._enter))
-        self._handles.append(module.register_forward_hook(self._exit))
+        self._handles.append(module.register_forward_hook(self._exit, always_call=True))
 
-    @classmethod
-    def _install_route(cls) -> None:
-        module_path, attribute = cls.call_site
-        site = importlib.import_module(module_path)
-        current = getattr(site, attribute)
-        if getattr(current, "_xdit_routed", False):
-            return
-        replacement = cls.reroute(current)
-        replacement._xdit_routed = True
-        setattr(site, attribute, replacement)
+    def remove(self) -> None:
+        super().remove()
+        if self._routed:
+            _release_route(self.call_site)
+            self._routed = False
 
     def _enter(self, module, args):
         self._layer.calls = 0
         self._token = _ACTIVE.set(self._layer)
 
     def _exit(self, module, args, output):
+        """Runs after forward, also when it raised (then `output` is None and torch re-raises its error)."""
+        if self._token is None:  # an earlier pre-hook raised before _enter ran
+            return
         _ACTIVE.reset(self._token)
-        if self._layer.calls == 0:
+        self._token = None
+        if output is not None and self._layer.calls == 0:
             raise RuntimeError(
                 f"{self._layer.name} ({type(module).__name__}) ran without reaching "
                 f"{'.'.join(self.call_site)}: its processor ({type(getattr(module, 'processor', None)).__name__}) "

@@ -11,7 +11,7 @@ from .base_transformer import xFuserTransformerBaseWrapper
 @xFuserTransformerWrappersRegister.register(PixArtTransformer2DModel)
 class xFuserPixArtTransformer2DWrapper(xFuserTransformerBaseWrapper):
     plan = ParallelPlan(
-        outputs={"pos_embed": Split(dim=1), "proj_out": Gather(dim=1)},
+        outputs={"pos_embed": Split(dim=1, expected_dims=3), "proj_out": Gather(dim=1, expected_dims=3)},
         attention={"transformer_blocks.*.attn1": TextLayout.NONE},
         pipefusion=PipeFusionPlan(blocks=("transformer_blocks",)),
     )

@@ -12,8 +12,8 @@ from .base_transformer import xFuserTransformerBaseWrapper
 @xFuserTransformerWrappersRegister.register(FluxTransformer2DModel)
 class xFuserFluxTransformer2DWrapper(xFuserTransformerBaseWrapper):
     plan = ParallelPlan(
-        inputs={"": {"hidden_states": Split(dim=1), "img_ids": Split(dim=0)}},
-        outputs={"proj_out": Gather(dim=1)},
+        inputs={"": {"hidden_states": Split(dim=1, expected_dims=3), "img_ids": Split(dim=0, expected_dims=2)}},
+        outputs={"proj_out": Gather(dim=1, expected_dims=3)},
         attention={
             "transformer_blocks.*.attn": TextLayout.PREFIX,
             "single_transformer_blocks.*.attn": TextLayout.PREFIX,

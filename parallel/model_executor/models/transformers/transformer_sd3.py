@@ -12,7 +12,7 @@ from .base_transformer import xFuserTransformerBaseWrapper
 @xFuserTransformerWrappersRegister.register(SD3Transformer2DModel)
 class xFuserSD3Transformer2DWrapper(xFuserTransformerBaseWrapper):
     plan = ParallelPlan(
-        outputs={"pos_embed": Split(dim=1), "proj_out": Gather(dim=1)},
+        outputs={"pos_embed": Split(dim=1, expected_dims=3), "proj_out": Gather(dim=1, expected_dims=3)},
         attention={"transformer_blocks.*.attn": TextLayout.SUFFIX, "transformer_blocks.*.attn2": TextLayout.NONE},
         pipefusion=PipeFusionPlan(
             blocks=("transformer_blocks",),

@@ -20,8 +20,8 @@ from .base_transformer import xFuserTransformerBaseWrapper
 @xFuserTransformerWrappersRegister.register(WanTransformer3DModel)
 class xFuserWanTransformer3DWrapper(xFuserTransformerBaseWrapper):
     plan = ParallelPlan(
-        inputs={"": {"timestep": Split(dim=1, ndim=2)}, "blocks.0": {"hidden_states": Split(dim=1)}},
-        outputs={"rope": Split(dim=1, items=(0, 1)), "proj_out": Gather(dim=1)},
+        inputs={"": {"timestep": Split(dim=1, ndim=2)}, "blocks.0": {"hidden_states": Split(dim=1, expected_dims=3)}},
+        outputs={"rope": Split(dim=1, items=(0, 1), expected_dims=4), "proj_out": Gather(dim=1, expected_dims=3)},
         attention={"blocks.*.attn1": TextLayout.NONE},
         cfg=CfgMode.SEQUENTIAL,
         cfg_branches=("cond", "uncond"),
