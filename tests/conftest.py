@@ -39,6 +39,16 @@ def comfyui_install() -> tuple[Path, Path]:
     return found
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """ComfyUI tests skipped by their fixtures (no test bed, no browser) fold into one `-rs` line per
+    reason, here, instead of one line per test."""
+    report = yield
+    if report.skipped and report.when == "setup" and "comfyui_install" in item.fixturenames:
+        report.longrepr = (__file__, None, report.longrepr[2])
+    return report
+
+
 @pytest.fixture(scope="module")
 def comfy(comfyui_install, tmp_path_factory):
     """A real ComfyUI server with this pack, one per test module that asks for it."""
