@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import subprocess
 
-import pytest
 import torch
 from diffusers import DiffusionPipeline
 from safetensors.torch import load_file
