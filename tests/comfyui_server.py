@@ -1,9 +1,9 @@
 """A real ComfyUI server with this pack installed, for integration tests.
 
-Finds ComfyUI through COMFYUI_PATH (else ~/comfyui-testbed/ComfyUI) and its interpreter through
-COMFYUI_PYTHON (else ~/comfyui-testbed/venv/bin/python). The pack is linked into a fresh
+ComfyUI and its python come from the test bed (tests/testbed.py). The pack is linked into a fresh
 custom_nodes folder given to ComfyUI through --extra-model-paths-config, with a fresh models and
-output folder, so nothing of the test bed's own state is touched.
+output folder, so nothing of the test bed's own state is touched. The custom nodes of tests/comfyui_probe,
+loaded just before and just after the pack, let a test see what loading the pack did to ComfyUI's interpreter.
 """
 
 from __future__ import annotations
@@ -20,15 +20,7 @@ from pathlib import Path
 
 from xdit_test_helpers import ROOT
 
-TESTBED = Path.home() / "comfyui-testbed"
-
-
-def comfyui_paths() -> tuple[Path, Path] | None:
-    comfy = Path(os.environ.get("COMFYUI_PATH", TESTBED / "ComfyUI"))
-    python = Path(os.environ.get("COMFYUI_PYTHON", TESTBED / "venv" / "bin" / "python"))
-    if (comfy / "main.py").is_file() and python.is_file():
-        return comfy, python
-    return None
+PROBE = Path(__file__).resolve().parent / "comfyui_probe"
 
 
 def _free_port() -> int:
@@ -37,26 +29,17 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def install_pack_requirements(python: Path, work: Path) -> None:
-    """What ComfyUI Manager does for a custom node: our requirements into ComfyUI's own environment,
-    never replacing the torch it has."""
-    torch_version = subprocess.run([str(python), "-c", "import torch; print(torch.__version__.split('+')[0])"],
-                                   capture_output=True, text=True, check=True).stdout.strip()
-    constraints = work / "constraints.txt"
-    constraints.write_text(f"torch=={torch_version}\n")
-    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-c", str(constraints),
-                    "-r", str(ROOT / "requirements.txt")], check=True, capture_output=True, timeout=600)
-
-
 class ComfyServer:
     def __init__(self, comfy: Path, python: Path, work: Path):
         self.work = work
-        install_pack_requirements(python, work)
-        for name in ("custom_nodes", "models/diffusers", "models/loras", "output", "user/default"):
+        for name in ("probe_before", "custom_nodes", "probe_after", "models/diffusers", "models/loras", "output", "user/default"):
             (work / name).mkdir(parents=True, exist_ok=True)
+        for when in ("before", "after"):
+            (work / f"probe_{when}" / f"xdit_probe_{when}.py").symlink_to(PROBE / f"xdit_probe_{when}.py")
         (work / "custom_nodes" / "comfyui-xdit-pool").symlink_to(ROOT)
-        (work / "extra.yaml").write_text(
-            f"xdit:\n  base_path: {work}\n  custom_nodes: custom_nodes\n  diffusers: models/diffusers\n  loras: models/loras\n"
+        (work / "extra.yaml").write_text(  # custom_nodes folders load in this order
+            f"xdit:\n  base_path: {work}\n  custom_nodes: \"probe_before\\ncustom_nodes\\nprobe_after\"\n"
+            "  diffusers: models/diffusers\n  loras: models/loras\n"
         )
         (work / "user" / "default" / "comfy.settings.json").write_text(json.dumps({"Comfy.TutorialCompleted": True}))
         self.port = _free_port()

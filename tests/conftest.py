@@ -27,13 +27,34 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
-def comfy(tmp_path_factory):
-    """A real ComfyUI server with this pack, one per test module that asks for it (needs the test bed:
-    modules using it skip themselves, with the reason, when comfyui_paths() finds none)."""
-    from comfyui_server import ComfyServer, comfyui_paths
+@pytest.fixture(scope="session")
+def comfyui_install() -> tuple[Path, Path]:
+    """(ComfyUI folder, its python) from the test bed; without one, every ComfyUI test skips here, so
+    `pytest -rs` prints one line saying how to enable them."""
+    import testbed
 
-    server = ComfyServer(*comfyui_paths(), tmp_path_factory.mktemp("comfy"))
+    found = testbed.comfyui()
+    if isinstance(found, str):
+        pytest.skip(found)
+    return found
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """ComfyUI tests skipped by their fixtures (no test bed, no browser) fold into one `-rs` line per
+    reason, here, instead of one line per test."""
+    report = yield
+    if report.skipped and report.when == "setup" and "comfyui_install" in item.fixturenames:
+        report.longrepr = (__file__, None, report.longrepr[2])
+    return report
+
+
+@pytest.fixture(scope="module")
+def comfy(comfyui_install, tmp_path_factory):
+    """A real ComfyUI server with this pack, one per test module that asks for it."""
+    from comfyui_server import ComfyServer
+
+    server = ComfyServer(*comfyui_install, tmp_path_factory.mktemp("comfy"))
     yield server
     server.stop()
     assert "IMPORT FAILED" not in server.log.read_text()

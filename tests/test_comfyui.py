@@ -1,7 +1,7 @@
 """Against a real ComfyUI server: the pack loads, and API-format workflows run on real pools.
 
-Needs the ComfyUI test bed (COMFYUI_PATH / COMFYUI_PYTHON, see tests/comfyui_server.py); without
-it every test here is skipped with that reason, shown by `pytest -rs` (as .ci/run runs it).
+Needs the ComfyUI test bed (tests/testbed.py); without one every test here is skipped with the reason,
+shown by `pytest -rs` (as scripts/test.sh runs it).
 """
 
 from __future__ import annotations
@@ -15,14 +15,9 @@ import torch
 from diffusers import DiffusionPipeline
 from safetensors.torch import load_file
 
-from comfyui_server import comfyui_paths
-from xdit_test_helpers import TOLERANCE, diffusers_latents
+from xdit_test_helpers import ROOT, TOLERANCE, diffusers_latents
 
-PATHS = comfyui_paths()
-pytestmark = pytest.mark.skipif(
-    PATHS is None,
-    reason="no ComfyUI test bed: set COMFYUI_PATH and COMFYUI_PYTHON (or create ~/comfyui-testbed) to run the ComfyUI tests",
-)
+ARTIFACTS = ROOT / "out" / "test-artifacts"
 FAMILIES = {  # family: (empty latent node, cfg, scale, shift)
     "pixart-alpha": ("EmptyLatentImage", 4.5, 0.18215, 0.0),
     "pixart-sigma": ("EmptyLatentImage", 4.5, 0.13025, 0.0),
@@ -89,6 +84,23 @@ def test_pack_imports_and_lists_its_nodes(comfy):
         assert all("tooltip" in spec[1] for spec in info[node]["input"]["required"].values())
     assert info["XDiTPool"]["display_name"] == "xDiT Pool"
     assert "IMPORT FAILED" not in comfy.log.read_text()
+
+
+def test_loading_the_pack_leaves_comfyuis_interpreter_as_it_was(comfy):
+    """The pack lives in its own namespace: no top-level `parallel` / `workers` module (both names exist on
+    PyPI), no diffusers (ComfyUI 0.3.64 imports none; the pack needs it only in its rank processes), and
+    sys.path untouched. tests/comfyui_probe notes the interpreter just before and just after the pack loads."""
+    probe = comfy.get("/xdit-test/probe")
+    before, after = probe["before"], probe["after"]
+    pack = [name for name in after["modules"] if name.endswith("custom_nodes/comfyui-xdit-pool")]
+    assert pack and pack[0] not in before["modules"], "the probes must load around the pack and see it load"
+    assert not {name.split(".")[0] for name in after["modules"]} & {"parallel", "workers", "diffusers"}
+    assert not {name.split(".")[0] for name in probe["now"]["modules"]} & {"parallel", "workers"}
+    assert after["path"] == before["path"]
+    timings = comfy.log.read_text().split("Import times for custom nodes:\n")[1].split("\n\n")[0]
+    assert "comfyui-xdit-pool" in timings and "IMPORT FAILED" not in timings
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    (ARTIFACTS / "comfyui-import-times.txt").write_text(timings + "\n")  # the pack's import time, for reports
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -1,9 +1,8 @@
 """In the real ComfyUI frontend (headless Chromium): example workflows, the pool panel, degree validation.
 
-Needs the ComfyUI test bed (see tests/comfyui_server.py), Node.js, Chromium and npm playwright-core
-(XDIT_PLAYWRIGHT_DIR: the node_modules folder holding it, else ~/comfyui-testbed/node/node_modules;
-XDIT_CHROMIUM: the browser, else /usr/bin/chromium). Without them every test here is skipped with the
-reason, shown by `pytest -rs`. The page is driven by tests/browser/driver.js over JSON lines.
+Needs the ComfyUI test bed with Node.js, Chromium and npm playwright-core, all from tests/testbed.py;
+without them every test here is skipped with the reason, shown by `pytest -rs`. The page is driven by
+tests/browser/driver.js over JSON lines.
 """
 
 from __future__ import annotations
@@ -18,41 +17,21 @@ from pathlib import Path
 
 import pytest
 
-from comfyui_server import TESTBED, comfyui_paths
+import testbed
 from xdit_test_helpers import ROOT
 
-PATHS = comfyui_paths()
-PLAYWRIGHT = Path(os.environ.get("XDIT_PLAYWRIGHT_DIR", TESTBED / "node" / "node_modules"))
-CHROMIUM = Path(os.environ.get("XDIT_CHROMIUM", "/usr/bin/chromium"))
-NODE = shutil.which("node")
 EXAMPLES = sorted((ROOT / "example_workflows").glob("*.json"))
 ARTIFACTS = ROOT / "out" / "test-artifacts"
-
-
-def _missing() -> str | None:
-    if PATHS is None:
-        return "no ComfyUI test bed: set COMFYUI_PATH and COMFYUI_PYTHON (or create ~/comfyui-testbed)"
-    if NODE is None:
-        return "no Node.js (`node` not on PATH): the browser tests drive Chromium with npm playwright-core"
-    if not (PLAYWRIGHT / "playwright-core").is_dir():
-        return f"no npm playwright-core under {PLAYWRIGHT}: npm install playwright-core there, or set XDIT_PLAYWRIGHT_DIR"
-    if not CHROMIUM.is_file():
-        return f"no Chromium at {CHROMIUM}: `apt-get install chromium` or set XDIT_CHROMIUM"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_missing() is not None, reason=f"browser tests skipped: {_missing()}")
 
 
 class Browser:
     """tests/browser/driver.js: one headless page on the ComfyUI frontend, answering JSON-line requests."""
 
-    def __init__(self, url: str, log: Path):
-        env = {**os.environ, "NODE_PATH": str(PLAYWRIGHT)}
+    def __init__(self, url: str, log: Path, node: str, node_modules: Path, chromium: Path):
         self.stderr = log.open("wb")
         self.process = subprocess.Popen(
-            [NODE, str(ROOT / "tests" / "browser" / "driver.js"), url, str(CHROMIUM)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, env=env, text=True, bufsize=1,
+            [node, str(ROOT / "tests" / "browser" / "driver.js"), url, str(chromium)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self.stderr, env={**os.environ, "NODE_PATH": str(node_modules)}, text=True, bufsize=1,
         )
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.process.stdout, selectors.EVENT_READ)
@@ -97,7 +76,10 @@ class Browser:
 
 @pytest.fixture(scope="module")
 def page(comfy):
-    browser = Browser(comfy.url, comfy.work / "browser.log")
+    found = testbed.browser()
+    if isinstance(found, str):
+        pytest.skip(found)
+    browser = Browser(comfy.url, comfy.work / "browser.log", *found)
     browser.eval("async () => { window.api = (await import('/scripts/api.js')).api; return true; }")
     yield browser
     browser.close()

@@ -14,17 +14,16 @@ import shutil
 import pytest
 
 from pool_helpers import free_endpoint, start_serve, stop_serve
-from test_comfyui import PATHS, reference, saved_latent, workflow
+from test_comfyui import reference, saved_latent, workflow
 from workers.auth import create_keys
 from workers.client import PoolClient
 from xdit_test_helpers import TOLERANCE
 
-pytestmark = pytest.mark.skipif(PATHS is None, reason="no ComfyUI test bed: set COMFYUI_PATH and COMFYUI_PYTHON")
 FAMILY = "pixart-alpha"
 
 
 @pytest.fixture(scope="module")
-def keyed_pool(tiny_model_dirs, tmp_path_factory):
+def keyed_pool(comfyui_install, tiny_model_dirs, tmp_path_factory):
     work = tmp_path_factory.mktemp("remote_pool")
     create_keys(work / "keys")
     client_keys = work / "client-keys"  # what a client machine holds: the server's public key and its own keypair

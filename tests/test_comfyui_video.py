@@ -3,7 +3,7 @@
 The tiny Wan 2.2 pipeline (two experts) samples 9 frames at 48×48 (27 tokens, split unevenly over
 Ulysses 2) from ComfyUI's noise of the seed; the saved 5-D LATENT equals diffusers' single-process
 result converted to ComfyUI's Wan21 latent space (x · std + mean) within 1e-4. Previews (the middle
-latent frame) arrive over the websocket. Skipped without the ComfyUI test bed (tests/comfyui_server.py).
+latent frame) arrive over the websocket. Skipped without the ComfyUI test bed (tests/testbed.py).
 """
 
 from __future__ import annotations
@@ -11,19 +11,12 @@ from __future__ import annotations
 import json
 import subprocess
 
-import pytest
 import torch
 from diffusers import DiffusionPipeline
 from safetensors.torch import load_file
 
-from comfyui_server import comfyui_paths
 from xdit_test_helpers import ROOT, TOLERANCE, diffusers_latents
 
-PATHS = comfyui_paths()
-pytestmark = pytest.mark.skipif(
-    PATHS is None,
-    reason="no ComfyUI test bed: set COMFYUI_PATH and COMFYUI_PYTHON (or create ~/comfyui-testbed) to run the ComfyUI tests",
-)
 FAMILY, FRAMES, SIZE, STEPS, CFG, SEED = "wan22", 9, 48, 4, 5.0, 5
 POSITIVE, NEGATIVE = "a red fox in the snow", "blurry"
 
@@ -93,9 +86,9 @@ print("ok")
 """
 
 
-def test_wan_adapter_uses_comfyuis_wan21_and_wan22_formats():
+def test_wan_adapter_uses_comfyuis_wan21_and_wan22_formats(comfyui_install):
     """16 channels (Wan 2.1, 2.2 A14B) and 48 (Wan 2.2 TI2V 5B, ×16): ComfyUI's own process_in/out."""
-    comfy_dir, python = PATHS
+    comfy_dir, python = comfyui_install
     run = subprocess.run([str(python), "-c", ADAPTER_CHECK, str(ROOT / "nodes" / "adapters.py")], cwd=comfy_dir,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]

@@ -16,8 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from comfyui_server import ComfyServer, comfyui_paths  # noqa: E402
-from test_comfyui_browser import Browser, _missing  # noqa: E402
+import testbed  # noqa: E402
+from comfyui_server import ComfyServer  # noqa: E402
+from test_comfyui_browser import Browser  # noqa: E402
 from xdit_test_helpers import ROOT  # noqa: E402
 
 EXAMPLES = {  # file stem: (family, empty latent node, cfg, what the example says about itself)
@@ -74,13 +75,14 @@ BUILD = """async ({ family, empty, cfg, name, stem, id }) => {
 
 
 def main() -> None:
-    missing = _missing()
-    if missing:
-        sys.exit(missing)
+    comfyui, browser_parts = testbed.comfyui(), testbed.browser()
+    for found in (comfyui, browser_parts):
+        if isinstance(found, str):
+            sys.exit(f"error: {found}")
     with tempfile.TemporaryDirectory() as work:
-        server = ComfyServer(*comfyui_paths(), Path(work))
+        server = ComfyServer(*comfyui, Path(work))
         try:
-            browser = Browser(server.url, Path(work) / "browser.log")
+            browser = Browser(server.url, Path(work) / "browser.log", *browser_parts)
             try:
                 for stem, (family, empty, cfg, name) in EXAMPLES.items():
                     path = ROOT / "example_workflows" / f"{stem}.json"
