@@ -7,7 +7,6 @@ shown by `pytest -rs` (as scripts/test.sh runs it).
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import pytest
