@@ -7,7 +7,6 @@ beyond loopback without keys is refused before anything binds. Nothing here list
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import stat
 import subprocess

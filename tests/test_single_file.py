@@ -8,12 +8,10 @@ HF_HUB_OFFLINE is set for the whole module.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
 import socket
-import sys
 import types
 
 import huggingface_hub.constants
@@ -26,7 +24,7 @@ from parallel import tiny_models
 from parallel.checkpoints import CheckpointFile, detect_checkpoint
 from parallel.checkpoints.detect import CONFIGS, SUPPORTED
 from parallel.loading import load_pipeline
-from xdit_test_helpers import ROOT, TOLERANCE, import_node_module, torchrun
+from xdit_test_helpers import TOLERANCE, import_node_module, torchrun
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # read at import by the torchrun ranks' huggingface_hub
 
