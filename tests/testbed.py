@@ -177,7 +177,9 @@ def build_browser() -> None:
             run("apt-get", "update", "-qq", env=env)
             run("apt-get", "install", "-y", "-qq", "--no-install-recommends", *" ".join(packages).split(), env=env)
     stamp = NODE_MODULES.parent / f"complete-{PLAYWRIGHT}"
-    if not stamp.is_file():
+    if stamp.is_file():
+        print(f"testbed: reusing {CHROMIUM} and {PLAYWRIGHT} in {NODE_MODULES}")
+    else:
         with step(f"npm install {PLAYWRIGHT} into {NODE_MODULES.parent}"):
             NODE_MODULES.parent.mkdir(parents=True, exist_ok=True)
             run("npm", "install", "--prefix", NODE_MODULES.parent, "--no-audit", "--no-fund", "--no-save", PLAYWRIGHT)
