@@ -11,22 +11,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
 import uuid
 from pathlib import Path
 
+from workers.endpoints import free_port
 from xdit_test_helpers import ROOT
 
 PROBE = Path(__file__).resolve().parent / "comfyui_probe"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ComfyServer:
@@ -42,7 +36,7 @@ class ComfyServer:
             "  diffusers: models/diffusers\n  loras: models/loras\n"
         )
         (work / "user" / "default" / "comfy.settings.json").write_text(json.dumps({"Comfy.TutorialCompleted": True}))
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = work / "server.log"
         command = [
