@@ -1,9 +1,16 @@
 """Wan 2.1 / 2.2 text- and image-to-video: 5-D latents [B, C, T', H/8, W/8] (TI2V 5B: 48 channels, H/16),
 one token per latent frame × 2×2 latent pixels.
 
-Wan 2.2 A14B's second (low-noise) expert, `transformer_2`, is wrapped by the base class like the first.
-A video's token count rarely divides by the sequence-parallel degree; the plan splits it unevenly, so
-only a video with fewer tokens than ranks is refused here.
+The plan, as diffusers' own `_cp_plan` for WanTransformer3DModel: the rotary embedding (cos, sin) is
+split on the token axis, the patch-embedded tokens are split where they enter the first block, and
+proj_out gathers; Wan 2.2 TI2V's per-token timesteps ([B, S]) are split alike, so its per-token
+modulation matches. Self-attention runs USP; cross-attention to the text (and Wan 2.1 I2V's image
+tokens) stays local; CFG arrives as two calls. A video's token count rarely divides by the
+sequence-parallel degree: the plan splits it unevenly (token_split.py), so only a video with fewer
+tokens than ranks is refused. Wan 2.2 A14B's second (low-noise) expert, `transformer_2`, is wrapped
+like the first.
+
+ComfyUI keeps Wan latents in its Wan21 (16 channels, ×8) and Wan22 (48 channels, ×16) formats.
 """
 
 from __future__ import annotations
@@ -11,19 +18,24 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from diffusers import WanImageToVideoPipeline, WanPipeline
 
-from ...call_parameters import CallParameter
-from ...config import LayoutError
-from ..register import xFuserPipelineWrapperRegister
-from .base_pipeline import xFuserPipelineBaseWrapper
+from ..call_parameters import CallParameter
+from ..config import LayoutError
+from ..model_executor.attention import TextLayout
+from ..model_executor.pipelines import xFuserPipelineBaseWrapper
+from ..model_executor.plans import CfgMode, Gather, ParallelPlan, Split
+from .base import FAMILIES, ComfyData, Family
 
 DEFAULT_FRAMES = 81  # WanPipeline.__call__'s default num_frames
 PROMPT_TOKENS = 512  # WanPipeline.__call__'s max_sequence_length: what a text prompt is padded to
 
 
-@xFuserPipelineWrapperRegister.register(WanPipeline)
 class xFuserWanPipeline(xFuserPipelineBaseWrapper):
+    comfy = ComfyData(
+        latent_formats={16: "Wan21", 48: "Wan22"}, spatial={16: 8, 48: 16}, temporal=4,
+        expects="encode with xDiT Text Encode on this pool, or Wan's UMT5-XXL CLIP loader (4096 wide, 512 tokens)",
+        empty_latent="EmptyHunyuanLatentVideo (Wan 2.1 / 2.2 A14B) or a Wan latent node",
+    )
     embedding_sizes = {"prompt_embeds": "text_dim", "negative_prompt_embeds": "text_dim"}
     call_parameters = {
         "num_frames": CallParameter(int, "video frames, 4k+1 (default: as many as the latents hold)", 1, 10_000),
@@ -112,12 +124,29 @@ class xFuserWanPipeline(xFuserPipelineBaseWrapper):
         raise ValueError("denoise below 1 is not available for Wan yet (WanPipeline takes no sigmas); use denoise 1.0")
 
 
-@xFuserPipelineWrapperRegister.register(WanImageToVideoPipeline)
 class xFuserWanImageToVideoPipeline(xFuserWanPipeline):
     """Wan image-to-video: the transformer also takes the first frame's VAE latents and a frame mask
     (36 input channels for 16 output channels); every rank encodes the image with its own VAE."""
+
+    tensor_inputs = ("image",)
 
     def check_inputs(self, kwargs: dict[str, Any], batch: int) -> None:
         if kwargs.get("image") is None:
             raise ValueError(f"{type(self.module).__name__} needs `image`, the first frame to animate")
         super().check_inputs(kwargs, batch)
+
+
+WAN = FAMILIES.register(Family(
+    name="wan",
+    pipelines={"WanPipeline": xFuserWanPipeline, "WanImageToVideoPipeline": xFuserWanImageToVideoPipeline},
+    transformer="WanTransformer3DModel",
+    plan=ParallelPlan(
+        inputs={"": {"timestep": Split(dim=1, ndim=2)}, "blocks.0": {"hidden_states": Split(dim=1)}},
+        outputs={"rope": Split(dim=1, items=(0, 1)), "proj_out": Gather(dim=1)},
+        attention={"blocks.*.attn1": TextLayout.NONE},
+        cfg=CfgMode.SEQUENTIAL,
+        cfg_branches=("cond", "uncond"),
+        uneven_tokens=True,
+        output_channels="out_channels",
+    ),
+))

@@ -1,0 +1,143 @@
+"""Flux.1 (dev, schnell): packed 2×2 latent tokens and their rotary ids split at the input, the text
+replicated in front of the image shard in double- and single-stream blocks; true CFG arrives as two
+calls per step (guidance_scale is the distilled guidance, which needs no second branch).
+
+LoRA: BFL's own layout (`diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight`, fused q/k/v) is
+not converted by diffusers' Flux loader (it takes Kohya, XLabs and BFL *control* LoRAs). A LoRA on a
+fused layer has one A and a stacked B, so it splits exactly into per-layer LoRAs: each part keeps A
+and takes its rows of B.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..call_parameters import CallParameter
+from ..model_executor.attention import TextLayout
+from ..model_executor.pipelines import xFuserPipelineBaseWrapper
+from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split
+from .base import FAMILIES, ComfyData, Family
+
+
+class xFuserFluxPipeline(xFuserPipelineBaseWrapper):
+    comfy = ComfyData(
+        latent_formats={16: "Flux"}, packed=True, guidance_in_conditioning=True,
+        expects="encode with xDiT Text Encode on this pool, or Flux's DualCLIPLoader (T5 4096 wide, pooled CLIP-L 768)",
+    )
+    tensor_inputs = ("pooled_prompt_embeds", "negative_pooled_prompt_embeds")
+    latent_patch = 2  # the pipeline packs 2×2 latent pixels into one token
+    embedding_sizes = {
+        "prompt_embeds": "joint_attention_dim",
+        "negative_prompt_embeds": "joint_attention_dim",
+        "pooled_prompt_embeds": "pooled_projection_dim",
+        "negative_pooled_prompt_embeds": "pooled_projection_dim",
+    }
+    call_parameters = {
+        "true_cfg_scale": CallParameter(float, "real classifier-free guidance with negative embeddings (1: off)", 0.0, 100.0),
+    }
+
+    def flow_sigmas(self, total: int) -> np.ndarray:
+        return np.linspace(1.0, 1 / total, total)  # FluxPipeline's own default
+
+    def expected_latents_shape(self, batch: int, height: int, width: int) -> tuple[int, ...]:
+        return (batch, self.image_tokens(height, width), self.module.transformer.config.in_channels)
+
+    def uses_cfg(self, kwargs: dict[str, Any]) -> bool:
+        """Flux's guidance_scale is distilled guidance; real CFG is true_cfg_scale with a negative prompt."""
+        has_negative = kwargs.get("negative_prompt_embeds") is not None or kwargs.get("negative_prompt") is not None
+        return kwargs.get("true_cfg_scale", 1.0) > 1.0 and has_negative
+
+    def cfg_parallel_hint(self, kwargs: dict[str, Any]) -> str:
+        return (
+            "CFG parallel on Flux needs true classifier-free guidance: true_cfg_scale above 1 "
+            f"(got {kwargs.get('true_cfg_scale', 1.0)}) and negative prompt embeddings; guidance_scale is "
+            "Flux's distilled guidance and needs no second branch. Add both or turn CFG parallel off."
+        )
+
+    def encode_text(self, prompt: str) -> dict[str, torch.Tensor]:
+        embeds, pooled, _ = self.module.encode_prompt(prompt, None)
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+
+# -- LoRA: BFL layout → diffusers names ---------------------------------------------------------------
+_BFL_DOUBLE = {
+    "img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    "img_attn.proj": ("attn.to_out.0",),
+    "txt_attn.proj": ("attn.to_add_out",),
+    "img_mlp.0": ("ff.net.0.proj",),
+    "img_mlp.2": ("ff.net.2",),
+    "txt_mlp.0": ("ff_context.net.0.proj",),
+    "txt_mlp.2": ("ff_context.net.2",),
+    "img_mod.lin": ("norm1.linear",),
+    "txt_mod.lin": ("norm1_context.linear",),
+}
+_BFL_SINGLE = {
+    "linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),
+    "linear2": ("proj_out",),
+    "modulation.lin": ("norm.linear",),
+}
+_BFL_LAYER = re.compile(r"^diffusion_model\.(double_blocks|single_blocks)\.(\d+)\.(.+)\.lora_([AB])\.weight$")
+
+
+def is_bfl_flux_lora(weights: dict[str, torch.Tensor]) -> bool:
+    return any(_BFL_LAYER.match(key) for key in weights)
+
+
+def bfl_flux_to_diffusers(weights: dict[str, torch.Tensor], inner_dim: int) -> dict[str, torch.Tensor]:
+    """`transformer.`-prefixed PEFT keys for a BFL-layout Flux LoRA of the blocks."""
+    out, unknown = {}, []
+    for key, value in weights.items():
+        match = _BFL_LAYER.match(key)
+        table = (_BFL_DOUBLE if match and match[1] == "double_blocks" else _BFL_SINGLE) if match else {}
+        if not match or match[3] not in table:
+            unknown.append(key)
+            continue
+        kind, index, layer, ab = match.groups()
+        block = f"transformer.{'transformer_blocks' if kind == 'double_blocks' else 'single_transformer_blocks'}.{index}"
+        targets = table[layer]
+        if ab == "A" or len(targets) == 1:
+            parts = [value] * len(targets)
+        else:  # fused output rows: q, k, v are inner_dim each; the rest is the MLP input projection
+            sizes = [inner_dim] * 3 + ([value.shape[0] - 3 * inner_dim] if len(targets) == 4 else [])
+            parts = list(value.split(sizes))
+        for target, part in zip(targets, parts):
+            out[f"{block}.{target}.lora_{ab}.weight"] = part.contiguous()
+    if unknown:
+        raise ValueError(f"BFL Flux LoRA has layers this loader does not map, e.g. {unknown[0]}")
+    return out
+
+
+def convert_lora(state: dict[str, torch.Tensor], transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    if not is_bfl_flux_lora(state):
+        return state
+    config = transformer.config
+    return bfl_flux_to_diffusers(state, config.num_attention_heads * config.attention_head_dim)
+
+
+FLUX = FAMILIES.register(Family(
+    name="flux",
+    pipelines={"FluxPipeline": xFuserFluxPipeline},
+    transformer="FluxTransformer2DModel",
+    plan=ParallelPlan(
+        inputs={"": {"hidden_states": Split(dim=1), "img_ids": Split(dim=0)}},
+        outputs={"proj_out": Gather(dim=1)},
+        attention={
+            "transformer_blocks.*.attn": TextLayout.PREFIX,
+            "single_transformer_blocks.*.attn": TextLayout.PREFIX,
+        },
+        cfg=CfgMode.SEQUENTIAL,
+        cfg_branches=("cond", "uncond"),
+        pipefusion=PipeFusionPlan(
+            blocks=("transformer_blocks", "single_transformer_blocks"),
+            carried=("hidden_states", "encoder_hidden_states"),
+            returns=("encoder_hidden_states", "hidden_states"),
+            token_inputs={"image_rotary_emb": TextLayout.PREFIX},
+        ),
+    ),
+    convert_lora=convert_lora,
+))
