@@ -3,6 +3,6 @@
 """
 
 from . import flux, pixart, sd3, wan
-from .base import FAMILIES, ComfyData, Family, FamilyRegistry
+from .base import FAMILIES, ComfyData, Family, FamilyRegistry, SingleFile, Variant
 
-__all__ = ["FAMILIES", "ComfyData", "Family", "FamilyRegistry", "flux", "pixart", "sd3", "wan"]
+__all__ = ["FAMILIES", "ComfyData", "Family", "FamilyRegistry", "SingleFile", "Variant", "flux", "pixart", "sd3", "wan"]

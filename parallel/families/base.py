@@ -9,7 +9,7 @@ importing the registry (as the ComfyUI process does) never imports diffusers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from ..model_executor.plans import ParallelPlan
 
@@ -42,6 +42,32 @@ class ComfyData:
         return self.spatial.get(channels, 8)
 
 
+class Variant(NamedTuple):
+    """A released model a single-file checkpoint can hold; its shipped configs are parallel/configs/<variant>/."""
+
+    model: str  # the kind of model, as the built-in tiny models name it ("pixart-sigma", "flux")
+    title: str  # what users call it
+    marker: str  # how its tensor names and shapes show it
+
+
+@dataclass(frozen=True)
+class SingleFile:
+    """How a family's original single-file layout is recognised and converted (parallel/checkpoints/).
+
+    marker:   a tensor name only this layout has.
+    title:    the family as error messages name it.
+    variants: variant (config folder name) → Variant.
+    read:     Shapes → (variant, config values the shapes pin down); raises ValueError for what it cannot load.
+    convert:  (original state dict, config) → diffusers' names (may import diffusers).
+    """
+
+    marker: str
+    title: str
+    variants: dict[str, Variant]
+    read: Callable[[Any], tuple[str, dict]]
+    convert: Callable[[dict, dict], dict]
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family.
@@ -52,6 +78,7 @@ class Family:
     plan:        how that transformer runs in parallel (model_executor/plans.py).
     convert_lora: (state dict, transformer) → a state dict diffusers' own LoRA loader reads, for layouts
                  it does not convert itself; None: diffusers reads every layout of this family.
+    single_file: the family's original checkpoint layout, if single files of it load.
     """
 
     name: str
@@ -59,6 +86,7 @@ class Family:
     transformer: str
     plan: ParallelPlan
     convert_lora: Callable[[dict, Any], dict] | None = None
+    single_file: SingleFile | None = None
 
 
 class FamilyRegistry:

@@ -2,6 +2,8 @@
 replicated in front of the image shard in double- and single-stream blocks; true CFG arrives as two
 calls per step (guidance_scale is the distilled guidance, which needs no second branch).
 
+Single files: BFL's layout (double_blocks.*, single_blocks.*), converted by diffusers' own converter.
+
 LoRA: BFL's own layout (`diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight`, fused q/k/v) is
 not converted by diffusers' Flux loader (it takes Kohya, XLabs and BFL *control* LoRAs). A LoRA on a
 fused layer has one A and a stacked B, so it splits exactly into per-layer LoRAs: each part keeps A
@@ -17,10 +19,11 @@ import numpy as np
 import torch
 
 from ..call_parameters import CallParameter
+from ..checkpoints.shapes import Shapes
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split
-from .base import FAMILIES, ComfyData, Family
+from .base import FAMILIES, ComfyData, Family, SingleFile, Variant
 
 
 class xFuserFluxPipeline(xFuserPipelineBaseWrapper):
@@ -119,6 +122,66 @@ def convert_lora(state: dict[str, torch.Tensor], transformer: torch.nn.Module) -
     return bfl_flux_to_diffusers(state, config.num_attention_heads * config.attention_head_dim)
 
 
+# -- single-file checkpoints: BFL's layout -------------------------------------------------------------
+def read_checkpoint(shape: Shapes) -> tuple[str, dict]:
+    hidden, in_channels = shape("img_in.weight")
+    out_channels = shape("final_layer.linear.weight")[0]
+    if in_channels != out_channels:
+        raise shape.error(f"a Flux.1 transformer with {in_channels} input and {out_channels} output channels (Fill / "
+                          "Depth / Canny); only text-to-image Flux.1 dev and schnell are supported")
+    head_dim = shape("double_blocks.0.img_attn.norm.query_norm.scale")[0]
+    guidance = "guidance_in.in_layer.weight" in shape
+    return "flux1-dev" if guidance else "flux1-schnell", {
+        "in_channels": in_channels, "attention_head_dim": head_dim,
+        "num_attention_heads": shape.heads(hidden, head_dim),
+        "num_layers": shape.blocks(r"double_blocks\.(\d+)\."),
+        "num_single_layers": shape.blocks(r"single_blocks\.(\d+)\."),
+        "joint_attention_dim": shape("txt_in.weight")[1],
+        "pooled_projection_dim": shape("vector_in.in_layer.weight")[1],
+        "guidance_embeds": guidance, "axes_dims_rope": _rope_axes(head_dim),
+    }
+
+
+def _rope_axes(head_dim: int) -> list[int]:
+    """RoPE has no weights; Flux.1 splits its 128 head dims 16 (index) + 56 + 56 (rows, columns).
+
+    Other head sizes keep those proportions: each spatial axis 7/16 of the head, rounded down to even.
+    """
+    spatial = head_dim * 7 // 16 // 2 * 2
+    return [head_dim - 2 * spatial, spatial, spatial]
+
+
+# diffusers' Flux converter splits the single blocks' fused linear1 (q | k | v | mlp) at Flux.1's width:
+# inner_dim = 3072, mlp 4 x 3072.
+FLUX1_WIDTH = 3072
+
+
+def convert_checkpoint(state_dict: dict, config: dict) -> dict:
+    """diffusers' converter. A narrower Flux (the test models) gets its fused linear1 rows padded to the split
+    diffusers expects and the pieces cut back after; Flux.1 checkpoints pass through untouched."""
+    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
+
+    width = config["num_attention_heads"] * config["attention_head_dim"]
+    if width == FLUX1_WIDTH:
+        return convert_flux_transformer_checkpoint_to_diffusers(state_dict)
+    targets = [FLUX1_WIDTH] * 3 + [4 * FLUX1_WIDTH]
+    sizes = {}
+    for key in [k for k in state_dict if re.fullmatch(r"single_blocks\.\d+\.linear1\.(weight|bias)", k)]:
+        fused = state_dict[key]
+        sizes[key] = [width] * 3 + [fused.shape[0] - 3 * width]
+        if not all(0 < size <= target for size, target in zip(sizes[key], targets)):
+            raise ValueError(f"{key} has {fused.shape[0]} rows, which is not q, k, v of {width} and an MLP part "
+                             f"no wider than Flux.1's ({4 * FLUX1_WIDTH})")
+        state_dict[key] = torch.cat([torch.cat([piece, piece.new_zeros((target - len(piece), *piece.shape[1:]))])
+                                     for piece, target in zip(fused.split(sizes[key]), targets)])
+    converted = convert_flux_transformer_checkpoint_to_diffusers(state_dict)
+    for key, (q, k, v, mlp) in sizes.items():
+        block, kind = f"single_transformer_blocks.{key.split('.')[1]}.", key.rsplit(".", 1)[1]
+        for name, rows in (("attn.to_q", q), ("attn.to_k", k), ("attn.to_v", v), ("proj_mlp", mlp)):
+            converted[f"{block}{name}.{kind}"] = converted[f"{block}{name}.{kind}"][:rows]
+    return converted
+
+
 FLUX = FAMILIES.register(Family(
     name="flux",
     pipelines={"FluxPipeline": xFuserFluxPipeline},
@@ -140,4 +203,14 @@ FLUX = FAMILIES.register(Family(
         ),
     ),
     convert_lora=convert_lora,
+    single_file=SingleFile(
+        marker="double_blocks.0.img_attn.qkv.weight",
+        title="Flux.1",
+        variants={
+            "flux1-dev": Variant("flux", "Flux.1 dev", "BFL keys double_blocks.*, with guidance_in.*"),
+            "flux1-schnell": Variant("flux", "Flux.1 schnell", "BFL keys double_blocks.*, no guidance_in.*"),
+        },
+        read=read_checkpoint,
+        convert=convert_checkpoint,
+    ),
 ))

@@ -2,16 +2,24 @@
 image-only attention (attn2) is plain USP; CFG arrives batched.
 
 ComfyUI's SD3 conditioning is CLIP-L‖G padded to 4096 then T5 ([B, 154, 4096]) with a pooled [B, 2048].
+Single files: SAI's layout (joint_blocks.*; whole checkpoints keep it under model.diffusion_model.),
+converted by diffusers' own converter.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from ..checkpoints.shapes import Shapes, block_indices
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
 from ..model_executor.plans import Gather, ParallelPlan, PipeFusionPlan, Split
-from .base import FAMILIES, ComfyData, Family
+from .base import FAMILIES, ComfyData, Family, SingleFile, Variant
+
+# SAI's MMDiT sets hidden = 64 x depth, heads = depth (head size 64) unless q/k norms show the head size.
+HEAD_DIM = 64
 
 
 class xFuserStableDiffusion3Pipeline(xFuserPipelineBaseWrapper):
@@ -32,6 +40,29 @@ class xFuserStableDiffusion3Pipeline(xFuserPipelineBaseWrapper):
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
 
+def read_checkpoint(shape: Shapes) -> tuple[str, dict]:
+    hidden, in_channels, patch, _ = shape("x_embedder.proj.weight")
+    qk_norm = "joint_blocks.0.x_block.attn.ln_q.weight" in shape
+    dual = block_indices(shape.shapes, r"joint_blocks\.(\d+)\.x_block\.attn2\.")
+    variant = "sd3.5-medium" if dual else "sd3.5-large" if qk_norm else "sd3-medium"
+    head_dim = shape("joint_blocks.0.x_block.attn.ln_q.weight")[0] if qk_norm else HEAD_DIM
+    caption_dim, joint_dim = shape("context_embedder.weight")
+    return variant, {
+        "in_channels": in_channels, "out_channels": shape("final_layer.linear.weight")[0] // patch**2,
+        "patch_size": patch, "attention_head_dim": head_dim, "num_attention_heads": shape.heads(hidden, head_dim),
+        "num_layers": shape.blocks(r"joint_blocks\.(\d+)\."), "caption_projection_dim": caption_dim,
+        "joint_attention_dim": joint_dim, "pooled_projection_dim": shape("y_embedder.mlp.0.weight")[1],
+        "pos_embed_max_size": math.isqrt(shape("pos_embed")[1]), "dual_attention_layers": dual,
+        "qk_norm": "rms_norm" if qk_norm else None,
+    }
+
+
+def convert_checkpoint(state_dict: dict, config: dict) -> dict:
+    from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
+
+    return convert_sd3_transformer_checkpoint_to_diffusers(state_dict)
+
+
 SD3 = FAMILIES.register(Family(
     name="sd3",
     pipelines={"StableDiffusion3Pipeline": xFuserStableDiffusion3Pipeline},
@@ -44,5 +75,16 @@ SD3 = FAMILIES.register(Family(
             carried=("hidden_states", "encoder_hidden_states"),
             returns=("encoder_hidden_states", "hidden_states"),
         ),
+    ),
+    single_file=SingleFile(
+        marker="joint_blocks.0.x_block.attn.qkv.weight",
+        title="SD3",
+        variants={
+            "sd3-medium": Variant("sd3", "SD3 medium", "SAI keys joint_blocks.*, no q/k norm"),
+            "sd3.5-medium": Variant("sd3", "SD3.5 medium", "SAI keys joint_blocks.*, q/k norm, x_block.attn2"),
+            "sd3.5-large": Variant("sd3", "SD3.5 large", "SAI keys joint_blocks.*, q/k norm, no attn2"),
+        },
+        read=read_checkpoint,
+        convert=convert_checkpoint,
     ),
 ))
