@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..parallel.families import FAMILIES, ComfyData
+from ..parallel.families.base import pack_2x2, unpack_2x2
 
 
 class ConditioningError(ValueError):
@@ -59,18 +60,18 @@ class FamilyAdapter:
         return self.noise_to_model(self.latent_format(latents.shape[1]).process_in(latents))
 
     def noise_to_model(self, noise: torch.Tensor) -> torch.Tensor:
-        return pack(noise) if self.data.packed else noise
+        return pack_2x2(noise) if self.data.packed else noise
 
     def to_comfy(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         if self.data.packed:
-            latents = unpack(latents, height, width)
+            latents = unpack_2x2(latents, height, width)
         return self.latent_format(latents.shape[1]).process_out(latents)
 
     def preview_latents(self, preview: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """Model-space latents of the first sample as an image latent [1, C, H, W] for ComfyUI's previewer
         (a video's middle latent frame)."""
         if self.data.packed:
-            return unpack(preview, height, width)
+            return unpack_2x2(preview, height, width)
         return preview[:, :, preview.shape[2] // 2] if preview.ndim == 5 else preview
 
     # -- conditioning -------------------------------------------------------------------------------
@@ -121,18 +122,6 @@ class FamilyAdapter:
             raise ConditioningError(
                 f"{name} is {width} wide but this pool's {self.name} model needs {widths[name]}; {self.data.expects}"
             )
-
-
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    """[B, C, H, W] → [B, H/2·W/2, 4C]: 2×2 latent pixels per token, as the pipeline packs them."""
-    b, c, h, w = latents.shape
-    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack(latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    b, _, d = latents.shape
-    h, w = height // 16, width // 16
-    return latents.view(b, h, w, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, h * 2, w * 2)
 
 
 def _repeat(tensor: torch.Tensor, batch: int) -> torch.Tensor:

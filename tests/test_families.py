@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from parallel.families import FAMILIES
+from parallel.families.base import unpack_2x2
 from xdit_test_helpers import ROOT, import_node_module
 
 COMFYUI_SOURCE = ROOT.parent / "shared" / "comfyui" / "ComfyUI-0.3.64-a125cd84.tar.gz"
@@ -24,7 +25,7 @@ COMFYUI_SOURCE = ROOT.parent / "shared" / "comfyui" / "ComfyUI-0.3.64-a125cd84.t
 
 def test_importing_the_families_imports_no_diffusers():
     """The ComfyUI process reads the families' data: that must not pull diffusers or transformers in."""
-    code = ("import sys, parallel.families, parallel.model_executor; "
+    code = ("import sys, parallel.families, parallel.model_executor, parallel.builtin_models, parallel.checkpoints; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('diffusers', 'transformers')))")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -81,7 +82,7 @@ def test_image_latents_convert_as_comfyui_does(adapters, latent_formats, pipelin
     assert adapter.format_name(channels) == name
     assert adapter.job_size(x) == {"height": 48, "width": 32}
     model = adapter.to_model(x)
-    unpacked = adapters.unpack(model, 48, 32) if adapter.data.packed else model
+    unpacked = unpack_2x2(model, 48, 32) if adapter.data.packed else model
     assert torch.equal(unpacked, (x - shift) * scale)
     assert not torch.allclose(unpacked, (x + 1.0) * scale)
     assert torch.equal(unpacked, getattr(latent_formats, name)().process_in(x))

@@ -3,6 +3,7 @@
 """
 
 from . import flux, pixart, sd3, wan
-from .base import FAMILIES, ComfyData, Family, FamilyRegistry, SingleFile, Variant
+from .base import FAMILIES, ComfyData, Family, FamilyRegistry, SingleFile, TinyModel, Variant
 
-__all__ = ["FAMILIES", "ComfyData", "Family", "FamilyRegistry", "SingleFile", "Variant", "flux", "pixart", "sd3", "wan"]
+__all__ = ["FAMILIES", "ComfyData", "Family", "FamilyRegistry", "SingleFile", "TinyModel", "Variant", "flux", "pixart",
+           "sd3", "wan"]

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
+import torch
+
 from ..model_executor.plans import ParallelPlan
 
 
@@ -21,7 +23,7 @@ class ComfyData:
     latent_formats: latent channels → class name in `comfy.latent_formats` (its process_in/out convert
                     between ComfyUI's VAE space and the pipeline's model space).
     spatial:        latent channels → pixels per latent pixel (VAE factor).
-    packed:         the pipeline takes latents packed 2×2 into tokens [B, H/2·W/2, 4C] (Flux).
+    packed:         the pipeline takes latents packed 2×2 into tokens [B, H/2·W/2, 4C] (Flux; see pack_2x2).
     guidance_in_conditioning: the conditioning's "guidance" (FluxGuidance) is the pipeline's
                     distilled `guidance_scale`; ComfyUI's cfg then becomes `true_cfg_scale`.
     temporal:       frames per latent frame after the first (video: latents [B, C, T', H, W]); 0: images.
@@ -69,6 +71,33 @@ class SingleFile:
 
 
 @dataclass(frozen=True)
+class TinyModel:
+    """A built-in tiny model (`xdit-tiny-<name>`, parallel/tiny_models.py): random weights, offline tokenizers.
+
+    pipeline: the diffusers pipeline class name it builds (its wrapper says what inputs it takes).
+    build:    seed → the fp32 diffusers pipeline (imports diffusers when called).
+    inputs:   make_inputs' keyword arguments → the tensor inputs of one call, as if prompts were encoded.
+    """
+
+    pipeline: str
+    build: Callable[[int], Any]
+    inputs: Callable[..., dict]
+
+
+def pack_2x2(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] → [B, H/2·W/2, 4C]: 2×2 latent pixels per token, as packing pipelines (Flux) take them."""
+    b, c, h, w = latents.shape
+    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_2x2(latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """pack_2x2 undone, for an image of height × width pixels (VAE factor 8)."""
+    b, _, d = latents.shape
+    h, w = height // 16, width // 16
+    return latents.view(b, h, w, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, h * 2, w * 2)
+
+
+@dataclass(frozen=True)
 class Family:
     """One model family.
 
@@ -79,6 +108,7 @@ class Family:
     convert_lora: (state dict, transformer) → a state dict diffusers' own LoRA loader reads, for layouts
                  it does not convert itself; None: diffusers reads every layout of this family.
     single_file: the family's original checkpoint layout, if single files of it load.
+    tiny:        the family's built-in tiny models by name (tests, the demo, `xdit-tiny-<name>`).
     """
 
     name: str
@@ -87,6 +117,7 @@ class Family:
     plan: ParallelPlan
     convert_lora: Callable[[dict, Any], dict] | None = None
     single_file: SingleFile | None = None
+    tiny: dict[str, TinyModel] = field(default_factory=dict)
 
 
 class FamilyRegistry:

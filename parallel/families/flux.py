@@ -23,7 +23,7 @@ from ..checkpoints.shapes import Shapes
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split
-from .base import FAMILIES, ComfyData, Family, SingleFile, Variant
+from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant
 
 
 class xFuserFluxPipeline(xFuserPipelineBaseWrapper):
@@ -182,6 +182,29 @@ def convert_checkpoint(state_dict: dict, config: dict) -> dict:
     return converted
 
 
+# -- tiny built-in model: Flux.1-dev style (guidance_embeds=True) ---------------------------------------
+def build_tiny(seed: int):
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    from .. import tiny_models as tm
+
+    tok, clip = tm._clip(seed + 1, False)
+    tok2, t5 = tm._t5(seed + 2)
+    transformer = tm._transformer(seed, FluxTransformer2DModel, patch_size=1, in_channels=64, num_layers=tm.BLOCKS // 2,
+                                  num_single_layers=tm.BLOCKS // 2, joint_attention_dim=tm.T5_DIM,
+                                  pooled_projection_dim=tm.CLIP_DIM, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_image_seq_len=256,
+                                                max_image_seq_len=4096, base_shift=0.5, max_shift=1.15)
+    return FluxPipeline(scheduler=scheduler, vae=tm._vae(seed + 3, 16, 0.3611, 0.1159), text_encoder=clip,
+                        tokenizer=tok, text_encoder_2=t5, tokenizer_2=tok2, transformer=transformer)
+
+
+def tiny_inputs(**kwargs) -> dict:
+    from .. import tiny_models as tm
+
+    return tm.image_inputs(latent_channels=16, packed=True, pooled_dim=tm.CLIP_DIM, **kwargs)
+
+
 FLUX = FAMILIES.register(Family(
     name="flux",
     pipelines={"FluxPipeline": xFuserFluxPipeline},
@@ -213,4 +236,5 @@ FLUX = FAMILIES.register(Family(
         read=read_checkpoint,
         convert=convert_checkpoint,
     ),
+    tiny={"flux": TinyModel("FluxPipeline", build_tiny, tiny_inputs)},
 ))

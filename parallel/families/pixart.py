@@ -18,7 +18,7 @@ from ..checkpoints.shapes import Shapes
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
 from ..model_executor.plans import Gather, ParallelPlan, PipeFusionPlan, Split
-from .base import FAMILIES, ComfyData, Family, SingleFile, Variant
+from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant
 
 EXPECTS = "encode with xDiT Text Encode on this pool, or PixArt's T5-XXL encoder"
 
@@ -114,6 +114,32 @@ def convert_checkpoint(state_dict: dict, config: dict) -> dict:
     return out  # left behind on purpose: y_embedder.y_embedding (training's null caption), pos_embed (recomputed)
 
 
+# -- tiny built-in models ------------------------------------------------------------------------------
+def _tiny(alpha: bool) -> TinyModel:
+    def build(seed: int):
+        from diffusers import DPMSolverMultistepScheduler, PixArtAlphaPipeline, PixArtSigmaPipeline, PixArtTransformer2DModel
+
+        from .. import tiny_models as tm
+
+        tok, t5 = tm._t5(seed + 1)
+        # out_channels = 2 * in_channels: learned sigma, as in the real checkpoints (the pipeline drops it).
+        transformer = tm._transformer(seed, PixArtTransformer2DModel, in_channels=4, out_channels=8, num_layers=tm.BLOCKS,
+                                      sample_size=8, patch_size=2, cross_attention_dim=tm.HEADS * tm.HEAD_DIM,
+                                      caption_channels=tm.T5_DIM, norm_num_groups=4, use_additional_conditions=False)
+        vae = tm._vae(seed + 2, 4, 0.18215 if alpha else 0.13025)
+        # An untrained epsilon-prediction PixArt blows latents up ~100-200x; v-prediction keeps them O(1).
+        scheduler = DPMSolverMultistepScheduler(prediction_type="v_prediction")
+        cls = PixArtAlphaPipeline if alpha else PixArtSigmaPipeline
+        return cls(tokenizer=tok, text_encoder=t5, vae=vae, transformer=transformer, scheduler=scheduler)
+
+    def inputs(**kwargs) -> dict:
+        from .. import tiny_models as tm
+
+        return tm.image_inputs(latent_channels=4, packed=False, pooled_dim=None, **kwargs)
+
+    return TinyModel("PixArtAlphaPipeline" if alpha else "PixArtSigmaPipeline", build, inputs)
+
+
 PIXART = FAMILIES.register(Family(
     name="pixart",
     pipelines={"PixArtAlphaPipeline": xFuserPixArtAlphaPipeline, "PixArtSigmaPipeline": xFuserPixArtSigmaPipeline},
@@ -133,4 +159,5 @@ PIXART = FAMILIES.register(Family(
         read=read_checkpoint,
         convert=convert_checkpoint,
     ),
+    tiny={"pixart-alpha": _tiny(alpha=True), "pixart-sigma": _tiny(alpha=False)},
 ))

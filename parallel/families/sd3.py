@@ -16,7 +16,7 @@ from ..checkpoints.shapes import Shapes, block_indices
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
 from ..model_executor.plans import Gather, ParallelPlan, PipeFusionPlan, Split
-from .base import FAMILIES, ComfyData, Family, SingleFile, Variant
+from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant
 
 # SAI's MMDiT sets hidden = 64 x depth, heads = depth (head size 64) unless q/k norms show the head size.
 HEAD_DIM = 64
@@ -63,6 +63,30 @@ def convert_checkpoint(state_dict: dict, config: dict) -> dict:
     return convert_sd3_transformer_checkpoint_to_diffusers(state_dict)
 
 
+# -- tiny built-in model --------------------------------------------------------------------------------
+def build_tiny(seed: int):
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    from .. import tiny_models as tm
+
+    (tok1, clip1), (tok2, clip2) = tm._clip(seed + 1, True), tm._clip(seed + 2, True)
+    tok3, t5 = tm._t5(seed + 3)
+    transformer = tm._transformer(seed, SD3Transformer2DModel, sample_size=8, patch_size=2, in_channels=16,
+                                  out_channels=16, num_layers=tm.BLOCKS, joint_attention_dim=tm.T5_DIM,
+                                  caption_projection_dim=tm.HEADS * tm.HEAD_DIM, pooled_projection_dim=2 * tm.CLIP_DIM,
+                                  pos_embed_max_size=16)  # 16x16 patches: images up to 256x256
+    return StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=tm._vae(seed + 4, 16, 1.5305, 0.0609), text_encoder=clip1, tokenizer=tok1,
+        text_encoder_2=clip2, tokenizer_2=tok2, text_encoder_3=t5, tokenizer_3=tok3)
+
+
+def tiny_inputs(**kwargs) -> dict:
+    from .. import tiny_models as tm
+
+    return tm.image_inputs(latent_channels=16, packed=False, pooled_dim=2 * tm.CLIP_DIM, default_tokens=24, **kwargs)
+
+
 SD3 = FAMILIES.register(Family(
     name="sd3",
     pipelines={"StableDiffusion3Pipeline": xFuserStableDiffusion3Pipeline},
@@ -87,4 +111,5 @@ SD3 = FAMILIES.register(Family(
         read=read_checkpoint,
         convert=convert_checkpoint,
     ),
+    tiny={"sd3": TinyModel("StableDiffusion3Pipeline", build_tiny, tiny_inputs)},
 ))
