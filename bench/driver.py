@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from parallel.distributed import destroy_distributed_environment, init_distributed_environment
 from parallel.distributed.parallel_state import all_coordinators
-from parallel.model_executor import under_layout
+from parallel.model_executor.layout_scope import under_layout
 
 from . import machine
 from .diffusers_cp import FunctionalCollectiveBytes, enable_context_parallel

@@ -48,7 +48,7 @@ def drive(spec: dict) -> None:
     from parallel.config import ParallelConfig
     from parallel.distributed import init_distributed_environment
     from parallel.distributed.parallel_state import all_coordinators
-    from parallel.model_executor import under_layout
+    from parallel.model_executor.layout_scope import under_layout
 
     from .model import MODELS
 

@@ -163,9 +163,10 @@ def _save_mini(directory: Path) -> None:
     import torch
     from diffusers import WanPipeline, WanTransformer3DModel
 
-    from parallel import tiny_models, tiny_wan
+    from parallel import tiny_models
+    from parallel.families import wan
 
-    tok, umt5 = tiny_wan._umt5(1)
+    tok, umt5 = wan.tiny_umt5(1)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         transformer = WanTransformer3DModel(
@@ -173,7 +174,7 @@ def _save_mini(directory: Path) -> None:
             out_channels=16, text_dim=tiny_models.T5_DIM, freq_dim=32, ffn_dim=MINI.ffn, num_layers=MINI.layers,
             cross_attn_norm=True, rope_max_seq_len=64,
         )
-    WanPipeline(tokenizer=tok, text_encoder=umt5, vae=tiny_wan._wan_vae(2), scheduler=tiny_wan.scheduler(),
+    WanPipeline(tokenizer=tok, text_encoder=umt5, vae=wan.tiny_vae(2), scheduler=wan.tiny_scheduler(),
                 transformer=transformer).save_pretrained(directory)
 
 
@@ -209,7 +210,7 @@ def worker(spec_path: str) -> int:
     from parallel.config import ParallelConfig
     from parallel.distributed import destroy_distributed_environment, init_distributed_environment
     from parallel.loading import load_pipeline
-    from parallel.model_executor import under_layout
+    from parallel.model_executor.layout_scope import under_layout
 
     spec = json.loads(Path(spec_path).read_text())
     world = init_distributed_environment()

@@ -1,69 +1,82 @@
-"""Per-family conversion between ComfyUI's data and the diffusers pipeline's inputs and outputs.
+"""Conversion between ComfyUI's data and a diffusers pipeline's inputs and outputs, from the data its
+family declares (`ComfyData`, parallel/families/): no family is named here.
 
 ComfyUI keeps VAE-space latents and applies the model's latent format (`comfy/latent_formats.py`)
-inside its samplers; diffusers pipelines take model-space latents. So the sampler converts with the
-family's scale/shift (and Flux's 2×2 packing), uses ComfyUI's own noise for the seed, and turns a
-native CONDITIONING into the pipeline's prompt_embeds / pooled / mask inputs.
+inside its samplers; diffusers pipelines take model-space latents. So the sampler converts with that
+latent format's own process_in / process_out (and packs 2×2 where the family says so), uses ComfyUI's
+own noise for the seed, and turns a native CONDITIONING into the pipeline's tensor inputs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from ..parallel.families import FAMILIES, ComfyData
+from ..parallel.families.base import pack_2x2, unpack_2x2
 
 
 class ConditioningError(ValueError):
     """A conditioning that does not fit the pool's model; the text says which encoder it needs."""
 
 
-@dataclass(frozen=True)
 class FamilyAdapter:
-    name: str
-    latent_format: str  # class name in comfy.latent_formats
-    scale: float
-    shift: float = 0.0
-    packed: bool = False  # Flux packs 2×2 latent pixels into one 64-channel token
-    guidance_in_conditioning: bool = False  # Flux: FluxGuidance's "guidance" is the distilled guidance
-    expects: str = ""
+    """ComfyUI ↔ one diffusers pipeline class."""
 
-    def to_model(self, latents: torch.Tensor) -> torch.Tensor:
-        return self.pack((latents - self.shift) * self.scale) if self.packed else (latents - self.shift) * self.scale
+    def __init__(self, pipeline: str, data: ComfyData, tensor_inputs: tuple[str, ...]):
+        self.name, self.data, self.tensor_inputs = pipeline, data, tensor_inputs
 
-    def noise_to_model(self, noise: torch.Tensor) -> torch.Tensor:
-        return self.pack(noise) if self.packed else noise
-
-    def to_comfy(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        if self.packed:
-            latents = self.unpack(latents, height, width)
-        return latents / self.scale + self.shift
-
-    def preview_latents(self, preview: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """Model-space latents of the first sample, in ComfyUI's image layout for its previewer."""
-        return self.unpack(preview, height, width) if self.packed else preview
-
+    # -- latents ------------------------------------------------------------------------------------
     def format_name(self, channels: int) -> str:
         """The comfy.latent_formats class of a latent with `channels` channels."""
-        return self.latent_format
+        if channels not in self.data.latent_formats:
+            raise ConditioningError(
+                f"a {self.name} latent has {channels} channels; expected {' or '.join(map(str, self.data.latent_formats))}"
+            )
+        return self.data.latent_formats[channels]
+
+    def latent_format(self, channels: int):
+        """ComfyUI's latent format object (process_in/out, preview factors) for `channels` channels."""
+        import comfy.latent_formats
+
+        return getattr(comfy.latent_formats, self.format_name(channels))()
 
     def job_size(self, samples: torch.Tensor) -> dict[str, int]:
         """The job's pixel size (and frames, for video) of a ComfyUI latent."""
-        return {"height": samples.shape[-2] * 8, "width": samples.shape[-1] * 8}
+        video = self.data.temporal > 0
+        if samples.ndim != (5 if video else 4):
+            layout = "[batch, channels, frames, height, width]" if video else "[batch, channels, height, width]"
+            raise ConditioningError(
+                f"{self.name} samples {'videos' if video else 'images'}: the latent must be {5 if video else 4}-D "
+                f"{layout}, got {list(samples.shape)}; use {self.data.empty_latent}"
+            )
+        self.format_name(samples.shape[1])
+        scale = self.data.scale(samples.shape[1])
+        size = {"height": samples.shape[-2] * scale, "width": samples.shape[-1] * scale}
+        if video:
+            size["num_frames"] = (samples.shape[2] - 1) * self.data.temporal + 1
+        return size
 
-    @staticmethod
-    def pack(latents: torch.Tensor) -> torch.Tensor:
-        b, c, h, w = latents.shape
-        return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+    def to_model(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.noise_to_model(self.latent_format(latents.shape[1]).process_in(latents))
 
-    @staticmethod
-    def unpack(latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        b, _, d = latents.shape
-        h, w = height // 16, width // 16
-        return latents.view(b, h, w, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, h * 2, w * 2)
+    def noise_to_model(self, noise: torch.Tensor) -> torch.Tensor:
+        return pack_2x2(noise) if self.data.packed else noise
+
+    def to_comfy(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        if self.data.packed:
+            latents = unpack_2x2(latents, height, width)
+        return self.latent_format(latents.shape[1]).process_out(latents)
+
+    def preview_latents(self, preview: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Model-space latents of the first sample as an image latent [1, C, H, W] for ComfyUI's previewer
+        (a video's middle latent frame)."""
+        if self.data.packed:
+            return unpack_2x2(preview, height, width)
+        return preview[:, :, preview.shape[2] // 2] if preview.ndim == 5 else preview
 
     # -- conditioning -------------------------------------------------------------------------------
     def pipeline_inputs(self, positive, negative, batch: int, widths: dict[str, int]) -> tuple[dict, float | None]:
-        """prompt_embeds & co. for `batch` samples, and the conditioning's Flux guidance if any."""
+        """prompt_embeds & co. for `batch` samples, and the conditioning's distilled guidance if any."""
         tensors, guidance = {}, None
         for prefix, conditioning in (("", positive), ("negative_", negative)):
             if conditioning is None:
@@ -74,16 +87,24 @@ class FamilyAdapter:
             if f"{prefix}pooled_prompt_embeds" in widths:
                 pooled = extras.get("pooled_output")
                 if pooled is None:
-                    raise ConditioningError(f"the {prefix or 'positive '}conditioning has no pooled output; {self.expects}")
+                    raise ConditioningError(f"the {prefix or 'positive '}conditioning has no pooled output; {self.data.expects}")
                 self._check_width(f"{prefix}pooled_prompt_embeds", pooled.shape[-1], widths)
                 tensors[f"{prefix}pooled_prompt_embeds"] = _repeat(pooled, batch)
-            if self.name.startswith("pixart"):
+            if f"{prefix}prompt_attention_mask" in self.tensor_inputs:
                 mask = extras.get("attention_mask")
                 mask = torch.ones(cond.shape[:2], dtype=torch.int64) if mask is None else mask.to(torch.int64)
                 tensors[f"{prefix}prompt_attention_mask"] = _repeat(mask.reshape(mask.shape[0], -1), batch)
-            if not prefix and self.guidance_in_conditioning and "guidance" in extras:
+            if not prefix and self.data.guidance_in_conditioning and "guidance" in extras:
                 guidance = float(extras["guidance"])
         return {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, guidance
+
+    def guidance_parameters(self, cfg: float, conditioning_guidance: float | None, use_negative: bool) -> dict:
+        """The job's guidance: ComfyUI's cfg, or where the family distills guidance (its value comes with
+        the conditioning), that as guidance_scale and cfg as true CFG."""
+        if not self.data.guidance_in_conditioning:
+            return {"guidance_scale": cfg}
+        guidance = self.data.default_guidance if conditioning_guidance is None else conditioning_guidance
+        return {"guidance_scale": guidance, **({"true_cfg_scale": cfg} if use_negative else {})}
 
     def _single(self, conditioning, which: str):
         if not isinstance(conditioning, list) or not conditioning:
@@ -99,62 +120,8 @@ class FamilyAdapter:
     def _check_width(self, name: str, width: int, widths: dict[str, int]) -> None:
         if name in widths and width != widths[name]:
             raise ConditioningError(
-                f"{name} is {width} wide but this pool's {self.name} model needs {widths[name]}; {self.expects}"
+                f"{name} is {width} wide but this pool's {self.name} model needs {widths[name]}; {self.data.expects}"
             )
-
-
-@dataclass(frozen=True)
-class VideoFamilyAdapter(FamilyAdapter):
-    """Wan: 5-D latents [B, C, T', H, W] with ComfyUI's per-channel latent formats (Wan21: 16 channels,
-    ×8 spatial; Wan22: 48 channels, ×16), 4 frames per latent frame after the first.
-
-    Model space is ComfyUI's process_in, (x − mean) · scale_factor / std with scale_factor 1.0, which is
-    what diffusers' WanPipeline undoes before decoding (x = latents · std + mean); so the conversion uses
-    ComfyUI's own latent format (imported when used: the nodes run inside ComfyUI).
-    """
-
-    formats: tuple[tuple[int, str, int], ...] = ((16, "Wan21", 8), (48, "Wan22", 16))  # channels, format, ×spatial
-    temporal: int = 4
-
-    def _entry(self, channels: int) -> tuple[int, str, int]:
-        for entry in self.formats:
-            if entry[0] == channels:
-                return entry
-        raise ConditioningError(
-            f"a {self.name} video latent has {channels} channels; expected one of {[e[0] for e in self.formats]} "
-            "(Wan 2.1 / 2.2 A14B: 16, Wan 2.2 TI2V 5B: 48)"
-        )
-
-    def _format(self, channels: int):
-        import comfy.latent_formats
-
-        return getattr(comfy.latent_formats, self.format_name(channels))()
-
-    def format_name(self, channels: int) -> str:
-        return self._entry(channels)[1]
-
-    def job_size(self, samples: torch.Tensor) -> dict[str, int]:
-        if samples.ndim != 5:
-            raise ConditioningError(
-                f"{self.name} samples videos: the latent must be 5-D [batch, channels, frames, height, width], "
-                f"got {list(samples.shape)}; use EmptyHunyuanLatentVideo (Wan 2.1 / 2.2 A14B) or a Wan latent node"
-            )
-        _, _, spatial = self._entry(samples.shape[1])
-        return {"height": samples.shape[-2] * spatial, "width": samples.shape[-1] * spatial,
-                "num_frames": (samples.shape[2] - 1) * self.temporal + 1}
-
-    def to_model(self, latents: torch.Tensor) -> torch.Tensor:
-        return self._format(latents.shape[1]).process_in(latents)
-
-    def noise_to_model(self, noise: torch.Tensor) -> torch.Tensor:
-        return noise
-
-    def to_comfy(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        return self._format(latents.shape[1]).process_out(latents)
-
-    def preview_latents(self, preview: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """The middle latent frame, as an image latent [1, C, H, W]."""
-        return preview[:, :, preview.shape[2] // 2] if preview.ndim == 5 else preview
 
 
 def _repeat(tensor: torch.Tensor, batch: int) -> torch.Tensor:
@@ -165,31 +132,10 @@ def _repeat(tensor: torch.Tensor, batch: int) -> torch.Tensor:
     return tensor.expand(batch, *tensor.shape[1:]).contiguous()
 
 
-ADAPTERS = {
-    "PixArtAlphaPipeline": FamilyAdapter(
-        "pixart-alpha", "SD15", 0.18215, expects="encode with xDiT Text Encode on this pool, or PixArt's T5-XXL encoder"
-    ),
-    "PixArtSigmaPipeline": FamilyAdapter(
-        "pixart-sigma", "SDXL", 0.13025, expects="encode with xDiT Text Encode on this pool, or PixArt's T5-XXL encoder"
-    ),
-    "StableDiffusion3Pipeline": FamilyAdapter(
-        "sd3", "SD3", 1.5305, 0.0609,
-        expects="encode with xDiT Text Encode on this pool, or SD3's TripleCLIPLoader (CLIP-L + CLIP-G + T5: 4096 wide, pooled 2048)",
-    ),
-    "FluxPipeline": FamilyAdapter(
-        "flux", "Flux", 0.3611, 0.1159, packed=True, guidance_in_conditioning=True,
-        expects="encode with xDiT Text Encode on this pool, or Flux's DualCLIPLoader (T5 4096 wide, pooled CLIP-L 768)",
-    ),
-}
-
-
-ADAPTERS["WanPipeline"] = VideoFamilyAdapter(
-    "wan", "Wan21", 1.0,
-    expects="encode with xDiT Text Encode on this pool, or Wan's UMT5-XXL CLIP loader (4096 wide, 512 tokens)",
-)
-
-
 def adapter_for(pipeline: str) -> FamilyAdapter:
-    if pipeline not in ADAPTERS:
-        raise ValueError(f"xDiT Sampler has no adapter for {pipeline}; supported: {sorted(ADAPTERS)}")
-    return ADAPTERS[pipeline]
+    """The adapter for the diffusers pipeline class named `pipeline` (a pool's `pipeline` status)."""
+    try:
+        wrapper = FAMILIES.pipeline_wrapper(pipeline)
+    except ValueError as error:
+        raise ValueError(f"xDiT Sampler has no adapter for {pipeline}: {error}") from None
+    return FamilyAdapter(pipeline, wrapper.comfy, wrapper.all_tensor_inputs())

@@ -6,7 +6,6 @@ live previews, and turns ComfyUI's cancel into a cancel on the pool at the next 
 
 from __future__ import annotations
 
-import comfy.latent_formats
 import comfy.model_management
 import comfy.sample
 import comfy.utils
@@ -67,22 +66,17 @@ class XDiTSampler(io.ComfyNode):
         height, width = size["height"], size["width"]
         noise = comfy.sample.prepare_noise(samples, seed, latent_image.get("batch_index"))
         use_negative = cfg > 1.0
-        tensors, flux_guidance = adapter.pipeline_inputs(positive, negative if use_negative else None, batch,
-                                                         pool.status.get("inputs", {}))
+        tensors, conditioning_guidance = adapter.pipeline_inputs(positive, negative if use_negative else None, batch,
+                                                                 pool.status.get("inputs", {}))
         tensors["latents"] = adapter.noise_to_model(noise).float()
         params = {"steps": steps, **size, "preview": preview, "scheduler": sampler,
                   "loras": [{"path": path, "strength": strength} for path, strength in pool.loras]}
         if denoise < 1.0:  # img2img: start from the given latent, noised to the schedule's point
             tensors["init_latents"] = adapter.to_model(samples.float())
             params["denoise"] = denoise
-        if adapter.guidance_in_conditioning:
-            params["guidance_scale"] = flux_guidance if flux_guidance is not None else 3.5
-            if use_negative:
-                params["true_cfg_scale"] = cfg
-        else:
-            params["guidance_scale"] = cfg
+        params.update(adapter.guidance_parameters(cfg, conditioning_guidance, use_negative))
 
-        latent_format = getattr(comfy.latent_formats, adapter.format_name(samples.shape[1]))()
+        latent_format = adapter.latent_format(samples.shape[1])
         previewer = _previewer(latent_format) if preview else None
         progress = comfy.utils.ProgressBar(steps)
         interrupted = []

@@ -1,9 +1,10 @@
 """Built-in tiny models: `xdit-tiny-<family>` is accepted wherever a model path is (contract E, the pool
 CLI, the xDiT Pool node).
 
-They are built in code on first use (random weights, offline tokenizers: they make noise, not pictures)
-and cached in the pack's `.cache/tiny/` keyed by the builders' source, so a changed builder never serves
-a stale model. Listing the names imports nothing heavy: ComfyUI shows them at start-up without diffusers.
+Each family declares its tiny models (`Family.tiny`, parallel/families/). They are built in code on
+first use (random weights, offline tokenizers: they make noise, not pictures) and cached in the pack's
+`.cache/tiny/` keyed by the builders' source, so a changed builder never serves a stale model. Listing
+the names imports no diffusers: ComfyUI shows them at start-up.
 """
 
 from __future__ import annotations
@@ -14,10 +15,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .families import FAMILIES as _REGISTRY
+
 PREFIX = "xdit-tiny-"
-FAMILIES = ("pixart-alpha", "pixart-sigma", "sd3", "flux", "wan", "wan22", "wan22-5b", "wan22-i2v")
+FAMILIES = tuple(name for family in _REGISTRY for name in family.tiny)
 NAMES = tuple(PREFIX + family for family in FAMILIES)
 _HERE = Path(__file__).resolve().parent
+# The builders' source: the shared parts and every family module (where each family assembles its models).
+_BUILDERS = (_HERE / "tiny_models.py", *sorted((_HERE / "families").glob("*.py")))
 CACHE = _HERE.parent / ".cache" / "tiny"
 
 
@@ -35,8 +40,7 @@ def family_of(model: str) -> str:
 def builtin_model_dir(model: str) -> Path:
     """The pipeline folder of built-in `model`, built once (atomically, so concurrent callers agree)."""
     family = family_of(model)
-    builders = sorted(_HERE.glob("tiny_*.py"))
-    version = hashlib.sha1(b"".join(path.read_bytes() for path in builders)).hexdigest()[:10]
+    version = hashlib.sha1(b"".join(path.read_bytes() for path in _BUILDERS)).hexdigest()[:10]
     directory = CACHE / version / family
     if (directory / "model_index.json").is_file():
         return directory

@@ -18,17 +18,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from . import tiny_models
+from .families import FAMILIES
+from .families.base import unpack_2x2
 from .launch import rank_environment, torchrun_command
 
 
-def decode_to_png(model_dir: Path, latents: torch.Tensor, family: str, path: Path) -> None:
-    from diffusers import AutoencoderKL
+def decode_to_png(pipeline, latents: torch.Tensor, size: int, path: Path) -> None:
     from diffusers.image_processor import VaeImageProcessor
 
-    vae = AutoencoderKL.from_pretrained(model_dir / "vae")
-    if family == "flux":  # unpack 2×2 tokens back to a latent image
-        side = int(latents.shape[1] ** 0.5)
-        latents = latents.view(1, side, side, 16, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(1, 16, side * 2, side * 2)
+    vae = pipeline.vae
+    if FAMILIES.pipeline_wrapper(pipeline).comfy.packed:  # tokens of 2×2 latent pixels back to a latent image
+        latents = unpack_2x2(latents, size, size)
     shift = getattr(vae.config, "shift_factor", None) or 0.0
     with torch.no_grad():
         image = vae.decode(latents / vae.config.scaling_factor + shift).sample
@@ -72,7 +72,7 @@ def main() -> int:
     latents = load_file(output)["latents"]
     print(f"max |parallel - diffusers| = {(latents - expected).abs().max().item():.2e}")
     png = args.out / f"{args.family}.png"
-    decode_to_png(model_dir, latents, args.family, png)
+    decode_to_png(pipeline, latents, args.size, png)
     print(f"wrote {png}")
     return 0
 

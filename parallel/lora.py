@@ -1,7 +1,8 @@
 """LoRA on a parallel pipeline: load once per file, stack by strength, remove without reloading.
 
 Files are read with the pipeline family's own diffusers converter (`lora_state_dict`), which takes
-diffusers/PEFT, Kohya and XLabs layouts (BFL's Flux layout is converted in lora_formats.py), then injected into this rank's transformer with
+diffusers/PEFT, Kohya and XLabs layouts; layouts it does not read (BFL's Flux layout) go through the
+family's `convert_lora` (parallel/families/). Then they are injected into this rank's transformer with
 PEFT (`load_lora_adapter`). Our parallel hooks sit on attention modules, not on the Linear layers
 PEFT wraps, so every layout keeps working. Under PipeFusion each stage takes only the weights of
 the blocks it holds; weights that match no layer of the model at all mean a LoRA for another model.
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .lora_formats import bfl_flux_to_diffusers, is_bfl_flux_lora
+from .families import FAMILIES
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class LoraManager:
         self.loads += 1
 
     def _read(self, path: str) -> dict[str, torch.Tensor]:
-        """The file's weights with diffusers' names, converted from Kohya/XLabs/BFL layouts."""
+        """The file's weights with diffusers' names, converted from Kohya/XLabs/family layouts."""
         loader = getattr(type(self.pipeline), "lora_state_dict", None)
         if loader is None:
             raise ValueError(
@@ -78,10 +79,8 @@ class LoraManager:
         except Exception as error:  # noqa: BLE001 - diffusers raises many kinds for bad files
             raise ValueError(f"{os.path.basename(path)} is not a readable LoRA file ({type(error).__name__}: {error})") from None
         state = state[0] if isinstance(state, tuple) else state
-        if is_bfl_flux_lora(state):
-            config = self.transformer.config
-            state = bfl_flux_to_diffusers(state, config.num_attention_heads * config.attention_head_dim)
-        return state
+        convert = FAMILIES.for_transformer(self.transformer).convert_lora
+        return convert(state, self.transformer) if convert else state
 
     def _select(self, path: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The weights whose layers this rank holds; refuse a LoRA made for another model."""

@@ -2,8 +2,9 @@
 
 Every component is built in code from seeded random weights (no model hub access), small enough that a
 pipeline saves to well under 2 MB and a 4-step 64x64 run takes a fraction of a second on CPU, yet
-structurally the same as the real PixArt-alpha/Sigma, SD3 and Flux.1-dev pipelines, so multi-rank results
-can be compared with the single-process pipeline.
+structurally the same as the real pipelines, so multi-rank results can be compared with the
+single-process pipeline. Each family assembles its tiny models from the parts here and declares them
+(`Family.tiny`, parallel/families/); this module builds them by name.
 """
 
 from __future__ import annotations
@@ -12,19 +13,7 @@ import pathlib
 import string
 
 import torch
-from diffusers import (
-    AutoencoderKL,
-    DiffusionPipeline,
-    DPMSolverMultistepScheduler,
-    FlowMatchEulerDiscreteScheduler,
-    FluxPipeline,
-    FluxTransformer2DModel,
-    PixArtAlphaPipeline,
-    PixArtSigmaPipeline,
-    PixArtTransformer2DModel,
-    SD3Transformer2DModel,
-    StableDiffusion3Pipeline,
-)
+from diffusers import AutoencoderKL, DiffusionPipeline
 from transformers import (
     CLIPTextConfig,
     CLIPTextModel,
@@ -35,35 +24,25 @@ from transformers import (
     T5Tokenizer,
 )
 
-FAMILIES = ("pixart-alpha", "pixart-sigma", "sd3", "flux")  # flux = Flux.1-dev style (guidance_embeds=True)
-# Wan 2.1 T2V, Wan 2.2 T2V A14B (two experts), Wan 2.2 TI2V 5B (48 channels): built in tiny_wan.py
-VIDEO_FAMILIES = ("wan", "wan22", "wan22-5b")
-IMAGE_TO_VIDEO_FAMILIES = ("wan22-i2v",)  # Wan 2.2 I2V A14B: WanImageToVideoPipeline, takes an `image`
+from .families import FAMILIES as _REGISTRY
 
 HEADS, HEAD_DIM = 4, 16  # every transformer: 4 heads of 16 -> inner dim 64
 BLOCKS = 4  # transformer blocks (Flux: 2 double + 2 single), so PipeFusion can use 4 stages
 T5_DIM = 32  # T5 d_model = PixArt caption_channels = SD3/Flux joint_attention_dim
 CLIP_DIM = 16  # CLIP hidden and projection size; SD3 pooled = 2 * CLIP_DIM, Flux pooled = CLIP_DIM
-POOLED_DIM = {"sd3": 2 * CLIP_DIM, "flux": CLIP_DIM}
-LATENT_CHANNELS = {"pixart-alpha": 4, "pixart-sigma": 4, "sd3": 16, "flux": 16}
-TEXT_TOKENS = {"pixart-alpha": 16, "pixart-sigma": 16, "sd3": 24, "flux": 16}  # make_inputs default
+TEXT_TOKENS = 16  # make_inputs default
 # Random weights give almost uniform attention, which hides sharding/ring bugs; this factor on q and k
 # multiplies the logits by QK_SCALE**2 so every attention is peaked.
 QK_SCALE = 4.0
 
-PIPELINE_CALL_DEFAULTS: dict[str, dict] = {
-    # Resolution binning would resize 64x64 to a trained aspect bucket; negative_prompt must be None when
-    # negative_prompt_embeds are passed (the pipeline's default is "").
-    "pixart-alpha": {"use_resolution_binning": False, "negative_prompt": None},
-    "pixart-sigma": {"use_resolution_binning": False, "negative_prompt": None},
-    "sd3": {},
-    # Flux.1-dev is guidance-distilled: negatives are only used when the caller sets true_cfg_scale > 1.
-    "flux": {},
-    "wan": {},
-    "wan22": {},
-    "wan22-5b": {},
-    "wan22-i2v": {},
-}
+# The tiny models every family declares, by name; what their pipelines need when given embeddings.
+MODELS = {name: model for family in _REGISTRY for name, model in family.tiny.items()}
+_WRAPPERS = {name: _REGISTRY.pipeline_wrapper(model.pipeline) for name, model in MODELS.items()}
+PIPELINE_CALL_DEFAULTS: dict[str, dict] = {name: dict(wrapper.call_defaults) for name, wrapper in _WRAPPERS.items()}
+IMAGE_TO_VIDEO_FAMILIES = tuple(name for name, wrapper in _WRAPPERS.items() if "image" in wrapper.tensor_inputs)
+VIDEO_FAMILIES = tuple(name for name, wrapper in _WRAPPERS.items()
+                       if wrapper.comfy.temporal and name not in IMAGE_TO_VIDEO_FAMILIES)
+FAMILIES = tuple(name for name, wrapper in _WRAPPERS.items() if not wrapper.comfy.temporal)  # image models
 
 
 def _seeded(seed: int, factory, *args, **kwargs):
@@ -157,62 +136,10 @@ def _transformer(seed: int, cls, **config):
     return _peak_attention(model, QK_SCALE)
 
 
-def _build_pixart(family: str, seed: int) -> DiffusionPipeline:
-    tok, t5 = _t5(seed + 1)
-    # out_channels = 2 * in_channels: learned sigma, as in the real checkpoints (the pipeline drops it).
-    transformer = _transformer(seed, PixArtTransformer2DModel, in_channels=4, out_channels=8, num_layers=BLOCKS,
-                               sample_size=8, patch_size=2, cross_attention_dim=HEADS * HEAD_DIM,
-                               caption_channels=T5_DIM, norm_num_groups=4, use_additional_conditions=False)
-    alpha = family == "pixart-alpha"
-    vae = _vae(seed + 2, 4, 0.18215 if alpha else 0.13025)
-    # An untrained epsilon-prediction PixArt blows latents up ~100-200x; v-prediction keeps them O(1).
-    scheduler = DPMSolverMultistepScheduler(prediction_type="v_prediction")
-    cls = PixArtAlphaPipeline if alpha else PixArtSigmaPipeline
-    return cls(tokenizer=tok, text_encoder=t5, vae=vae, transformer=transformer, scheduler=scheduler)
-
-
-def _build_sd3(seed: int) -> DiffusionPipeline:
-    (tok1, clip1), (tok2, clip2) = _clip(seed + 1, True), _clip(seed + 2, True)
-    tok3, t5 = _t5(seed + 3)
-    transformer = _transformer(seed, SD3Transformer2DModel, sample_size=8, patch_size=2, in_channels=16,
-                               out_channels=16, num_layers=BLOCKS, joint_attention_dim=T5_DIM,
-                               caption_projection_dim=HEADS * HEAD_DIM, pooled_projection_dim=POOLED_DIM["sd3"],
-                               pos_embed_max_size=16)  # 16x16 patches: images up to 256x256
-    return StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=_vae(seed + 4, 16, 1.5305, 0.0609), text_encoder=clip1, tokenizer=tok1,
-        text_encoder_2=clip2, tokenizer_2=tok2, text_encoder_3=t5, tokenizer_3=tok3)
-
-
-def _build_flux(seed: int) -> DiffusionPipeline:
-    tok, clip = _clip(seed + 1, False)
-    tok2, t5 = _t5(seed + 2)
-    transformer = _transformer(seed, FluxTransformer2DModel, patch_size=1, in_channels=64, num_layers=BLOCKS // 2,
-                               num_single_layers=BLOCKS // 2, joint_attention_dim=T5_DIM,
-                               pooled_projection_dim=POOLED_DIM["flux"], guidance_embeds=True,
-                               axes_dims_rope=(4, 6, 6))
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_image_seq_len=256,
-                                                max_image_seq_len=4096, base_shift=0.5, max_shift=1.15)
-    return FluxPipeline(scheduler=scheduler, vae=_vae(seed + 3, 16, 0.3611, 0.1159), text_encoder=clip,
-                        tokenizer=tok, text_encoder_2=t5, tokenizer_2=tok2, transformer=transformer)
-
-
 # ---------------------------------------------------------------------------------------------- API
 def build_tiny_pipeline(family: str, *, seed: int = 0) -> DiffusionPipeline:
-    """The full fp32 diffusers pipeline of `family`, with random weights fixed by `seed`."""
-    known = FAMILIES + VIDEO_FAMILIES + IMAGE_TO_VIDEO_FAMILIES
-    if family not in known:
-        raise ValueError(f"unknown family {family!r}; expected one of {known}")
-    if family in VIDEO_FAMILIES + IMAGE_TO_VIDEO_FAMILIES:
-        from .tiny_wan import build_wan
-
-        pipe = build_wan(family, seed)
-    elif family == "sd3":
-        pipe = _build_sd3(seed)
-    elif family == "flux":
-        pipe = _build_flux(seed)
-    else:
-        pipe = _build_pixart(family, seed)
+    """The full fp32 diffusers pipeline of tiny model `family`, with random weights fixed by `seed`."""
+    pipe = _model(family).build(seed)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -235,24 +162,32 @@ def make_inputs(family: str, *, batch: int = 1, height: int = 64, width: int = 6
     Video families (Wan) take `num_frames` and get 5-D latents [B, C, (num_frames - 1) // 4 + 1, H/8, W/8]
     (wan22-5b: 48 channels, H/16 × W/16); image-to-video also gets `image`.
     """
-    if family in VIDEO_FAMILIES + IMAGE_TO_VIDEO_FAMILIES:
-        from .tiny_wan import make_video_inputs
+    return _model(family).inputs(batch=batch, height=height, width=width, seed=seed, negative=negative,
+                                 text_tokens=text_tokens, num_frames=num_frames)
 
-        return make_video_inputs(family, batch, height, width, num_frames, seed, negative, text_tokens)
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+
+def _model(family: str):
+    if family not in MODELS:
+        raise ValueError(f"unknown family {family!r}; expected one of {tuple(MODELS)}")
+    return MODELS[family]
+
+
+def image_inputs(*, latent_channels: int, packed: bool, pooled_dim: int | None, default_tokens: int = TEXT_TOKENS,
+                 batch: int, height: int, width: int, seed: int, negative: bool, text_tokens: int | None,
+                 num_frames: int) -> dict[str, torch.Tensor]:
+    """make_inputs for an image family: pooled embeddings if it has `pooled_dim`, else T5 attention masks."""
     gen = torch.Generator().manual_seed(seed)
-    tokens = text_tokens or TEXT_TOKENS[family]
+    tokens = text_tokens or default_tokens
     h, w = height // 8, width // 8
-    if family == "flux":
-        latent_shape = (batch, (h // 2) * (w // 2), 4 * LATENT_CHANNELS[family])
+    if packed:
+        latent_shape = (batch, (h // 2) * (w // 2), 4 * latent_channels)
     else:
-        latent_shape = (batch, LATENT_CHANNELS[family], h, w)
+        latent_shape = (batch, latent_channels, h, w)
     out = {"latents": torch.randn(latent_shape, generator=gen)}
     for offset, prefix in enumerate(("", "negative_") if negative else ("",)):
         out[prefix + "prompt_embeds"] = torch.randn(batch, tokens, T5_DIM, generator=gen)
-        if family in POOLED_DIM:
-            out[prefix + "pooled_prompt_embeds"] = torch.randn(batch, POOLED_DIM[family], generator=gen)
+        if pooled_dim is not None:
+            out[prefix + "pooled_prompt_embeds"] = torch.randn(batch, pooled_dim, generator=gen)
         else:  # valid lengths in [tokens/4, tokens-1], distinct per sample and between positive and negative
             span = max(1, tokens - 1 - tokens // 4)
             valid = (tokens - 2 - (torch.arange(batch) + 3 * offset) % span).clamp(min=1)

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from parallel.config import ParallelConfig
 from parallel.distributed import destroy_distributed_environment, init_distributed_environment
 from parallel.loading import load_pipeline, set_scheduler
-from parallel.model_executor import under_layout
+from parallel.model_executor.layout_scope import under_layout
 from parallel.model_executor.layers import attention_seam
 
 _USP = attention_seam.usp_attention

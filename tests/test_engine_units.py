@@ -9,7 +9,8 @@ from parallel.config import LayoutError, ParallelConfig
 from parallel.distributed.parallel_state import RankLayout
 from parallel.model_executor import capability_table
 from parallel.model_executor.attention import KERNELS
-from parallel.model_executor.register import xFuserSchedulerWrappersRegister, xFuserTransformerWrappersRegister
+from parallel.families import FAMILIES
+from parallel.model_executor.register import xFuserSchedulerWrappersRegister
 
 
 def test_mesh_puts_ulysses_innermost_and_dp_outermost():
@@ -55,7 +56,7 @@ def test_kernels_match_math_reference_with_lse(name):
 
 def test_unsupported_class_names_itself_and_the_supported_ones():
     with pytest.raises(ValueError, match=r"Linear is not a supported transformer; supported: .*FluxTransformer2DModel"):
-        xFuserTransformerWrappersRegister.get_wrapper(torch.nn.Linear(1, 1))
+        FAMILIES.for_transformer(torch.nn.Linear(1, 1))
     from diffusers import LCMScheduler
 
     with pytest.raises(ValueError, match="LCMScheduler is not a supported scheduler"):
@@ -72,13 +73,13 @@ def test_pipefusion_degree_above_the_block_count_fails_before_compute():
     from types import SimpleNamespace
 
     from parallel.model_executor.pipefusion import PipeFusionStage
-    from parallel.model_executor.models.transformers.pixart_transformer_2d import xFuserPixArtTransformer2DWrapper
+    from parallel.families.pixart import PIXART
     from parallel import tiny_models
 
     transformer = tiny_models.build_tiny_pipeline("pixart-alpha").transformer
     five_stages = SimpleNamespace(world_size=5, rank_in_group=0)
     with pytest.raises(LayoutError, match="pipefusion degree 5 is more than the model's 4 blocks"):
-        PipeFusionStage(transformer, xFuserPixArtTransformer2DWrapper.plan.pipefusion, five_stages, 5, 1, lambda: "x")
+        PipeFusionStage(transformer, PIXART.plan.pipefusion, five_stages, 5, 1, lambda: "x")
 
 
 def test_stages_balance_parameters_not_block_counts():

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from parallel import tiny_models
 from parallel.checkpoints import CheckpointFile, detect_checkpoint
-from parallel.checkpoints.detect import CONFIGS, SUPPORTED
+from parallel.checkpoints.detect import CONFIGS, supported_variants
 from parallel.loading import load_pipeline
 from xdit_test_helpers import TOLERANCE, import_node_module, torchrun
 
@@ -366,7 +366,7 @@ def test_unknown_checkpoint_lists_supported(tmp_path):
         load_pipeline(path)
     message = str(error.value)
     assert str(path) in message and "not a supported single-file transformer checkpoint" in message
-    for _, name, _ in SUPPORTED.values():
+    for _, name, _ in supported_variants().values():
         assert name in message
 
 
@@ -428,7 +428,7 @@ def test_text_encoders_refused(checkpoints):
 
 
 def test_shipped_configs_are_complete():
-    for variant in SUPPORTED:
+    for variant in supported_variants():
         for part in ("model_index.json", "transformer/config.json", "scheduler/scheduler_config.json"):
             assert json.loads((CONFIGS / variant / part).read_text()), f"{variant}/{part}"
 

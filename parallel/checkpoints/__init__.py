@@ -3,13 +3,13 @@ ComfyUI users keep them: detection here (no diffusers import), loading in `load`
 
 from .detect import (
     CHECKPOINT_SUFFIXES,
-    SUPPORTED,
     CheckpointFile,
     Detected,
     checkpoint_variant,
     detect_checkpoint,
     supported_list,
+    supported_variants,
 )
 
-__all__ = ["CHECKPOINT_SUFFIXES", "SUPPORTED", "CheckpointFile", "Detected", "checkpoint_variant", "detect_checkpoint",
-           "supported_list"]
+__all__ = ["CHECKPOINT_SUFFIXES", "CheckpointFile", "Detected", "checkpoint_variant", "detect_checkpoint",
+           "supported_list", "supported_variants"]

@@ -1,15 +1,22 @@
-"""Wrappers that parallelise diffusers pipelines, after xDiT's model_executor.
+"""Wrappers that parallelise diffusers pipelines, after xFuser's model_executor.
 
-Importing this package registers every wrapper. `wrap_pipeline(pipeline)` parallelises a loaded
-diffusers pipeline for the current layout, `under_layout(pipeline, config)` for the length of a block;
-`capability_table()` prints what each family supports.
+`wrap_pipeline(pipeline)` parallelises a loaded diffusers pipeline for the current layout, with the
+wrappers its family declares (parallel/families/); `capability_table()` prints what each family supports;
+`layout_scope.under_layout(pipeline, config)` runs a pipeline under one layout for the length of a block.
+Importing this package imports no diffusers: the ComfyUI process reads the families' plans and data.
 """
 
-from . import layers, models, pipelines, schedulers
-from .capabilities import capability_table
-from .layout_scope import under_layout
-from .pipelines import xFuserPipelineBaseWrapper
 
-wrap_pipeline = xFuserPipelineBaseWrapper.wrap
+def wrap_pipeline(pipeline, attention_kernel: str | None = None):
+    from .pipelines import xFuserPipelineBaseWrapper
 
-__all__ = ["capability_table", "layers", "models", "pipelines", "schedulers", "under_layout", "wrap_pipeline", "xFuserPipelineBaseWrapper"]
+    return xFuserPipelineBaseWrapper.wrap(pipeline, attention_kernel)
+
+
+def capability_table() -> str:
+    from .capabilities import capability_table as table
+
+    return table()
+
+
+__all__ = ["capability_table", "wrap_pipeline"]

@@ -91,6 +91,8 @@ class ParallelPlan:
     text_input: the forward argument whose token count is the text length for joint attention.
     cfg:       how guidance branches arrive (see CfgMode).
     pipefusion: how the blocks form a patch pipeline, if the family supports PipeFusion.
+    output_channels: the config entry giving the output's channels (dim 1) when they differ from the
+               input's (Wan image-to-video takes 36, returns 16); None: the output is shaped like the input.
     """
 
     inputs: dict[str, dict[str, Split]] = field(default_factory=dict)
@@ -101,6 +103,7 @@ class ParallelPlan:
     cfg_branches: tuple[str, str] = ("uncond", "cond")
     uneven_tokens: bool = False
     pipefusion: PipeFusionPlan | None = None
+    output_channels: str | None = None
 
     @property
     def sequence_parallel(self) -> bool:

@@ -1,6 +1,7 @@
 """Registers that map a diffusers class to the wrapper that parallelises it.
 
-Four registers, as in xDiT: pipelines, transformers, layers, schedulers. A wrapper registers itself
+Layers and schedulers, as in xDiT (pipelines and transformers are found through their family, see
+parallel/families/base.py). A wrapper registers itself
 with `@REGISTER.register(DiffusersClass, ...)`; `get_wrapper(obj)` finds the wrapper for an object's
 exact class (then its bases), and raises a ValueError naming the class and what is supported.
 """
@@ -39,7 +40,5 @@ class WrapperRegister:
         return sorted(original.__name__ for original in self._wrappers)
 
 
-xFuserPipelineWrapperRegister = WrapperRegister("pipeline")
-xFuserTransformerWrappersRegister = WrapperRegister("transformer")
 xFuserLayerWrappersRegister = WrapperRegister("layer")
 xFuserSchedulerWrappersRegister = WrapperRegister("scheduler")

@@ -2,76 +2,98 @@
 
 The diffusers pipeline's own `__call__` runs unchanged on every rank; all parallelism happens in
 the wrapped transformer (sequence and CFG parallel) and here (data parallel over the batch).
+Family wrappers subclass this in their module in parallel/families/, which the ComfyUI process reads
+for its ComfyData: so diffusers is imported only where a pipeline is wrapped or run.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import numpy as np
 import torch
-from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 
 from ...call_parameters import CallParameter
 from ...config import LayoutError, ParallelConfig
 from ...distributed import get_dp_group, get_layout, get_runtime_state
 from ..base_wrapper import xFuserBaseWrapper
-from ..register import (
-    xFuserPipelineWrapperRegister,
-    xFuserSchedulerWrappersRegister,
-    xFuserTransformerWrappersRegister,
-)
+from ..register import xFuserSchedulerWrappersRegister
+
+if TYPE_CHECKING:
+    from diffusers import DiffusionPipeline
+
+    from ...families.base import ComfyData
+
+# What every pipeline takes; families add theirs in `tensor_inputs`.
+BASE_TENSOR_INPUTS = ("latents", "prompt_embeds", "negative_prompt_embeds")
 
 
 class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
-    """Subclasses register for a diffusers pipeline class and may set:
+    """A family module subclasses this for each diffusers pipeline class it wraps and sets:
 
+    comfy:           what the ComfyUI side needs (latent format, packing, conditioning), as plain data.
+    tensor_inputs:   the tensor keyword arguments of `__call__` a job may send, beyond BASE_TENSOR_INPUTS.
+    embedding_sizes: input tensor → transformer config entry giving its last dimension.
+    call_parameters: the family's own `__call__` scalars that a job may set.
     call_defaults:   keyword arguments the family needs when it is given embeddings instead of text.
     latent_patch:    latent pixels per token side, if not the transformer's `patch_size` (Flux packs 2×2).
-    call_parameters: the family's own `__call__` scalars that a job may set.
     """
 
+    comfy: ClassVar[ComfyData]
+    tensor_inputs: ClassVar[tuple[str, ...]] = ()
+    embedding_sizes: ClassVar[dict[str, str]] = {}
+    call_parameters: ClassVar[dict[str, CallParameter]] = {}  # family scalars a job may set (call_parameters.py)
     call_defaults: ClassVar[dict[str, Any]] = {}
     latent_patch: ClassVar[int | None] = None
-    embedding_sizes: ClassVar[dict[str, str]] = {}  # input tensor -> transformer config entry of its last dim
-    call_parameters: ClassVar[dict[str, CallParameter]] = {}  # family scalars a job may set (call_parameters.py)
 
     def __init__(self, pipeline: DiffusionPipeline, attention_kernel: str | None = None):
+        from ...families import FAMILIES
+        from ..models.transformers import xFuserTransformerBaseWrapper
+
         super().__init__(pipeline)
         self.parallel_config: ParallelConfig = get_layout().config
         self._original = {"transformer": pipeline.transformer, "scheduler": pipeline.scheduler}
-        transformer_wrapper = xFuserTransformerWrappersRegister.get_wrapper(pipeline.transformer)
-        scheduler_wrapper = xFuserSchedulerWrappersRegister.get_wrapper(pipeline.scheduler)
-        pipeline.transformer = transformer_wrapper(pipeline.transformer, attention_kernel)
-        pipeline.scheduler = scheduler_wrapper(pipeline.scheduler)
-        if getattr(pipeline, "transformer_2", None) is not None:  # Wan 2.2: the low-noise expert
-            self._original["transformer_2"] = pipeline.transformer_2
-            wrapper_2 = xFuserTransformerWrappersRegister.get_wrapper(pipeline.transformer_2)
-            pipeline.transformer_2 = wrapper_2(pipeline.transformer_2, attention_kernel)
+        pipeline.scheduler = xFuserSchedulerWrappersRegister.get_wrapper(pipeline.scheduler)(pipeline.scheduler)
+        for name in ("transformer", "transformer_2"):  # Wan 2.2's low-noise expert is wrapped like the first
+            transformer = getattr(pipeline, name, None)
+            if transformer is not None:
+                self._original[name] = transformer
+                plan = FAMILIES.for_transformer(transformer).plan
+                setattr(pipeline, name, xFuserTransformerBaseWrapper(transformer, plan, attention_kernel))
+
+    @classmethod
+    def all_tensor_inputs(cls) -> tuple[str, ...]:
+        return BASE_TENSOR_INPUTS + cls.tensor_inputs
 
     @staticmethod
     def wrap(pipeline: DiffusionPipeline, attention_kernel: str | None = None) -> "xFuserPipelineBaseWrapper":
         """Wrap any supported diffusers pipeline for the current parallel layout."""
-        return xFuserPipelineWrapperRegister.get_wrapper(pipeline)(pipeline, attention_kernel)
+        from ...families import FAMILIES
+        from .. import schedulers  # noqa: F401 - registers the scheduler wrappers
+
+        return FAMILIES.pipeline_wrapper(pipeline)(pipeline, attention_kernel)
 
     @classmethod
     def from_pretrained(cls, path, **kwargs) -> "xFuserPipelineBaseWrapper":
+        from diffusers import DiffusionPipeline
+
         return cls.wrap(DiffusionPipeline.from_pretrained(path, **kwargs))
 
     def use_scheduler(self, scheduler) -> None:
         """Sample with another diffusers scheduler from now on (wrapped like the original)."""
+        from .. import schedulers  # noqa: F401 - registers the scheduler wrappers
+
         self.module.scheduler = xFuserSchedulerWrappersRegister.get_wrapper(scheduler)(scheduler)
 
     def unwrap(self) -> DiffusionPipeline:
         """Restore the pipeline's own transformer and scheduler (before re-initialising the layout)."""
-        self.module.transformer.unwrap()
-        self.module.transformer = self._original["transformer"]
+        for name in ("transformer", "transformer_2"):
+            if name in self._original:
+                getattr(self.module, name).unwrap()
+                setattr(self.module, name, self._original[name])
         self.module.scheduler = self._original["scheduler"]
-        if "transformer_2" in self._original:
-            self.module.transformer_2.unwrap()
-            self.module.transformer_2 = self._original["transformer_2"]
         return self.module
 
     # -- text -------------------------------------------------------------------------------------
@@ -196,6 +218,8 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
     def partial_denoise(self, kwargs: dict[str, Any], init_latents: torch.Tensor, denoise: float) -> dict[str, Any]:
         """img2img as ComfyUI's `denoise` means it: run the last `steps` of a `steps / denoise` schedule,
         starting from `init_latents` noised (with the given `latents` as noise) to that point."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
         steps = kwargs["num_inference_steps"]
         total = max(steps, int(steps / denoise))
         noise = kwargs["latents"]

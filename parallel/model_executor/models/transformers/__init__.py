@@ -1,12 +1,5 @@
-"""Transformer wrappers: one ParallelPlan per diffusers transformer class."""
+"""The transformer wrapper: one class, parametrised by each family's ParallelPlan (parallel/families/)."""
 
-from . import pixart_transformer_2d, transformer_flux, transformer_sd3, transformer_wan
 from .base_transformer import xFuserTransformerBaseWrapper
 
-__all__ = [
-    "pixart_transformer_2d",
-    "transformer_flux",
-    "transformer_sd3",
-    "transformer_wan",
-    "xFuserTransformerBaseWrapper",
-]
+__all__ = ["xFuserTransformerBaseWrapper"]

@@ -4,7 +4,7 @@ and runs CFG parallel around forward."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
@@ -24,12 +24,11 @@ def _first(output: Any) -> torch.Tensor:
 
 
 class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
-    """Subclasses set `plan` and register themselves for their diffusers transformer class."""
+    """One class for every family: the family's `plan` (parallel/families/) says what differs."""
 
-    plan: ClassVar[ParallelPlan]
-
-    def __init__(self, transformer: torch.nn.Module, attention_kernel: str | None = None):
+    def __init__(self, transformer: torch.nn.Module, plan: ParallelPlan, attention_kernel: str | None = None):
         super().__init__(transformer)
+        self.plan = plan
         self._cfg, self._pp = get_cfg_group(), get_pp_group()
         self._handles, self._layers, self._stage = [], [], None
         self._branch: str | None = None
@@ -108,7 +107,10 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
 
     def empty_output(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """A buffer shaped like the output for `hidden_states` (Wan I2V takes 36 channels, returns 16)."""
-        return torch.empty_like(hidden_states)
+        if self.plan.output_channels is None:
+            return torch.empty_like(hidden_states)
+        channels = self.module.config[self.plan.output_channels]
+        return hidden_states.new_empty((hidden_states.shape[0], channels, *hidden_states.shape[2:]))
 
     def _forward_sequential_cfg(self, args: tuple, kwargs: dict):
         """The pipeline calls once per branch. Each cfg rank computes only its own branch; the other

@@ -1,0 +1,167 @@
+"""What a model family declares, and the registry that finds a family from a diffusers object.
+
+A family is one module in this package: its transformer's parallel plan, its pipeline wrappers (hooks,
+call parameters, tensor inputs, the ComfyUI data), and its LoRA converter. The registry is keyed by the
+names of the diffusers classes a family wraps and matched against an object's class and its bases, so
+importing the registry (as the ComfyUI process does) never imports diffusers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from ..model_executor.plans import ParallelPlan
+
+
+@dataclass(frozen=True)
+class ComfyData:
+    """What the ComfyUI side needs to turn its LATENT and CONDITIONING into this pipeline's inputs.
+
+    latent_formats: latent channels → class name in `comfy.latent_formats` (its process_in/out convert
+                    between ComfyUI's VAE space and the pipeline's model space).
+    spatial:        latent channels → pixels per latent pixel (VAE factor).
+    packed:         the pipeline takes latents packed 2×2 into tokens [B, H/2·W/2, 4C] (Flux; see pack_2x2).
+    guidance_in_conditioning: the conditioning's "guidance" (FluxGuidance) is the pipeline's
+                    distilled `guidance_scale`; ComfyUI's cfg then becomes `true_cfg_scale`.
+    temporal:       frames per latent frame after the first (video: latents [B, C, T', H, W]); 0: images.
+    expects:        how to make a conditioning this model takes (said when one does not fit).
+    empty_latent:   which ComfyUI node makes a latent this model takes (said when one does not fit).
+    """
+
+    latent_formats: dict[int, str]
+    spatial: dict[int, int] = field(default_factory=dict)
+    packed: bool = False
+    guidance_in_conditioning: bool = False
+    default_guidance: float = 3.5
+    temporal: int = 0
+    expects: str = ""
+    empty_latent: str = "an empty latent node made for this model"
+
+    def scale(self, channels: int) -> int:
+        return self.spatial.get(channels, 8)
+
+
+class Variant(NamedTuple):
+    """A released model a single-file checkpoint can hold; its shipped configs are parallel/configs/<variant>/."""
+
+    model: str  # the kind of model, as the built-in tiny models name it ("pixart-sigma", "flux")
+    title: str  # what users call it
+    marker: str  # how its tensor names and shapes show it
+
+
+@dataclass(frozen=True)
+class SingleFile:
+    """How a family's original single-file layout is recognised and converted (parallel/checkpoints/).
+
+    marker:   a tensor name only this layout has.
+    title:    the family as error messages name it.
+    variants: variant (config folder name) → Variant.
+    read:     Shapes → (variant, config values the shapes pin down); raises ValueError for what it cannot load.
+    convert:  (original state dict, config) → diffusers' names (may import diffusers).
+    """
+
+    marker: str
+    title: str
+    variants: dict[str, Variant]
+    read: Callable[[Any], tuple[str, dict]]
+    convert: Callable[[dict, dict], dict]
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """A built-in tiny model (`xdit-tiny-<name>`, parallel/tiny_models.py): random weights, offline tokenizers.
+
+    pipeline: the diffusers pipeline class name it builds (its wrapper says what inputs it takes).
+    build:    seed → the fp32 diffusers pipeline (imports diffusers when called).
+    inputs:   make_inputs' keyword arguments → the tensor inputs of one call, as if prompts were encoded.
+    """
+
+    pipeline: str
+    build: Callable[[int], Any]
+    inputs: Callable[..., dict]
+
+
+def pack_2x2(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] → [B, H/2·W/2, 4C]: 2×2 latent pixels per token, as packing pipelines (Flux) take them."""
+    b, c, h, w = latents.shape
+    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_2x2(latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """pack_2x2 undone, for an image of height × width pixels (VAE factor 8)."""
+    b, _, d = latents.shape
+    h, w = height // 16, width // 16
+    return latents.view(b, h, w, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, h * 2, w * 2)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family.
+
+    pipelines:   diffusers pipeline class name → its pipeline wrapper (a subclass of
+                 `xFuserPipelineBaseWrapper` carrying the hooks, call parameters, tensor inputs and ComfyData).
+    transformer: the diffusers transformer class name the plan applies to.
+    plan:        how that transformer runs in parallel (model_executor/plans.py).
+    convert_lora: (state dict, transformer) → a state dict diffusers' own LoRA loader reads, for layouts
+                 it does not convert itself; None: diffusers reads every layout of this family.
+    single_file: the family's original checkpoint layout, if single files of it load.
+    tiny:        the family's built-in tiny models by name (tests, the demo, `xdit-tiny-<name>`).
+    """
+
+    name: str
+    pipelines: dict[str, type]
+    transformer: str
+    plan: ParallelPlan
+    convert_lora: Callable[[dict, Any], dict] | None = None
+    single_file: SingleFile | None = None
+    tiny: dict[str, TinyModel] = field(default_factory=dict)
+
+
+class FamilyRegistry:
+    """Families by the diffusers class names they wrap."""
+
+    def __init__(self):
+        self._families: dict[str, Family] = {}
+        self._by_pipeline: dict[str, Family] = {}
+        self._by_transformer: dict[str, Family] = {}
+
+    def register(self, family: Family) -> Family:
+        for name, table in ((family.name, self._families), (family.transformer, self._by_transformer),
+                            *((pipeline, self._by_pipeline) for pipeline in family.pipelines)):
+            if name in table:
+                raise ValueError(f"{name} is declared by two families: {table[name].name} and {family.name}")
+            table[name] = family
+        return family
+
+    def __iter__(self):
+        return iter(self._families.values())
+
+    def _find(self, obj: Any, table: dict[str, Family], kind: str) -> tuple[str, Family]:
+        if isinstance(obj, str):
+            names, shown = [obj], obj
+        else:
+            cls = obj if isinstance(obj, type) else type(obj)
+            names, shown = [c.__name__ for c in cls.__mro__], cls.__name__
+        for name in names:
+            if name in table:
+                return name, table[name]
+        raise ValueError(f"{shown} is not a supported {kind}; supported: {', '.join(sorted(table))}")
+
+    def pipeline_wrapper(self, pipeline: Any) -> type:
+        """The wrapper class for a diffusers pipeline (object, class, or class name)."""
+        name, family = self._find(pipeline, self._by_pipeline, "pipeline")
+        return family.pipelines[name]
+
+    def for_transformer(self, transformer: Any) -> Family:
+        """The family whose plan fits this diffusers transformer (object, class, or class name)."""
+        return self._find(transformer, self._by_transformer, "transformer")[1]
+
+    def comfy_data(self, pipeline: str) -> ComfyData:
+        """What the ComfyUI side needs for the pipeline class named `pipeline`."""
+        return self.pipeline_wrapper(pipeline).comfy
+
+
+FAMILIES = FamilyRegistry()

@@ -1,0 +1,240 @@
+"""Flux.1 (dev, schnell): packed 2×2 latent tokens and their rotary ids split at the input, the text
+replicated in front of the image shard in double- and single-stream blocks; true CFG arrives as two
+calls per step (guidance_scale is the distilled guidance, which needs no second branch).
+
+Single files: BFL's layout (double_blocks.*, single_blocks.*), converted by diffusers' own converter.
+
+LoRA: BFL's own layout (`diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight`, fused q/k/v) is
+not converted by diffusers' Flux loader (it takes Kohya, XLabs and BFL *control* LoRAs). A LoRA on a
+fused layer has one A and a stacked B, so it splits exactly into per-layer LoRAs: each part keeps A
+and takes its rows of B.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..call_parameters import CallParameter
+from ..checkpoints.shapes import Shapes
+from ..model_executor.attention import TextLayout
+from ..model_executor.pipelines import xFuserPipelineBaseWrapper
+from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split
+from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant
+
+
+class xFuserFluxPipeline(xFuserPipelineBaseWrapper):
+    comfy = ComfyData(
+        latent_formats={16: "Flux"}, packed=True, guidance_in_conditioning=True,
+        expects="encode with xDiT Text Encode on this pool, or Flux's DualCLIPLoader (T5 4096 wide, pooled CLIP-L 768)",
+    )
+    tensor_inputs = ("pooled_prompt_embeds", "negative_pooled_prompt_embeds")
+    latent_patch = 2  # the pipeline packs 2×2 latent pixels into one token
+    embedding_sizes = {
+        "prompt_embeds": "joint_attention_dim",
+        "negative_prompt_embeds": "joint_attention_dim",
+        "pooled_prompt_embeds": "pooled_projection_dim",
+        "negative_pooled_prompt_embeds": "pooled_projection_dim",
+    }
+    call_parameters = {
+        "true_cfg_scale": CallParameter(float, "real classifier-free guidance with negative embeddings (1: off)", 0.0, 100.0),
+    }
+
+    def flow_sigmas(self, total: int) -> np.ndarray:
+        return np.linspace(1.0, 1 / total, total)  # FluxPipeline's own default
+
+    def expected_latents_shape(self, batch: int, height: int, width: int) -> tuple[int, ...]:
+        return (batch, self.image_tokens(height, width), self.module.transformer.config.in_channels)
+
+    def uses_cfg(self, kwargs: dict[str, Any]) -> bool:
+        """Flux's guidance_scale is distilled guidance; real CFG is true_cfg_scale with a negative prompt."""
+        has_negative = kwargs.get("negative_prompt_embeds") is not None or kwargs.get("negative_prompt") is not None
+        return kwargs.get("true_cfg_scale", 1.0) > 1.0 and has_negative
+
+    def cfg_parallel_hint(self, kwargs: dict[str, Any]) -> str:
+        return (
+            "CFG parallel on Flux needs true classifier-free guidance: true_cfg_scale above 1 "
+            f"(got {kwargs.get('true_cfg_scale', 1.0)}) and negative prompt embeddings; guidance_scale is "
+            "Flux's distilled guidance and needs no second branch. Add both or turn CFG parallel off."
+        )
+
+    def encode_text(self, prompt: str) -> dict[str, torch.Tensor]:
+        embeds, pooled, _ = self.module.encode_prompt(prompt, None)
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+
+# -- LoRA: BFL layout → diffusers names ---------------------------------------------------------------
+_BFL_DOUBLE = {
+    "img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    "img_attn.proj": ("attn.to_out.0",),
+    "txt_attn.proj": ("attn.to_add_out",),
+    "img_mlp.0": ("ff.net.0.proj",),
+    "img_mlp.2": ("ff.net.2",),
+    "txt_mlp.0": ("ff_context.net.0.proj",),
+    "txt_mlp.2": ("ff_context.net.2",),
+    "img_mod.lin": ("norm1.linear",),
+    "txt_mod.lin": ("norm1_context.linear",),
+}
+_BFL_SINGLE = {
+    "linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),
+    "linear2": ("proj_out",),
+    "modulation.lin": ("norm.linear",),
+}
+_BFL_LAYER = re.compile(r"^diffusion_model\.(double_blocks|single_blocks)\.(\d+)\.(.+)\.lora_([AB])\.weight$")
+
+
+def is_bfl_flux_lora(weights: dict[str, torch.Tensor]) -> bool:
+    return any(_BFL_LAYER.match(key) for key in weights)
+
+
+def bfl_flux_to_diffusers(weights: dict[str, torch.Tensor], inner_dim: int) -> dict[str, torch.Tensor]:
+    """`transformer.`-prefixed PEFT keys for a BFL-layout Flux LoRA of the blocks."""
+    out, unknown = {}, []
+    for key, value in weights.items():
+        match = _BFL_LAYER.match(key)
+        table = (_BFL_DOUBLE if match and match[1] == "double_blocks" else _BFL_SINGLE) if match else {}
+        if not match or match[3] not in table:
+            unknown.append(key)
+            continue
+        kind, index, layer, ab = match.groups()
+        block = f"transformer.{'transformer_blocks' if kind == 'double_blocks' else 'single_transformer_blocks'}.{index}"
+        targets = table[layer]
+        if ab == "A" or len(targets) == 1:
+            parts = [value] * len(targets)
+        else:  # fused output rows: q, k, v are inner_dim each; the rest is the MLP input projection
+            sizes = [inner_dim] * 3 + ([value.shape[0] - 3 * inner_dim] if len(targets) == 4 else [])
+            parts = list(value.split(sizes))
+        for target, part in zip(targets, parts):
+            out[f"{block}.{target}.lora_{ab}.weight"] = part.contiguous()
+    if unknown:
+        raise ValueError(f"BFL Flux LoRA has layers this loader does not map, e.g. {unknown[0]}")
+    return out
+
+
+def convert_lora(state: dict[str, torch.Tensor], transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    if not is_bfl_flux_lora(state):
+        return state
+    config = transformer.config
+    return bfl_flux_to_diffusers(state, config.num_attention_heads * config.attention_head_dim)
+
+
+# -- single-file checkpoints: BFL's layout -------------------------------------------------------------
+def read_checkpoint(shape: Shapes) -> tuple[str, dict]:
+    hidden, in_channels = shape("img_in.weight")
+    out_channels = shape("final_layer.linear.weight")[0]
+    if in_channels != out_channels:
+        raise shape.error(f"a Flux.1 transformer with {in_channels} input and {out_channels} output channels (Fill / "
+                          "Depth / Canny); only text-to-image Flux.1 dev and schnell are supported")
+    head_dim = shape("double_blocks.0.img_attn.norm.query_norm.scale")[0]
+    guidance = "guidance_in.in_layer.weight" in shape
+    return "flux1-dev" if guidance else "flux1-schnell", {
+        "in_channels": in_channels, "attention_head_dim": head_dim,
+        "num_attention_heads": shape.heads(hidden, head_dim),
+        "num_layers": shape.blocks(r"double_blocks\.(\d+)\."),
+        "num_single_layers": shape.blocks(r"single_blocks\.(\d+)\."),
+        "joint_attention_dim": shape("txt_in.weight")[1],
+        "pooled_projection_dim": shape("vector_in.in_layer.weight")[1],
+        "guidance_embeds": guidance, "axes_dims_rope": _rope_axes(head_dim),
+    }
+
+
+def _rope_axes(head_dim: int) -> list[int]:
+    """RoPE has no weights; Flux.1 splits its 128 head dims 16 (index) + 56 + 56 (rows, columns).
+
+    Other head sizes keep those proportions: each spatial axis 7/16 of the head, rounded down to even.
+    """
+    spatial = head_dim * 7 // 16 // 2 * 2
+    return [head_dim - 2 * spatial, spatial, spatial]
+
+
+# diffusers' Flux converter splits the single blocks' fused linear1 (q | k | v | mlp) at Flux.1's width:
+# inner_dim = 3072, mlp 4 x 3072.
+FLUX1_WIDTH = 3072
+
+
+def convert_checkpoint(state_dict: dict, config: dict) -> dict:
+    """diffusers' converter. A narrower Flux (the test models) gets its fused linear1 rows padded to the split
+    diffusers expects and the pieces cut back after; Flux.1 checkpoints pass through untouched."""
+    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
+
+    width = config["num_attention_heads"] * config["attention_head_dim"]
+    if width == FLUX1_WIDTH:
+        return convert_flux_transformer_checkpoint_to_diffusers(state_dict)
+    targets = [FLUX1_WIDTH] * 3 + [4 * FLUX1_WIDTH]
+    sizes = {}
+    for key in [k for k in state_dict if re.fullmatch(r"single_blocks\.\d+\.linear1\.(weight|bias)", k)]:
+        fused = state_dict[key]
+        sizes[key] = [width] * 3 + [fused.shape[0] - 3 * width]
+        if not all(0 < size <= target for size, target in zip(sizes[key], targets)):
+            raise ValueError(f"{key} has {fused.shape[0]} rows, which is not q, k, v of {width} and an MLP part "
+                             f"no wider than Flux.1's ({4 * FLUX1_WIDTH})")
+        state_dict[key] = torch.cat([torch.cat([piece, piece.new_zeros((target - len(piece), *piece.shape[1:]))])
+                                     for piece, target in zip(fused.split(sizes[key]), targets)])
+    converted = convert_flux_transformer_checkpoint_to_diffusers(state_dict)
+    for key, (q, k, v, mlp) in sizes.items():
+        block, kind = f"single_transformer_blocks.{key.split('.')[1]}.", key.rsplit(".", 1)[1]
+        for name, rows in (("attn.to_q", q), ("attn.to_k", k), ("attn.to_v", v), ("proj_mlp", mlp)):
+            converted[f"{block}{name}.{kind}"] = converted[f"{block}{name}.{kind}"][:rows]
+    return converted
+
+
+# -- tiny built-in model: Flux.1-dev style (guidance_embeds=True) ---------------------------------------
+def build_tiny(seed: int):
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    from .. import tiny_models as tm
+
+    tok, clip = tm._clip(seed + 1, False)
+    tok2, t5 = tm._t5(seed + 2)
+    transformer = tm._transformer(seed, FluxTransformer2DModel, patch_size=1, in_channels=64, num_layers=tm.BLOCKS // 2,
+                                  num_single_layers=tm.BLOCKS // 2, joint_attention_dim=tm.T5_DIM,
+                                  pooled_projection_dim=tm.CLIP_DIM, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_image_seq_len=256,
+                                                max_image_seq_len=4096, base_shift=0.5, max_shift=1.15)
+    return FluxPipeline(scheduler=scheduler, vae=tm._vae(seed + 3, 16, 0.3611, 0.1159), text_encoder=clip,
+                        tokenizer=tok, text_encoder_2=t5, tokenizer_2=tok2, transformer=transformer)
+
+
+def tiny_inputs(**kwargs) -> dict:
+    from .. import tiny_models as tm
+
+    return tm.image_inputs(latent_channels=16, packed=True, pooled_dim=tm.CLIP_DIM, **kwargs)
+
+
+FLUX = FAMILIES.register(Family(
+    name="flux",
+    pipelines={"FluxPipeline": xFuserFluxPipeline},
+    transformer="FluxTransformer2DModel",
+    plan=ParallelPlan(
+        inputs={"": {"hidden_states": Split(dim=1, expected_dims=3), "img_ids": Split(dim=0, expected_dims=2)}},
+        outputs={"proj_out": Gather(dim=1, expected_dims=3)},
+        attention={
+            "transformer_blocks.*.attn": TextLayout.PREFIX,
+            "single_transformer_blocks.*.attn": TextLayout.PREFIX,
+        },
+        cfg=CfgMode.SEQUENTIAL,
+        cfg_branches=("cond", "uncond"),
+        pipefusion=PipeFusionPlan(
+            blocks=("transformer_blocks", "single_transformer_blocks"),
+            carried=("hidden_states", "encoder_hidden_states"),
+            returns=("encoder_hidden_states", "hidden_states"),
+            token_inputs={"image_rotary_emb": TextLayout.PREFIX},
+        ),
+    ),
+    convert_lora=convert_lora,
+    single_file=SingleFile(
+        marker="double_blocks.0.img_attn.qkv.weight",
+        title="Flux.1",
+        variants={
+            "flux1-dev": Variant("flux", "Flux.1 dev", "BFL keys double_blocks.*, with guidance_in.*"),
+            "flux1-schnell": Variant("flux", "Flux.1 schnell", "BFL keys double_blocks.*, no guidance_in.*"),
+        },
+        read=read_checkpoint,
+        convert=convert_checkpoint,
+    ),
+    tiny={"flux": TinyModel("FluxPipeline", build_tiny, tiny_inputs)},
+))

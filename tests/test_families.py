@@ -1,0 +1,135 @@
+"""The family registry (parallel/families/) and the ComfyUI adapter built from its data.
+
+The adapter's conversions are checked against ComfyUI's own `comfy/latent_formats.py`, read from the
+ComfyUI 0.3.64 source in ../shared/comfyui (it needs torch only), and against the scale/shift values
+ComfyUI documents for each format, so a family that names the wrong format fails here.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tarfile
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from parallel.families import FAMILIES
+from parallel.families.base import unpack_2x2
+from xdit_test_helpers import ROOT, import_node_module
+
+COMFYUI_SOURCE = ROOT.parent / "shared" / "comfyui" / "ComfyUI-0.3.64-a125cd84.tar.gz"
+
+
+def test_importing_the_families_imports_no_diffusers():
+    """The ComfyUI process reads the families' data: that must not pull diffusers or transformers in."""
+    code = ("import sys, parallel.families, parallel.model_executor, parallel.builtin_models, parallel.checkpoints; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('diffusers', 'transformers')))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[]"
+
+
+def test_every_diffusers_class_finds_its_family():
+    import diffusers
+
+    for family in FAMILIES:
+        assert FAMILIES.for_transformer(getattr(diffusers, family.transformer)) is family
+        for pipeline, wrapper in family.pipelines.items():
+            assert FAMILIES.pipeline_wrapper(getattr(diffusers, pipeline)) is wrapper
+            assert set(wrapper.comfy.latent_formats)  # every pipeline says how ComfyUI keeps its latents
+    with pytest.raises(ValueError, match="StableDiffusionPipeline is not a supported pipeline; supported: .*FluxPipeline"):
+        FAMILIES.pipeline_wrapper(diffusers.StableDiffusionPipeline)
+
+
+@pytest.fixture(scope="module")
+def latent_formats(tmp_path_factory):
+    if not COMFYUI_SOURCE.is_file():
+        pytest.skip(f"no ComfyUI source at {COMFYUI_SOURCE}")
+    root = tmp_path_factory.mktemp("comfy")
+    with tarfile.open(COMFYUI_SOURCE) as archive:
+        archive.extract("comfy/latent_formats.py", root, filter="data")
+    namespace: dict = {}
+    source = root / "comfy" / "latent_formats.py"
+    exec(compile(source.read_text(), str(source), "exec"), namespace)
+    module = types.ModuleType("comfy.latent_formats")
+    module.__dict__.update(namespace)
+    return module
+
+
+@pytest.fixture
+def adapters(monkeypatch, latent_formats):
+    comfy = types.ModuleType("comfy")
+    comfy.latent_formats = latent_formats
+    return import_node_module(monkeypatch, "adapters", {"comfy": comfy, "comfy.latent_formats": latent_formats})
+
+
+# ComfyUI's values (DESIGN.md "Facts"): model space = (x − shift) · scale. A wrong shift (-1.0) is the negative control.
+IMAGE_FORMATS = [
+    ("PixArtAlphaPipeline", "SD15", 4, 0.18215, 0.0),
+    ("PixArtSigmaPipeline", "SDXL", 4, 0.13025, 0.0),
+    ("StableDiffusion3Pipeline", "SD3", 16, 1.5305, 0.0609),
+    ("FluxPipeline", "Flux", 16, 0.3611, 0.1159),
+]
+
+
+@pytest.mark.parametrize("pipeline, name, channels, scale, shift", IMAGE_FORMATS)
+def test_image_latents_convert_as_comfyui_does(adapters, latent_formats, pipeline, name, channels, scale, shift):
+    adapter = adapters.adapter_for(pipeline)
+    x = torch.randn(2, channels, 6, 4, generator=torch.Generator().manual_seed(0))
+    assert adapter.format_name(channels) == name
+    assert adapter.job_size(x) == {"height": 48, "width": 32}
+    model = adapter.to_model(x)
+    unpacked = unpack_2x2(model, 48, 32) if adapter.data.packed else model
+    assert torch.equal(unpacked, (x - shift) * scale)
+    assert not torch.allclose(unpacked, (x + 1.0) * scale)
+    assert torch.equal(unpacked, getattr(latent_formats, name)().process_in(x))
+    assert torch.equal(adapter.to_comfy(model, 48, 32), getattr(latent_formats, name)().process_out(unpacked))
+    assert torch.allclose(adapter.to_comfy(model, 48, 32), x, atol=1e-6)
+    if adapter.data.packed:  # Flux: [B, H/2·W/2, 4C] tokens, as FluxPipeline._pack_latents makes them
+        from diffusers import FluxPipeline
+
+        assert torch.equal(model, FluxPipeline._pack_latents(unpacked, 2, channels, 6, 4))
+        assert torch.equal(adapter.noise_to_model(x), FluxPipeline._pack_latents(x, 2, channels, 6, 4))
+
+
+def test_wan_latents_use_comfyuis_wan21_and_wan22_formats(adapters, latent_formats):
+    """16 channels (Wan 2.1, 2.2 A14B, ×8) and 48 (Wan 2.2 TI2V 5B, ×16); 4 frames per latent frame."""
+    wan = adapters.adapter_for("WanPipeline")
+    for channels, name, factor in ((16, "Wan21", 8), (48, "Wan22", 16)):
+        x = torch.randn(2, channels, 3, 6, 5)
+        fmt = getattr(latent_formats, name)()
+        assert wan.format_name(channels) == name
+        assert wan.job_size(x) == {"height": 6 * factor, "width": 5 * factor, "num_frames": 9}
+        assert torch.equal(wan.to_model(x), fmt.process_in(x))
+        assert torch.equal(wan.to_comfy(x, 0, 0), fmt.process_out(x))
+        assert torch.equal(wan.preview_latents(x[:1], 0, 0), x[:1, :, 1])
+    with pytest.raises(adapters.ConditioningError, match="must be 5-D"):
+        wan.job_size(torch.zeros(1, 16, 8, 8))
+    with pytest.raises(adapters.ConditioningError, match="has 12 channels; expected 16 or 48"):
+        wan.job_size(torch.zeros(1, 12, 2, 8, 8))
+
+
+def test_conditioning_becomes_the_declared_tensor_inputs(adapters):
+    cond = torch.randn(1, 5, 32)
+    mask = torch.tensor([[1, 1, 1, 0, 0]])
+    pixart = adapters.adapter_for("PixArtSigmaPipeline")
+    tensors, guidance = pixart.pipeline_inputs([[cond, {"attention_mask": mask}]], None, 2, {"prompt_embeds": 32})
+    assert sorted(tensors) == ["prompt_attention_mask", "prompt_embeds"] and guidance is None
+    assert torch.equal(tensors["prompt_attention_mask"], mask.expand(2, 5))
+    flux = adapters.adapter_for("FluxPipeline")
+    extras = {"pooled_output": torch.randn(1, 16), "guidance": 2.5}
+    widths = {f"{prefix}{name}": width for prefix in ("", "negative_")
+              for name, width in (("prompt_embeds", 32), ("pooled_prompt_embeds", 16))}
+    tensors, guidance = flux.pipeline_inputs([[cond, extras]], [[cond, extras]], 1, widths)
+    assert sorted(tensors) == ["negative_pooled_prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds",
+                               "prompt_embeds"]
+    assert flux.guidance_parameters(4.0, guidance, True) == {"guidance_scale": 2.5, "true_cfg_scale": 4.0}
+    assert flux.guidance_parameters(1.0, None, False) == {"guidance_scale": 3.5}
+    assert pixart.guidance_parameters(4.0, None, True) == {"guidance_scale": 4.0}
+    with pytest.raises(adapters.ConditioningError, match="pooled_prompt_embeds is 8 wide but .* needs 16; .*DualCLIPLoader"):
+        flux.pipeline_inputs([[cond, {"pooled_output": torch.randn(1, 8)}]], None, 1, widths)
+    with pytest.raises(ValueError, match="no adapter for StableDiffusionPipeline"):
+        adapters.adapter_for("StableDiffusionPipeline")
