@@ -64,13 +64,14 @@ class XDiTSampler(io.ComfyNode):
         samples = latent_image["samples"]  # images [B, C, H, W]; video (Wan) [B, C, T', H, W]
         batch = samples.shape[0]
         size = adapter.job_size(samples)
-        height, width = size["height"], size["width"]
+        height, width = size.pop("height"), size.pop("width")
+        call = size  # the family's own call parameters (Wan: num_frames)
         noise = comfy.sample.prepare_noise(samples, seed, latent_image.get("batch_index"))
         use_negative = cfg > 1.0
         tensors, flux_guidance = adapter.pipeline_inputs(positive, negative if use_negative else None, batch,
                                                          pool.status.get("inputs", {}))
         tensors["latents"] = adapter.noise_to_model(noise).float()
-        params = {"steps": steps, **size, "preview": preview, "scheduler": sampler,
+        params = {"steps": steps, "height": height, "width": width, "preview": preview, "scheduler": sampler,
                   "loras": [{"path": path, "strength": strength} for path, strength in pool.loras]}
         if denoise < 1.0:  # img2img: start from the given latent, noised to the schedule's point
             tensors["init_latents"] = adapter.to_model(samples.float())
@@ -78,9 +79,11 @@ class XDiTSampler(io.ComfyNode):
         if adapter.guidance_in_conditioning:
             params["guidance_scale"] = flux_guidance if flux_guidance is not None else 3.5
             if use_negative:
-                params["true_cfg_scale"] = cfg
+                call["true_cfg_scale"] = cfg
         else:
             params["guidance_scale"] = cfg
+        if call:
+            params["call"] = call
 
         latent_format = getattr(comfy.latent_formats, adapter.format_name(samples.shape[1]))()
         previewer = _previewer(latent_format) if preview else None

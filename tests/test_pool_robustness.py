@@ -66,7 +66,7 @@ def exchange(socket, frames: list, timeout_s: float = 5.0) -> Message | None:
 
 
 def header(**fields) -> bytes:
-    return msgpack.packb({"v": 1, "type": "submit", "job": "bad", "params": dict(PARAMS), "tensors": [], **fields})
+    return msgpack.packb({"v": protocol.PROTOCOL_VERSION, "type": "submit", "job": "bad", "params": dict(PARAMS), "tensors": [], **fields})
 
 
 def assert_pool_healthy(pool):

@@ -28,3 +28,9 @@ ParallelConfig = config.ParallelConfig
 PIPELINE_TENSOR_INPUTS = config.PIPELINE_TENSOR_INPUTS
 add_parallel_arguments = config.add_parallel_arguments
 config_from_args = config.config_from_args
+
+request = engine("request")
+SampleRequest = request.SampleRequest
+REQUEST_FIELDS = request.FIELDS
+add_request_arguments = request.add_request_arguments
+request_from_args = request.request_from_args
