@@ -245,7 +245,8 @@ class Rank:
                     self._encode(job)
                     continue
                 else:
-                    work, client, prepared = Work("sample", job.id, job.message.params, job.message.tensors), job.client, job.prepared
+                    work = Work("sample", job.id, job.message.params, job.message.tensors)
+                    client, prepared = job.client, job.prepared
                     self.control.send("job_started", job=job.id, client=client)
             try:
                 work = broadcast_work(work, self.group)
