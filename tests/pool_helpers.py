@@ -63,12 +63,11 @@ def stop_serve(process: subprocess.Popen, sig=signal.SIGTERM) -> None:
 
 def reference(model_dir: Path, family: str, inputs: dict, params: dict = PARAMS) -> torch.Tensor:
     pipeline = DiffusionPipeline.from_pretrained(model_dir)
-    extra = {"true_cfg_scale": params["true_cfg_scale"]} if "true_cfg_scale" in params else {}
     with torch.no_grad():
         return pipeline(
             **inputs, **tiny_models.PIPELINE_CALL_DEFAULTS[family], num_inference_steps=params["steps"],
             guidance_scale=params["guidance_scale"], height=params["height"], width=params["width"],
-            output_type="latent", return_dict=False, **extra,
+            output_type="latent", return_dict=False, **params.get("call", {}),
         )[0]
 
 
