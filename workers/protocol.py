@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .engine import PIPELINE_TENSOR_INPUTS, REQUEST_FIELDS, SampleRequest
-from .framing import (
+from .framing import (  # the wire's dtypes and limits are the framing's; protocol users read them here
     DTYPE_NAMES,
     DTYPES,
     MAX_DIMS,
