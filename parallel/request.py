@@ -41,6 +41,16 @@ class Field:
             raise ValueError(f"{name} is {value}; use {span}")
 
 
+def check_fields(fields: dict[str, Field], params: dict[str, Any]) -> None:
+    """Every field present if required, of its types and in its range (keys beyond `fields` are the caller's)."""
+    for name, spec in fields.items():
+        if name not in params:
+            if spec.required:
+                raise ValueError(f"needs {name!r}")
+            continue
+        spec.check(name, params[name])
+
+
 _NUMBER = (int, float)
 FIELDS: dict[str, Field] = {
     "steps": Field((int,), True, 1, 1000),
@@ -76,12 +86,7 @@ class SampleRequest:
         unknown = sorted(set(params) - set(FIELDS), key=str)
         if unknown:
             raise ValueError(f"a sample request does not take {unknown}; it takes {sorted(FIELDS)}")
-        for name, spec in FIELDS.items():
-            if name not in params:
-                if spec.required:
-                    raise ValueError(f"needs {name!r}")
-                continue
-            spec.check(name, params[name])
+        check_fields(FIELDS, params)
         call = dict(params.get("call", {}))
         _check_call_values(call)
         if declared is not None:

@@ -32,5 +32,7 @@ config_from_args = config.config_from_args
 request = engine("request")
 SampleRequest = request.SampleRequest
 REQUEST_FIELDS = request.FIELDS
+RequestField = request.Field
+check_fields = request.check_fields
 add_request_arguments = request.add_request_arguments
 request_from_args = request.request_from_args

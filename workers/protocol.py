@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .engine import PIPELINE_TENSOR_INPUTS, REQUEST_FIELDS, SampleRequest
+from .engine import PIPELINE_TENSOR_INPUTS, REQUEST_FIELDS, RequestField, SampleRequest, check_fields
 from .framing import (  # the wire's dtypes and limits are the framing's; protocol users read them here
     DTYPE_NAMES,
     DTYPES,
@@ -133,21 +133,15 @@ def _check_params(kind: str, params: dict) -> None:
     if unknown:
         raise ProtocolError(f"{kind} does not take {unknown}; it takes {sorted(schema)}")
     own = POOL_PARAMS if kind == "submit" else schema
-    for name, (types, required) in own.items():
-        if name not in params:
-            if required:
-                raise ProtocolError(f"{kind} needs {name!r}")
-            continue
-        value = params[name]
-        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
-            raise ProtocolError(f"{kind} {name} must be {' or '.join(t.__name__ for t in types)}, not {type(value).__name__}")
+    try:
+        check_fields({name: RequestField(types, required) for name, (types, required) in own.items()}, params)
+        if kind == "submit":
+            sample_request(params)
+    except ValueError as error:
+        raise ProtocolError(f"{kind} {error}") from None
     if kind == "encode" and len(params["prompt"]) > MAX_PROMPT_CHARS:
         raise ProtocolError(f"prompt is {len(params['prompt'])} characters; the limit is {MAX_PROMPT_CHARS}")
     if kind == "submit":
-        try:
-            sample_request(params)
-        except ValueError as error:
-            raise ProtocolError(f"submit {error}") from None
         _check_loras(params.get("loras", []))
 
 
