@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from .engine import LayoutError, add_parallel_arguments, add_request_arguments, config_from_args, request_from_args
+from .engine import LayoutError, add_parallel_arguments, config_from_args, request
 
 from . import auth
 from .client import JobCancelledError, JobFailed, PoolClient, PoolUnreachable
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--endpoint", default=None)
     sample.add_argument("--inputs", required=True)
     sample.add_argument("--output", required=True)
-    add_request_arguments(sample)
+    request.add_request_arguments(sample)
     sample.add_argument("--scheduler", default=None)
     _client_keys_argument(sample)
 
@@ -146,7 +146,7 @@ def sample(args) -> int:
 
     from .launcher import Pool
 
-    params = request_from_args(args).to_params()  # the pool checks the call map against its family
+    params = request.request_from_args(args).to_params()  # the pool checks the call map against its family
     if args.scheduler:
         params["scheduler"] = args.scheduler
     pool = None

@@ -29,10 +29,4 @@ PIPELINE_TENSOR_INPUTS = config.PIPELINE_TENSOR_INPUTS
 add_parallel_arguments = config.add_parallel_arguments
 config_from_args = config.config_from_args
 
-request = engine("request")
-SampleRequest = request.SampleRequest
-REQUEST_FIELDS = request.FIELDS
-RequestField = request.Field
-check_fields = request.check_fields
-add_request_arguments = request.add_request_arguments
-request_from_args = request.request_from_args
+request = engine("request")  # the one request type: SampleRequest, its fields, flags and checks

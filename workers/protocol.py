@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .engine import PIPELINE_TENSOR_INPUTS, REQUEST_FIELDS, RequestField, SampleRequest, check_fields
+from .engine import PIPELINE_TENSOR_INPUTS, request
 from .framing import (  # the wire's dtypes and limits are the framing's; protocol users read them here
     DTYPE_NAMES,
     DTYPES,
@@ -50,7 +50,7 @@ POOL_PARAMS: dict[str, tuple[tuple[type, ...], bool]] = {
     "loras": ((list,), False),
 }
 CLIENT_MESSAGES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
-    "submit": {**{name: (spec.types, spec.required) for name, spec in REQUEST_FIELDS.items()}, **POOL_PARAMS},
+    "submit": {**{name: (spec.types, spec.required) for name, spec in request.FIELDS.items()}, **POOL_PARAMS},
     "encode": {"prompt": ((str,), True)},
     "cancel": {},
     "status": {},
@@ -134,7 +134,7 @@ def _check_params(kind: str, params: dict) -> None:
         raise ProtocolError(f"{kind} does not take {unknown}; it takes {sorted(schema)}")
     own = POOL_PARAMS if kind == "submit" else schema
     try:
-        check_fields({name: RequestField(types, required) for name, (types, required) in own.items()}, params)
+        request.check_fields({name: request.Field(types, required) for name, (types, required) in own.items()}, params)
         if kind == "submit":
             sample_request(params)
     except ValueError as error:
@@ -145,7 +145,7 @@ def _check_params(kind: str, params: dict) -> None:
         _check_loras(params.get("loras", []))
 
 
-def sample_request(params: dict, declared=None, model: str = "this model") -> SampleRequest:
+def sample_request(params: dict, declared=None, model: str = "this model") -> request.SampleRequest:
     """The SampleRequest a submit's params carry (its other params are the pool's: scheduler, preview,
     loras); `declared`: the family's call_parameters, which only the pool knows."""
-    return SampleRequest.from_params({k: v for k, v in params.items() if k in REQUEST_FIELDS}, declared, model)
+    return request.SampleRequest.from_params({k: v for k, v in params.items() if k in request.FIELDS}, declared, model)
