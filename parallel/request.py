@@ -72,6 +72,8 @@ def _check_call_values(call: dict[str, Any]) -> None:
 
 @dataclass(frozen=True)
 class SampleRequest:
+    """What one sampling job asks for, whoever sends it; `call` holds the family's own scalars."""
+
     steps: int
     guidance_scale: float
     height: int
