@@ -1,9 +1,9 @@
 """The private channel between the supervisor (launcher) and its ranks.
 
 The supervisor binds a ROUTER; each rank connects a DEALER whose identity is `rank<N>`. Messages
-are single header maps of framing.py (no tensors). Ranks report hello/ready/failed, job start/end/error; the supervisor
-grants rank 0 the client endpoint (`bind_ok`) and decides after a job error whether ranks resume
-or the pool restarts. Only processes of this pool talk here, but it is still msgpack, not pickle.
+are single header maps of framing.py (no tensors). Ranks report hello/ready/failed, job
+start/end/error; the supervisor grants rank 0 the client endpoint (`bind_ok`) and decides after a
+job error whether ranks resume or the pool restarts. Only processes of this pool talk here, but it is still msgpack, not pickle.
 Every message names the launch it comes from (the supervisor's restart count when it started the
 rank), so a late message from a rank of a previous launch cannot act on the current one.
 """
