@@ -98,13 +98,14 @@ class FamilyAdapter:
                 guidance = float(extras["guidance"])
         return {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, guidance
 
-    def guidance_parameters(self, cfg: float, conditioning_guidance: float | None, use_negative: bool) -> dict:
-        """The job's guidance: ComfyUI's cfg, or where the family distills guidance (its value comes with
-        the conditioning), that as guidance_scale and cfg as true CFG."""
+    def guidance_parameters(self, cfg: float, conditioning_guidance: float | None, use_negative: bool) -> tuple[float, dict]:
+        """The job's guidance_scale and the family call parameters guidance adds: ComfyUI's cfg, or where the
+        family distills guidance (its value comes with the conditioning), that as guidance_scale and cfg as
+        true CFG."""
         if not self.data.guidance_in_conditioning:
-            return {"guidance_scale": cfg}
+            return cfg, {}
         guidance = self.data.default_guidance if conditioning_guidance is None else conditioning_guidance
-        return {"guidance_scale": guidance, **({"true_cfg_scale": cfg} if use_negative else {})}
+        return guidance, ({"true_cfg_scale": cfg} if use_negative else {})
 
     def _single(self, conditioning, which: str):
         if not isinstance(conditioning, list) or not conditioning:

@@ -63,18 +63,22 @@ class XDiTSampler(io.ComfyNode):
         samples = latent_image["samples"]  # images [B, C, H, W]; video (Wan) [B, C, T', H, W]
         batch = samples.shape[0]
         size = adapter.job_size(samples)
-        height, width = size["height"], size["width"]
+        height, width = size.pop("height"), size.pop("width")
+        call = size  # the family's own call parameters (Wan: num_frames)
         noise = comfy.sample.prepare_noise(samples, seed, latent_image.get("batch_index"))
         use_negative = cfg > 1.0
         tensors, conditioning_guidance = adapter.pipeline_inputs(positive, negative if use_negative else None, batch,
                                                                  pool.status.get("inputs", {}))
         tensors["latents"] = adapter.noise_to_model(noise).float()
-        params = {"steps": steps, **size, "preview": preview, "scheduler": sampler,
+        params = {"steps": steps, "height": height, "width": width, "preview": preview, "scheduler": sampler,
                   "loras": [{"path": path, "strength": strength} for path, strength in pool.loras]}
         if denoise < 1.0:  # img2img: start from the given latent, noised to the schedule's point
             tensors["init_latents"] = adapter.to_model(samples.float())
             params["denoise"] = denoise
-        params.update(adapter.guidance_parameters(cfg, conditioning_guidance, use_negative))
+        params["guidance_scale"], guidance_call = adapter.guidance_parameters(cfg, conditioning_guidance, use_negative)
+        call.update(guidance_call)
+        if call:
+            params["call"] = call
 
         latent_format = adapter.latent_format(samples.shape[1])
         previewer = _previewer(latent_format) if preview else None

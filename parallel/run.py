@@ -1,10 +1,12 @@
 """One-shot parallel sampling (contract E in docs/architecture.md).
 
     torchrun --nproc-per-node N -m parallel.run --model DIR --inputs IN.safetensors \
-        --output OUT.safetensors --steps S --guidance-scale G --height H --width W [layout flags]
+        --output OUT.safetensors --steps S --guidance-scale G --height H --width W [--call NAME=VALUE]
+        [layout flags]
 
 IN holds the tensor keyword arguments of the pipeline's `__call__` (latents, prompt_embeds, ...);
-OUT gets `latents`: what the same pipeline returns with output_type="latent".
+OUT gets `latents`: what the same pipeline returns with output_type="latent". The family's own call
+parameters come with `--call NAME=VALUE` (or the shorthands `--true-cfg-scale`, `--num-frames`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from .config import PIPELINE_TENSOR_INPUTS, LayoutError, add_parallel_arguments, config_from_args
 from .launch import apply_threads_per_rank
 from .loading import DTYPES, SCHEDULERS, load_pipeline, set_scheduler
+from .request import add_request_arguments, request_from_args
 
 INPUT_NAMES = PIPELINE_TENSOR_INPUTS
 
@@ -28,13 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", help="diffusers pipeline folder (save_pretrained layout)")
     parser.add_argument("--inputs", help="safetensors file with the pipeline's tensor arguments")
     parser.add_argument("--output", help="safetensors file to write (key: latents)")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--guidance-scale", type=float, default=4.5)
-    parser.add_argument("--true-cfg-scale", type=float, default=1.0, help="Flux only: real CFG with negative embeds")
-    parser.add_argument("--height", type=int, default=1024)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--num-frames", type=int, default=None,
-                        help="video (Wan): frames, 4k+1; default: as many as the latents hold")
+    add_request_arguments(parser)
     parser.add_argument("--scheduler", choices=["default", *SCHEDULERS], default="default")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: as saved")
     parser.add_argument("--attention-kernel", default=None, help="force a kernel (math, cpu_flash, flash_attn, ...)")
@@ -74,21 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         pipeline = load_pipeline(args.model, dtype=args.dtype)
         set_scheduler(pipeline, args.scheduler)
         parallel = wrap_pipeline(pipeline, attention_kernel=args.attention_kernel)
+        request = request_from_args(args, parallel.call_parameters, type(pipeline).__name__)
         device, dtype = pipeline.transformer.device, pipeline.transformer.dtype
-        extra = {"true_cfg_scale": args.true_cfg_scale} if args.true_cfg_scale != 1.0 else {}
-        if args.num_frames is not None:
-            extra["num_frames"] = args.num_frames
+        tensors = {k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
         start = time.perf_counter()
-        latents = parallel(
-            **{k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()},
-            num_inference_steps=args.steps,
-            guidance_scale=args.guidance_scale,
-            height=args.height,
-            width=args.width,
-            output_type="latent",
-            return_dict=False,
-            **extra,
-        )[0]
+        latents = parallel(**request.pipeline_kwargs(tensors), output_type="latent", return_dict=False)[0]
         elapsed = time.perf_counter() - start
         if world.rank == 0:
             save_file({"latents": latents.float().cpu().contiguous()}, args.output)

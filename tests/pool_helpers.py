@@ -55,10 +55,9 @@ def stop_serve(process: subprocess.Popen, sig=signal.SIGTERM) -> None:
 
 def reference(model_dir: Path, family: str, inputs: dict, params: dict = PARAMS) -> torch.Tensor:
     """diffusers' result for a pool job's inputs and parameters."""
-    extra = {"true_cfg_scale": params["true_cfg_scale"]} if "true_cfg_scale" in params else {}
     return diffusers_latents(model_dir, family, **inputs, num_inference_steps=params["steps"],
                              guidance_scale=params["guidance_scale"], height=params["height"], width=params["width"],
-                             **extra)
+                             **params.get("call", {}))
 
 
 def idle_client(endpoint: str, timeout_s: float = 120) -> tuple[PoolClient, dict]:

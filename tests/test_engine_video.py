@@ -185,6 +185,20 @@ def test_contract_e_uneven_video_equals_diffusers(video_model_dirs, image_to_vid
     assert (load_file(output)["latents"] - expected).abs().max().item() <= TOLERANCE
 
 
+def test_contract_e_takes_a_family_call_parameter(video_model_dirs, tmp_path):
+    """`--call guidance_scale_2=...` (Wan 2.2's low-noise expert) reaches the pipeline: equal to diffusers with it."""
+    model = video_model_dirs["wan22"]
+    frames, height, width = VIDEOS["even"]
+    inputs, output = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_file(tiny_models.make_inputs("wan22", height=height, width=width, num_frames=frames), inputs)
+    run = run_engine(2, model, inputs, output, "--height", str(height), "--width", str(width), "--cfg-parallel",
+                     "--call", "guidance_scale_2=2.0")
+    assert run.returncode == 0, run.stderr[-3000:]
+    latents = load_file(output)["latents"]
+    assert (latents - reference(model, inputs, "wan22", "even", "guidance2")).abs().max().item() <= TOLERANCE
+    assert (latents - reference(model, inputs, "wan22", "even", "default")).abs().max().item() > 100 * TOLERANCE
+
+
 @pytest.mark.parametrize(
     "nproc, video, flags, message",
     [
@@ -192,8 +206,10 @@ def test_contract_e_uneven_video_equals_diffusers(video_model_dirs, image_to_vid
         (2, (1, 16, 16), ["--ring-degree", "2"], "1 latent frames at 16x16 give 1 video tokens, fewer than the sequence-parallel degree 2"),
         (2, (5, 64, 64), ["--ulysses-degree", "2", "--num-frames", "9"], "latents have 2 latent frames but num_frames 9 needs 3"),
         (2, (5, 64, 64), ["--ulysses-degree", "2", "--height", "72"], "height 72 is not a multiple of 16"),
+        (2, (5, 64, 64), ["--ulysses-degree", "2", "--true-cfg-scale", "2"],
+         "WanPipeline does not take true_cfg_scale; it takes guidance_scale_2, num_frames"),
     ],
-    ids=["heads", "tokens", "frames", "size"],
+    ids=["heads", "tokens", "frames", "size", "call"],
 )
 def test_bad_video_layout_fails_early_with_one_line(video_model_dirs, tmp_path, nproc, video, flags, message):
     frames, height, width = video

@@ -126,9 +126,9 @@ def test_conditioning_becomes_the_declared_tensor_inputs(adapters):
     tensors, guidance = flux.pipeline_inputs([[cond, extras]], [[cond, extras]], 1, widths)
     assert sorted(tensors) == ["negative_pooled_prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds",
                                "prompt_embeds"]
-    assert flux.guidance_parameters(4.0, guidance, True) == {"guidance_scale": 2.5, "true_cfg_scale": 4.0}
-    assert flux.guidance_parameters(1.0, None, False) == {"guidance_scale": 3.5}
-    assert pixart.guidance_parameters(4.0, None, True) == {"guidance_scale": 4.0}
+    assert flux.guidance_parameters(4.0, guidance, True) == (2.5, {"true_cfg_scale": 4.0})
+    assert flux.guidance_parameters(1.0, None, False) == (3.5, {})
+    assert pixart.guidance_parameters(4.0, None, True) == (4.0, {})
     with pytest.raises(adapters.ConditioningError, match="pooled_prompt_embeds is 8 wide but .* needs 16; .*DualCLIPLoader"):
         flux.pipeline_inputs([[cond, {"pooled_output": torch.randn(1, 8)}]], None, 1, widths)
     with pytest.raises(ValueError, match="no adapter for StableDiffusionPipeline"):

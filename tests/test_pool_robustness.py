@@ -66,7 +66,7 @@ def exchange(socket, frames: list, timeout_s: float = 5.0) -> Message | None:
 
 
 def header(**fields) -> bytes:
-    return msgpack.packb({"v": 1, "type": "submit", "job": "bad", "params": dict(PARAMS), "tensors": [], **fields})
+    return msgpack.packb({"v": protocol.PROTOCOL_VERSION, "type": "submit", "job": "bad", "params": dict(PARAMS), "tensors": [], **fields})
 
 
 def assert_pool_healthy(pool):
@@ -124,8 +124,9 @@ json_like = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
     max_leaves=12,
 )
+VERSION = protocol.PROTOCOL_VERSION
 headers_strategy = st.fixed_dictionaries(
-    {"v": st.sampled_from([1, 1, 2, "1"]), "type": st.sampled_from(["submit", "cancel", "status", "??"]),
+    {"v": st.sampled_from([VERSION, VERSION, VERSION + 1, str(VERSION)]), "type": st.sampled_from(["submit", "cancel", "status", "??"]),
      "job": st.text(max_size=70), "params": json_like, "tensors": json_like}
 ).map(msgpack.packb)  # "stop" is left out: it is valid and would end the pool
 

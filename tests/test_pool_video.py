@@ -1,7 +1,10 @@
 """Wan 2.2 (both experts held by every rank) on a served pool: a video job equals diffusers.
 
 A real `python -m workers serve` pool with Ring 2 samples a 9-frame 48×48 video, whose 27 tokens
-split unevenly, with `num_frames` in the job; the result and the step previews are checked.
+split unevenly, with `num_frames` in the job's call map; the result and the step previews are checked.
+Then Wan 2.2's own `guidance_scale_2` (the low-noise expert's guidance) reaches the pool through the same
+generic call map and the latents equal diffusers' with it (negative control: they differ from the job
+without it), and a call parameter the family does not declare is refused at submit with one line.
 """
 
 from __future__ import annotations
@@ -9,7 +12,10 @@ from __future__ import annotations
 import torch
 
 from parallel import tiny_models
+import pytest
+
 from pool_helpers import free_endpoint, idle_client, pool_processes, reference, start_serve, stop_serve, wait_gone
+from workers.client import JobFailed
 from xdit_test_helpers import TOLERANCE
 
 FAMILY = "wan22"
@@ -25,13 +31,23 @@ def test_wan22_video_job_on_a_ring2_pool_equals_diffusers(video_model_dirs, tmp_
         client, status = idle_client(endpoint)
         assert status["pipeline"] == "WanPipeline" and status["inputs"] == {"prompt_embeds": 32, "negative_prompt_embeds": 32}
         inputs = tiny_models.make_inputs(FAMILY, height=SIZE, width=SIZE, num_frames=FRAMES)
-        params = {"steps": 4, "guidance_scale": 5.0, "height": SIZE, "width": SIZE, "num_frames": FRAMES}
+        params = {"steps": 4, "guidance_scale": 5.0, "height": SIZE, "width": SIZE, "call": {"num_frames": FRAMES}}
         previews = []
         latents = client.sample(inputs, params, on_step=lambda message: previews.append(message.tensors["preview"].shape))
         expected = reference(model, FAMILY, inputs, params)
         assert latents.shape == expected.shape == (1, 16, 3, SIZE // 8, SIZE // 8)
         assert (latents - expected).abs().max().item() <= TOLERANCE
         assert previews == [torch.Size([1, 16, 3, SIZE // 8, SIZE // 8])] * 4
+
+        second = {**params, "call": {"num_frames": FRAMES, "guidance_scale_2": 2.0}}
+        expert_guided = client.sample(inputs, second)
+        assert (expert_guided - reference(model, FAMILY, inputs, second)).abs().max().item() <= TOLERANCE
+        assert (expert_guided - latents).abs().max().item() > 100 * TOLERANCE, "guidance_scale_2 must change the result"
+
+        with pytest.raises(JobFailed) as refused:
+            client.sample(inputs, {**params, "call": {"true_cfg_scale": 2.0}})
+        assert "WanPipeline does not take true_cfg_scale; it takes guidance_scale_2, num_frames" in str(refused.value)
+        assert "\n" not in str(refused.value)
         pids = pool_processes(client.status())
     finally:
         if client is not None:

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-from .engine import LayoutError, add_parallel_arguments, config_from_args
+from .engine import LayoutError, add_parallel_arguments, config_from_args, request
 
 from . import auth
 from .client import JobCancelledError, JobFailed, PoolClient, PoolUnreachable
@@ -65,11 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--endpoint", default=None)
     sample.add_argument("--inputs", required=True)
     sample.add_argument("--output", required=True)
-    sample.add_argument("--steps", type=int, default=20)
-    sample.add_argument("--guidance-scale", type=float, default=4.5)
-    sample.add_argument("--true-cfg-scale", type=float, default=None)
-    sample.add_argument("--height", type=int, default=1024)
-    sample.add_argument("--width", type=int, default=1024)
+    request.add_request_arguments(sample)
     sample.add_argument("--scheduler", default=None)
     _client_keys_argument(sample)
 
@@ -144,9 +140,7 @@ def sample(args) -> int:
 
     from .launcher import Pool
 
-    params = {"steps": args.steps, "guidance_scale": args.guidance_scale, "height": args.height, "width": args.width}
-    if args.true_cfg_scale is not None:
-        params["true_cfg_scale"] = args.true_cfg_scale
+    params = request.request_from_args(args).to_params()  # the pool checks the call map against its family
     if args.scheduler:
         params["scheduler"] = args.scheduler
     pool = None

@@ -1,9 +1,9 @@
 """The private channel between the supervisor (launcher) and its ranks.
 
 The supervisor binds a ROUTER; each rank connects a DEALER whose identity is `rank<N>`. Messages
-are single msgpack maps. Ranks report hello/ready/failed, job start/end/error; the supervisor
-grants rank 0 the client endpoint (`bind_ok`) and decides after a job error whether ranks resume
-or the pool restarts. Only processes of this pool talk here, but it is still msgpack, not pickle.
+are single header maps of framing.py (no tensors). Ranks report hello/ready/failed, job
+start/end/error; the supervisor grants rank 0 the client endpoint (`bind_ok`) and decides after a
+job error whether ranks resume or the pool restarts. Only processes of this pool talk here, but it is still msgpack, not pickle.
 Every message names the launch it comes from (the supervisor's restart count when it started the
 rank), so a late message from a rank of a previous launch cannot act on the current one.
 """
@@ -12,18 +12,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgpack
 import zmq
 
+from .framing import ProtocolError, pack_header, unpack_header
 
-def pack(message: dict[str, Any]) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
+MAX_CONTROL_BYTES = 16 * 1024 * 1024  # a rank's start-up failure carries its traceback
+pack = pack_header
 
 
 def unpack(raw: bytes) -> dict[str, Any]:
-    message = msgpack.unpackb(raw, raw=False)
-    if not isinstance(message, dict) or "type" not in message:
-        raise ValueError("control message must be a map with a type")
+    message = unpack_header(raw, MAX_CONTROL_BYTES)
+    if "type" not in message:
+        raise ProtocolError("control message must be a map with a type")
     return message
 
 

@@ -29,3 +29,5 @@ ParallelConfig = config.ParallelConfig
 PIPELINE_TENSOR_INPUTS = config.PIPELINE_TENSOR_INPUTS
 add_parallel_arguments = config.add_parallel_arguments
 config_from_args = config.config_from_args
+
+request = engine("request")  # the one request type: SampleRequest, its fields, flags and checks

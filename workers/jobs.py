@@ -1,6 +1,6 @@
 """The job loop every rank runs: receive the job from rank 0, sample, stream steps, obey cancels.
 
-Rank 0 takes the next job from its client server and broadcasts it (msgpack header, then tensors)
+Rank 0 takes the next job from its client server and broadcasts it (a framing.py header, then tensors)
 over a gloo group, so the same code works under NCCL. At every step boundary rank 0 decides
 whether the job goes on and broadcasts that decision, so all ranks stop at the same step.
 """
@@ -13,12 +13,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .protocol import DTYPE_NAMES, DTYPES, Message
+from .framing import check_spec, pack_header, tensor_specs, unpack_header
+from .protocol import Message, sample_request
 
 log = logging.getLogger("xdit.jobs")
 PREVIEW_SIDE = 64  # latent pixels per side in step previews
@@ -44,21 +44,22 @@ def broadcast_work(work: Work | None, group: dist.ProcessGroup | None) -> Work:
     """Rank 0 passes `work`; every rank returns the same Work."""
     if dist.get_rank() == 0:
         assert work is not None
-        specs = [[name, DTYPE_NAMES[t.dtype], list(t.shape)] for name, t in (work.tensors or {}).items()]
-        header = msgpack.packb({"kind": work.kind, "job": work.job, "params": work.params or {}, "specs": specs})
+        specs, tensors = tensor_specs(work.tensors or {})
+        header = pack_header({"kind": work.kind, "job": work.job, "params": work.params or {}, "specs": specs})
         length = torch.tensor([len(header)], dtype=torch.int64)
     else:
         length = torch.zeros(1, dtype=torch.int64)
     dist.broadcast(length, src=0, group=group)
     payload = torch.frombuffer(bytearray(header), dtype=torch.uint8) if dist.get_rank() == 0 else torch.empty(int(length), dtype=torch.uint8)
     dist.broadcast(payload, src=0, group=group)
-    meta = msgpack.unpackb(payload.numpy().tobytes())
-    tensors = {}
-    for name, dtype, shape in meta["specs"]:
-        tensor = work.tensors[name].contiguous() if dist.get_rank() == 0 else torch.empty(shape, dtype=DTYPES[dtype])
+    meta = unpack_header(payload.numpy().tobytes(), max_bytes=int(length))
+    received = {}
+    for index, spec in enumerate(meta["specs"]):
+        name, dtype, shape = check_spec(spec, index)
+        tensor = tensors[index] if dist.get_rank() == 0 else torch.empty(shape, dtype=dtype)
         dist.broadcast(tensor, src=0, group=group)
-        tensors[name] = tensor
-    return Work(meta["kind"], meta["job"], meta["params"], tensors)
+        received[name] = tensor
+    return Work(meta["kind"], meta["job"], meta["params"], received)
 
 
 def preview_of(latents: torch.Tensor) -> torch.Tensor:
@@ -78,14 +79,25 @@ class JobRunner:
         self.rank = dist.get_rank()
         self.step = 0  # the running job's last finished step, for status
 
-    def run(self, work: Work, client: bytes | None) -> torch.Tensor:
-        params = work.params
+    def request(self, params: dict[str, Any]):
+        """The job's SampleRequest, its call map checked against what this pipeline's family declares."""
+        return sample_request(params, self.pipeline.call_parameters, type(self.pipeline.module).__name__)
+
+    def prepare(self, params: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any], int, int]:
+        """Rank 0, at submit: the request and the pipeline's own checks, once; `run` reuses the result."""
+        kwargs = self.request(params).pipeline_kwargs(tensors)
+        kwargs.pop("init_latents", None)
+        return self.pipeline.prepare(kwargs)
+
+    def run(self, work: Work, client: bytes | None, prepared: tuple[dict[str, Any], int, int] | None = None) -> torch.Tensor:
+        """Sample `work`; `prepared`: what `prepare` returned for it on this rank, if it ran here."""
+        request = self.request(work.params)
         device = self.pipeline.module.transformer.device
         dtype = self.pipeline.module.transformer.dtype
         inputs = {k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in work.tensors.items()}
-        extra = {"true_cfg_scale": params["true_cfg_scale"]} if "true_cfg_scale" in params else {}
         started = time.perf_counter()
-        total = params["steps"]
+        total = request.steps
+        preview = work.params.get("preview", True)
 
         self.step = 0
 
@@ -96,22 +108,14 @@ class JobRunner:
                 decision[0] = 1
             dist.broadcast(decision, src=0, group=self.group)
             if self.rank == 0 and not decision[0]:
-                tensors = {"preview": preview_of(latents)} if params.get("preview", True) else {}
+                tensors = {"preview": preview_of(latents)} if preview else {}
                 info = {"index": index + 1, "total": total, "elapsed": time.perf_counter() - started}
                 self.server.send(client, Message("step", work.job, info, tensors))
             if decision[0]:
                 raise JobCancelled(index + 1)
 
-        kwargs = {
-            **inputs,
-            "num_inference_steps": total,
-            "guidance_scale": float(params["guidance_scale"]),
-            "height": params["height"],
-            "width": params["width"],
-            **({"num_frames": params["num_frames"]} if "num_frames" in params else {}),
-            **extra,
-        }
+        kwargs = request.pipeline_kwargs(inputs)
         init_latents = kwargs.pop("init_latents", None)
         if init_latents is not None:
-            kwargs = self.pipeline.partial_denoise(kwargs, init_latents, float(params.get("denoise", 1.0)))
-        return self.pipeline(**kwargs, output_type="latent", return_dict=False, step_callback=on_step)[0]
+            kwargs = self.pipeline.partial_denoise(kwargs, init_latents, request.denoise)
+        return self.pipeline(**kwargs, output_type="latent", return_dict=False, step_callback=on_step, prepared=prepared)[0]

@@ -210,33 +210,31 @@ class Rank:
             "nodes": nodes,
         }
 
-    def validate(self, message: Message) -> None:
+    def validate(self, message: Message):
+        """Rank 0, at submit: refuse a job that cannot run; for a sample, what the runner prepared."""
         if self.state == "starting":
             raise ValueError("the pool is still loading its model; retry when status says idle")
         if message.type == "encode":
             if not self.args.text_encoders:
                 raise ValueError("this pool was started without text encoders; start it with text encoders on")
-            return
-        kwargs = {**message.tensors, **{k: message.params[k] for k in ("height", "width", "guidance_scale") }}
-        kwargs["num_inference_steps"] = message.params["steps"]
-        if "true_cfg_scale" in message.params:
-            kwargs["true_cfg_scale"] = message.params["true_cfg_scale"]
+            return None
         if "latents" not in message.tensors:
             raise ValueError("submit needs a 'latents' tensor (the initial noise)")
-        init = kwargs.pop("init_latents", None)
-        self.pipeline.prepare(kwargs)
+        prepared = self.runner.prepare(message.params, message.tensors)
         for lora in message.params.get("loras", []):
             if not os.path.isfile(lora["path"]):
                 raise ValueError(f"LoRA file {lora['path']} does not exist on the pool's machine")
+        init = message.tensors.get("init_latents")
         if init is not None and init.shape != message.tensors["latents"].shape:
             latents = message.tensors["latents"]
             raise ValueError(f"init_latents {list(init.shape)} must have the shape of latents {list(latents.shape)}")
         engine("loading").make_scheduler(self.default_scheduler, message.params.get("scheduler", "default"))
+        return prepared
 
     # -- the job loop -------------------------------------------------------------------------------
     def loop(self) -> None:
         while True:
-            work, client = None, None
+            work, client, prepared = None, None, None
             if self.rank == 0:
                 job = self.server.next_job(timeout_s=PROBE_EVERY_S)
                 if job is False:
@@ -247,7 +245,8 @@ class Rank:
                     self._encode(job)
                     continue
                 else:
-                    work, client = Work("sample", job.id, job.message.params, job.message.tensors), job.client
+                    work = Work("sample", job.id, job.message.params, job.message.tensors)
+                    client, prepared = job.client, job.prepared
                     self.control.send("job_started", job=job.id, client=client)
             try:
                 work = broadcast_work(work, self.group)
@@ -258,7 +257,7 @@ class Rank:
                 self._lost_world(error)
             if work.kind == "stop":
                 return
-            self._run(work, client)
+            self._run(work, client, prepared)
 
     def _encode(self, job) -> None:
         self.state = "busy"
@@ -272,7 +271,7 @@ class Rank:
             self.state = "idle"
             self.server.job_finished()
 
-    def _run(self, work: Work, client: bytes | None) -> None:
+    def _run(self, work: Work, client: bytes | None, prepared=None) -> None:
         self.state = "busy"
         reply = None  # sent once the state says idle, so a client that asks right after sees idle
         try:
@@ -281,7 +280,7 @@ class Rank:
                 self.pipeline.use_scheduler(engine("loading").make_scheduler(self.default_scheduler, name))
                 self.scheduler_name = name
             self.loras.apply([engine("lora").LoraSpec(lora["path"], float(lora["strength"])) for lora in work.params.get("loras", [])])
-            latents = self.runner.run(work, client)
+            latents = self.runner.run(work, client, prepared)
             reply = Message("result", work.job, {}, {"latents": latents})
             self.jobs_done += 1
         except JobCancelled as cancelled:

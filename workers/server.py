@@ -29,6 +29,7 @@ MAX_MESSAGE_BYTES = 8 * protocol.MAX_FRAME_BYTES  # ZMQ drops larger messages be
 class Job:
     client: bytes
     message: Message
+    prepared: Any = None  # what validate returned: the pipeline's checked arguments, reused when it runs
     received: float = field(default_factory=time.perf_counter)
 
     @property
@@ -37,13 +38,14 @@ class Job:
 
 
 class ClientServer(threading.Thread):
-    """Serve clients on `endpoint`; `validate(message)` raises ValueError for a job that can't run.
+    """Serve clients on `endpoint`; `validate(message)` raises ValueError for a job that can't run and
+    returns what the job keeps for its run (Job.prepared).
 
     With `curve_dir`, only clients holding an allowed key get through (auth.ServerGuard).
     """
 
     def __init__(self, context: zmq.Context, endpoint: str, status: Callable[[], dict[str, Any]],
-                 validate: Callable[[Message], None], curve_dir: str | None = None):
+                 validate: Callable[[Message], Any], curve_dir: str | None = None):
         super().__init__(name="xdit-client-server", daemon=True)
         self.context, self.endpoint = context, endpoint
         self.status, self.validate = status, validate
@@ -169,8 +171,7 @@ class ClientServer(threading.Thread):
             raise ProtocolError(f"job {message.job} is already queued or running")
         if self.stop_requested.is_set():
             raise ProtocolError("the pool is stopping")
-        self.validate(message)
-        job = Job(client, message)
+        job = Job(client, message, self.validate(message))
         with self._lock:
             self._queued[job.id] = job
             position = len(self._queued) + (self.running is not None) - 1

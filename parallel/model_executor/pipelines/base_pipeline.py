@@ -260,9 +260,18 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
 
     @torch.no_grad()
     @xFuserBaseWrapper.check_parallel_state
-    def __call__(self, *, step_callback: Callable[[int, torch.Tensor], None] | None = None, **kwargs):
-        """Run the diffusers pipeline on this rank's share; `step_callback(i, latents)` after each step."""
-        kwargs, batch, tokens = self.prepare(kwargs)
+    def __call__(self, *, step_callback: Callable[[int, torch.Tensor], None] | None = None,
+                 prepared: tuple[dict[str, Any], int, int] | None = None, **kwargs):
+        """Run the diffusers pipeline on this rank's share; `step_callback(i, latents)` after each step.
+
+        `prepared`: what `prepare` returned for these arguments when the caller already checked them (a
+        pool's rank 0 does at submit), so the checks run once; `kwargs` override its arguments (the
+        tensors as this rank holds them, img2img's noised latents)."""
+        if prepared is None:
+            kwargs, batch, tokens = self.prepare(kwargs)
+        else:
+            checked, batch, tokens = prepared
+            kwargs = {**checked, **kwargs}
         if step_callback is not None:
             kwargs.update(self._step_callback_arguments(step_callback))
         dp = get_dp_group()
