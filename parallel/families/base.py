@@ -1,9 +1,10 @@
 """What a model family declares, and the registry that finds a family from a diffusers object.
 
 A family is one module in this package: its transformer's parallel plan, its pipeline wrappers (hooks,
-call parameters, tensor inputs, the ComfyUI data), and its LoRA converter. The registry is keyed by the
-names of the diffusers classes a family wraps and matched against an object's class and its bases, so
-importing the registry (as the ComfyUI process does) never imports diffusers.
+call parameters, tensor inputs, the ComfyUI data), its LoRA converter, its single-file checkpoint layout
+and its tiny built-in models. The registry is keyed by the names of the diffusers classes a family
+wraps and matched against an object's class and its bases, so importing the registry (as the ComfyUI
+process does) never imports diffusers.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ class ComfyData:
     spatial:        latent channels → pixels per latent pixel (VAE factor).
     packed:         the pipeline takes latents packed 2×2 into tokens [B, H/2·W/2, 4C] (Flux; see pack_2x2).
     guidance_in_conditioning: the conditioning's "guidance" (FluxGuidance) is the pipeline's
-                    distilled `guidance_scale`; ComfyUI's cfg then becomes `true_cfg_scale`.
+                    distilled `guidance_scale` (`default_guidance` without one); ComfyUI's cfg then
+                    becomes `true_cfg_scale`.
     temporal:       frames per latent frame after the first (video: latents [B, C, T', H, W]); 0: images.
     expects:        how to make a conditioning this model takes (said when one does not fit).
     empty_latent:   which ComfyUI node makes a latent this model takes (said when one does not fit).
