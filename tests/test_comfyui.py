@@ -49,8 +49,10 @@ def saved_latent(comfy, entry) -> torch.Tensor:
     return load_file(comfy.work / "output" / info["subfolder"] / info["filename"])["latent_tensor"]
 
 
-def reference(model_dir, family, *, steps=4, size=64, seed=7, positive="a cat on a mat", negative="blurry") -> torch.Tensor:
-    """diffusers' single-process result for ComfyUI's noise of `seed`, in ComfyUI's latent space."""
+def reference(model_dir, family, *, steps=4, size=64, seed=7, positive="a cat on a mat", negative="blurry",
+              true_cfg=None) -> torch.Tensor:
+    """diffusers' single-process result for ComfyUI's noise of `seed`, in ComfyUI's latent space
+    (`true_cfg`: Flux's real CFG, what xDiT Sampler's cfg above 1 means for Flux)."""
     _, cfg, scale, shift = FAMILIES[family]
     pipeline = DiffusionPipeline.from_pretrained(model_dir)
     channels = 4 if family.startswith("pixart") else 16
@@ -60,6 +62,10 @@ def reference(model_dir, family, *, steps=4, size=64, seed=7, positive="a cat on
             embeds, pooled, _ = pipeline.encode_prompt(positive, None)
             kwargs = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled, "guidance_scale": 3.5,
                       "latents": pipeline._pack_latents(noise, 1, channels, size // 8, size // 8)}
+            if true_cfg is not None:
+                negative_embeds, negative_pooled, _ = pipeline.encode_prompt(negative, None)
+                kwargs.update(negative_prompt_embeds=negative_embeds, negative_pooled_prompt_embeds=negative_pooled,
+                              true_cfg_scale=true_cfg)
         elif family == "sd3":
             pe, _, pp, _ = pipeline.encode_prompt(positive, None, None, do_classifier_free_guidance=False)
             ne, _, np_, _ = pipeline.encode_prompt(negative, None, None, do_classifier_free_guidance=False)
@@ -110,6 +116,16 @@ def test_workflow_equals_diffusers_single_process(comfy, tiny_model_dirs, family
     latent = saved_latent(comfy, entry)
     assert latent.shape == expected.shape
     assert (latent - expected).abs().max().item() <= TOLERANCE
+
+
+def test_flux_cfg_reaches_the_pool_as_its_true_cfg_scale(comfy, tiny_model_dirs):
+    """xDiT Sampler sends Flux's cfg above 1 in the job's call map (true_cfg_scale); equal to diffusers with it."""
+    entry = comfy.wait(comfy.queue(workflow("flux", cfg=2.0, prefix="true_cfg")))
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+    latent = saved_latent(comfy, entry)
+    expected = reference(tiny_model_dirs["flux"], "flux", true_cfg=2.0)
+    assert (latent - expected).abs().max().item() <= TOLERANCE
+    assert (latent - reference(tiny_model_dirs["flux"], "flux")).abs().max().item() > 100 * TOLERANCE
 
 
 def test_progress_and_preview_frames_arrive_over_the_websocket(comfy):
