@@ -3,8 +3,10 @@
     torchrun --nproc-per-node N -m parallel.run --model DIR --inputs IN.safetensors \
         --output OUT.safetensors --steps S --guidance-scale G --height H --width W [layout flags]
 
-IN holds the tensor keyword arguments of the pipeline's `__call__` (latents, prompt_embeds, ...);
-OUT gets `latents`: what the same pipeline returns with output_type="latent".
+IN holds the tensor keyword arguments of the pipeline's `__call__` (latents, prompt_embeds, ...; write
+one from a prompt with `python -m parallel.make_inputs`); OUT gets `latents`: what the same pipeline
+returns with output_type="latent". DIR may be a built-in tiny model name (builtin_models.py).
+A mistake ends in one `error:` line from rank 0 and no traceback (torchrun_exit.py).
 """
 
 from __future__ import annotations
@@ -15,16 +17,30 @@ import sys
 import time
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from . import builtin_models
 from .config import PIPELINE_TENSOR_INPUTS, LayoutError, add_parallel_arguments, config_from_args
 from .loading import DTYPES, SCHEDULERS, load_pipeline, set_scheduler
+from .torchrun_exit import die_with_parent, exit_quietly
 
 INPUT_NAMES = PIPELINE_TENSOR_INPUTS
 
 
+class _Parser(argparse.ArgumentParser):
+    """Argument mistakes: one line from rank 0, no usage from every rank, no torchrun traceback."""
+
+    def error(self, message: str) -> None:
+        if "--nproc " in message or message.endswith("--nproc"):
+            message += " (contract E takes the number of ranks from torchrun: torchrun --nproc-per-node N -m parallel.run ...)"
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {message}; see python -m parallel.run --help", file=sys.stderr)
+        exit_quietly(2)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m parallel.run", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="python -m parallel.run", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="diffusers pipeline folder (save_pretrained layout)")
     parser.add_argument("--inputs", help="safetensors file with the pipeline's tensor arguments")
     parser.add_argument("--output", help="safetensors file to write (key: latents)")
@@ -46,8 +62,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def check_files(args: argparse.Namespace) -> None:
+    """Mistakes in the paths, before any rank starts to work."""
+    builtin_models.check_model(args.model)
+    if not os.path.isfile(args.inputs):
+        raise ValueError(f"--inputs {args.inputs}: no such file; write one with "
+                         f"`python -m parallel.make_inputs --model {args.model} --prompt ... --out {args.inputs}`")
+    folder = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--output {args.output}: the folder {folder} does not exist; create it first")
+
+
 def read_inputs(path: str) -> dict[str, torch.Tensor]:
-    tensors = load_file(path)
+    try:
+        tensors = load_file(path)
+    except SafetensorError as error:
+        raise ValueError(f"--inputs {path} is not a safetensors file ({error}); write one with python -m parallel.make_inputs") from None
     unknown = sorted(set(tensors) - set(INPUT_NAMES))
     if unknown:
         raise ValueError(f"{path} has tensors {unknown} that are not pipeline inputs; allowed: {list(INPUT_NAMES)}")
@@ -57,6 +87,7 @@ def read_inputs(path: str) -> dict[str, torch.Tensor]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()
     args = parse_args(argv)
     from .model_executor import capability_table, wrap_pipeline  # heavy imports after argument errors
 
@@ -69,9 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     world = init_distributed_environment()
     torch.set_num_threads(int(os.environ.get("XDIT_THREADS_PER_RANK", torch.get_num_threads())))
     try:
+        check_files(args)
         initialize_model_parallel(config_from_args(args))
         inputs = read_inputs(args.inputs)
-        pipeline = load_pipeline(args.model, dtype=args.dtype)
+        model = builtin_models.resolve_model_on_ranks(args.model, int(os.environ.get("LOCAL_RANK", 0)), world.barrier)
+        pipeline = load_pipeline(model, dtype=args.dtype)
         set_scheduler(pipeline, args.scheduler)
         parallel = wrap_pipeline(pipeline, attention_kernel=args.attention_kernel)
         device, dtype = pipeline.transformer.device, pipeline.transformer.dtype
@@ -102,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     except (LayoutError, ValueError, FileNotFoundError) as error:
         if world.rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
-        return 2
+        exit_quietly(2)
     finally:
         destroy_distributed_environment()
 

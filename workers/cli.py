@@ -12,10 +12,11 @@ import sys
 import threading
 import time
 
-from .engine import LayoutError, add_parallel_arguments, config_from_args
+from .engine import LayoutError, add_parallel_arguments, builtin_models, config_from_args, engine
 
 from . import auth
 from .client import JobCancelledError, JobFailed, PoolClient, PoolUnreachable
+from .launcher import Pool, PoolError, PoolSpec
 
 
 def free_endpoint() -> str:
@@ -25,7 +26,8 @@ def free_endpoint() -> str:
 
 
 def _pool_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
-    parser.add_argument("--model", required=required, help="diffusers pipeline folder")
+    parser.add_argument("--model", required=required,
+                        help=f"diffusers pipeline folder, single-file checkpoint, or a built-in tiny model: {', '.join(builtin_models.NAMES)}")
     parser.add_argument("--nproc", type=int, default=1, help="number of ranks")
     parser.add_argument("--text-encoders", action="store_true", help="also load the text encoders")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "fp8"], default=None, help="fp8: fp8 storage, bf16 compute")
@@ -69,8 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     sample = commands.add_parser("sample", help="run one job (on --endpoint, or on a pool started for it)")
     _pool_arguments(sample, required=False)
     sample.add_argument("--endpoint", default=None)
-    sample.add_argument("--inputs", required=True)
-    sample.add_argument("--output", required=True)
+    source = sample.add_mutually_exclusive_group(required=True)
+    source.add_argument("--inputs", help="safetensors file with the pipeline's tensor inputs (contract E's IN)")
+    source.add_argument("--prompt", help="encode this prompt on the pool with the pipeline's own text encoders")
+    sample.add_argument("--negative-prompt", default="", help="with --prompt (default: empty)")
+    sample.add_argument("--seed", type=int, default=0, help="with --prompt: the initial noise, as the pipeline draws it")
+    sample.add_argument("--output", required=True, help="OUT.safetensors (latents) or OUT.png (decoded with the model's VAE)")
     sample.add_argument("--steps", type=int, default=20)
     sample.add_argument("--guidance-scale", type=float, default=4.5)
     sample.add_argument("--true-cfg-scale", type=float, default=None)
@@ -89,8 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _spec(args, endpoint: str | None, curve_dir: str | None = None):
-    from .launcher import PoolSpec
-
+    builtin_models.check_model(args.model)
     return PoolSpec(
         model=args.model, nproc=args.nproc, endpoint=endpoint, parallel=config_from_args(args),
         text_encoders=args.text_encoders, dtype=args.dtype, threads_per_rank=args.threads_per_rank,
@@ -120,8 +125,6 @@ def _run_in_foreground(pool, banner: str) -> int:
 
 
 def serve(args) -> int:
-    from .launcher import Pool
-
     pool = Pool(_spec(args, args.endpoint, args.curve_dir))
     nodes = f" over {args.nnodes} nodes" if args.nnodes > 1 else ""
     return _run_in_foreground(pool, f"xdit pool serving {args.model} on {args.endpoint} with {pool.spec.world_size} "
@@ -129,8 +132,6 @@ def serve(args) -> int:
 
 
 def join(args) -> int:
-    from .launcher import Pool
-
     pool = Pool(_spec(args, None))
     return _run_in_foreground(pool, f"xdit node {args.node_rank} joined the pool at {args.rdzv_endpoint} with "
                                     f"{args.nproc} rank(s) [{pool.spec.parallel.describe()}]")
@@ -145,11 +146,39 @@ def keys(args) -> int:
     return 0
 
 
+def _check_sample_files(args) -> None:
+    """Mistakes that need no pool: say so before one starts."""
+    if args.inputs and not os.path.isfile(args.inputs):
+        raise ValueError(f"--inputs {args.inputs}: no such file; write one with `python -m parallel.make_inputs "
+                         "--model M --prompt ... --out IN.safetensors`, or pass --prompt instead")
+    if not args.output.endswith((".safetensors", ".png")):
+        raise ValueError(f"--output {args.output}: end it in .safetensors (latents) or .png (an image)")
+    folder = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--output {args.output}: the folder {folder} does not exist; create it first")
+
+
+def _job_inputs(client: PoolClient, args) -> dict:
+    if args.inputs:
+        from safetensors.torch import load_file
+
+        return load_file(args.inputs)
+    return client.encode(args.prompt, negative_prompt=args.negative_prompt, seed=args.seed,
+                         height=args.height, width=args.width)
+
+
+def _write_output(latents, args, model: str) -> None:
+    if args.output.endswith(".png"):
+        folder = builtin_models.resolve_model(model)
+        engine("decode").decode_to_png(folder, latents, args.height, args.width, args.output)
+    else:
+        from safetensors.torch import save_file
+
+        save_file({"latents": latents.contiguous()}, args.output)
+
+
 def sample(args) -> int:
-    from safetensors.torch import load_file, save_file
-
-    from .launcher import Pool
-
+    _check_sample_files(args)
     params = {"steps": args.steps, "guidance_scale": args.guidance_scale, "height": args.height, "width": args.width}
     if args.true_cfg_scale is not None:
         params["true_cfg_scale"] = args.true_cfg_scale
@@ -159,13 +188,16 @@ def sample(args) -> int:
     endpoint = args.endpoint
     if endpoint is None:
         if not args.model:
-            raise SystemExit("sample needs --endpoint of a running pool, or --model (and --nproc) to start one")
+            raise ValueError("sample needs --endpoint of a running pool, or --model (and --nproc) to start one for this job")
         endpoint = free_endpoint()
-        pool = Pool(_spec(args, endpoint)).start()
+        args.text_encoders = args.text_encoders or bool(args.prompt)
+        pool = Pool(_spec(args, endpoint))
     curve_dir = args.curve_dir if pool is None else None  # a pool started here binds loopback without keys
     interrupted = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: interrupted.set())
     try:
+        if pool is not None:
+            pool.start()
         with PoolClient(endpoint, curve_dir=curve_dir) as client:
             start = time.perf_counter()
 
@@ -173,14 +205,16 @@ def sample(args) -> int:
                 p = message.params
                 print(f"step {p['index']}/{p['total']} {p['elapsed']:.2f} s", file=sys.stderr, flush=True)
 
-            latents = client.sample(load_file(args.inputs), params, on_step=on_step, should_cancel=interrupted.is_set)
-            save_file({"latents": latents.contiguous()}, args.output)
+            model = args.model or (client.status()["model"] if args.output.endswith(".png") else "")
+            inputs = _job_inputs(client, args)
+            latents = client.sample(inputs, params, on_step=on_step, should_cancel=interrupted.is_set)
+            _write_output(latents, args, model)
             print(f"xdit: job done in {time.perf_counter() - start:.3f} s -> {args.output}", flush=True)
             return 0
     except JobCancelledError as error:
         print(f"cancelled: {error}", file=sys.stderr)
         return 130
-    except (JobFailed, PoolUnreachable) as error:
+    except (JobFailed, PoolUnreachable, PoolError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     finally:
@@ -205,6 +239,7 @@ def status(args) -> int:
 def stop(args) -> int:
     with PoolClient(args.endpoint, curve_dir=args.curve_dir) as client:
         client.stop()
+    print(f"xdit: asked the pool at {args.endpoint} to stop", flush=True)
     return 0
 
 
@@ -214,7 +249,7 @@ def main(argv=None) -> int:
     try:
         commands = {"serve": serve, "join": join, "sample": sample, "status": status, "stop": stop, "keys": keys}
         return commands[args.command](args)
-    except (LayoutError, ValueError) as error:
+    except (LayoutError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except PoolUnreachable as error:

@@ -10,8 +10,10 @@ reply at all, and says at once what is wrong with its keys instead of waiting fo
 
 from __future__ import annotations
 
+import socket
 import time
 import uuid
+from urllib.parse import urlsplit
 from typing import Callable
 
 import torch
@@ -28,6 +30,10 @@ MISSED_PINGS = 3
 
 class PoolUnreachable(RuntimeError):
     pass
+
+
+class NothingListening(PoolUnreachable):
+    """No process accepts connections at the endpoint: no pool runs there (not a key or a timeout problem)."""
 
 
 class PoolRefused(PoolUnreachable):
@@ -98,8 +104,20 @@ class PoolClient:
             why = f"did not accept the handshake: is {self.curve_dir}/server.key that pool's server key?"
         return PoolRefused(f"{where} {why}")
 
+    def check_listening(self) -> None:
+        """Raise NothingListening when a tcp:// endpoint refuses connections (ZMQ would queue and wait)."""
+        address = urlsplit(self.endpoint)
+        if address.scheme != "tcp" or address.hostname in (None, "*", "0.0.0.0"):
+            return
+        try:
+            socket.create_connection((address.hostname, address.port), timeout=2).close()
+        except OSError:
+            raise NothingListening(f"nothing is listening at {self.endpoint}: no pool runs there; start one with "
+                                   "`python -m workers serve --model M --endpoint ...` or check the address") from None
+
     def request(self, kind: str, job: str = "", timeout_s: float = 10.0) -> Message:
         """Send a status/stop/cancel message and return the reply that belongs to it."""
+        self.check_listening()
         tag = job or f"{kind}-{uuid.uuid4().hex[:12]}"
         self.send(Message(kind, tag))
         deadline = time.monotonic() + timeout_s
@@ -107,6 +125,7 @@ class PoolClient:
             reply = self.receive(left)
             if reply is not None and reply.job == tag and reply.type != "step":
                 return reply
+        self.check_listening()
         keys = "" if self.curve_dir else f" (a pool with CURVE keys answers only clients with an allowed key: --curve-dir or {ENV})"
         raise PoolUnreachable(f"no reply from the pool at {self.endpoint} within {timeout_s:.0f} s{keys}")
 
@@ -137,6 +156,7 @@ class PoolClient:
 
     # -- jobs ---------------------------------------------------------------------------------------
     def submit(self, tensors: dict[str, torch.Tensor], params: dict, job: str | None = None) -> str:
+        self.check_listening()
         job = job or f"job-{uuid.uuid4().hex[:16]}"
         self.send(Message("submit", job, params, tensors))
         return job
@@ -155,10 +175,12 @@ class PoolClient:
         job = self.submit(tensors, params)
         return self._follow(job, on_step, should_cancel).tensors["latents"]
 
-    def encode(self, prompt: str) -> dict[str, torch.Tensor]:
-        """The pool pipeline's own text encoding of `prompt` (prompt_embeds, pooled / mask)."""
+    def encode(self, prompt: str, **job_inputs) -> dict[str, torch.Tensor]:
+        """The pool pipeline's own text encoding of `prompt` (prompt_embeds, pooled / mask); with
+        `negative_prompt`, `seed`, `height` and `width`: a whole job's inputs, latents included."""
+        self.check_listening()
         job = f"encode-{uuid.uuid4().hex[:16]}"
-        self.send(Message("encode", job, {"prompt": prompt}))
+        self.send(Message("encode", job, {"prompt": prompt, **job_inputs}))
         return self._follow(job, None, None).tensors
 
     def _follow(self, job: str, on_step, should_cancel) -> Message:
@@ -176,6 +198,7 @@ class PoolClient:
                     if ping is not None:
                         missed += 1
                         if missed >= MISSED_PINGS:
+                            self.check_listening()
                             raise PoolUnreachable(f"the pool at {self.endpoint} stopped answering during job {job}")
                     ping = f"ping-{uuid.uuid4().hex[:12]}"
                     self.send(Message("status", ping))

@@ -55,7 +55,9 @@ CLIENT_MESSAGES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "num_frames": ((int,), False),
         "loras": ((list,), False),
     },
-    "encode": {"prompt": ((str,), True)},
+    # With seed (and height, width): the whole inputs of a job, negative prompt and initial noise included.
+    "encode": {"prompt": ((str,), True), "negative_prompt": ((str,), False), "seed": ((int,), False),
+               "height": ((int,), False), "width": ((int,), False)},
     "cancel": {},
     "status": {},
     "stop": {},
@@ -213,8 +215,12 @@ def _check_params(kind: str, params: dict) -> None:
             raise ProtocolError(f"{kind} {name} must be {' or '.join(t.__name__ for t in types)}, not {type(value).__name__}")
         if isinstance(value, float) and not math.isfinite(value):
             raise ProtocolError(f"{kind} {name} must be finite")
-    if kind == "encode" and len(params["prompt"]) > MAX_PROMPT_CHARS:
-        raise ProtocolError(f"prompt is {len(params['prompt'])} characters; the limit is {MAX_PROMPT_CHARS}")
+    if kind == "encode":
+        for name in ("prompt", "negative_prompt"):
+            if len(params.get(name, "")) > MAX_PROMPT_CHARS:
+                raise ProtocolError(f"{name} is {len(params[name])} characters; the limit is {MAX_PROMPT_CHARS}")
+        if "seed" in params and not {"height", "width"} <= set(params):
+            raise ProtocolError("encode with a seed needs height and width (the size of the initial noise)")
     if kind == "submit":
         _check_loras(params.get("loras", []))
         if "denoise" in params and not 0.0 < params["denoise"] <= 1.0:
