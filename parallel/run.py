@@ -21,6 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from . import builtin_models
+from .arguments import ArgumentParser
 from .config import PIPELINE_TENSOR_INPUTS, LayoutError, add_parallel_arguments, config_from_args
 from .loading import DTYPES, SCHEDULERS, load_pipeline, set_scheduler
 from .torchrun_exit import die_with_parent, exit_quietly
@@ -28,14 +29,17 @@ from .torchrun_exit import die_with_parent, exit_quietly
 INPUT_NAMES = PIPELINE_TENSOR_INPUTS
 
 
-class _Parser(argparse.ArgumentParser):
-    """Argument mistakes: one line from rank 0, no usage from every rank, no torchrun traceback."""
+class _Parser(ArgumentParser):
+    """Argument mistakes: one line from rank 0 only, and no torchrun traceback."""
+
+    def exit(self, status: int = 0, message: str | None = None) -> None:
+        if status == 0:
+            super().exit(status, message)
+        exit_quietly(status)
 
     def error(self, message: str) -> None:
-        if "--nproc " in message or message.endswith("--nproc"):
-            message += " (contract E takes the number of ranks from torchrun: torchrun --nproc-per-node N -m parallel.run ...)"
         if os.environ.get("RANK", "0") == "0":
-            print(f"error: {message}; see python -m parallel.run --help", file=sys.stderr)
+            super().error(message)
         exit_quietly(2)
 
 
@@ -54,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scheduler", choices=["default", *SCHEDULERS], default="default")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: as saved")
     parser.add_argument("--attention-kernel", default=None, help="force a kernel (math, cpu_flash, flash_attn, ...)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="sample this many times and report the last (warm) run's time; the output is the same")
     parser.add_argument("--list-supported", action="store_true", help="print the capability table and exit")
     add_parallel_arguments(parser)
     args = parser.parse_args(argv)
@@ -111,18 +117,19 @@ def main(argv: list[str] | None = None) -> int:
         extra = {"true_cfg_scale": args.true_cfg_scale} if args.true_cfg_scale != 1.0 else {}
         if args.num_frames is not None:
             extra["num_frames"] = args.num_frames
-        start = time.perf_counter()
-        latents = parallel(
-            **{k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()},
-            num_inference_steps=args.steps,
-            guidance_scale=args.guidance_scale,
-            height=args.height,
-            width=args.width,
-            output_type="latent",
-            return_dict=False,
-            **extra,
-        )[0]
-        elapsed = time.perf_counter() - start
+        for _ in range(max(1, args.repeat)):
+            start = time.perf_counter()
+            latents = parallel(
+                **{k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()},
+                num_inference_steps=args.steps,
+                guidance_scale=args.guidance_scale,
+                height=args.height,
+                width=args.width,
+                output_type="latent",
+                return_dict=False,
+                **extra,
+            )[0]
+            elapsed = time.perf_counter() - start
         if world.rank == 0:
             save_file({"latents": latents.float().cpu().contiguous()}, args.output)
             print(

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from .engine import LayoutError, add_parallel_arguments, builtin_models, config_from_args, engine
+from .engine import ArgumentParser, LayoutError, add_parallel_arguments, builtin_models, config_from_args, engine
 
 from . import auth
 from .client import JobCancelledError, JobFailed, PoolClient, PoolUnreachable
@@ -51,7 +51,7 @@ def _client_keys_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m workers", description="xDiT pool: persistent parallel sampling")
+    parser = ArgumentParser(prog="python -m workers", description="xDiT pool: persistent parallel sampling")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run a pool in the foreground (SIGTERM stops every rank)")
@@ -91,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         _client_keys_argument(command)
         if name == "status":
             command.add_argument("--json", action="store_true")
+            command.add_argument("--wait", action="store_true", help="wait until the pool is idle (or failed), then print")
     return parser
 
 
@@ -225,7 +226,7 @@ def sample(args) -> int:
 def status(args) -> int:
     with PoolClient(args.endpoint, curve_dir=args.curve_dir) as client:
         try:
-            info = client.status()
+            info = client.wait_until_idle(timeout_s=600) if args.wait else client.status()
         except PoolUnreachable as error:
             info = {"state": "unreachable", "error": str(error)}
     if args.json:

@@ -22,6 +22,7 @@ def engine(module: str) -> ModuleType:
 
 config = engine("config")
 builtin_models = engine("builtin_models")
+ArgumentParser = engine("arguments").ArgumentParser
 
 LayoutError = config.LayoutError
 ParallelConfig = config.ParallelConfig
