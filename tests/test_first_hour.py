@@ -23,7 +23,7 @@ from xdit_test_helpers import ROOT, TOLERANCE
 from pool_helpers import free_endpoint
 
 TINY = "xdit-tiny-pixart-alpha"
-SMALL = ["--steps", "1", "--height", "64", "--width", "64"]
+SMALL = ["--steps", "2", "--height", "64", "--width", "64"]
 
 
 def run(*command: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -127,7 +127,7 @@ def test_a_mistake_ends_in_one_error_line_without_traceback(work, name):
 
 def test_demo_accepts_the_ring_degree_it_suggests(work):
     result = run("-m", "parallel.demo", "--nproc", "3", "--ring-degree", "3", "--ulysses-degree", "1", "--size", "64",
-                 "--steps", "1", "--out", str(work / "demo-ring"))
+                 "--steps", "2", "--out", str(work / "demo-ring"))
     # 64×64 PixArt has 16 tokens, which do not split over 3 ranks either: the demo names that, not a flag it lacks
     assert result.returncode != 0 and "unrecognized arguments" not in result.stderr
     assert_no_traceback(result)
@@ -198,7 +198,7 @@ def test_a_pool_that_says_it_started_takes_the_next_job(work, tmp_path):
 
 
 def test_25_consecutive_one_shot_samples_all_succeed(work):
-    """The cheapest one-shot job (tiny model, 2 ranks, 64×64, one step): each run's time is torchrun's and
+    """The cheapest one-shot job (tiny model, 2 ranks, 64×64, two steps): each run's time is torchrun's and
     the ranks' start-up (imports, process group, model load), not sampling."""
     for attempt in range(25):
         result = one_shot("--inputs", str(work / "in.safetensors"), "--output", str(work / "o25.safetensors"), *SMALL)

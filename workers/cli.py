@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 
@@ -91,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
         _client_keys_argument(command)
         if name == "status":
             command.add_argument("--json", action="store_true")
-            command.add_argument("--wait", action="store_true", help="wait until the pool is idle (or failed), then print")
+            command.add_argument("--wait", nargs="?", const="idle", choices=["idle", "busy"], default=None,
+                                 help="wait until the pool is in this state (default: idle), then print")
     return parser
 
 
@@ -193,6 +195,8 @@ def sample(args) -> int:
         endpoint = free_endpoint()
         args.text_encoders = args.text_encoders or bool(args.prompt)
         pool = Pool(_spec(args, endpoint))
+        # The ranks' own output (loading bars, a failed job's traceback) goes to a log; the error line names it.
+        pool.spec.log_file = os.path.join(tempfile.gettempdir(), f"xdit-sample-{os.getpid()}.log")
     curve_dir = args.curve_dir if pool is None else None  # a pool started here binds loopback without keys
     interrupted = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: interrupted.set())
@@ -211,12 +215,15 @@ def sample(args) -> int:
             latents = client.sample(inputs, params, on_step=on_step, should_cancel=interrupted.is_set)
             _write_output(latents, args, model)
             print(f"xdit: job done in {time.perf_counter() - start:.3f} s -> {args.output}", flush=True)
+            if pool is not None:
+                os.remove(pool.spec.log_file)
             return 0
     except JobCancelledError as error:
         print(f"cancelled: {error}", file=sys.stderr)
         return 130
     except (JobFailed, PoolUnreachable, PoolError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        log = f" (the ranks' log: {pool.spec.log_file})" if pool is not None else ""
+        print(f"error: {error}{log}", file=sys.stderr)
         return 1
     finally:
         if pool is not None:
@@ -226,7 +233,7 @@ def sample(args) -> int:
 def status(args) -> int:
     with PoolClient(args.endpoint, curve_dir=args.curve_dir) as client:
         try:
-            info = client.wait_until_idle(timeout_s=600) if args.wait else client.status()
+            info = client.wait_for_state(args.wait, timeout_s=600) if args.wait else client.status()
         except PoolUnreachable as error:
             info = {"state": "unreachable", "error": str(error)}
     if args.json:

@@ -137,6 +137,10 @@ class PoolClient:
 
     def wait_until_idle(self, timeout_s: float = 120.0) -> dict:
         """Poll status until the pool says idle (after start-up or a restart)."""
+        return self.wait_for_state("idle", timeout_s)
+
+    def wait_for_state(self, state: str, timeout_s: float = 120.0) -> dict:
+        """Poll status until the pool is in `state` (idle, busy); a pool that failed raises."""
         deadline = time.monotonic() + timeout_s
         last = {}
         while time.monotonic() < deadline:
@@ -147,12 +151,12 @@ class PoolClient:
             except PoolUnreachable:  # not up yet, or restarting: ask again
                 time.sleep(0.1)
                 continue
-            if last.get("state") == "idle":
+            if last.get("state") == state:
                 return last
             if last.get("state") == "error":
                 raise PoolUnreachable(f"the pool failed: {last.get('error')}")
             time.sleep(0.1)
-        raise PoolUnreachable(f"the pool at {self.endpoint} did not become idle in {timeout_s:.0f} s (last: {last})")
+        raise PoolUnreachable(f"the pool at {self.endpoint} did not become {state} in {timeout_s:.0f} s (last: {last})")
 
     # -- jobs ---------------------------------------------------------------------------------------
     def submit(self, tensors: dict[str, torch.Tensor], params: dict, job: str | None = None) -> str:

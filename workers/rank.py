@@ -348,7 +348,12 @@ def main(argv=None) -> int:
     if rank.server:
         rank.server.close()
     rank.control.send("stopped")
-    return 0
+    rank.context.destroy(linger=2000)  # delivers "stopped"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Interpreter teardown (torch, gloo) is slow; a SIGTERM from the supervisor during it would kill the rank
+    # with the default action, which torchrun reports as a failure with its traceback.
+    os._exit(0)
 
 
 if __name__ == "__main__":
