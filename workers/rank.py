@@ -211,7 +211,8 @@ class Rank:
             raise ValueError("the pool is still loading its model; retry when status says idle")
         if message.type == "encode":
             if not self.args.text_encoders:
-                raise ValueError("this pool was started without text encoders; start it with text encoders on")
+                raise ValueError("this pool was started without text encoders; start it with them "
+                                 "(`python -m workers serve --text-encoders`, or the xDiT Pool node's text_encoders on)")
             return
         kwargs = {**message.tensors, **{k: message.params[k] for k in ("height", "width", "guidance_scale") }}
         kwargs["num_inference_steps"] = message.params["steps"]
