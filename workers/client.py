@@ -63,6 +63,9 @@ class PoolClient:
         if curve_dir:
             ClientKeys.load(curve_dir).apply(self.socket)
         self._handshakes = self.socket.get_monitor_socket(HANDSHAKE_FAILURES)
+        # Checked before connecting: a check between connect and the first send would let a refused
+        # handshake tear the pipe down first, and the send would block instead of reporting the refusal.
+        self._listening = self._accepts_connections()
         self.socket.connect(endpoint)
 
     def close(self) -> None:
@@ -104,16 +107,22 @@ class PoolClient:
             why = f"did not accept the handshake: is {self.curve_dir}/server.key that pool's server key?"
         return PoolRefused(f"{where} {why}")
 
-    def check_listening(self) -> None:
-        """Raise NothingListening when a tcp:// endpoint refuses connections (ZMQ would queue and wait)."""
+    def _accepts_connections(self) -> bool:
         address = urlsplit(self.endpoint)
         if address.scheme != "tcp" or address.hostname in (None, "*", "0.0.0.0"):
-            return
+            return True
         try:
             socket.create_connection((address.hostname, address.port), timeout=2).close()
         except OSError:
+            return False
+        return True
+
+    def check_listening(self) -> None:
+        """Raise NothingListening when a tcp:// endpoint refuses connections (ZMQ would queue and wait)."""
+        self._listening = self._listening or self._accepts_connections()
+        if not self._listening:
             raise NothingListening(f"nothing is listening at {self.endpoint}: no pool runs there; start one with "
-                                   "`python -m workers serve --model M --endpoint ...` or check the address") from None
+                                   "`python -m workers serve --model M --endpoint ...` or check the address")
 
     def request(self, kind: str, job: str = "", timeout_s: float = 10.0) -> Message:
         """Send a status/stop/cancel message and return the reply that belongs to it."""
@@ -125,6 +134,7 @@ class PoolClient:
             reply = self.receive(left)
             if reply is not None and reply.job == tag and reply.type != "step":
                 return reply
+        self._listening = False
         self.check_listening()
         keys = "" if self.curve_dir else f" (a pool with CURVE keys answers only clients with an allowed key: --curve-dir or {ENV})"
         raise PoolUnreachable(f"no reply from the pool at {self.endpoint} within {timeout_s:.0f} s{keys}")
@@ -202,6 +212,7 @@ class PoolClient:
                     if ping is not None:
                         missed += 1
                         if missed >= MISSED_PINGS:
+                            self._listening = False
                             self.check_listening()
                             raise PoolUnreachable(f"the pool at {self.endpoint} stopped answering during job {job}")
                     ping = f"ping-{uuid.uuid4().hex[:12]}"
