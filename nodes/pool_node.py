@@ -119,7 +119,7 @@ class XDiTPool(io.ComfyNode):
         if kwargs.get("endpoint", "").strip():
             return True
         try:
-            _config(kwargs).check(kwargs["nproc"])
+            _config(kwargs).check(kwargs["nproc"], ranks_flag="nproc")
         except LayoutError as error:
             return str(error)
         return True

@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from .families import FAMILIES as _REGISTRY
 
@@ -63,3 +64,29 @@ def builtin_model_dir(model: str) -> Path:
 def resolve_model(model: str | os.PathLike) -> str:
     """A model argument as a path: built-in names become their cached folder, anything else is kept."""
     return str(builtin_model_dir(str(model))) if is_builtin(model) else str(model)
+
+
+def check_model(model: str | os.PathLike) -> None:
+    """Raise ValueError naming the real cause, before any rank starts: no such path ≠ not a pipeline folder."""
+    model = str(model)
+    if is_builtin(model):
+        family_of(model)
+        return
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"--model {model}: no such file or folder; give a diffusers pipeline folder, a single-file "
+                         f"checkpoint, or a built-in tiny model ({', '.join(NAMES)})")
+    if path.is_dir() and not (path / "model_index.json").is_file():
+        raise ValueError(f"--model {model} is a folder but not a diffusers pipeline folder (it has no model_index.json); "
+                         "give the folder that `save_pretrained` wrote")
+
+
+def resolve_model_on_ranks(model: str | os.PathLike, local_rank: int, barrier: Callable[[], None]) -> str:
+    """The model path on a rank: the first rank of each machine builds a built-in model, the others wait for it."""
+    if not is_builtin(model):
+        return str(model)
+    family_of(str(model))  # a wrong name fails on every rank alike, before the barrier
+    if local_rank == 0:
+        resolve_model(model)
+    barrier()
+    return resolve_model(model)

@@ -65,8 +65,9 @@ class ParallelConfig:
         ]
         return " × ".join(parts) or "single rank"
 
-    def check(self, world_size: int) -> None:
-        """Raise LayoutError unless these degrees can run on `world_size` ranks."""
+    def check(self, world_size: int, ranks_flag: str = "--nproc-per-node") -> None:
+        """Raise LayoutError unless these degrees can run on `world_size` ranks (`ranks_flag`: how the
+        caller's entry point spells the number of ranks, for the fix the message suggests)."""
         for name, value in asdict(self).items():
             if name.endswith("_degree") and (not isinstance(value, int) or value < 1):
                 raise LayoutError(f"--{name.replace('_', '-')} is {value}; every degree must be an integer >= 1.")
@@ -85,7 +86,7 @@ class ParallelConfig:
             raise LayoutError(
                 f"dp {self.dp_degree} × cfg {self.cfg_degree} × pipefusion {self.pipefusion_degree} × "
                 f"ring {self.ring_degree} × ulysses {self.ulysses_degree} = {self.world_size}, but there are "
-                f"{world_size} ranks; change the degrees (or --nproc-per-node) so the product is {world_size}."
+                f"{world_size} ranks; change the degrees (or {ranks_flag}) so the product is {world_size}."
             )
 
 

@@ -33,6 +33,8 @@ def load_pipeline(model_dir: str | Path, *, text_encoders: bool = False, dtype: 
     if model_dir.is_file() or model_dir.suffix.lower() in CHECKPOINT_SUFFIXES:
         return _load_single_file(model_dir, text_encoders, dtype)
     index = model_dir / "model_index.json"
+    if not model_dir.exists():
+        raise FileNotFoundError(f"{model_dir} does not exist: give a diffusers pipeline folder or a single-file checkpoint")
     if not index.is_file():
         raise FileNotFoundError(f"{model_dir} is not a diffusers pipeline folder (no model_index.json)")
     components = json.loads(index.read_text())

@@ -4,30 +4,51 @@
         --output OUT.safetensors --steps S --guidance-scale G --height H --width W [--call NAME=VALUE]
         [layout flags]
 
-IN holds the tensor keyword arguments of the pipeline's `__call__` (latents, prompt_embeds, ...);
-OUT gets `latents`: what the same pipeline returns with output_type="latent". The family's own call
-parameters come with `--call NAME=VALUE` (or the shorthands `--true-cfg-scale`, `--num-frames`).
+IN holds the tensor keyword arguments of the pipeline's `__call__` (latents, prompt_embeds, ...; write
+one from a prompt with `python -m parallel.make_inputs`); OUT gets `latents`: what the same pipeline
+returns with output_type="latent". The family's own call parameters come with `--call NAME=VALUE` (or
+the shorthands `--true-cfg-scale`, `--num-frames`). DIR may be a built-in tiny model name
+(builtin_models.py). A mistake ends in one `error:` line from rank 0 and no traceback (torchrun_exit.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from . import builtin_models
+from .arguments import ArgumentParser
 from .config import PIPELINE_TENSOR_INPUTS, LayoutError, add_parallel_arguments, config_from_args
 from .launch import apply_threads_per_rank
 from .loading import DTYPES, SCHEDULERS, load_pipeline, set_scheduler
 from .request import add_request_arguments, request_from_args
+from .torchrun_exit import die_with_parent, exit_quietly
 
 INPUT_NAMES = PIPELINE_TENSOR_INPUTS
 
 
+class _Parser(ArgumentParser):
+    """Argument mistakes: one line from rank 0 only, and no torchrun traceback."""
+
+    def exit(self, status: int = 0, message: str | None = None) -> None:
+        if status == 0:
+            super().exit(status, message)
+        exit_quietly(status)
+
+    def error(self, message: str) -> None:
+        if os.environ.get("RANK", "0") == "0":
+            super().error(message)
+        exit_quietly(2)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m parallel.run", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="python -m parallel.run", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="diffusers pipeline folder (save_pretrained layout)")
     parser.add_argument("--inputs", help="safetensors file with the pipeline's tensor arguments")
     parser.add_argument("--output", help="safetensors file to write (key: latents)")
@@ -35,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scheduler", choices=["default", *SCHEDULERS], default="default")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: as saved")
     parser.add_argument("--attention-kernel", default=None, help="force a kernel (math, cpu_flash, flash_attn, ...)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="sample this many times and report the last (warm) run's time; the output is the same")
     parser.add_argument("--list-supported", action="store_true", help="print the capability table and exit")
     add_parallel_arguments(parser)
     args = parser.parse_args(argv)
@@ -43,8 +66,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def check_files(args: argparse.Namespace) -> None:
+    """Mistakes in the paths, before any rank starts to work."""
+    builtin_models.check_model(args.model)
+    if not os.path.isfile(args.inputs):
+        raise ValueError(f"--inputs {args.inputs}: no such file; write one with "
+                         f"`python -m parallel.make_inputs --model {args.model} --prompt ... --out {args.inputs}`")
+    folder = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--output {args.output}: the folder {folder} does not exist; create it first")
+
+
 def read_inputs(path: str) -> dict[str, torch.Tensor]:
-    tensors = load_file(path)
+    try:
+        tensors = load_file(path)
+    except SafetensorError as error:
+        raise ValueError(f"--inputs {path} is not a safetensors file ({error}); write one with python -m parallel.make_inputs") from None
     unknown = sorted(set(tensors) - set(INPUT_NAMES))
     if unknown:
         raise ValueError(f"{path} has tensors {unknown} that are not pipeline inputs; allowed: {list(INPUT_NAMES)}")
@@ -54,6 +91,7 @@ def read_inputs(path: str) -> dict[str, torch.Tensor]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()
     args = parse_args(argv)
     from .model_executor import capability_table, wrap_pipeline  # heavy imports after argument errors
 
@@ -66,17 +104,20 @@ def main(argv: list[str] | None = None) -> int:
     world = init_distributed_environment()
     apply_threads_per_rank()
     try:
+        check_files(args)
         initialize_model_parallel(config_from_args(args))
         inputs = read_inputs(args.inputs)
-        pipeline = load_pipeline(args.model, dtype=args.dtype)
+        model = builtin_models.resolve_model_on_ranks(args.model, int(os.environ.get("LOCAL_RANK", 0)), world.barrier)
+        pipeline = load_pipeline(model, dtype=args.dtype)
         set_scheduler(pipeline, args.scheduler)
         parallel = wrap_pipeline(pipeline, attention_kernel=args.attention_kernel)
         request = request_from_args(args, parallel.call_parameters, type(pipeline).__name__)
         device, dtype = pipeline.transformer.device, pipeline.transformer.dtype
         tensors = {k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
-        start = time.perf_counter()
-        latents = parallel(**request.pipeline_kwargs(tensors), output_type="latent", return_dict=False)[0]
-        elapsed = time.perf_counter() - start
+        for _ in range(max(1, args.repeat)):
+            start = time.perf_counter()
+            latents = parallel(**request.pipeline_kwargs(tensors), output_type="latent", return_dict=False)[0]
+            elapsed = time.perf_counter() - start
         if world.rank == 0:
             save_file({"latents": latents.float().cpu().contiguous()}, args.output)
             print(
@@ -89,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     except (LayoutError, ValueError, FileNotFoundError) as error:
         if world.rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
-        return 2
+        exit_quietly(2)
     finally:
         destroy_distributed_environment()
 

@@ -8,18 +8,21 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 
-from .engine import LayoutError, add_parallel_arguments, config_from_args, request
+from .engine import ArgumentParser, LayoutError, add_parallel_arguments, builtin_models, config_from_args, engine, request
 
 from . import auth
 from .client import JobCancelledError, JobFailed, PoolClient, PoolUnreachable
 from .endpoints import free_endpoint
+from .launcher import Pool, PoolError, PoolSpec
 
 
 def _pool_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
-    parser.add_argument("--model", required=required, help="diffusers pipeline folder")
+    parser.add_argument("--model", required=required,
+                        help=f"diffusers pipeline folder, single-file checkpoint, or a built-in tiny model: {', '.join(builtin_models.NAMES)}")
     parser.add_argument("--nproc", type=int, default=1, help="number of ranks")
     parser.add_argument("--text-encoders", action="store_true", help="also load the text encoders")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "fp8"], default=None, help="fp8: fp8 storage, bf16 compute")
@@ -43,7 +46,7 @@ def _client_keys_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m workers", description="xDiT pool: persistent parallel sampling")
+    parser = ArgumentParser(prog="python -m workers", description="xDiT pool: persistent parallel sampling")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run a pool in the foreground (SIGTERM stops every rank)")
@@ -63,8 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     sample = commands.add_parser("sample", help="run one job (on --endpoint, or on a pool started for it)")
     _pool_arguments(sample, required=False)
     sample.add_argument("--endpoint", default=None)
-    sample.add_argument("--inputs", required=True)
-    sample.add_argument("--output", required=True)
+    source = sample.add_mutually_exclusive_group(required=True)
+    source.add_argument("--inputs", help="safetensors file with the pipeline's tensor inputs (contract E's IN)")
+    source.add_argument("--prompt", help="encode this prompt on the pool with the pipeline's own text encoders")
+    sample.add_argument("--negative-prompt", default="", help="with --prompt (default: empty)")
+    sample.add_argument("--seed", type=int, default=0, help="with --prompt: the initial noise, as the pipeline draws it")
+    sample.add_argument("--output", required=True, help="OUT.safetensors (latents) or OUT.png (decoded with the model's VAE)")
     request.add_request_arguments(sample)
     sample.add_argument("--scheduler", default=None)
     _client_keys_argument(sample)
@@ -75,12 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
         _client_keys_argument(command)
         if name == "status":
             command.add_argument("--json", action="store_true")
+            command.add_argument("--wait", nargs="?", const="idle", choices=["idle", "busy"], default=None,
+                                 help="wait until the pool is in this state (default: idle), then print")
     return parser
 
 
 def _spec(args, endpoint: str | None, curve_dir: str | None = None):
-    from .launcher import PoolSpec
-
+    builtin_models.check_model(args.model)
     return PoolSpec(
         model=args.model, nproc=args.nproc, endpoint=endpoint, parallel=config_from_args(args),
         text_encoders=args.text_encoders, dtype=args.dtype, threads_per_rank=args.threads_per_rank,
@@ -110,8 +118,6 @@ def _run_in_foreground(pool, banner: str) -> int:
 
 
 def serve(args) -> int:
-    from .launcher import Pool
-
     pool = Pool(_spec(args, args.endpoint, args.curve_dir))
     nodes = f" over {args.nnodes} nodes" if args.nnodes > 1 else ""
     return _run_in_foreground(pool, f"xdit pool serving {args.model} on {args.endpoint} with {pool.spec.world_size} "
@@ -119,8 +125,6 @@ def serve(args) -> int:
 
 
 def join(args) -> int:
-    from .launcher import Pool
-
     pool = Pool(_spec(args, None))
     return _run_in_foreground(pool, f"xdit node {args.node_rank} joined the pool at {args.rdzv_endpoint} with "
                                     f"{args.nproc} rank(s) [{pool.spec.parallel.describe()}]")
@@ -135,11 +139,39 @@ def keys(args) -> int:
     return 0
 
 
+def _check_sample_files(args) -> None:
+    """Mistakes that need no pool: say so before one starts."""
+    if args.inputs and not os.path.isfile(args.inputs):
+        raise ValueError(f"--inputs {args.inputs}: no such file; write one with `python -m parallel.make_inputs "
+                         "--model M --prompt ... --out IN.safetensors`, or pass --prompt instead")
+    if not args.output.endswith((".safetensors", ".png")):
+        raise ValueError(f"--output {args.output}: end it in .safetensors (latents) or .png (an image)")
+    folder = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--output {args.output}: the folder {folder} does not exist; create it first")
+
+
+def _job_inputs(client: PoolClient, args) -> dict:
+    if args.inputs:
+        from safetensors.torch import load_file
+
+        return load_file(args.inputs)
+    return client.encode(args.prompt, negative_prompt=args.negative_prompt, seed=args.seed,
+                         height=args.height, width=args.width)
+
+
+def _write_output(latents, args, model: str) -> None:
+    if args.output.endswith(".png"):
+        folder = builtin_models.resolve_model(model)
+        engine("decode").decode_to_png(folder, latents, args.height, args.width, args.output)
+    else:
+        from safetensors.torch import save_file
+
+        save_file({"latents": latents.contiguous()}, args.output)
+
+
 def sample(args) -> int:
-    from safetensors.torch import load_file, save_file
-
-    from .launcher import Pool
-
+    _check_sample_files(args)
     params = request.request_from_args(args).to_params()  # the pool checks the call map against its family
     if args.scheduler:
         params["scheduler"] = args.scheduler
@@ -147,13 +179,18 @@ def sample(args) -> int:
     endpoint = args.endpoint
     if endpoint is None:
         if not args.model:
-            raise SystemExit("sample needs --endpoint of a running pool, or --model (and --nproc) to start one")
+            raise ValueError("sample needs --endpoint of a running pool, or --model (and --nproc) to start one for this job")
         endpoint = free_endpoint()
-        pool = Pool(_spec(args, endpoint)).start()
+        args.text_encoders = args.text_encoders or bool(args.prompt)
+        pool = Pool(_spec(args, endpoint))
+        # The ranks' own output (loading bars, a failed job's traceback) goes to a log; the error line names it.
+        pool.spec.log_file = os.path.join(tempfile.gettempdir(), f"xdit-sample-{os.getpid()}.log")
     curve_dir = args.curve_dir if pool is None else None  # a pool started here binds loopback without keys
     interrupted = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: interrupted.set())
     try:
+        if pool is not None:
+            pool.start()
         with PoolClient(endpoint, curve_dir=curve_dir) as client:
             start = time.perf_counter()
 
@@ -161,15 +198,20 @@ def sample(args) -> int:
                 p = message.params
                 print(f"step {p['index']}/{p['total']} {p['elapsed']:.2f} s", file=sys.stderr, flush=True)
 
-            latents = client.sample(load_file(args.inputs), params, on_step=on_step, should_cancel=interrupted.is_set)
-            save_file({"latents": latents.contiguous()}, args.output)
+            model = args.model or (client.status()["model"] if args.output.endswith(".png") else "")
+            inputs = _job_inputs(client, args)
+            latents = client.sample(inputs, params, on_step=on_step, should_cancel=interrupted.is_set)
+            _write_output(latents, args, model)
             print(f"xdit: job done in {time.perf_counter() - start:.3f} s -> {args.output}", flush=True)
+            if pool is not None:
+                os.remove(pool.spec.log_file)
             return 0
     except JobCancelledError as error:
         print(f"cancelled: {error}", file=sys.stderr)
         return 130
-    except (JobFailed, PoolUnreachable) as error:
-        print(f"error: {error}", file=sys.stderr)
+    except (JobFailed, PoolUnreachable, PoolError) as error:
+        log = f" (the ranks' log: {pool.spec.log_file})" if pool is not None else ""
+        print(f"error: {error}{log}", file=sys.stderr)
         return 1
     finally:
         if pool is not None:
@@ -179,7 +221,7 @@ def sample(args) -> int:
 def status(args) -> int:
     with PoolClient(args.endpoint, curve_dir=args.curve_dir) as client:
         try:
-            info = client.status()
+            info = client.wait_for_state(args.wait, timeout_s=600) if args.wait else client.status()
         except PoolUnreachable as error:
             info = {"state": "unreachable", "error": str(error)}
     if args.json:
@@ -193,6 +235,7 @@ def status(args) -> int:
 def stop(args) -> int:
     with PoolClient(args.endpoint, curve_dir=args.curve_dir) as client:
         client.stop()
+    print(f"xdit: asked the pool at {args.endpoint} to stop", flush=True)
     return 0
 
 
@@ -202,7 +245,7 @@ def main(argv=None) -> int:
     try:
         commands = {"serve": serve, "join": join, "sample": sample, "status": status, "stop": stop, "keys": keys}
         return commands[args.command](args)
-    except (LayoutError, ValueError) as error:
+    except (LayoutError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except PoolUnreachable as error:

@@ -10,8 +10,10 @@ reply at all, and says at once what is wrong with its keys instead of waiting fo
 
 from __future__ import annotations
 
+import socket
 import time
 import uuid
+from urllib.parse import urlsplit
 from typing import Callable
 
 import torch
@@ -28,6 +30,10 @@ MISSED_PINGS = 3
 
 class PoolUnreachable(RuntimeError):
     pass
+
+
+class NothingListening(PoolUnreachable):
+    """No process accepts connections at the endpoint: no pool runs there (not a key or a timeout problem)."""
 
 
 class PoolRefused(PoolUnreachable):
@@ -57,6 +63,9 @@ class PoolClient:
         if curve_dir:
             ClientKeys.load(curve_dir).apply(self.socket)
         self._handshakes = self.socket.get_monitor_socket(HANDSHAKE_FAILURES)
+        # Checked before connecting: a check between connect and the first send would let a refused
+        # handshake tear the pipe down first, and the send would block instead of reporting the refusal.
+        self._listening = self._accepts_connections()
         self.socket.connect(endpoint)
 
     def close(self) -> None:
@@ -98,8 +107,26 @@ class PoolClient:
             why = f"did not accept the handshake: is {self.curve_dir}/server.key that pool's server key?"
         return PoolRefused(f"{where} {why}")
 
+    def _accepts_connections(self) -> bool:
+        address = urlsplit(self.endpoint)
+        if address.scheme != "tcp" or address.hostname in (None, "*", "0.0.0.0"):
+            return True
+        try:
+            socket.create_connection((address.hostname, address.port), timeout=2).close()
+        except OSError:
+            return False
+        return True
+
+    def check_listening(self) -> None:
+        """Raise NothingListening when a tcp:// endpoint refuses connections (ZMQ would queue and wait)."""
+        self._listening = self._listening or self._accepts_connections()
+        if not self._listening:
+            raise NothingListening(f"nothing is listening at {self.endpoint}: no pool runs there; start one with "
+                                   "`python -m workers serve --model M --endpoint ...` or check the address")
+
     def request(self, kind: str, job: str = "", timeout_s: float = 10.0) -> Message:
         """Send a status/stop/cancel message and return the reply that belongs to it."""
+        self.check_listening()
         tag = job or f"{kind}-{uuid.uuid4().hex[:12]}"
         self.send(Message(kind, tag))
         deadline = time.monotonic() + timeout_s
@@ -107,6 +134,8 @@ class PoolClient:
             reply = self.receive(left)
             if reply is not None and reply.job == tag and reply.type != "step":
                 return reply
+        self._listening = False
+        self.check_listening()
         keys = "" if self.curve_dir else f" (a pool with CURVE keys answers only clients with an allowed key: --curve-dir or {ENV})"
         raise PoolUnreachable(f"no reply from the pool at {self.endpoint} within {timeout_s:.0f} s{keys}")
 
@@ -118,6 +147,10 @@ class PoolClient:
 
     def wait_until_idle(self, timeout_s: float = 120.0) -> dict:
         """Poll status until the pool says idle (after start-up or a restart)."""
+        return self.wait_for_state("idle", timeout_s)
+
+    def wait_for_state(self, state: str, timeout_s: float = 120.0) -> dict:
+        """Poll status until the pool is in `state` (idle, busy); a pool that failed raises."""
         deadline = time.monotonic() + timeout_s
         last = {}
         while time.monotonic() < deadline:
@@ -128,15 +161,16 @@ class PoolClient:
             except PoolUnreachable:  # not up yet, or restarting: ask again
                 time.sleep(0.1)
                 continue
-            if last.get("state") == "idle":
+            if last.get("state") == state:
                 return last
             if last.get("state") == "error":
                 raise PoolUnreachable(f"the pool failed: {last.get('error')}")
             time.sleep(0.1)
-        raise PoolUnreachable(f"the pool at {self.endpoint} did not become idle in {timeout_s:.0f} s (last: {last})")
+        raise PoolUnreachable(f"the pool at {self.endpoint} did not become {state} in {timeout_s:.0f} s (last: {last})")
 
     # -- jobs ---------------------------------------------------------------------------------------
     def submit(self, tensors: dict[str, torch.Tensor], params: dict, job: str | None = None) -> str:
+        self.check_listening()
         job = job or f"job-{uuid.uuid4().hex[:16]}"
         self.send(Message("submit", job, params, tensors))
         return job
@@ -155,10 +189,12 @@ class PoolClient:
         job = self.submit(tensors, params)
         return self._follow(job, on_step, should_cancel).tensors["latents"]
 
-    def encode(self, prompt: str) -> dict[str, torch.Tensor]:
-        """The pool pipeline's own text encoding of `prompt` (prompt_embeds, pooled / mask)."""
+    def encode(self, prompt: str, **job_inputs) -> dict[str, torch.Tensor]:
+        """The pool pipeline's own text encoding of `prompt` (prompt_embeds, pooled / mask); with
+        `negative_prompt`, `seed`, `height` and `width`: a whole job's inputs, latents included."""
+        self.check_listening()
         job = f"encode-{uuid.uuid4().hex[:16]}"
-        self.send(Message("encode", job, {"prompt": prompt}))
+        self.send(Message("encode", job, {"prompt": prompt, **job_inputs}))
         return self._follow(job, None, None).tensors
 
     def _follow(self, job: str, on_step, should_cancel) -> Message:
@@ -176,6 +212,8 @@ class PoolClient:
                     if ping is not None:
                         missed += 1
                         if missed >= MISSED_PINGS:
+                            self._listening = False
+                            self.check_listening()
                             raise PoolUnreachable(f"the pool at {self.endpoint} stopped answering during job {job}")
                     ping = f"ping-{uuid.uuid4().hex[:12]}"
                     self.send(Message("status", ping))

@@ -23,6 +23,7 @@ def engine(module: str) -> ModuleType:
 config = engine("config")
 builtin_models = engine("builtin_models")
 launch = engine("launch")
+ArgumentParser = engine("arguments").ArgumentParser
 
 LayoutError = config.LayoutError
 ParallelConfig = config.ParallelConfig

@@ -331,27 +331,40 @@ class Pool:
         self._kill_ranks()
 
     def _kill_ranks(self) -> None:
-        """Stop torchrun and every rank, whatever state they are in; wait until they are gone."""
+        """Stop torchrun and every rank, whatever state they are in; wait until they are gone.
+
+        The ranks go first (SIGTERM: they exit 0 at once), so torchrun sees its workers finish and exits
+        by itself; SIGTERM to torchrun would print its SignalException traceback. SIGKILL is the fallback.
+        """
         if self.process is None:
             return
-        for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline and not (self.process.poll() is not None and not any(is_alive(p) for p in self.pids.values())):
-                time.sleep(0.02)
+        for pid in self.pids.values():
+            self._signal(pid, signal.SIGTERM)
+        self._wait_exited(3.0)
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._wait_exited(5.0)
         for pid in self.pids.values():  # ranks are in torchrun's session; this is only a safety net
-            if is_alive(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            self._signal(pid, signal.SIGKILL)
         try:
             self.process.wait(5)
         except subprocess.TimeoutExpired:
             pass
+
+    @staticmethod
+    def _signal(pid: int, sig: int) -> None:
+        if is_alive(pid):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def _wait_exited(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not (self.process.poll() is not None and not any(is_alive(p) for p in self.pids.values())):
+            time.sleep(0.02)
 
     # -- what the stand-in answers ------------------------------------------------------------------
     def status(self) -> dict:

@@ -51,7 +51,9 @@ POOL_PARAMS: dict[str, tuple[tuple[type, ...], bool]] = {
 }
 CLIENT_MESSAGES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "submit": {**{name: (spec.types, spec.required) for name, spec in request.FIELDS.items()}, **POOL_PARAMS},
-    "encode": {"prompt": ((str,), True)},
+    # With seed (and height, width): the whole inputs of a job, negative prompt and initial noise included.
+    "encode": {"prompt": ((str,), True), "negative_prompt": ((str,), False), "seed": ((int,), False),
+               "height": ((int,), False), "width": ((int,), False)},
     "cancel": {},
     "status": {},
     "stop": {},
@@ -139,8 +141,12 @@ def _check_params(kind: str, params: dict) -> None:
             sample_request(params)
     except ValueError as error:
         raise ProtocolError(f"{kind} {error}") from None
-    if kind == "encode" and len(params["prompt"]) > MAX_PROMPT_CHARS:
-        raise ProtocolError(f"prompt is {len(params['prompt'])} characters; the limit is {MAX_PROMPT_CHARS}")
+    if kind == "encode":
+        for name in ("prompt", "negative_prompt"):
+            if len(params.get(name, "")) > MAX_PROMPT_CHARS:
+                raise ProtocolError(f"{name} is {len(params[name])} characters; the limit is {MAX_PROMPT_CHARS}")
+        if "seed" in params and not {"height", "width"} <= set(params):
+            raise ProtocolError("encode with a seed needs height and width (the size of the initial noise)")
     if kind == "submit":
         _check_loras(params.get("loras", []))
 

@@ -1,6 +1,7 @@
 """What each torchrun rank runs: `python -m workers.rank --model DIR --endpoint E --control C ...`.
 
-Start-up: join the world, report to the supervisor, load and wrap the pipeline, report ready.
+Start-up: join the world, report to the supervisor, load and wrap the pipeline, wait for every rank,
+then report ready (rank 0 already taking jobs).
 Rank 0 also serves clients (server.ClientServer). Then the job loop: rank 0 takes a job, all ranks
 run it, rank 0 answers. A job that fails on every rank alike is answered and the loop goes on; a
 rank that fails alone is reported to the supervisor, which restarts the pool.
@@ -15,7 +16,6 @@ themselves node by node (node 0 first), because c10d's rendezvous orders machine
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import re
@@ -48,14 +48,6 @@ HOST_BYTES = 64
 
 class StartRefused(RuntimeError):
     """This world cannot work whatever the other nodes do (different layouts or --nproc): do not retry."""
-
-
-def die_with_parent() -> None:
-    """Linux: the kernel kills this rank when its parent (the torchrun agent) dies, even by SIGKILL."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -115,21 +107,25 @@ class Rank:
         self.health = dist.new_group(backend="gloo", timeout=timedelta(seconds=HEALTH_TIMEOUT_S))
         self.nodes, self.pids = self._census()
         self.layout = distributed.initialize_model_parallel(self.config)
+        model = engine("builtin_models").resolve_model_on_ranks(
+            self.args.model, int(os.environ.get("LOCAL_RANK", 0)), distributed.get_world_group().barrier)
         self.phase = "load"
         if self.rank == 0:
             self._serve()
         # Only rank 0 encodes text, so only rank 0 loads the text encoders.
         text_encoders = self.args.text_encoders and self.rank == 0
-        self.pipeline = wrap_pipeline(load_pipeline(self.args.model, text_encoders=text_encoders, dtype=self.args.dtype))
+        self.pipeline = wrap_pipeline(load_pipeline(model, text_encoders=text_encoders, dtype=self.args.dtype))
         self.default_scheduler = self.pipeline.module.scheduler.module
         self.scheduler_name = "default"
         self.runner = JobRunner(self.pipeline, self.group, self.server)
         self.loras = engine("lora").LoraManager(self.pipeline.module)
         self.phase = "world"
         self._update_memory()
-        self.control.send("ready", pid=os.getpid(), memory=self.memory[self.rank] if self.memory else {}, nodes=self.nodes)
+        # Ready only once every rank has loaded and rank 0 takes jobs: a pool that says it started
+        # must accept the next job.
         distributed.get_world_group().barrier()
         self.state = "idle"
+        self.control.send("ready", pid=os.getpid(), memory=self.memory[self.rank] if self.memory else {}, nodes=self.nodes)
 
     def _census(self) -> tuple[list[dict], list[int]]:
         """Every rank's node, host and pid (for status), and one layout for the whole world."""
@@ -216,7 +212,8 @@ class Rank:
             raise ValueError("the pool is still loading its model; retry when status says idle")
         if message.type == "encode":
             if not self.args.text_encoders:
-                raise ValueError("this pool was started without text encoders; start it with text encoders on")
+                raise ValueError("this pool was started without text encoders; start it with them "
+                                 "(`python -m workers serve --text-encoders`, or the xDiT Pool node's text_encoders on)")
             return None
         if "latents" not in message.tensors:
             raise ValueError("submit needs a 'latents' tensor (the initial noise)")
@@ -262,8 +259,13 @@ class Rank:
     def _encode(self, job) -> None:
         self.state = "busy"
         try:
-            with torch.no_grad():
-                tensors = self.pipeline.encode_text(job.message.params["prompt"])
+            params = job.message.params
+            if "seed" in params:  # a whole job's inputs: both prompts and the seed's noise
+                tensors = engine("prompt_inputs").prompt_inputs(self.pipeline, params["prompt"], params.get("negative_prompt", ""),
+                                                                params["seed"], params["height"], params["width"])
+            else:
+                with torch.no_grad():
+                    tensors = self.pipeline.encode_text(params["prompt"])
             self.server.send(job.client, Message("result", job.id, {}, tensors))
         except Exception as error:  # noqa: BLE001 - rank 0 alone: answer and go on
             self.server.send(job.client, Message("error", job.id, {"message": f"{type(error).__name__}: {error}", "rank": 0}))
@@ -329,7 +331,7 @@ def short_error(error: Exception) -> str:
 
 
 def main(argv=None) -> int:
-    die_with_parent()
+    engine("torchrun_exit").die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"[rank {os.environ.get('RANK')}] %(levelname)s %(message)s")
     engine("launch").apply_threads_per_rank()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
@@ -346,7 +348,12 @@ def main(argv=None) -> int:
     if rank.server:
         rank.server.close()
     rank.control.send("stopped")
-    return 0
+    rank.context.destroy(linger=2000)  # delivers "stopped"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Interpreter teardown (torch, gloo) is slow; a SIGTERM from the supervisor during it would kill the rank
+    # with the default action, which torchrun reports as a failure with its traceback.
+    os._exit(0)
 
 
 if __name__ == "__main__":

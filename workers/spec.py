@@ -44,7 +44,7 @@ class PoolSpec:
 
     def check(self) -> None:
         try:
-            self.parallel.check(self.world_size)
+            self.parallel.check(self.world_size, ranks_flag="--nproc")
         except LayoutError as error:
             if self.nnodes == 1:
                 raise
