@@ -1,0 +1,122 @@
+"""FLUX.1 Kontext: the noisy tokens and the reference image's tokens are sharded together and stay exact.
+
+test_engine_layouts runs the tiny Kontext model through every layout with a reference of the output's
+size (16 + 16 tokens). Here the reference has another size and the sum is odd (16 noisy + 15 reference
+tokens = 31, split 16/15 or 8/8/8/7): Ulysses 2, Ring 2, Ulysses 2 × Ring 2, CFG parallel with true CFG,
+data parallel, synchronous PipeFusion — each equal to diffusers' single-process FluxKontextPipeline
+within 1e-4 (fp32). Negative controls: the reference changes the result; a split without exchange and
+an uneven split that attends its padding keys miss by far more. Contract E runs it once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from parallel import tiny_models
+
+from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
+
+FAMILY, STEPS, GUIDANCE, SIZE = "flux-kontext", 4, 3.5, 64
+REFERENCE = (1, 16, 6, 10)  # latents of a 48 × 80 pixel reference image: 3 × 5 = 15 tokens
+LAYOUTS = {  # name: (nproc, layout)
+    "ulysses2": (2, {"ulysses_degree": 2}),
+    "ring2": (2, {"ring_degree": 2}),
+    "cfg2": (2, {"cfg_degree": 2}),
+    "dp2": (2, {"dp_degree": 2}),
+    "pp2": (2, {"pipefusion_degree": 2, "warmup_steps": STEPS}),
+    "ulysses2_ring2": (4, {"ulysses_degree": 2, "ring_degree": 2}),
+}
+CONTROLS = {  # name: (nproc, layout, fault)
+    "ulysses2-no_exchange": (2, {"ulysses_degree": 2}, "no_exchange"),
+    "ring2-padded_keys": (2, {"ring_degree": 2}, "padded_keys"),
+}
+
+
+def inputs_for(layout: str) -> dict[str, torch.Tensor]:
+    batch = 2 if layout.startswith("dp") else 1
+    inputs = tiny_models.make_inputs(FAMILY, batch=batch, height=SIZE, width=SIZE)
+    inputs["image"] = torch.randn((batch, *REFERENCE[1:]), generator=torch.Generator().manual_seed(7))
+    return inputs
+
+
+def call_kwargs(layout: str) -> dict:
+    kwargs = {"num_inference_steps": STEPS, "guidance_scale": GUIDANCE, "height": SIZE, "width": SIZE}
+    if layout.startswith("cfg"):
+        kwargs["true_cfg_scale"] = 2.0  # Kontext's guidance is distilled: CFG parallel needs true CFG
+    return kwargs
+
+
+@pytest.fixture(scope="module")
+def kontext(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kontext")
+    return {"model": tiny_models.save_tiny_pipeline(FAMILY, root / FAMILY), "work": root}
+
+
+@pytest.fixture(scope="module")
+def runs(kontext):
+    """One torchrun launch per rank count; {case: (output path, inputs path)}."""
+    work, results = kontext["work"], {}
+    cases = {name: (n, layout, None) for name, (n, layout) in LAYOUTS.items()} | CONTROLS
+    for nproc in sorted({n for n, _, _ in cases.values()}):
+        specs = []
+        for name, (n, layout, fault) in cases.items():
+            if n != nproc:
+                continue
+            inputs = work / f"{name}.in.safetensors"
+            save_file(inputs_for(name), inputs)
+            output = work / f"{name}.safetensors"
+            specs.append({"name": name, "model": str(kontext["model"]), "inputs": str(inputs), "output": str(output),
+                          "layout": layout, "call": call_kwargs(name), "fault": fault})
+            results[name] = (output, inputs)
+        spec_file = work / f"cases{nproc}.json"
+        spec_file.write_text(json.dumps(specs))
+        run = torchrun(nproc, "tests/engine_cases.py", str(spec_file))
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return results
+
+
+def _compare(runs, kontext, name) -> tuple[torch.Tensor, torch.Tensor]:
+    output, inputs = runs[name]
+    error = Path(str(output) + ".error")
+    assert not error.exists(), error.read_text()
+    expected = diffusers_latents(kontext["model"], FAMILY, **load_file(inputs), **call_kwargs(name))
+    return load_file(output)["latents"], expected
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_uneven_reference_layout_matches_single_process_diffusers(runs, kontext, layout):
+    parallel, expected = _compare(runs, kontext, layout)
+    assert parallel.shape == expected.shape == (2 if layout == "dp2" else 1, 16, 64)
+    error = (parallel - expected).abs().max().item()
+    assert error <= TOLERANCE, f"{layout}: max |parallel - diffusers| = {error:.3g}"
+
+
+@pytest.mark.parametrize("control", CONTROLS)
+def test_negative_controls_miss_by_far_more(runs, kontext, control):
+    parallel, expected = _compare(runs, kontext, control)
+    assert (parallel - expected).abs().max().item() > 100 * TOLERANCE
+
+
+def test_the_reference_image_matters(kontext):
+    """Without this the layouts above could pass while ignoring the reference tokens."""
+    inputs = inputs_for("ulysses2")
+    with_reference = diffusers_latents(kontext["model"], FAMILY, **inputs, **call_kwargs("ulysses2"))
+    del inputs["image"]
+    without = diffusers_latents(kontext["model"], FAMILY, **inputs, **call_kwargs("ulysses2"))
+    assert (with_reference - without).abs().max().item() > 100 * TOLERANCE
+
+
+def test_contract_e_ulysses2_equals_diffusers(kontext, tmp_path):
+    inputs, output = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_file(inputs_for("ulysses2"), inputs)
+    run = torchrun(2, "-m", "parallel.run", "--model", str(kontext["model"]), "--inputs", str(inputs),
+                   "--output", str(output), "--steps", str(STEPS), "--height", str(SIZE), "--width", str(SIZE),
+                   "--guidance-scale", str(GUIDANCE), "--ulysses-degree", "2")
+    assert run.returncode == 0, run.stderr[-3000:]
+    expected = diffusers_latents(kontext["model"], FAMILY, **load_file(inputs), **call_kwargs("ulysses2"))
+    assert (load_file(output)["latents"] - expected).abs().max().item() <= TOLERANCE
