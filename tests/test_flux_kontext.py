@@ -3,9 +3,11 @@
 test_engine_layouts runs the tiny Kontext model through every layout with a reference of the output's
 size (16 + 16 tokens). Here the reference has another size and the sum is odd (16 noisy + 15 reference
 tokens = 31, split 16/15 or 8/8/8/7): Ulysses 2, Ring 2, Ulysses 2 × Ring 2, CFG parallel with true CFG,
-data parallel, synchronous PipeFusion — each equal to diffusers' single-process FluxKontextPipeline
-within 1e-4 (fp32). Negative controls: the reference changes the result; a split without exchange and
-an uneven split that attends its padding keys miss by far more. Contract E runs it once.
+data parallel — each equal to diffusers' single-process FluxKontextPipeline within 1e-4 (fp32).
+Synchronous PipeFusion runs with a reference of the output's size (its patches cut the 32 tokens evenly)
+and refuses the odd total, and true CFG without CFG parallel after warm-up. Negative controls: the
+reference changes the result; a split without exchange and an uneven split that attends its padding
+keys miss by far more. Contract E runs it once.
 """
 
 from __future__ import annotations
@@ -28,25 +30,36 @@ LAYOUTS = {  # name: (nproc, layout)
     "ring2": (2, {"ring_degree": 2}),
     "cfg2": (2, {"cfg_degree": 2}),
     "dp2": (2, {"dp_degree": 2}),
-    "pp2": (2, {"pipefusion_degree": 2, "warmup_steps": STEPS}),
+    "pp2-even": (2, {"pipefusion_degree": 2, "warmup_steps": STEPS}),  # 16 + 16 tokens: patches cut evenly
     "ulysses2_ring2": (4, {"ulysses_degree": 2, "ring_degree": 2}),
+}
+REFUSED = {  # name: (nproc, layout, error)
+    "pp2": (2, {"pipefusion_degree": 2, "warmup_steps": STEPS},
+            "31 tokens (15 of them the reference image's) do not split into 2 PipeFusion patches"),
+    "pp2-even-cfg-stale": (2, {"pipefusion_degree": 2, "warmup_steps": 1},
+                           "PipeFusion after warm-up with true CFG on FluxKontextPipeline would mix"),
 }
 CONTROLS = {  # name: (nproc, layout, fault)
     "ulysses2-no_exchange": (2, {"ulysses_degree": 2}, "no_exchange"),
-    "ring2-padded_keys": (2, {"ring_degree": 2}, "padded_keys"),
+    # 16 + 13 tokens over 4: shards 8/7/7/7, three padded, one of them a copy of noisy token 14
+    "ring4-padded_keys": (4, {"ring_degree": 4}, "padded_keys"),
 }
+PADDED_REFERENCE = (1, 16, 2, 26)
 
 
 def inputs_for(layout: str) -> dict[str, torch.Tensor]:
+    """make_inputs' reference has the output's size; the other cases get one of REFERENCE's."""
     batch = 2 if layout.startswith("dp") else 1
     inputs = tiny_models.make_inputs(FAMILY, batch=batch, height=SIZE, width=SIZE)
-    inputs["image"] = torch.randn((batch, *REFERENCE[1:]), generator=torch.Generator().manual_seed(7))
+    if "even" not in layout.split("-"):
+        shape = PADDED_REFERENCE if layout == "ring4-padded_keys" else REFERENCE
+        inputs["image"] = torch.randn((batch, *shape[1:]), generator=torch.Generator().manual_seed(7))
     return inputs
 
 
 def call_kwargs(layout: str) -> dict:
     kwargs = {"num_inference_steps": STEPS, "guidance_scale": GUIDANCE, "height": SIZE, "width": SIZE}
-    if layout.startswith("cfg"):
+    if layout.startswith("cfg") or "cfg" in layout.split("-"):
         kwargs["true_cfg_scale"] = 2.0  # Kontext's guidance is distilled: CFG parallel needs true CFG
     return kwargs
 
@@ -62,6 +75,7 @@ def runs(kontext):
     """One torchrun launch per rank count; {case: (output path, inputs path)}."""
     work, results = kontext["work"], {}
     cases = {name: (n, layout, None) for name, (n, layout) in LAYOUTS.items()} | CONTROLS
+    cases |= {name: (n, layout, None) for name, (n, layout, _) in REFUSED.items()}
     for nproc in sorted({n for n, _, _ in cases.values()}):
         specs = []
         for name, (n, layout, fault) in cases.items():
@@ -89,7 +103,7 @@ def _compare(runs, kontext, name) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_uneven_reference_layout_matches_single_process_diffusers(runs, kontext, layout):
+def test_layout_with_reference_matches_single_process_diffusers(runs, kontext, layout):
     parallel, expected = _compare(runs, kontext, layout)
     assert parallel.shape == expected.shape == (2 if layout == "dp2" else 1, 16, 64)
     error = (parallel - expected).abs().max().item()
@@ -100,6 +114,14 @@ def test_uneven_reference_layout_matches_single_process_diffusers(runs, kontext,
 def test_negative_controls_miss_by_far_more(runs, kontext, control):
     parallel, expected = _compare(runs, kontext, control)
     assert (parallel - expected).abs().max().item() > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_pipefusion_refuses_what_it_cannot_cut(runs, case):
+    output, _ = runs[case]
+    error = Path(str(output) + ".error")
+    assert error.exists() and not output.exists()
+    assert "LayoutError" in error.read_text() and REFUSED[case][2] in error.read_text()
 
 
 def test_the_reference_image_matters(kontext):

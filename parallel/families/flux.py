@@ -24,6 +24,7 @@ import torch
 
 from ..call_parameters import CallParameter
 from ..checkpoints.shapes import Shapes
+from ..config import LayoutError
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split
@@ -101,6 +102,25 @@ class xFuserFluxKontextPipeline(xFuserFluxPipeline):
 
     def sequence_tokens(self, kwargs: dict[str, Any]) -> int:
         return super().sequence_tokens(kwargs) + self.reference_tokens(kwargs.get("image"))
+
+    def check_layout(self, kwargs: dict[str, Any], batch: int) -> int:
+        """PipeFusion cuts the whole sequence, reference tokens included, into equal patches; and its stale
+        K/V are kept per named branch, which this pipeline's two true-CFG calls are not."""
+        tokens = super().check_layout(kwargs, batch)
+        c = self.parallel_config
+        if c.pipefusion_degree > 1 and tokens % (c.patches * c.sp_degree):
+            raise LayoutError(
+                f"{tokens} tokens ({self.reference_tokens(kwargs.get('image'))} of them the reference image's) do not "
+                f"split into {c.patches} PipeFusion patches × sequence-parallel degree {c.sp_degree}; choose a reference "
+                f"size whose tokens make the total divide by {c.patches * c.sp_degree}, or change --num-patches."
+            )
+        if (c.pipefusion_degree > 1 and c.cfg_degree == 1 and self.uses_cfg(kwargs)
+                and c.warmup_steps < kwargs.get("num_inference_steps", 28)):
+            raise LayoutError(
+                "PipeFusion after warm-up with true CFG on FluxKontextPipeline would mix the two branches' stale "
+                "K/V; turn on CFG parallel, set --warmup-steps to the step count, or set true_cfg_scale to 1."
+            )
+        return tokens
 
 
 # -- LoRA: BFL layout → diffusers names ---------------------------------------------------------------
