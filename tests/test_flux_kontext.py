@@ -7,7 +7,7 @@ data parallel — each equal to diffusers' single-process FluxKontextPipeline wi
 Synchronous PipeFusion runs with a reference of the output's size (its patches cut the 32 tokens evenly)
 and refuses the odd total, and true CFG without CFG parallel after warm-up. Negative controls: the
 reference changes the result; a split without exchange and an uneven split that attends its padding
-keys miss by far more. Contract E runs it once.
+keys miss by far more. Contract E and a served Ring 2 pool (contract P) run it once each.
 """
 
 from __future__ import annotations
@@ -142,3 +142,26 @@ def test_contract_e_ulysses2_equals_diffusers(kontext, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     expected = diffusers_latents(kontext["model"], FAMILY, **load_file(inputs), **call_kwargs("ulysses2"))
     assert (load_file(output)["latents"] - expected).abs().max().item() <= TOLERANCE
+
+
+def test_pool_job_with_a_reference_equals_diffusers(kontext, tmp_path):
+    """Contract P: a served Ring 2 pool takes `image` as one of the pipeline's tensor inputs (31 tokens, uneven)."""
+    from pool_helpers import free_endpoint, idle_client, reference, start_serve, stop_serve
+
+    endpoint = free_endpoint()
+    process = start_serve(kontext["model"], endpoint, "--nproc", "2", "--ring-degree", "2", log=tmp_path / "serve.log")
+    client = None
+    try:
+        client, status = idle_client(endpoint)
+        assert status["pipeline"] == "FluxKontextPipeline"
+        inputs = inputs_for("ring2")
+        params = {"steps": STEPS, "guidance_scale": GUIDANCE, "height": SIZE, "width": SIZE}
+        latents = client.sample(inputs, params)
+        expected = reference(kontext["model"], FAMILY, inputs, params)
+        assert latents.shape == expected.shape == (1, 16, 64)
+        assert (latents - expected).abs().max().item() <= TOLERANCE
+    finally:
+        if client is not None:
+            client.close()
+        stop_serve(process)
+    assert process.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]
