@@ -22,6 +22,7 @@ FAMILIES = {  # family: (empty latent node, cfg, scale, shift)
     "pixart-sigma": ("EmptyLatentImage", 4.5, 0.13025, 0.0),
     "sd3": ("EmptySD3LatentImage", 4.5, 1.5305, 0.0609),
     "flux": ("EmptySD3LatentImage", 1.0, 0.3611, 0.1159),
+    "flux-kontext": ("EmptySD3LatentImage", 1.0, 0.3611, 0.1159),
 }
 
 
@@ -49,14 +50,15 @@ def saved_latent(comfy, entry) -> torch.Tensor:
     return load_file(comfy.work / "output" / info["subfolder"] / info["filename"])["latent_tensor"]
 
 
-def reference(model_dir, family, *, steps=4, size=64, seed=7, positive="a cat on a mat", negative="blurry") -> torch.Tensor:
+def reference(model_dir, family, *, steps=4, size=64, seed=7, positive="a cat on a mat", negative="blurry",
+              **call) -> torch.Tensor:
     """diffusers' single-process result for ComfyUI's noise of `seed`, in ComfyUI's latent space."""
     _, cfg, scale, shift = FAMILIES[family]
     pipeline = DiffusionPipeline.from_pretrained(model_dir)
     channels = 4 if family.startswith("pixart") else 16
     noise = torch.randn((1, channels, size // 8, size // 8), generator=torch.manual_seed(seed))
     with torch.no_grad():
-        if family == "flux":
+        if family.startswith("flux"):
             embeds, pooled, _ = pipeline.encode_prompt(positive, None)
             kwargs = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled, "guidance_scale": 3.5,
                       "latents": pipeline._pack_latents(noise, 1, channels, size // 8, size // 8)}
@@ -70,8 +72,8 @@ def reference(model_dir, family, *, steps=4, size=64, seed=7, positive="a cat on
             ne, nm, _, _ = pipeline.encode_prompt(negative, do_classifier_free_guidance=False)
             kwargs = {"prompt_embeds": pe, "prompt_attention_mask": pm, "negative_prompt_embeds": ne,
                       "negative_prompt_attention_mask": nm, "guidance_scale": cfg, "latents": noise}
-    latents = diffusers_latents(pipeline, family, **kwargs, num_inference_steps=steps, height=size, width=size)
-    if family == "flux":
+    latents = diffusers_latents(pipeline, family, **kwargs, **call, num_inference_steps=steps, height=size, width=size)
+    if family.startswith("flux"):
         latents = pipeline._unpack_latents(latents, size, size, 8)
     return latents / scale + shift
 

@@ -165,3 +165,23 @@ def test_pool_job_with_a_reference_equals_diffusers(kontext, tmp_path):
             client.close()
         stop_serve(process)
     assert process.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]
+
+
+def test_comfyui_reference_latent_workflow_equals_diffusers(comfy, kontext):
+    """ComfyUI's Kontext graph: a reference LATENT (here LoadLatent, 48 × 80 px) → ReferenceLatent on the
+    positive → xDiT Sampler on Ring 2; the saved latent equals diffusers with that reference as `image`."""
+    from test_comfyui import FAMILIES, reference, saved_latent, workflow
+
+    _, _, scale, shift = FAMILIES[FAMILY]
+    vae_space = torch.randn(REFERENCE, generator=torch.Generator().manual_seed(3))
+    save_file({"latent_tensor": vae_space, "latent_format_version_0": torch.tensor([])}, comfy.work / "output" / "ref.latent")
+    graph = workflow(FAMILY, ulysses=1, ring=2)
+    graph["8"] = {"class_type": "LoadLatent", "inputs": {"latent": "ref.latent [output]"}}
+    graph["9"] = {"class_type": "ReferenceLatent", "inputs": {"conditioning": ["2", 0], "latent": ["8", 0]}}
+    graph["5"]["inputs"]["positive"] = ["9", 0]
+    entry = comfy.wait(comfy.queue(graph))
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+    expected = reference(kontext["model"], FAMILY, image=(vae_space - shift) * scale)
+    assert saved_latent(comfy, entry).shape == expected.shape == (1, 16, 8, 8)
+    assert (saved_latent(comfy, entry) - expected).abs().max().item() <= TOLERANCE
+    assert (reference(kontext["model"], FAMILY) - expected).abs().max().item() > 100 * TOLERANCE
