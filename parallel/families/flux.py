@@ -16,6 +16,7 @@ and takes its rows of B.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -76,10 +77,7 @@ class xFuserFluxKontextPipeline(xFuserFluxPipeline):
     by default), so every call gets max_area = height·width; pixel references keep their own size
     (no snapping to Kontext's preferred resolutions)."""
 
-    comfy = ComfyData(
-        latent_formats={16: "Flux"}, packed=True, guidance_in_conditioning=True, reference_latents="image",
-        expects=xFuserFluxPipeline.comfy.expects,
-    )
+    comfy = dataclasses.replace(xFuserFluxPipeline.comfy, reference_latents="image")  # ComfyUI's ReferenceLatent
     tensor_inputs = (*xFuserFluxPipeline.tensor_inputs, "image")
 
     def prepare(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], int, int]:
