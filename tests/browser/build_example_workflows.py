@@ -56,24 +56,19 @@ BUILD = """async ({ family, empty, cfg, name, stem, id, reference }) => {
     const negative = add('XDiTTextEncode', [360, 370], { text: 'blurry, low quality' },
         { title: 'xDiT Text Encode (negative)', color: colours.red.color, bgcolor: colours.red.bgcolor });
     const latent = add(empty, [360, 630], { width: 128, height: 128, batch_size: 1 });
-    const sampler = add('XDiTSampler', [810, 120], { seed: 42, control_after_generate: 'fixed', steps: 8, cfg,
-        sampler: 'default', denoise: 1.0, preview: true });
+    const addSampler = (pos, seed, extra) => add('XDiTSampler', pos, { seed, control_after_generate: 'fixed', steps: 8,
+        cfg, sampler: 'default', denoise: 1.0, preview: true }, extra);
+    const wire = (node) => [pool, positive, negative, latent].forEach((input, slot) => input.connect(0, node, slot));
+    const sampler = addSampler([810, 120], 42);
     const save = add('SaveLatent', [1130, 120], { filename_prefix: `latents/${stem}` });
     pool.connect(0, positive, 0);
     pool.connect(0, negative, 0);
-    pool.connect(0, sampler, 0);
-    positive.connect(0, sampler, 1);
-    negative.connect(0, sampler, 2);
-    latent.connect(0, sampler, 3);
+    wire(sampler);
     sampler.connect(0, save, 0);
     if (reference) {
-        const first = add('XDiTSampler', [810, 500], { seed: 7, control_after_generate: 'fixed', steps: 8, cfg,
-            sampler: 'default', denoise: 1.0, preview: true }, { title: 'xDiT Sampler (the image to edit)' });
+        const first = addSampler([810, 500], 7, { title: 'xDiT Sampler (the image to edit)' });
         const ref = add('ReferenceLatent', [1130, 500]);
-        pool.connect(0, first, 0);
-        positive.connect(0, first, 1);
-        negative.connect(0, first, 2);
-        latent.connect(0, first, 3);
+        wire(first);
         positive.connect(0, ref, 0);
         first.connect(0, ref, 1);
         ref.connect(0, sampler, 1);
