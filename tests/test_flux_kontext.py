@@ -185,3 +185,9 @@ def test_comfyui_reference_latent_workflow_equals_diffusers(comfy, kontext):
     assert saved_latent(comfy, entry).shape == expected.shape == (1, 16, 8, 8)
     assert (saved_latent(comfy, entry) - expected).abs().max().item() <= TOLERANCE
     assert (reference(kontext["model"], FAMILY) - expected).abs().max().item() > 100 * TOLERANCE
+
+    del graph["9"], graph["8"]
+    graph["5"]["inputs"]["positive"] = ["2", 0]  # no ReferenceLatent: one node error that names it
+    entry = comfy.wait(comfy.queue(graph))
+    assert entry["status"]["status_str"] == "error"
+    assert "edits a reference image, but the positive conditioning has none; add ReferenceLatent" in json.dumps(entry["status"])
