@@ -39,7 +39,8 @@ QK_SCALE = 4.0
 MODELS = {name: model for family in _REGISTRY for name, model in family.tiny.items()}
 _WRAPPERS = {name: _REGISTRY.pipeline_wrapper(model.pipeline) for name, model in MODELS.items()}
 PIPELINE_CALL_DEFAULTS: dict[str, dict] = {name: dict(wrapper.call_defaults) for name, wrapper in _WRAPPERS.items()}
-IMAGE_TO_VIDEO_FAMILIES = tuple(name for name, wrapper in _WRAPPERS.items() if "image" in wrapper.tensor_inputs)
+IMAGE_TO_VIDEO_FAMILIES = tuple(name for name, wrapper in _WRAPPERS.items()
+                                if wrapper.comfy.temporal and "image" in wrapper.tensor_inputs)
 VIDEO_FAMILIES = tuple(name for name, wrapper in _WRAPPERS.items()
                        if wrapper.comfy.temporal and name not in IMAGE_TO_VIDEO_FAMILIES)
 FAMILIES = tuple(name for name, wrapper in _WRAPPERS.items() if not wrapper.comfy.temporal)  # image models

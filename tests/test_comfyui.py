@@ -22,7 +22,9 @@ FAMILIES = {  # family: (empty latent node, cfg, scale, shift)
     "pixart-sigma": ("EmptyLatentImage", 4.5, 0.13025, 0.0),
     "sd3": ("EmptySD3LatentImage", 4.5, 1.5305, 0.0609),
     "flux": ("EmptySD3LatentImage", 1.0, 0.3611, 0.1159),
+    "flux-kontext": ("EmptySD3LatentImage", 1.0, 0.3611, 0.1159),  # with ReferenceLatent: tests/test_flux_kontext.py
 }
+TEXT_TO_IMAGE = [family for family in FAMILIES if family != "flux-kontext"]
 
 
 
@@ -50,15 +52,16 @@ def saved_latent(comfy, entry) -> torch.Tensor:
 
 
 def reference(model_dir, family, *, steps=4, size=64, seed=7, positive="a cat on a mat", negative="blurry",
-              true_cfg=None) -> torch.Tensor:
+              true_cfg=None, **call) -> torch.Tensor:
     """diffusers' single-process result for ComfyUI's noise of `seed`, in ComfyUI's latent space
-    (`true_cfg`: Flux's real CFG, what xDiT Sampler's cfg above 1 means for Flux)."""
+    (`true_cfg`: Flux's real CFG, what xDiT Sampler's cfg above 1 means for Flux; `call`: more pipeline
+    arguments, e.g. Kontext's reference image)."""
     _, cfg, scale, shift = FAMILIES[family]
     pipeline = DiffusionPipeline.from_pretrained(model_dir)
     channels = 4 if family.startswith("pixart") else 16
     noise = torch.randn((1, channels, size // 8, size // 8), generator=torch.manual_seed(seed))
     with torch.no_grad():
-        if family == "flux":
+        if family.startswith("flux"):
             embeds, pooled, _ = pipeline.encode_prompt(positive, None)
             kwargs = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled, "guidance_scale": 3.5,
                       "latents": pipeline._pack_latents(noise, 1, channels, size // 8, size // 8)}
@@ -76,8 +79,8 @@ def reference(model_dir, family, *, steps=4, size=64, seed=7, positive="a cat on
             ne, nm, _, _ = pipeline.encode_prompt(negative, do_classifier_free_guidance=False)
             kwargs = {"prompt_embeds": pe, "prompt_attention_mask": pm, "negative_prompt_embeds": ne,
                       "negative_prompt_attention_mask": nm, "guidance_scale": cfg, "latents": noise}
-    latents = diffusers_latents(pipeline, family, **kwargs, num_inference_steps=steps, height=size, width=size)
-    if family == "flux":
+    latents = diffusers_latents(pipeline, family, **kwargs, **call, num_inference_steps=steps, height=size, width=size)
+    if family.startswith("flux"):
         latents = pipeline._unpack_latents(latents, size, size, 8)
     return latents / scale + shift
 
@@ -108,7 +111,7 @@ def test_loading_the_pack_leaves_comfyuis_interpreter_as_it_was(comfy):
     (ARTIFACTS / "comfyui-import-times.txt").write_text(timings + "\n")  # the pack's import time, for reports
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", TEXT_TO_IMAGE)
 def test_workflow_equals_diffusers_single_process(comfy, tiny_model_dirs, family):
     entry = comfy.wait(comfy.queue(workflow(family)))
     assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]

@@ -117,9 +117,10 @@ HISTORY = """async (id) => {
 def test_example_workflow_loads_converts_and_runs(comfy, page, path):
     workflow = json.loads(path.read_text())
     result = page.eval(LOAD_CONVERT_QUEUE, workflow)
-    empty = {"xdit_sd3": "EmptySD3LatentImage", "xdit_flux": "EmptySD3LatentImage",
+    empty = {"xdit_sd3": "EmptySD3LatentImage", "xdit_flux": "EmptySD3LatentImage", "xdit_flux_kontext": "EmptySD3LatentImage",
              "xdit_wan": "EmptyHunyuanLatentVideo"}.get(path.stem, "EmptyLatentImage")
-    assert result["classes"] == sorted(["XDiTPool", "XDiTTextEncode", "XDiTTextEncode", "XDiTSampler", "SaveLatent", empty])
+    edit = ["XDiTSampler", "ReferenceLatent"] if path.stem == "xdit_flux_kontext" else []  # a first sampler's image as reference
+    assert result["classes"] == sorted(["XDiTPool", "XDiTTextEncode", "XDiTTextEncode", "XDiTSampler", "SaveLatent", empty, *edit])
     assert result["response"] and not result["response"].get("node_errors"), result
     status = page.wait(HISTORY, result["response"]["prompt_id"], timeout_s=120)
     assert status["status_str"] == "success", json.dumps(status)[-2000:]
@@ -127,7 +128,7 @@ def test_example_workflow_loads_converts_and_runs(comfy, page, path):
 
 
 def test_example_workflows_cover_every_family_and_are_listed_as_templates(comfy):
-    stems = {"xdit_pixart_alpha", "xdit_pixart_sigma", "xdit_sd3", "xdit_flux", "xdit_wan"}
+    stems = {"xdit_pixart_alpha", "xdit_pixart_sigma", "xdit_sd3", "xdit_flux", "xdit_wan", "xdit_flux_kontext"}
     assert {p.stem for p in EXAMPLES} == stems
     assert set(comfy.get("/api/workflow_templates")["comfyui-xdit-pool"]) == stems
 

@@ -72,6 +72,7 @@ IMAGE_FORMATS = [
     ("PixArtSigmaPipeline", "SDXL", 4, 0.13025, 0.0),
     ("StableDiffusion3Pipeline", "SD3", 16, 1.5305, 0.0609),
     ("FluxPipeline", "Flux", 16, 0.3611, 0.1159),
+    ("FluxKontextPipeline", "Flux", 16, 0.3611, 0.1159),
 ]
 
 
@@ -133,3 +134,19 @@ def test_conditioning_becomes_the_declared_tensor_inputs(adapters):
         flux.pipeline_inputs([[cond, {"pooled_output": torch.randn(1, 8)}]], None, 1, widths)
     with pytest.raises(ValueError, match="no adapter for StableDiffusionPipeline"):
         adapters.adapter_for("StableDiffusionPipeline")
+
+
+def test_reference_latents_become_the_declared_image_input(adapters):
+    """ReferenceLatent's VAE-space latents reach FluxKontextPipeline's `image` in model space, unpacked."""
+    cond, reference = torch.randn(1, 5, 32), torch.randn(1, 16, 6, 10)
+    extras = {"pooled_output": torch.randn(1, 16), "reference_latents": [reference]}
+    kontext = adapters.adapter_for("FluxKontextPipeline")
+    tensors, _ = kontext.pipeline_inputs([[cond, extras]], [[cond, {"pooled_output": torch.randn(1, 16)}]], 2, {})
+    assert torch.allclose(tensors["image"], ((reference - 0.1159) * 0.3611).expand(2, 16, 6, 10))
+    with pytest.raises(adapters.ConditioningError, match="edits a reference image, but the positive conditioning has "
+                                                         "none; add ReferenceLatent"):
+        kontext.pipeline_inputs([[cond, {"pooled_output": extras["pooled_output"]}]], None, 1, {})
+    flux = adapters.adapter_for("FluxPipeline")  # declares no reference input: ReferenceLatent is not sent
+    assert "image" not in flux.pipeline_inputs([[cond, extras]], None, 1, {})[0]
+    with pytest.raises(adapters.ConditioningError, match="takes one reference image but the conditioning has 2"):
+        kontext.pipeline_inputs([[cond, {**extras, "reference_latents": [reference, reference]}]], None, 1, {})

@@ -30,8 +30,18 @@ def diffusers_latents(model, family: str | None = None, *, scheduler: str | None
     if scheduler:
         set_scheduler(pipeline, scheduler)
     with torch.no_grad():
-        return pipeline(**tiny_models.PIPELINE_CALL_DEFAULTS.get(family, {}), **call, output_type="latent",
-                        return_dict=False)[0]
+        return pipeline(**tiny_models.PIPELINE_CALL_DEFAULTS.get(family, {}), **at_requested_size(pipeline, call),
+                        output_type="latent", return_dict=False)[0]
+
+
+def at_requested_size(pipeline, call: dict) -> dict:
+    """`call` with max_area = height·width for pipelines that resize to an area (FLUX.1 Kontext: 1024² by
+    default), so diffusers samples at the size the engine honours exactly."""
+    import inspect
+
+    if "max_area" in inspect.signature(pipeline.__call__).parameters and call.get("height") and call.get("width"):
+        return {"max_area": call["height"] * call["width"], **call}
+    return call
 
 
 PACK_UNDER_TEST = "xdit_pack_under_test"

@@ -31,6 +31,9 @@ class ComfyData:
     temporal:       frames per latent frame after the first (video: latents [B, C, T', H, W]); 0: images.
     expects:        how to make a conditioning this model takes (said when one does not fit).
     empty_latent:   which ComfyUI node makes a latent this model takes (said when one does not fit).
+    reference_latents: the tensor input that takes the positive conditioning's `reference_latents`
+                    (ComfyUI's ReferenceLatent) as model-space latents [B, C, h, w], required for this edit
+                    model; "": the model takes none.
     """
 
     latent_formats: dict[int, str]
@@ -41,6 +44,7 @@ class ComfyData:
     temporal: int = 0
     expects: str = ""
     empty_latent: str = "an empty latent node made for this model"
+    reference_latents: str = ""
 
     def scale(self, channels: int) -> int:
         return self.spatial.get(channels, 8)

@@ -1,6 +1,10 @@
-"""Flux.1 (dev, schnell): packed 2×2 latent tokens and their rotary ids split at the input, the text
-replicated in front of the image shard in double- and single-stream blocks; true CFG arrives as two
-calls per step (guidance_scale is the distilled guidance, which needs no second branch).
+"""Flux.1 (dev, schnell) and FLUX.1 Kontext: packed 2×2 latent tokens and their rotary ids split at the
+input, the text replicated in front of the image shard in double- and single-stream blocks; true CFG
+arrives as two calls per step (guidance_scale is the distilled guidance, which needs no second branch).
+
+Kontext runs the same transformer on the noisy tokens followed by the reference image's tokens (its
+packed latents and their ids, index 1): the input split shards both, unevenly where their sum does not
+divide by the sequence-parallel degree, and the pipeline keeps the first (noisy) output tokens.
 
 Single files: BFL's layout (double_blocks.*, single_blocks.*), converted by diffusers' own converter.
 
@@ -12,6 +16,7 @@ and takes its rows of B.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -20,6 +25,7 @@ import torch
 
 from ..call_parameters import CallParameter
 from ..checkpoints.shapes import Shapes
+from ..config import LayoutError
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split
@@ -64,6 +70,59 @@ class xFuserFluxPipeline(xFuserPipelineBaseWrapper):
     def encode_text(self, prompt: str) -> dict[str, torch.Tensor]:
         embeds, pooled, _ = self.module.encode_prompt(prompt, None)
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+
+class xFuserFluxKontextPipeline(xFuserFluxPipeline):
+    """FluxKontextPipeline at exactly the requested size: it resizes height × width to `max_area` (1024²
+    by default), so every call gets max_area = height·width; pixel references keep their own size
+    (no snapping to Kontext's preferred resolutions)."""
+
+    comfy = dataclasses.replace(xFuserFluxPipeline.comfy, reference_latents="image")  # ComfyUI's ReferenceLatent
+    tensor_inputs = (*xFuserFluxPipeline.tensor_inputs, "image")
+
+    def prepare(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], int, int]:
+        kwargs, batch, tokens = super().prepare(kwargs)
+        return {**kwargs, "max_area": kwargs["height"] * kwargs["width"], "_auto_resize": False}, batch, tokens
+
+    def reference_tokens(self, image: Any) -> int:
+        """Tokens the reference `image` adds: VAE latents [B, latent_channels, h, w] or pixels [B, 3, H, W]."""
+        if image is None:
+            return 0
+        if not isinstance(image, torch.Tensor) or image.ndim != 4:
+            raise ValueError("image must be one [B, C, H, W] tensor: the reference image's VAE latents or its pixels")
+        channels, (height, width) = image.shape[1], image.shape[2:]
+        if channels == self.module.latent_channels:
+            if height % 2 or width % 2:
+                raise ValueError(f"reference latents of {height}x{width} do not pack into 2x2 tokens; "
+                                 "crop or resize the reference image to a multiple of 16 pixels")
+            return (height // 2) * (width // 2)
+        if channels != 3:
+            raise ValueError(f"image has {channels} channels; send {self.module.latent_channels}-channel VAE latents "
+                             "or 3-channel pixels in [0, 1]")
+        step = self.module.vae_scale_factor * 2
+        return (height // step) * (width // step)
+
+    def sequence_tokens(self, kwargs: dict[str, Any]) -> int:
+        return super().sequence_tokens(kwargs) + self.reference_tokens(kwargs.get("image"))
+
+    def check_layout(self, kwargs: dict[str, Any], batch: int) -> int:
+        """PipeFusion cuts the whole sequence, reference tokens included, into equal patches; and its stale
+        K/V are kept per named branch, which this pipeline's two true-CFG calls are not."""
+        tokens = super().check_layout(kwargs, batch)
+        c = self.parallel_config
+        if c.pipefusion_degree > 1 and tokens % (c.patches * c.sp_degree):
+            raise LayoutError(
+                f"{tokens} tokens ({self.reference_tokens(kwargs.get('image'))} of them the reference image's) do not "
+                f"split into {c.patches} PipeFusion patches × sequence-parallel degree {c.sp_degree}; choose a reference "
+                f"size whose tokens make the total divide by {c.patches * c.sp_degree}, or change --num-patches."
+            )
+        if (c.pipefusion_degree > 1 and c.cfg_degree == 1 and self.uses_cfg(kwargs)
+                and c.warmup_steps < kwargs.get("num_inference_steps", 28)):
+            raise LayoutError(
+                "PipeFusion after warm-up with true CFG on FluxKontextPipeline would mix the two branches' stale "
+                "K/V; turn on CFG parallel, set --warmup-steps to the step count, or set true_cfg_scale to 1."
+            )
+        return tokens
 
 
 # -- LoRA: BFL layout → diffusers names ---------------------------------------------------------------
@@ -183,8 +242,9 @@ def convert_checkpoint(state_dict: dict, config: dict) -> dict:
 
 
 # -- tiny built-in model: Flux.1-dev style (guidance_embeds=True) ---------------------------------------
-def build_tiny(seed: int):
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+def build_tiny(seed: int, pipeline: str = "FluxPipeline"):
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 
     from .. import tiny_models as tm
 
@@ -195,7 +255,7 @@ def build_tiny(seed: int):
                                   pooled_projection_dim=tm.CLIP_DIM, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_image_seq_len=256,
                                                 max_image_seq_len=4096, base_shift=0.5, max_shift=1.15)
-    return FluxPipeline(scheduler=scheduler, vae=tm._vae(seed + 3, 16, 0.3611, 0.1159), text_encoder=clip,
+    return getattr(diffusers, pipeline)(scheduler=scheduler, vae=tm._vae(seed + 3, 16, 0.3611, 0.1159), text_encoder=clip,
                         tokenizer=tok, text_encoder_2=t5, tokenizer_2=tok2, transformer=transformer)
 
 
@@ -205,9 +265,21 @@ def tiny_inputs(**kwargs) -> dict:
     return tm.image_inputs(latent_channels=16, packed=True, pooled_dim=tm.CLIP_DIM, **kwargs)
 
 
+def build_tiny_kontext(seed: int):
+    return build_tiny(seed, "FluxKontextPipeline")
+
+
+def tiny_kontext_inputs(**kwargs) -> dict:
+    """Flux's inputs plus `image`: reference VAE latents [B, 16, H/8, W/8] of the output's size."""
+    inputs = tiny_inputs(**kwargs)
+    gen = torch.Generator().manual_seed(kwargs["seed"] + 1000)
+    shape = (kwargs["batch"], 16, kwargs["height"] // 8, kwargs["width"] // 8)
+    return {**inputs, "image": torch.randn(shape, generator=gen)}
+
+
 FLUX = FAMILIES.register(Family(
     name="flux",
-    pipelines={"FluxPipeline": xFuserFluxPipeline},
+    pipelines={"FluxPipeline": xFuserFluxPipeline, "FluxKontextPipeline": xFuserFluxKontextPipeline},
     transformer="FluxTransformer2DModel",
     plan=ParallelPlan(
         inputs={"": {"hidden_states": Split(dim=1, expected_dims=3), "img_ids": Split(dim=0, expected_dims=2)}},
@@ -218,6 +290,7 @@ FLUX = FAMILIES.register(Family(
         },
         cfg=CfgMode.SEQUENTIAL,
         cfg_branches=("cond", "uncond"),
+        uneven_tokens=True,  # Kontext: noisy + reference tokens need not divide by the degree
         pipefusion=PipeFusionPlan(
             blocks=("transformer_blocks", "single_transformer_blocks"),
             carried=("hidden_states", "encoder_hidden_states"),
@@ -236,5 +309,8 @@ FLUX = FAMILIES.register(Family(
         read=read_checkpoint,
         convert=convert_checkpoint,
     ),
-    tiny={"flux": TinyModel("FluxPipeline", build_tiny, tiny_inputs)},
+    tiny={
+        "flux": TinyModel("FluxPipeline", build_tiny, tiny_inputs),
+        "flux-kontext": TinyModel("FluxKontextPipeline", build_tiny_kontext, tiny_kontext_inputs),
+    },
 ))

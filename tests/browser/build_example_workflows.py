@@ -27,9 +27,12 @@ EXAMPLES = {  # file stem: (family, empty latent node, cfg, what the example say
     "xdit_sd3": ("sd3", "EmptySD3LatentImage", 4.5, "Stable Diffusion 3"),
     "xdit_flux": ("flux", "EmptySD3LatentImage", 1.0, "Flux (cfg 1: distilled guidance only)"),
     "xdit_wan": ("wan22", "EmptyHunyuanLatentVideo", 5.0, "Wan 2.2 text-to-video"),
+    "xdit_flux_kontext": ("flux-kontext", "EmptySD3LatentImage", 1.0,
+                          "FLUX.1 Kontext editing a first sampler's image (your own: LoadImage → VAEEncode)"),
 }
+REFERENCE = {"xdit_flux_kontext"}  # edit models: a first sampler's LATENT → ReferenceLatent on the positive
 
-BUILD = """async ({ family, empty, cfg, name, stem, id }) => {
+BUILD = """async ({ family, empty, cfg, name, stem, id, reference }) => {
     app.graph.clear();
     const add = (type, [x, y], values = {}, extra = {}) => {
         const node = LiteGraph.createNode(type);
@@ -53,19 +56,26 @@ BUILD = """async ({ family, empty, cfg, name, stem, id }) => {
     const negative = add('XDiTTextEncode', [360, 370], { text: 'blurry, low quality' },
         { title: 'xDiT Text Encode (negative)', color: colours.red.color, bgcolor: colours.red.bgcolor });
     const latent = add(empty, [360, 630], { width: 128, height: 128, batch_size: 1 });
-    const sampler = add('XDiTSampler', [810, 120], { seed: 42, control_after_generate: 'fixed', steps: 8, cfg,
-        sampler: 'default', denoise: 1.0, preview: true });
+    const addSampler = (pos, seed, extra) => add('XDiTSampler', pos, { seed, control_after_generate: 'fixed', steps: 8,
+        cfg, sampler: 'default', denoise: 1.0, preview: true }, extra);
+    const wire = (node) => [pool, positive, negative, latent].forEach((input, slot) => input.connect(0, node, slot));
+    const sampler = addSampler([810, 120], 42);
     const save = add('SaveLatent', [1130, 120], { filename_prefix: `latents/${stem}` });
     pool.connect(0, positive, 0);
     pool.connect(0, negative, 0);
-    pool.connect(0, sampler, 0);
-    positive.connect(0, sampler, 1);
-    negative.connect(0, sampler, 2);
-    latent.connect(0, sampler, 3);
+    wire(sampler);
     sampler.connect(0, save, 0);
+    if (reference) {
+        const first = addSampler([810, 500], 7, { title: 'xDiT Sampler (the image to edit)' });
+        const ref = add('ReferenceLatent', [1130, 500]);
+        wire(first);
+        positive.connect(0, ref, 0);
+        first.connect(0, ref, 1);
+        ref.connect(0, sampler, 1);
+    }
     const group = new LiteGraph.LGraphGroup(`xDiT: ${name}, built-in tiny model on 2 ranks (Ulysses 2)`);
     group.pos = [20, 40];
-    group.size = [1420, 740];
+    group.size = [1420, reference ? 900 : 740];
     app.graph.add(group);
     app.graph.id = id ?? crypto.randomUUID();
     const workflow = app.graph.serialize();
@@ -87,9 +97,10 @@ def main() -> None:
                 for stem, (family, empty, cfg, name) in EXAMPLES.items():
                     path = ROOT / "example_workflows" / f"{stem}.json"
                     old_id = json.loads(path.read_text()).get("id") if path.exists() else None  # keep diffs small
-                    spec = {"family": family, "empty": empty, "cfg": cfg, "name": name, "stem": stem, "id": old_id}
+                    spec = {"family": family, "empty": empty, "cfg": cfg, "name": name, "stem": stem, "id": old_id,
+                            "reference": stem in REFERENCE}
                     result = browser.eval(BUILD, spec)
-                    assert len(result["classes"]) == 6, result["classes"]
+                    assert len(result["classes"]) == (8 if stem in REFERENCE else 6), result["classes"]
                     path.parent.mkdir(exist_ok=True)
                     path.write_text(json.dumps(result["workflow"], indent=2) + "\n")
                     print(f"wrote {path.relative_to(ROOT)}")

@@ -113,16 +113,18 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
         return hidden_states.new_empty((hidden_states.shape[0], channels, *hidden_states.shape[2:]))
 
     def _forward_sequential_cfg(self, args: tuple, kwargs: dict):
-        """The pipeline calls once per branch. Each cfg rank computes only its own branch; the other
+        """The pipeline calls once per branch (named by cache_context, else in the plan's order). Each cfg
+        rank computes only its own branch; the other
         call returns a buffer that is filled in place once the step's last branch has been exchanged
         (the pipeline combines the two predictions only after both calls)."""
         branches = self.plan.cfg_branches
-        if self._branch not in branches:
+        if self._branch is not None and self._branch not in branches:
             raise RuntimeError(
                 f"CFG parallel for {type(self.module).__name__} expects calls inside cache_context({branches[0]!r}) "
                 f"and cache_context({branches[1]!r}); got {self._branch!r}"
             )
-        index = branches.index(self._branch)
+        # Pipelines that name no branch (FluxKontextPipeline) call them in the plan's order, once each per step.
+        index = len(self._step_results) if self._branch is None else branches.index(self._branch)
         if index == self._cfg.rank_in_group:
             output = self._run(*args, **kwargs)
             result = _first(output)
