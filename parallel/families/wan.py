@@ -82,14 +82,7 @@ class xFuserWanPipeline(xFuserPipelineBaseWrapper):
     def image_tokens(self, height: int, width: int) -> int:
         """Tokens of one latent frame."""
         _, patch_h, patch_w = self._config().patch_size
-        scale = self.module.vae_scale_factor_spatial
-        for name, size, patch in (("height", height, patch_h), ("width", width, patch_w)):
-            if size % (scale * patch):
-                raise LayoutError(
-                    f"{name} {size} is not a multiple of {scale * patch} (VAE factor {scale} × patch {patch}); "
-                    f"round it to a multiple of {scale * patch}."
-                )
-        return (height // (scale * patch_h)) * (width // (scale * patch_w))
+        return self.grid_tokens(height, width, self.module.vae_scale_factor_spatial, patch_h, patch_w)
 
     def sequence_tokens(self, kwargs: dict[str, Any]) -> int:
         return self.latent_frames(kwargs) // self._config().patch_size[0] * self.image_tokens(kwargs["height"], kwargs["width"])

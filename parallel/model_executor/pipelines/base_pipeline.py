@@ -112,14 +112,19 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
 
     def image_tokens(self, height: int, width: int) -> int:
         patch = self.latent_patch or self.module.transformer.config.patch_size
-        scale = self.module.vae_scale_factor
-        for name, size in (("height", height), ("width", width)):
+        return self.grid_tokens(height, width, self.module.vae_scale_factor, patch, patch)
+
+    @staticmethod
+    def grid_tokens(height: int, width: int, scale: int, patch_h: int, patch_w: int) -> int:
+        """Tokens of a height × width image at VAE factor `scale` in patch_h × patch_w patches; a side that
+        does not divide is a LayoutError that says how to round it."""
+        for name, size, patch in (("height", height, patch_h), ("width", width, patch_w)):
             if size % (scale * patch):
                 raise LayoutError(
                     f"{name} {size} is not a multiple of {scale * patch} (VAE factor {scale} × patch {patch}); "
                     f"round it to a multiple of {scale * patch}."
                 )
-        return (height // (scale * patch)) * (width // (scale * patch))
+        return (height // (scale * patch_h)) * (width // (scale * patch_w))
 
     def sequence_tokens(self, kwargs: dict[str, Any]) -> int:
         """Tokens the sequence-parallel split sees (video pipelines count every latent frame)."""
