@@ -7,7 +7,9 @@ the path) is decided once. Light on purpose: launchers import it without torch.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -40,6 +42,15 @@ def rank_environment(threads_per_rank: int | None = 1, devices: str | None = Non
     if devices:
         env["CUDA_VISIBLE_DEVICES"] = devices
     return env
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Linux: the kernel sends this process `sig` when its parent dies, even by SIGKILL (PR_SET_PDEATHSIG):
+    ranks die with their torchrun agent, the agent with its supervisor."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)
+    except OSError:
+        pass
 
 
 def apply_threads_per_rank() -> None:

@@ -25,10 +25,10 @@ from safetensors.torch import load_file, save_file
 from . import builtin_models
 from .arguments import ArgumentParser
 from .config import PIPELINE_TENSOR_INPUTS, LayoutError, add_parallel_arguments, config_from_args
-from .launch import apply_threads_per_rank
+from .launch import apply_threads_per_rank, die_with_parent
 from .loading import DTYPES, SCHEDULERS, load_pipeline, set_scheduler
 from .request import add_request_arguments, request_from_args
-from .torchrun_exit import die_with_parent, exit_quietly
+from .torchrun_exit import exit_quietly
 
 INPUT_NAMES = PIPELINE_TENSOR_INPUTS
 

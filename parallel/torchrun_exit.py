@@ -2,27 +2,18 @@
 
 torchrun turns a worker's non-zero exit into ~40 lines of ChildFailedError traceback. Rank 0, once it
 has printed its one line, SIGKILLs its torchrun agent instead (the shell sees exit status 137); every
-rank of the agent then dies by its parent-death signal. Other ranks only wait for that, so rank 0's
+rank of the agent then dies by its parent-death signal (launch.die_with_parent). Other ranks only wait for that, so rank 0's
 line is always printed first. Outside torchrun this is a plain exit.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import sys
 import time
 
 OTHER_RANKS_WAIT_S = 30.0  # a rank whose rank 0 did not fail alike exits by itself after this
-
-
-def die_with_parent() -> None:
-    """Linux: the kernel kills this process when its parent (the torchrun agent) dies, even by SIGKILL."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _parent_is_torchrun() -> bool:

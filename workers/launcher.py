@@ -23,7 +23,7 @@ on each machine: node 0's supervisor knows the other nodes only from rank 0's re
 
 from __future__ import annotations
 
-import ctypes
+import functools
 import logging
 import os
 import signal
@@ -54,16 +54,6 @@ class PoolError(RuntimeError):
 
 
 __all__ = ["Pool", "PoolError", "PoolSpec"]
-
-
-def _parent_death_signal(sig: int):
-    def set_signal():
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)
-        except OSError:
-            pass
-
-    return set_signal
 
 
 def describe_node(row: dict) -> str:
@@ -185,7 +175,7 @@ class Pool:
         output = open(self.spec.log_file, "ab") if self.spec.log_file else None
         self.process = subprocess.Popen(
             command, cwd=launch.ROOT, env=env, stdout=output, stderr=subprocess.STDOUT if output else None,
-            start_new_session=True, preexec_fn=_parent_death_signal(signal.SIGTERM),
+            start_new_session=True, preexec_fn=functools.partial(launch.die_with_parent, signal.SIGTERM),
         )
         if output:
             output.close()

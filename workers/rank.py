@@ -331,7 +331,7 @@ def short_error(error: Exception) -> str:
 
 
 def main(argv=None) -> int:
-    engine("torchrun_exit").die_with_parent()
+    engine("launch").die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"[rank {os.environ.get('RANK')}] %(levelname)s %(message)s")
     engine("launch").apply_threads_per_rank()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
