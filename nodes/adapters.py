@@ -96,8 +96,8 @@ class FamilyAdapter:
                 tensors[f"{prefix}prompt_attention_mask"] = _repeat(mask.reshape(mask.shape[0], -1), batch)
             if not prefix and self.data.guidance_in_conditioning and "guidance" in extras:
                 guidance = float(extras["guidance"])
-            if not prefix and self.data.reference_latents:
-                tensors[self.data.reference_latents] = _repeat(self._reference(extras.get("reference_latents")), batch)
+            if not prefix and self.data.reference_latents and extras.get("reference_latents"):
+                tensors[self.data.reference_latents] = _repeat(self._reference(extras["reference_latents"]), batch)
         return {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, guidance
 
     def guidance_parameters(self, cfg: float, conditioning_guidance: float | None, use_negative: bool) -> tuple[float, dict]:
@@ -110,12 +110,8 @@ class FamilyAdapter:
         return guidance, ({"true_cfg_scale": cfg} if use_negative else {})
 
     def _reference(self, latents: list[torch.Tensor]) -> torch.Tensor:
-        """ReferenceLatent's VAE-space latents in model space (the pipeline packs them itself)."""
-        if not latents:
-            raise ConditioningError(
-                f"{self.name} edits a reference image, but the positive conditioning has none; add ReferenceLatent "
-                "(LoadImage → VAEEncode → ReferenceLatent) on the positive conditioning"
-            )
+        """ReferenceLatent's VAE-space latents in model space (the pipeline packs them itself). Without
+        one the edit model samples from the text alone, as ComfyUI's own Kontext does."""
         if len(latents) > 1:
             raise ConditioningError(
                 f"{self.name} takes one reference image but the conditioning has {len(latents)}; "

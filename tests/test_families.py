@@ -143,9 +143,8 @@ def test_reference_latents_become_the_declared_image_input(adapters):
     kontext = adapters.adapter_for("FluxKontextPipeline")
     tensors, _ = kontext.pipeline_inputs([[cond, extras]], [[cond, {"pooled_output": torch.randn(1, 16)}]], 2, {})
     assert torch.allclose(tensors["image"], ((reference - 0.1159) * 0.3611).expand(2, 16, 6, 10))
-    with pytest.raises(adapters.ConditioningError, match="edits a reference image, but the positive conditioning has "
-                                                         "none; add ReferenceLatent"):
-        kontext.pipeline_inputs([[cond, {"pooled_output": extras["pooled_output"]}]], None, 1, {})
+    without = kontext.pipeline_inputs([[cond, {"pooled_output": extras["pooled_output"]}]], None, 1, {})[0]
+    assert "image" not in without  # no ReferenceLatent: the text alone, as ComfyUI's own Kontext
     flux = adapters.adapter_for("FluxPipeline")  # declares no reference input: ReferenceLatent is not sent
     assert "image" not in flux.pipeline_inputs([[cond, extras]], None, 1, {})[0]
     with pytest.raises(adapters.ConditioningError, match="takes one reference image but the conditioning has 2"):

@@ -187,7 +187,7 @@ def test_comfyui_reference_latent_workflow_equals_diffusers(comfy, kontext):
     assert (reference(kontext["model"], FAMILY) - expected).abs().max().item() > 100 * TOLERANCE
 
     del graph["9"], graph["8"]
-    graph["5"]["inputs"]["positive"] = ["2", 0]  # no ReferenceLatent: one node error that names it
+    graph["5"]["inputs"]["positive"] = ["2", 0]  # no ReferenceLatent: text alone, as ComfyUI's Kontext
     entry = comfy.wait(comfy.queue(graph))
-    assert entry["status"]["status_str"] == "error"
-    assert "edits a reference image, but the positive conditioning has none; add ReferenceLatent" in json.dumps(entry["status"])
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+    assert (saved_latent(comfy, entry) - reference(kontext["model"], FAMILY)).abs().max().item() <= TOLERANCE

@@ -32,8 +32,8 @@ class ComfyData:
     expects:        how to make a conditioning this model takes (said when one does not fit).
     empty_latent:   which ComfyUI node makes a latent this model takes (said when one does not fit).
     reference_latents: the tensor input that takes the positive conditioning's `reference_latents`
-                    (ComfyUI's ReferenceLatent) as model-space latents [B, C, h, w], required for this edit
-                    model; "": the model takes none.
+                    (ComfyUI's ReferenceLatent) as model-space latents [B, C, h, w], when the conditioning
+                    has one (without, the edit model samples from text alone); "": the model takes none.
     """
 
     latent_formats: dict[int, str]
