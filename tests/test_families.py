@@ -44,6 +44,29 @@ def test_every_diffusers_class_finds_its_family():
         FAMILIES.pipeline_wrapper(diffusers.StableDiffusionPipeline)
 
 
+def test_declared_attention_layers_get_one_dispatch_wrapper_each():
+    """A family's `attention_layers` is all the engine needs to wrap its attention (no shared file names it)."""
+    import importlib
+
+    from parallel.model_executor.layers import attention_dispatch
+    from parallel.model_executor.register import xFuserLayerWrappersRegister
+
+    declared = {name: site for family in FAMILIES for name, site in family.attention_layers.items()}
+    assert {"FluxAttention", "WanAttention"} <= set(declared)
+    for name, site in declared.items():
+        module = importlib.import_module(site)
+        assert callable(module.dispatch_attention_fn)
+        layer_class = getattr(module, name)
+        wrapper = xFuserLayerWrappersRegister.get_wrapper(layer_class)
+        assert wrapper.call_site == (site, "dispatch_attention_fn")
+        assert xFuserLayerWrappersRegister.get_wrapper(layer_class) is wrapper  # built once per class
+        assert name in xFuserLayerWrappersRegister.supported_names()
+    source = Path(attention_dispatch.__file__).read_text()
+    assert not any(family.name in source.lower() or name in source for family in FAMILIES for name in declared)
+    with pytest.raises(ValueError, match="Linear is not a supported layer; supported: .*FluxAttention"):
+        xFuserLayerWrappersRegister.get_wrapper(torch.nn.Linear(2, 2))
+
+
 @pytest.fixture(scope="module")
 def latent_formats(tmp_path_factory):
     if not COMFYUI_SOURCE.is_file():

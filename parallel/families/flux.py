@@ -313,4 +313,5 @@ FLUX = FAMILIES.register(Family(
         "flux": TinyModel("FluxPipeline", build_tiny, tiny_inputs),
         "flux-kontext": TinyModel("FluxKontextPipeline", build_tiny_kontext, tiny_kontext_inputs),
     },
+    attention_layers={"FluxAttention": "diffusers.models.transformers.transformer_flux"},
 ))

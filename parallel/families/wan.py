@@ -263,4 +263,6 @@ WAN = FAMILIES.register(Family(
         output_channels="out_channels",
     ),
     tiny={model: _tiny(model) for model in ("wan", "wan22", "wan22-5b", "wan22-i2v")},
+    # Its cross-attention (attn2) is the same class but the plan never selects it.
+    attention_layers={"WanAttention": "diffusers.models.transformers.transformer_wan"},
 ))

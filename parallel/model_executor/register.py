@@ -4,17 +4,20 @@ Layers and schedulers, as in xDiT (pipelines and transformers are found through 
 parallel/families/base.py). A wrapper registers itself
 with `@REGISTER.register(DiffusersClass, ...)`; `get_wrapper(obj)` finds the wrapper for an object's
 exact class (then its bases), and raises a ValueError naming the class and what is supported.
+Wrappers can also be declared by class name (`declare`): the families name their attention classes
+without importing diffusers, and the wrapper for such a class is built when a module of it is met.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 
 class WrapperRegister:
     def __init__(self, kind: str):
         self.kind = kind
         self._wrappers: dict[type, type] = {}
+        self._declared: list[tuple[Callable[[], dict[str, Any]], Callable[[str, Any], type]]] = []
 
     def register(self, *originals: type):
         def decorate(wrapper: type) -> type:
@@ -24,11 +27,28 @@ class WrapperRegister:
 
         return decorate
 
+    def declare(self, names: Callable[[], dict[str, Any]], build: Callable[[str, Any], type]) -> None:
+        """Classes found by name (the object's class or its `processor`'s): `names()` → class name → what
+        `build(name, value)` makes its wrapper from."""
+        self._declared.append((names, build))
+
     def get_wrapper(self, obj: Any) -> type:
+        # A declared processor class comes first: it decides the call site when the layer class is
+        # shared (Qwen-Image's processor calls dispatch_attention_fn from diffusers' classic Attention).
+        processor = getattr(obj, "processor", None)
+        if processor is not None:
+            for names, build in self._declared:
+                declared = names()
+                if type(processor).__name__ in declared:
+                    return build(type(processor).__name__, declared[type(processor).__name__])
         cls = obj if isinstance(obj, type) else type(obj)
         for candidate in cls.__mro__:
             if candidate in self._wrappers:
                 return self._wrappers[candidate]
+            for names, build in self._declared:
+                declared = names()
+                if candidate.__name__ in declared:
+                    return build(candidate.__name__, declared[candidate.__name__])
         raise ValueError(
             f"{cls.__name__} is not a supported {self.kind}; supported: {', '.join(self.supported_names())}"
         )
@@ -37,7 +57,7 @@ class WrapperRegister:
         return list(self._wrappers.items())
 
     def supported_names(self) -> list[str]:
-        return sorted(original.__name__ for original in self._wrappers)
+        return sorted({original.__name__ for original in self._wrappers}.union(*(names() for names, _ in self._declared)))
 
 
 xFuserLayerWrappersRegister = WrapperRegister("layer")

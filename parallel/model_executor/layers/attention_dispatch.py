@@ -1,9 +1,12 @@
-"""Attention layers whose processors call diffusers' `dispatch_attention_fn` ([B, S, H, D] layout)."""
+"""Attention layers whose processors call diffusers' `dispatch_attention_fn` ([B, S, H, D] layout).
+
+The families declare these classes (`Family.attention_layers`: class name → the module whose
+`dispatch_attention_fn` global the processor calls); one wrapper class is built per declared class.
+"""
 
 from __future__ import annotations
 
-from diffusers.models.transformers.transformer_flux import FluxAttention
-from diffusers.models.transformers.transformer_wan import WanAttention
+import functools
 
 from ..register import xFuserLayerWrappersRegister
 from .attention_seam import routed, xFuserAttentionBaseWrapper
@@ -17,13 +20,17 @@ class _DispatchAttentionWrapper(xFuserAttentionBaseWrapper):
         return routed(original, tokens_dim=1)
 
 
-@xFuserLayerWrappersRegister.register(FluxAttention)
-class xFuserFluxAttentionWrapper(_DispatchAttentionWrapper):
-    call_site = ("diffusers.models.transformers.transformer_flux", "dispatch_attention_fn")
+def _declared() -> dict[str, str]:
+    from ...families import FAMILIES
+
+    return {name: site for family in FAMILIES for name, site in family.attention_layers.items()}
 
 
-@xFuserLayerWrappersRegister.register(WanAttention)
-class xFuserWanAttentionWrapper(_DispatchAttentionWrapper):
-    """Wan's self-attention; its cross-attention calls the same function but is never wrapped."""
+@functools.cache
+def _dispatch_wrapper(class_name: str, module: str) -> type:
+    return type(f"xFuser{class_name}Wrapper", (_DispatchAttentionWrapper,),
+                {"call_site": (module, "dispatch_attention_fn"), "__module__": __name__,
+                 "__doc__": f"{class_name}, whose processor calls {module}.dispatch_attention_fn."})
 
-    call_site = ("diffusers.models.transformers.transformer_wan", "dispatch_attention_fn")
+
+xFuserLayerWrappersRegister.declare(_declared, _dispatch_wrapper)
