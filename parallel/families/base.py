@@ -115,8 +115,7 @@ class Family:
                  it does not convert itself; None: diffusers reads every layout of this family.
     single_file: the family's original checkpoint layout, if single files of it load.
     tiny:        the family's built-in tiny models by name (tests, the demo, `xdit-tiny-<name>`).
-    attention_layers: the family's attention classes (or attention processor classes, when the layer
-                 is diffusers' classic `Attention`) that call diffusers' `dispatch_attention_fn`: class
+    attention_layers: the family's attention classes that call diffusers' `dispatch_attention_fn`: class
                  name → the module holding the global they call; the engine wraps them by name.
     """
 

@@ -28,19 +28,10 @@ class WrapperRegister:
         return decorate
 
     def declare(self, names: Callable[[], dict[str, Any]], build: Callable[[str, Any], type]) -> None:
-        """Classes found by name (the object's class or its `processor`'s): `names()` → class name → what
-        `build(name, value)` makes its wrapper from."""
+        """Classes found by name: `names()` → class name → what `build(name, value)` makes its wrapper from."""
         self._declared.append((names, build))
 
     def get_wrapper(self, obj: Any) -> type:
-        # A declared processor class comes first: it decides the call site when the layer class is
-        # shared (Qwen-Image's processor calls dispatch_attention_fn from diffusers' classic Attention).
-        processor = getattr(obj, "processor", None)
-        if processor is not None:
-            for names, build in self._declared:
-                declared = names()
-                if type(processor).__name__ in declared:
-                    return build(type(processor).__name__, declared[type(processor).__name__])
         cls = obj if isinstance(obj, type) else type(obj)
         for candidate in cls.__mro__:
             if candidate in self._wrappers:
