@@ -6,19 +6,6 @@ import argparse
 from dataclasses import asdict, dataclass
 
 
-# The tensor keyword arguments of the pipelines' __call__ that contract E and pool jobs carry.
-PIPELINE_TENSOR_INPUTS = (
-    "latents",
-    "prompt_embeds",
-    "negative_prompt_embeds",
-    "pooled_prompt_embeds",
-    "negative_pooled_prompt_embeds",
-    "prompt_attention_mask",
-    "negative_prompt_attention_mask",
-    "image",  # image-to-video (Wan): the first frame, [1, 3, H, W] in [0, 1]
-)
-
-
 class LayoutError(ValueError):
     """A layout that cannot work. The message is one line naming the numbers and the fix."""
 

@@ -24,13 +24,14 @@ from safetensors.torch import load_file, save_file
 
 from . import builtin_models
 from .arguments import ArgumentParser
-from .config import PIPELINE_TENSOR_INPUTS, LayoutError, add_parallel_arguments, config_from_args
+from .config import LayoutError, add_parallel_arguments, config_from_args
+from .families import FAMILIES
 from .launch import apply_threads_per_rank, die_with_parent
 from .loading import DTYPES, SCHEDULERS, load_pipeline, set_scheduler
 from .request import add_request_arguments, request_from_args
 from .torchrun_exit import exit_quietly
 
-INPUT_NAMES = PIPELINE_TENSOR_INPUTS
+INPUT_NAMES = FAMILIES.tensor_inputs()
 
 
 class _Parser(ArgumentParser):

@@ -18,7 +18,6 @@ from parallel import tiny_models
 from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
 
 STEPS, SIZE = 4, 64
-GUIDANCE = {"pixart-alpha": 4.5, "pixart-sigma": 4.5, "sd3": 4.5, "flux": 3.5, "flux-kontext": 3.5}
 LAYOUTS = {
     2: {
         "ulysses2": {"ulysses_degree": 2},
@@ -41,9 +40,10 @@ CASES += [(n, f, l, s) for n, extra in EXTRA.items() for f, l, s in extra]
 
 
 def call_kwargs(family: str, layout: str, variant: str) -> dict:
-    kwargs = {"num_inference_steps": STEPS, "guidance_scale": GUIDANCE[family], "height": SIZE, "width": SIZE}
-    if family.startswith("flux") and (layout.startswith("cfg") or variant == "truecfg"):
-        kwargs["true_cfg_scale"] = 2.0
+    tiny = tiny_models.MODELS[family]
+    kwargs = {"num_inference_steps": STEPS, "guidance_scale": tiny.guidance, "height": SIZE, "width": SIZE}
+    if layout.startswith("cfg") or variant == "truecfg":
+        kwargs.update(tiny.true_cfg)
     return kwargs
 
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from parallel import tiny_models
-from test_engine_layouts import GUIDANCE, STEPS, SIZE, reference
+from test_engine_layouts import STEPS, SIZE, reference
 from xdit_test_helpers import TOLERANCE, torchrun
 
 EXACT = {  # name: (nproc, layout); warm-up covers every step, so the pipeline is synchronous
@@ -29,7 +29,7 @@ FAMILIES = ("pixart-alpha", "sd3", "flux")
 
 
 def call(family: str, layout: str) -> dict:
-    kwargs = {"num_inference_steps": STEPS, "guidance_scale": GUIDANCE[family], "height": SIZE, "width": SIZE}
+    kwargs = {"num_inference_steps": STEPS, "guidance_scale": tiny_models.MODELS[family].guidance, "height": SIZE, "width": SIZE}
     if family == "flux" and "cfg" in layout:
         kwargs["true_cfg_scale"] = 2.0
     return kwargs

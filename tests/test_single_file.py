@@ -55,7 +55,6 @@ VARIANTS = {
                                            "cross_attention_dim": 144}),
 }
 PIXART_TOKENS = {"pixart-alpha": 120, "pixart-sigma": 300}
-GUIDANCE = {"pixart-alpha": 4.5, "pixart-sigma": 4.5, "sd3": 4.5, "flux": 3.5}
 
 
 # ------------------------------------------------------------------ diffusers -> original layouts (inverse)
@@ -239,7 +238,7 @@ def checkpoints(tmp_path_factory):
 def _run(pipe, family: str) -> torch.Tensor:
     with torch.no_grad():
         return pipe(**tiny_models.make_inputs(family), **tiny_models.PIPELINE_CALL_DEFAULTS[family],
-                    guidance_scale=GUIDANCE[family], height=64, width=64, num_inference_steps=4,
+                    guidance_scale=tiny_models.MODELS[family].guidance, height=64, width=64, num_inference_steps=4,
                     output_type="latent").images
 
 
@@ -486,7 +485,7 @@ def test_engine_takes_a_file(checkpoints, tmp_path):
     save_file(inputs, tmp_path / "in.safetensors")
     result = torchrun(2, "-m", "parallel.run", "--model", str(path), "--inputs", str(tmp_path / "in.safetensors"),
                       "--output", str(tmp_path / "out.safetensors"), "--steps", "4", "--guidance-scale",
-                      str(GUIDANCE[family]), "--height", "64", "--width", "64", "--ulysses-degree", "2")
+                      str(tiny_models.MODELS[family].guidance), "--height", "64", "--width", "64", "--ulysses-degree", "2")
     assert result.returncode == 0, result.stderr[-3000:]
     from safetensors.torch import load_file
 

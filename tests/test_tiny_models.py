@@ -7,13 +7,13 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 
+from parallel import tiny_models
 from parallel.tiny_models import FAMILIES, PIPELINE_CALL_DEFAULTS, build_tiny_pipeline, make_inputs, save_tiny_pipeline
 
 from xdit_test_helpers import at_requested_size
 
 torch.set_num_threads(1)  # tiny models: threading overhead only slows them down
 
-GUIDANCE = {"pixart-alpha": 4.5, "pixart-sigma": 4.5, "sd3": 4.5, "flux": 3.5, "flux-kontext": 3.5}
 LATENT_SHAPE = {  # expected output latents of a 64x64 run, batch 1
     "pixart-alpha": (1, 4, 8, 8), "pixart-sigma": (1, 4, 8, 8), "sd3": (1, 16, 8, 8), "flux": (1, 16, 64),
     "flux-kontext": (1, 16, 64)}
@@ -27,7 +27,7 @@ def _pipe(family):
 
 
 def _run(pipe, family, inputs, height=64, width=64, steps=4, guidance=None):
-    guidance = GUIDANCE[family] if guidance is None else guidance
+    guidance = tiny_models.MODELS[family].guidance if guidance is None else guidance
     with torch.no_grad():
         out = pipe(**inputs, **PIPELINE_CALL_DEFAULTS[family], guidance_scale=guidance, num_inference_steps=steps,
                    **at_requested_size(pipe, {"height": height, "width": width}), output_type="latent")
@@ -133,7 +133,7 @@ def test_prompt_string_end_to_end(family):
     handle = pipe.transformer.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         with torch.no_grad():
-            out = pipe(prompt="a cat", negative_prompt="blurry", guidance_scale=GUIDANCE[family],
+            out = pipe(prompt="a cat", negative_prompt="blurry", guidance_scale=tiny_models.MODELS[family].guidance,
                        **at_requested_size(pipe, {"height": 64, "width": 64}), num_inference_steps=2,
                        output_type="latent", max_sequence_length=32,
                        generator=torch.Generator().manual_seed(0), **extra).images

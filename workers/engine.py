@@ -27,7 +27,7 @@ ArgumentParser = engine("arguments").ArgumentParser
 
 LayoutError = config.LayoutError
 ParallelConfig = config.ParallelConfig
-PIPELINE_TENSOR_INPUTS = config.PIPELINE_TENSOR_INPUTS
+PIPELINE_TENSOR_INPUTS = engine("families").FAMILIES.tensor_inputs()  # every registered pipeline's
 add_parallel_arguments = config.add_parallel_arguments
 config_from_args = config.config_from_args
 

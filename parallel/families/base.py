@@ -83,11 +83,16 @@ class TinyModel:
     pipeline: the diffusers pipeline class name it builds (its wrapper says what inputs it takes).
     build:    seed → the fp32 diffusers pipeline (imports diffusers when called).
     inputs:   make_inputs' keyword arguments → the tensor inputs of one call, as if prompts were encoded.
+    guidance: the guidance_scale the tests sample it with (the pipeline's own meaning).
+    true_cfg: the call arguments that turn on classifier-free guidance where guidance_scale is distilled
+              guidance (Flux: true_cfg_scale); tests add them for CFG parallel.
     """
 
     pipeline: str
     build: Callable[[int], Any]
     inputs: Callable[..., dict]
+    guidance: float = 4.5
+    true_cfg: dict[str, float] = field(default_factory=dict)
 
 
 def pack_2x2(latents: torch.Tensor) -> torch.Tensor:
@@ -167,6 +172,12 @@ class FamilyRegistry:
     def for_transformer(self, transformer: Any) -> Family:
         """The family whose plan fits this diffusers transformer (object, class, or class name)."""
         return self._find(transformer, self._by_transformer, "transformer")[1]
+
+    def tensor_inputs(self) -> tuple[str, ...]:
+        """Every tensor input some registered pipeline takes: the names contract E's IN files and pool jobs
+        may carry (each pipeline's wrapper then checks its own)."""
+        names = (name for family in self for wrapper in family.pipelines.values() for name in wrapper.all_tensor_inputs())
+        return tuple(dict.fromkeys(names))
 
     def comfy_data(self, pipeline: str) -> ComfyData:
         """What the ComfyUI side needs for the pipeline class named `pipeline`."""

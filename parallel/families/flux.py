@@ -277,6 +277,8 @@ def tiny_kontext_inputs(**kwargs) -> dict:
     return {**inputs, "image": torch.randn(shape, generator=gen)}
 
 
+TINY_TRUE_CFG = {"true_cfg_scale": 2.0}
+
 FLUX = FAMILIES.register(Family(
     name="flux",
     pipelines={"FluxPipeline": xFuserFluxPipeline, "FluxKontextPipeline": xFuserFluxKontextPipeline},
@@ -310,8 +312,9 @@ FLUX = FAMILIES.register(Family(
         convert=convert_checkpoint,
     ),
     tiny={
-        "flux": TinyModel("FluxPipeline", build_tiny, tiny_inputs),
-        "flux-kontext": TinyModel("FluxKontextPipeline", build_tiny_kontext, tiny_kontext_inputs),
+        "flux": TinyModel("FluxPipeline", build_tiny, tiny_inputs, guidance=3.5, true_cfg=TINY_TRUE_CFG),
+        "flux-kontext": TinyModel("FluxKontextPipeline", build_tiny_kontext, tiny_kontext_inputs, guidance=3.5,
+                                  true_cfg=TINY_TRUE_CFG),
     },
     attention_layers={"FluxAttention": "diffusers.models.transformers.transformer_flux"},
 ))
