@@ -19,6 +19,7 @@ class RuntimeState:
     text_tokens: int = 0
     step_index: int = 0
     token_split: Any = None  # token_split.UnevenSplit while the token count does not divide by the sp degree
+    run: int = 0  # counts jobs, so per-job state elsewhere (PipeFusion's warm-up per expert) knows a new one began
 
     def set_input_parameters(
         self, *, height: int, width: int, batch_size: int, num_inference_steps: int, image_tokens: int
@@ -30,6 +31,7 @@ class RuntimeState:
         self.text_tokens = 0
         self.step_index = 0
         self.token_split = None
+        self.run += 1
 
 
 _RUNTIME = RuntimeState()

@@ -28,7 +28,7 @@ from ..checkpoints.shapes import Shapes
 from ..config import LayoutError
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
-from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split
+from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split, TokenRows
 from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant
 
 
@@ -297,7 +297,7 @@ FLUX = FAMILIES.register(Family(
             blocks=("transformer_blocks", "single_transformer_blocks"),
             carried=("hidden_states", "encoder_hidden_states"),
             returns=("encoder_hidden_states", "hidden_states"),
-            token_inputs={"image_rotary_emb": TextLayout.PREFIX},
+            token_inputs={"image_rotary_emb": TokenRows(text=TextLayout.PREFIX)},
         ),
     ),
     convert_lora=convert_lora,

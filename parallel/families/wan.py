@@ -8,7 +8,9 @@ modulation matches. Self-attention runs USP; cross-attention to the text (and Wa
 tokens) stays local; CFG arrives as two calls. A video's token count rarely divides by the
 sequence-parallel degree: the plan splits it unevenly (token_split.py), so only a video with fewer
 tokens than ranks is refused. Wan 2.2 A14B's second (low-noise) expert, `transformer_2`, is wrapped
-like the first.
+like the first. PipeFusion patches are whole token rows of the (frames × rows × columns) sequence,
+with the rotary table and TI2V's per-token modulation sliced alike; each expert warms up its own
+stale K/V when it takes over.
 
 ComfyUI keeps Wan latents in its Wan21 (16 channels, ×8) and Wan22 (48 channels, ×16) formats.
 """
@@ -23,7 +25,7 @@ from ..call_parameters import CallParameter
 from ..config import LayoutError
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
-from ..model_executor.plans import CfgMode, Gather, ParallelPlan, Split
+from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split, TokenRows
 from .base import FAMILIES, ComfyData, Family, TinyModel
 
 DEFAULT_FRAMES = 81  # WanPipeline.__call__'s default num_frames
@@ -83,6 +85,11 @@ class xFuserWanPipeline(xFuserPipelineBaseWrapper):
         """Tokens of one latent frame."""
         _, patch_h, patch_w = self._config().patch_size
         return self.grid_tokens(height, width, self.module.vae_scale_factor_spatial, patch_h, patch_w)
+
+    def token_rows(self, kwargs: dict[str, Any]) -> int:
+        _, patch_h, _ = self._config().patch_size
+        frames = self.latent_frames(kwargs) // self._config().patch_size[0]
+        return frames * (kwargs["height"] // (self.module.vae_scale_factor_spatial * patch_h))
 
     def sequence_tokens(self, kwargs: dict[str, Any]) -> int:
         return self.latent_frames(kwargs) // self._config().patch_size[0] * self.image_tokens(kwargs["height"], kwargs["width"])
@@ -260,6 +267,12 @@ WAN = FAMILIES.register(Family(
         cfg=CfgMode.SEQUENTIAL,
         cfg_branches=("cond", "uncond"),
         uneven_tokens=True,
+        # Each patch is whole token rows of the (frames × rows × columns) sequence; its rotary table
+        # ([1, S, 1, D]) and Wan 2.2 TI2V's per-token modulation ([B, S, 6, D]) are sliced with it.
+        pipefusion=PipeFusionPlan(
+            blocks=("blocks",),
+            token_inputs={"rotary_emb": TokenRows(dim=1), "temb": TokenRows(dim=1, ndim=4)},
+        ),
         output_channels="out_channels",
     ),
     tiny={model: _tiny(model) for model in ("wan", "wan22", "wan22-5b", "wan22-i2v")},

@@ -25,7 +25,7 @@ from ..config import LayoutError
 from ..distributed import GroupCoordinator, get_runtime_state
 from .attention import TextLayout
 from .hooks import as_keyword_arguments
-from .plans import PipeFusionPlan
+from .plans import PipeFusionPlan, TokenRows
 
 
 @dataclass(frozen=True)
@@ -107,13 +107,15 @@ class PipeFusionStage:
         weights = [sum(p.numel() for p in block.parameters()) for _, _, block in blocks]
         start, end = balanced_stages(weights, pp.world_size)[pp.rank_in_group]
         self.block_range = (start, end)
+        self._run, self._first_step = -1, {}
         self.local = [block for _, _, block in blocks[start:end]]
         self._forwards = [type(block).forward.__get__(block) for block in self.local]
         for index, (name, i, block) in enumerate(blocks):
             if not start <= index < end:  # another stage's block: drop its weights
                 transformer.get_submodule(name)[i] = _Passthrough(plan, type(block).forward.__get__(block))
         for offset, block in enumerate(self.local):
-            block.forward = self._run_stage if offset == 0 else functools.partial(self._pass, self._forwards[offset])
+            run = self._run_stage if offset == 0 else functools.partial(self._pass, self._forwards[offset])
+            block.forward = _signed(run, self._forwards[offset])
 
     def remove(self) -> None:
         for block in self.local:
@@ -128,7 +130,12 @@ class PipeFusionStage:
         image_name, *text_names = self.plan.carried
         image = named[image_name]
         runtime = get_runtime_state()
-        asynchronous = runtime.step_index >= self.warmup_steps
+        if self._run != runtime.run:
+            self._run, self._first_step = runtime.run, {}
+        # Warm-up counts from this stage's first step of the job in this branch: an expert that takes
+        # over mid-run (Wan 2.2 A14B's second) fills its own stale K/V first.
+        first = self._first_step.setdefault(self.branch(), runtime.step_index)
+        asynchronous = runtime.step_index - first >= self.warmup_steps
         count = self.num_patches if asynchronous else 1
         size = image.shape[1] // count
         outputs, sends = [], []
@@ -137,8 +144,8 @@ class PipeFusionStage:
             state = {image_name: image[:, window], **{n: named.get(n) for n in text_names}}
             if not self.pp.is_first_rank:
                 state = self._receive(state)
-            tokens = {n: _rows(named[n], layout, runtime.text_tokens, window)
-                      for n, layout in self.plan.token_inputs.items() if named.get(n) is not None}
+            tokens = {n: _rows(named[n], rows, runtime.text_tokens, window)
+                      for n, rows in self.plan.token_inputs.items() if named.get(n) is not None}
             with _patch(PatchContext(p, self.num_patches, asynchronous, self.branch())):
                 for forward in self._forwards:
                     out = forward(**{**named, **tokens, **state})
@@ -160,6 +167,17 @@ class PipeFusionStage:
         return {name: self.pp.recv_prev(buffer) for name, buffer in buffers.items()}
 
 
+def _signed(run: Callable, like: Callable) -> Callable:
+    """`run` with the signature of the block's own forward, so the plan's hooks on a block (Wan's
+    `blocks.0` input split) still name its arguments."""
+
+    def forward(*args, **kwargs):
+        return run(*args, **kwargs)
+
+    forward.__signature__ = inspect.signature(like)
+    return forward
+
+
 @contextlib.contextmanager
 def _patch(context: PatchContext):
     token = _PATCH.set(context)
@@ -174,17 +192,22 @@ def _returns(plan: PipeFusionPlan, named: dict[str, Any]):
     return values if len(values) > 1 else values[0]
 
 
-def _rows(value, layout: TextLayout, text_tokens: int, window: slice):
+def _rows(value, rows: TokenRows, text_tokens: int, window: slice):
     """The text rows and this patch's image rows of a per-token input (or of each tensor in a tuple)."""
     if isinstance(value, tuple):
-        return tuple(_rows(v, layout, text_tokens, window) for v in value)
-    if layout is TextLayout.PREFIX:
+        return tuple(_rows(v, rows, text_tokens, window) for v in value)
+    if rows.ndim is not None and value.ndim != rows.ndim:
+        return value
+    value = value.movedim(rows.dim, 0)
+    if rows.text is TextLayout.PREFIX:
         text, image = value[:text_tokens], value[text_tokens:]
-        return torch.cat([text, image[window]])
-    if layout is TextLayout.SUFFIX:
+        value = torch.cat([text, image[window]])
+    elif rows.text is TextLayout.SUFFIX:
         image, text = value[: value.shape[0] - text_tokens], value[value.shape[0] - text_tokens :]
-        return torch.cat([image[window], text])
-    return value[window]
+        value = torch.cat([image[window], text])
+    else:
+        value = value[window]
+    return value.movedim(0, rows.dim)
 
 
 class _Passthrough(torch.nn.Module):
@@ -196,8 +219,8 @@ class _Passthrough(torch.nn.Module):
     def __init__(self, plan: PipeFusionPlan, forward: Callable):
         super().__init__()
         self._plan = plan
-        names = [p.name for p in inspect.signature(forward).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
-        self._names = names
+        self._names = [p.name for p in inspect.signature(forward).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+        self.forward = _signed(self._hand_on, forward)  # a plan's hook on this block still names its arguments
 
-    def forward(self, *args, **kwargs):
+    def _hand_on(self, *args, **kwargs):
         return _returns(self._plan, {**dict(zip(self._names, args)), **kwargs})

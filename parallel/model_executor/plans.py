@@ -63,6 +63,20 @@ class CfgMode(enum.Enum):
 
 
 @dataclass(frozen=True)
+class TokenRows:
+    """A block argument with one entry per token along `dim`, which PipeFusion slices to each patch.
+
+    text: where the text tokens' rows sit (kept whole with every patch); NONE: image rows only.
+    ndim: slice only tensors with this many dimensions; others pass whole (Wan 2.2 TI2V's per-token
+          modulation is [B, S, 6, D]; the other Wan models pass one per sample, [B, 6, D]).
+    """
+
+    dim: int = 0
+    text: TextLayout = TextLayout.NONE
+    ndim: int | None = None
+
+
+@dataclass(frozen=True)
 class PipeFusionPlan:
     """How the repeated blocks run as a patch pipeline (PipeFusion).
 
@@ -70,14 +84,14 @@ class PipeFusionPlan:
     carried:      block arguments that flow from block to block; the first is the image tokens
                   (split into patches on dim 1), the others (the text stream) go whole with each patch.
     returns:      the block's outputs in order, named like `carried` (a single name: a bare tensor).
-    token_inputs: other block arguments holding one row per token on dim 0, [text, image] in the
-                  given layout (tuples of such tensors too), sliced to each patch (Flux's rotary).
+    token_inputs: other block arguments holding one entry per token (tuples of such tensors too),
+                  sliced to each patch (rotary tables, per-token modulation); see TokenRows.
     """
 
     blocks: tuple[str, ...]
     carried: tuple[str, ...] = ("hidden_states",)
     returns: tuple[str, ...] = ("hidden_states",)
-    token_inputs: dict[str, TextLayout] = field(default_factory=dict)
+    token_inputs: dict[str, TokenRows] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -130,6 +130,11 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
         """Tokens the sequence-parallel split sees (video pipelines count every latent frame)."""
         return self.image_tokens(kwargs["height"], kwargs["width"])
 
+    def token_rows(self, kwargs: dict[str, Any]) -> int:
+        """Rows of image tokens (video: of every latent frame): PipeFusion patches cut whole rows."""
+        patch = self.latent_patch or self.module.transformer.config.patch_size
+        return kwargs["height"] // (self.module.vae_scale_factor * patch)
+
     def tokens_split(self, tokens: int) -> bool:
         """Whether `tokens` split over the sequence-parallel degree: evenly, or unevenly if the plan pads."""
         sp = self.parallel_config.sp_degree
@@ -178,8 +183,7 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
                 f"choose a resolution whose token count divides by {c.sp_degree} or lower the degrees."
             )
         if c.pipefusion_degree > 1:
-            patch = self.latent_patch or self.module.transformer.config.patch_size
-            rows = kwargs["height"] // (self.module.vae_scale_factor * patch)
+            rows = self.token_rows(kwargs)
             if rows % (c.patches * c.sp_degree):
                 raise LayoutError(
                     f"{kwargs['height']}x{kwargs['width']} has {rows} token rows, which do not split into "
