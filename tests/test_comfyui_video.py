@@ -3,7 +3,10 @@
 The tiny Wan 2.2 pipeline (two experts) samples 9 frames at 48×48 (27 tokens, split unevenly over
 Ulysses 2) from ComfyUI's noise of the seed; the saved 5-D LATENT equals diffusers' single-process
 result converted to ComfyUI's Wan21 latent space (x · std + mean) within 1e-4. Previews (the middle
-latent frame) arrive over the websocket. Skipped without the ComfyUI test bed (tests/testbed.py).
+latent frame) arrive over the websocket. A second xDiT Sampler at denoise 0.6 restyles that video
+(video-to-video, ComfyUI's meaning of denoise) and equals diffusers' WanPipeline on the tail of a 6-step
+schedule from the first video noised with ComfyUI's noise of its seed (tests/test_pool_video.py builds
+that reference).
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ import torch
 from diffusers import DiffusionPipeline
 from safetensors.torch import load_file
 
+from test_pool_video import video_to_video_reference
 from xdit_test_helpers import TOLERANCE, diffusers_latents
 
 FAMILY, FRAMES, SIZE, STEPS, CFG, SEED = "wan22", 9, 48, 4, 5.0, 5
+DENOISE, SEED_2 = 0.6, 11
 POSITIVE, NEGATIVE = "a red fox in the snow", "blurry"
 
 
@@ -34,23 +39,34 @@ def workflow() -> dict:
             "pool": ["1", 0], "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0], "seed": SEED,
             "steps": STEPS, "cfg": CFG, "sampler": "default", "denoise": 1.0, "preview": True}},
         "6": {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": f"video_{FAMILY}"}},
+        "7": {"class_type": "XDiTSampler", "inputs": {
+            "pool": ["1", 0], "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["5", 0], "seed": SEED_2,
+            "steps": STEPS, "cfg": CFG, "sampler": "default", "denoise": DENOISE, "preview": False}},
+        "8": {"class_type": "SaveLatent", "inputs": {"samples": ["7", 0], "filename_prefix": f"video2video_{FAMILY}"}},
     }
 
 
-def reference(model_dir) -> torch.Tensor:
-    """diffusers' result for ComfyUI's noise of SEED, in ComfyUI's Wan21 latent space."""
+SHAPE = (1, 16, (FRAMES - 1) // 4 + 1, SIZE // 8, SIZE // 8)
+
+
+def reference(model_dir) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' results for ComfyUI's noise of SEED, and of the video-to-video pass from it with
+    ComfyUI's noise of SEED_2, in ComfyUI's Wan21 latent space."""
     pipeline = DiffusionPipeline.from_pretrained(model_dir)
-    shape = (1, 16, (FRAMES - 1) // 4 + 1, SIZE // 8, SIZE // 8)
-    noise = torch.randn(shape, generator=torch.manual_seed(SEED))
     with torch.no_grad():
         positive, _ = pipeline.encode_prompt(POSITIVE, do_classifier_free_guidance=False, max_sequence_length=512)
         negative, _ = pipeline.encode_prompt(NEGATIVE, do_classifier_free_guidance=False, max_sequence_length=512)
-    latents = diffusers_latents(pipeline, prompt_embeds=positive, negative_prompt_embeds=negative, latents=noise,
+    inputs = {"prompt_embeds": positive, "negative_prompt_embeds": negative}
+    latents = diffusers_latents(pipeline, **inputs, latents=torch.randn(SHAPE, generator=torch.manual_seed(SEED)),
                                 guidance_scale=CFG, num_inference_steps=STEPS, height=SIZE, width=SIZE, num_frames=FRAMES)
+    params = {"steps": STEPS, "guidance_scale": CFG, "height": SIZE, "width": SIZE, "denoise": DENOISE,
+              "call": {"num_frames": FRAMES}}
+    noise = torch.randn(SHAPE, generator=torch.manual_seed(SEED_2))
+    restyled = video_to_video_reference(model_dir, {**inputs, "latents": noise}, latents, params)
     # WanPipeline's own decode step: ComfyUI's Wan21 process_out has the same numbers.
     mean = torch.tensor(pipeline.vae.config.latents_mean).view(1, -1, 1, 1, 1)
     std = torch.tensor(pipeline.vae.config.latents_std).view(1, -1, 1, 1, 1)
-    return latents * std + mean
+    return latents * std + mean, restyled * std + mean
 
 
 def test_wan_video_workflow_equals_diffusers_and_streams_previews(comfy, video_model_dirs):
@@ -58,8 +74,12 @@ def test_wan_video_workflow_equals_diffusers_and_streams_previews(comfy, video_m
     entry = comfy.wait(prompt_id)
     assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
     assert previews >= 1
-    info = entry["outputs"]["6"]["latents"][0]
-    latent = load_file(comfy.work / "output" / info["subfolder"] / info["filename"])["latent_tensor"]
-    expected = reference(video_model_dirs[FAMILY])
-    assert latent.shape == expected.shape == (1, 16, 3, SIZE // 8, SIZE // 8)
-    assert (latent - expected).abs().max().item() <= TOLERANCE
+    saved = {}
+    for node in ("6", "8"):
+        info = entry["outputs"][node]["latents"][0]
+        saved[node] = load_file(comfy.work / "output" / info["subfolder"] / info["filename"])["latent_tensor"]
+    expected, restyled = reference(video_model_dirs[FAMILY])
+    assert saved["6"].shape == expected.shape == (1, 16, 3, SIZE // 8, SIZE // 8)
+    assert (saved["6"] - expected).abs().max().item() <= TOLERANCE
+    assert (saved["8"] - restyled).abs().max().item() <= TOLERANCE
+    assert (saved["8"] - expected).abs().max().item() > 100 * TOLERANCE  # the second pass did restyle it

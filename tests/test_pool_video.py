@@ -2,7 +2,9 @@
 
 A real `python -m workers serve` pool with Ring 2 samples a 9-frame 48×48 video, whose 27 tokens
 split unevenly, with `num_frames` in the job's call map; the result and the step previews are checked.
-Then Wan 2.2's own `guidance_scale_2` (the low-noise expert's guidance) reaches the pool through the same
+Video-to-video (denoise 0.6, ComfyUI's meaning: the last 4 steps of a 6-step schedule, from the init video
+noised to that point) equals diffusers with its scheduler cut the way its img2img pipelines cut it (full
+schedule, later timesteps, begin index), across Wan 2.2's expert switch. Then Wan 2.2's own `guidance_scale_2` (the low-noise expert's guidance) reaches the pool through the same
 generic call map and the latents equal diffusers' with it (negative control: they differ from the job
 without it), and a call parameter the family does not declare is refused at submit with one line.
 """
@@ -10,13 +12,14 @@ without it), and a call parameter the family does not declare is refused at subm
 from __future__ import annotations
 
 import torch
+from diffusers import DiffusionPipeline
 
 from parallel import tiny_models
 import pytest
 
 from pool_helpers import free_endpoint, idle_client, pool_processes, reference, start_serve, stop_serve, wait_gone
 from workers.client import JobFailed
-from xdit_test_helpers import TOLERANCE
+from xdit_test_helpers import TOLERANCE, diffusers_latents
 
 FAMILY = "wan22"
 FRAMES, SIZE = 9, 48
@@ -44,6 +47,12 @@ def test_wan22_video_job_on_a_ring2_pool_equals_diffusers(video_model_dirs, tmp_
         assert (expert_guided - reference(model, FAMILY, inputs, second)).abs().max().item() <= TOLERANCE
         assert (expert_guided - latents).abs().max().item() > 100 * TOLERANCE, "guidance_scale_2 must change the result"
 
+        init = tiny_models.make_inputs(FAMILY, height=SIZE, width=SIZE, num_frames=FRAMES, seed=5)["latents"]
+        to_video = {**params, "denoise": 0.6}
+        restyled = client.sample({**inputs, "init_latents": init}, to_video)
+        assert (restyled - video_to_video_reference(model, inputs, init, to_video)).abs().max().item() <= TOLERANCE
+        assert (restyled - latents).abs().max().item() > 100 * TOLERANCE, "the init video must change the result"
+
         with pytest.raises(JobFailed) as refused:
             client.sample(inputs, {**params, "call": {"true_cfg_scale": 2.0}})
         assert "WanPipeline does not take true_cfg_scale; it takes guidance_scale_2, num_frames" in str(refused.value)
@@ -55,3 +64,25 @@ def test_wan22_video_job_on_a_ring2_pool_equals_diffusers(video_model_dirs, tmp_
         stop_serve(process)
     assert process.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]
     assert wait_gone(pids) == []
+
+
+def video_to_video_reference(model, inputs: dict, init: torch.Tensor, params: dict) -> torch.Tensor:
+    """diffusers' WanPipeline in one process on the last `steps` of a `steps / denoise` schedule: its
+    UniPC scheduler set for the whole schedule, the first timesteps dropped and its begin index moved
+    (as diffusers' img2img pipelines do), started from the init video noised to the first kept timestep."""
+    pipeline = DiffusionPipeline.from_pretrained(model)
+    scheduler, steps = pipeline.scheduler, params["steps"]
+    total = int(steps / params["denoise"])
+    own = scheduler.set_timesteps
+
+    def last_steps(count, *args, **kwargs):
+        own(total, *args, **kwargs)
+        scheduler.timesteps = scheduler.timesteps[total - count:]
+        scheduler.set_begin_index(total - count)
+
+    own(total)
+    start = scheduler.add_noise(init, inputs["latents"], scheduler.timesteps[total - steps:][:1])
+    scheduler.set_timesteps = last_steps
+    return diffusers_latents(pipeline, FAMILY, **{**inputs, "latents": start}, num_inference_steps=steps,
+                             guidance_scale=params["guidance_scale"], height=params["height"], width=params["width"],
+                             **params["call"])

@@ -120,9 +120,6 @@ class xFuserWanPipeline(xFuserPipelineBaseWrapper):
             )
         return super().check_layout(kwargs, batch)
 
-    def partial_denoise(self, kwargs: dict[str, Any], init_latents: torch.Tensor, denoise: float) -> dict[str, Any]:
-        raise ValueError("denoise below 1 is not available for Wan yet (WanPipeline takes no sigmas); use denoise 1.0")
-
 
 class xFuserWanImageToVideoPipeline(xFuserWanPipeline):
     """Wan image-to-video: the transformer also takes the first frame's VAE latents and a frame mask

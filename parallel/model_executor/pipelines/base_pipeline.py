@@ -8,6 +8,7 @@ for its ComfyData: so diffusers is imported only where a pipeline is wrapped or 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
     from ...families.base import ComfyData
+
+# partial_denoise's note to __call__: sample the tail of a schedule of this many steps (see tail_of).
+SCHEDULE_TAIL_OF = "_schedule_tail_of"
 
 # What every pipeline takes; families add theirs in `tensor_inputs`.
 BASE_TENSOR_INPUTS = ("latents", "prompt_embeds", "negative_prompt_embeds")
@@ -233,6 +237,13 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
         total = max(steps, int(steps / denoise))
         noise = kwargs["latents"]
         scheduler = copy.deepcopy(self.module.scheduler.module)
+        call = inspect.signature(self.module.__call__).parameters
+        if "sigmas" not in call and "timesteps" not in call and hasattr(scheduler, "set_begin_index"):
+            scheduler.set_timesteps(total)  # the pipeline takes no schedule: __call__ cuts the scheduler's own
+            start = scheduler.timesteps[(total - steps) * scheduler.order :][:1]
+            noised = (scheduler.add_noise(init_latents, noise, start) if hasattr(scheduler, "add_noise")
+                      else scheduler.scale_noise(init_latents, start, noise))  # flow matching's name for it
+            return {**kwargs, "latents": noised, SCHEDULE_TAIL_OF: total}
         if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
             sigmas = self.flow_sigmas(total)[total - steps :]
             scheduler.set_timesteps(sigmas=sigmas, **self.shift_arguments(kwargs["height"], kwargs["width"]))
@@ -283,6 +294,8 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
             kwargs = {**checked, **kwargs}
         if step_callback is not None:
             kwargs.update(self._step_callback_arguments(step_callback))
+        total = kwargs.pop(SCHEDULE_TAIL_OF, None)
+        schedule = self.module.scheduler.tail_of(total) if total else contextlib.nullcontext()
         dp = get_dp_group()
         counts = [len(part) for part in torch.arange(batch).tensor_split(dp.world_size)]
         start = sum(counts[: dp.rank_in_group])
@@ -294,7 +307,8 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
             num_inference_steps=kwargs.get("num_inference_steps", 0),
             image_tokens=tokens,
         )
-        output = self.module(**local)
+        with schedule:
+            output = self.module(**local)
         if dp.world_size == 1:
             return output
         return _gather_batch(output, counts, dp)

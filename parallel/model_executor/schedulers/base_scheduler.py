@@ -6,6 +6,8 @@ scheduler's own step is exact; the wrapper counts steps in the runtime state (pr
 
 from __future__ import annotations
 
+import contextlib
+
 from diffusers import (
     DDIMScheduler,
     DPMSolverMultistepScheduler,
@@ -20,10 +22,31 @@ from ..register import xFuserSchedulerWrappersRegister
 
 
 class xFuserSchedulerBaseWrapper(xFuserBaseWrapper):
+    _tail_of: int | None = None
+
     def step(self, *args, **kwargs):
         result = self.module.step(*args, **kwargs)
         get_runtime_state().step_index += 1
         return result
+
+    @contextlib.contextmanager
+    def tail_of(self, total: int):
+        """Inside: `set_timesteps(n)` sets the last n steps of a `total`-step schedule, as diffusers'
+        img2img pipelines do (the full schedule with its timesteps cut and the begin index moved), for
+        pipelines that take neither sigmas nor timesteps (Wan)."""
+        self._tail_of = total
+        try:
+            yield
+        finally:
+            self._tail_of = None
+
+    def set_timesteps(self, num_inference_steps: int | None = None, *args, **kwargs):
+        if self._tail_of is None:
+            return self.module.set_timesteps(num_inference_steps, *args, **kwargs)
+        self.module.set_timesteps(self._tail_of, *args, **kwargs)
+        start = (self._tail_of - num_inference_steps) * self.module.order
+        self.module.timesteps = self.module.timesteps[start:]
+        self.module.set_begin_index(start)
 
 
 @xFuserSchedulerWrappersRegister.register(
