@@ -22,8 +22,6 @@ from ..register import xFuserSchedulerWrappersRegister
 
 
 class xFuserSchedulerBaseWrapper(xFuserBaseWrapper):
-    _tail_of: int | None = None
-
     def step(self, *args, **kwargs):
         result = self.module.step(*args, **kwargs)
         get_runtime_state().step_index += 1
@@ -32,21 +30,22 @@ class xFuserSchedulerBaseWrapper(xFuserBaseWrapper):
     @contextlib.contextmanager
     def tail_of(self, total: int):
         """Inside: `set_timesteps(n)` sets the last n steps of a `total`-step schedule, as diffusers'
-        img2img pipelines do (the full schedule with its timesteps cut and the begin index moved), for
-        pipelines that take neither sigmas nor timesteps (Wan)."""
-        self._tail_of = total
+        img2img pipelines do (the full schedule with its first timesteps dropped and the begin index
+        moved), for pipelines that take neither sigmas nor timesteps (Wan). Outside, `set_timesteps` is
+        the scheduler's own (pipelines read its signature)."""
+        scheduler = self.module
+
+        def set_timesteps(num_inference_steps: int, *args, **kwargs):
+            scheduler.set_timesteps(total, *args, **kwargs)
+            start = (total - num_inference_steps) * scheduler.order
+            scheduler.timesteps = scheduler.timesteps[start:]
+            scheduler.set_begin_index(start)
+
+        self.set_timesteps = set_timesteps
         try:
             yield
         finally:
-            self._tail_of = None
-
-    def set_timesteps(self, num_inference_steps: int | None = None, *args, **kwargs):
-        if self._tail_of is None:
-            return self.module.set_timesteps(num_inference_steps, *args, **kwargs)
-        self.module.set_timesteps(self._tail_of, *args, **kwargs)
-        start = (self._tail_of - num_inference_steps) * self.module.order
-        self.module.timesteps = self.module.timesteps[start:]
-        self.module.set_begin_index(start)
+            del self.set_timesteps
 
 
 @xFuserSchedulerWrappersRegister.register(
