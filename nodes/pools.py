@@ -52,10 +52,10 @@ class PoolHandle:
     key: PoolKey
     endpoint: str
     status: dict = field(default_factory=dict)
-    loras: tuple[tuple[str, float], ...] = ()  # (file, strength), applied on every rank per job
+    loras: tuple[tuple[str, float, str], ...] = ()  # (file, strength, expert), applied on every rank per job
 
-    def with_lora(self, path: str, strength: float) -> "PoolHandle":
-        return PoolHandle(self.key, self.endpoint, self.status, self.loras + ((path, strength),))
+    def with_lora(self, path: str, strength: float, expert: str = "") -> "PoolHandle":
+        return PoolHandle(self.key, self.endpoint, self.status, self.loras + ((path, strength, expert),))
 
     @property
     def pipeline(self) -> str:
