@@ -9,11 +9,12 @@ from .lora_node import XDiTLoRA
 from .pool_node import XDiTPool
 from .sampler_node import XDiTSampler
 from .text_encode_node import XDiTTextEncode
+from .vae_decode_node import XDiTVAEDecode
 
 
 class XDiTExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [XDiTPool, XDiTTextEncode, XDiTSampler, XDiTLoRA]
+        return [XDiTPool, XDiTTextEncode, XDiTSampler, XDiTLoRA, XDiTVAEDecode]
 
 
 async def comfy_entrypoint() -> XDiTExtension:

@@ -6,18 +6,21 @@ result converted to ComfyUI's Wan21 latent space (x · std + mean) within 1e-4. 
 latent frame) arrive over the websocket. A second xDiT Sampler at denoise 0.6 restyles that video
 (video-to-video, ComfyUI's meaning of denoise) and equals diffusers' WanPipeline on the tail of a 6-step
 schedule from the first video noised with ComfyUI's noise of its seed (tests/test_pool_video.py builds
-that reference).
+that reference). xDiT VAE Decode decodes the first video on the pool's two ranks; SaveImage's frames
+equal diffusers' tiled decode of the saved latent to 8-bit truncation.
 """
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import torch
+from PIL import Image
 from diffusers import DiffusionPipeline
 from safetensors.torch import load_file
 
-from test_pool_video import video_to_video_reference
+from test_pool_video import tiled_reference, video_to_video_reference
 from xdit_test_helpers import TOLERANCE, diffusers_latents
 
 FAMILY, FRAMES, SIZE, STEPS, CFG, SEED = "wan22", 9, 48, 4, 5.0, 5
@@ -43,6 +46,8 @@ def workflow() -> dict:
             "pool": ["1", 0], "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["5", 0], "seed": SEED_2,
             "steps": STEPS, "cfg": CFG, "sampler": "default", "denoise": DENOISE, "preview": False}},
         "8": {"class_type": "SaveLatent", "inputs": {"samples": ["7", 0], "filename_prefix": f"video2video_{FAMILY}"}},
+        "9": {"class_type": "XDiTVAEDecode", "inputs": {"pool": ["1", 0], "samples": ["5", 0], "tile_size": 0}},
+        "10": {"class_type": "SaveImage", "inputs": {"images": ["9", 0], "filename_prefix": f"frames_{FAMILY}"}},
     }
 
 
@@ -83,3 +88,9 @@ def test_wan_video_workflow_equals_diffusers_and_streams_previews(comfy, video_m
     assert (saved["6"] - expected).abs().max().item() <= TOLERANCE
     assert (saved["8"] - restyled).abs().max().item() <= TOLERANCE
     assert (saved["8"] - expected).abs().max().item() > 100 * TOLERANCE  # the second pass did restyle it
+    frames = [entry["outputs"]["10"]["images"][i] for i in range(FRAMES)]
+    pixels = torch.stack([torch.from_numpy(np.array(Image.open(comfy.work / "output" / f["subfolder"] / f["filename"])))
+                          for f in frames]).float() / 255
+    decoded = (tiled_reference(video_model_dirs[FAMILY], saved["6"], 2)[0] / 2 + 0.5).clamp(0, 1).movedim(0, -1)
+    assert pixels.shape == decoded.shape == (FRAMES, SIZE, SIZE, 3)
+    assert (pixels - decoded).abs().max().item() <= 1 / 255 + TOLERANCE  # SaveImage truncates to 8 bits

@@ -2,7 +2,8 @@
 
 A real `python -m workers serve` pool with Ring 2 samples a 9-frame 48×48 video, whose 27 tokens
 split unevenly, with `num_frames` in the job's call map; the result and the step previews are checked.
-Video-to-video (denoise 0.6, ComfyUI's meaning: the last 4 steps of a 6-step schedule, from the init video
+xDiT VAE Decode's job decodes the video on both ranks, equal to diffusers' tiled decode in one process with
+the same tiles, and refuses an image latent with one line. Video-to-video (denoise 0.6, ComfyUI's meaning: the last 4 steps of a 6-step schedule, from the init video
 noised to that point) equals diffusers with its scheduler cut the way its img2img pipelines cut it (full
 schedule, later timesteps, begin index), across Wan 2.2's expert switch. A LoRA in ComfyUI's Wan layout goes
 into both experts by default and into the low-noise expert alone when the job names it, each equal to
@@ -65,6 +66,14 @@ def test_wan22_video_job_on_a_ring2_pool_equals_diffusers(video_model_dirs, tmp_
         assert (experts[""] - experts["transformer_2"]).abs().max().item() > 100 * TOLERANCE
         assert (experts["transformer_2"] - latents).abs().max().item() > 100 * TOLERANCE
 
+        clip = torch.randn((1, 16, 3, 16, 16), generator=torch.Generator().manual_seed(2))  # 3 × 3 tiles of 8
+        decoded, info = client.decode(clip)
+        assert (decoded - tiled_reference(model, clip, 2)).abs().max().item() <= TOLERANCE
+        shares = [r["tiles"] for r in info["ranks"]]
+        assert sum(shares) == info["tiles"] and min(shares) >= 1  # every rank decoded its share
+        with pytest.raises(JobFailed, match=r"decodes 5-D latents .* with 16 channels, got \[1, 16, 16, 16\]"):
+            client.decode(clip[:, :, 0])
+
         with pytest.raises(JobFailed) as refused:
             client.sample(inputs, {**params, "call": {"true_cfg_scale": 2.0}})
         assert "WanPipeline does not take true_cfg_scale; it takes guidance_scale_2, num_frames" in str(refused.value)
@@ -122,3 +131,13 @@ def lora_reference(model, inputs: dict, params: dict, lora: str, strength: float
     return diffusers_latents(pipeline, FAMILY, **inputs, num_inference_steps=params["steps"],
                              guidance_scale=params["guidance_scale"], height=params["height"], width=params["width"],
                              **params["call"])
+
+
+def tiled_reference(model, latents: torch.Tensor, world: int) -> torch.Tensor:
+    """diffusers' own tiled decode in one process, with the tiles the pool chose for `world` ranks."""
+    from parallel.vae_decode import fit_tiles
+
+    vae = DiffusionPipeline.from_pretrained(model).vae
+    fit_tiles(vae, latents, world)
+    with torch.no_grad():
+        return vae.tiled_decode(latents, return_dict=False)[0]

@@ -282,10 +282,15 @@ def test_tensor_name_not_accepted_for_submit(name):
     rejects([pack(submit_header(tensors=[spec(name)])), bytes(16)], r"tensor .* is not accepted here; allowed: \['latents'")
 
 
-@pytest.mark.parametrize("kind", [k for k in CLIENT_TYPES if k != "submit"])
+@pytest.mark.parametrize("kind", [k for k in CLIENT_TYPES if k not in ("submit", "decode")])
 def test_tensorless_client_types_accept_no_tensors(kind):
     rejects([pack(header(kind, params=minimal_params(kind), tensors=[spec()])), bytes(16)],
             r"tensor 'latents' is not accepted here; allowed: \[\]")
+
+
+def test_decode_accepts_only_latents():
+    rejects([pack(header("decode", params=minimal_params("decode"), tensors=[spec("image")])), bytes(16)],
+            r"tensor 'image' is not accepted here; allowed: \['latents'\]")
 
 
 @pytest.mark.parametrize("name", [7, None, b"out", ["x"]])

@@ -197,6 +197,16 @@ class PoolClient:
         self.send(Message("encode", job, {"prompt": prompt, **job_inputs}))
         return self._follow(job, None, None).tensors
 
+    def decode(self, latents: torch.Tensor, tile: int = 0, on_step: Callable[[Message], None] | None = None,
+               should_cancel: Callable[[], bool] | None = None) -> tuple[torch.Tensor, dict]:
+        """Decode `latents` (the VAE's own space) with the pool's VAE, its tiles over the ranks (`tile`: the
+        tile side in latent pixels, a multiple of 8; 0: about 1/⌈√ranks⌉ of the longer side, a tile per rank at least); the VAE's sample in [-1, 1] and what each rank held."""
+        self.check_listening()
+        job = f"decode-{uuid.uuid4().hex[:16]}"
+        self.send(Message("decode", job, {"tile": tile} if tile else {}, {"latents": latents}))
+        reply = self._follow(job, on_step, should_cancel)
+        return reply.tensors["images"], reply.params
+
     def _follow(self, job: str, on_step, should_cancel) -> Message:
         """Wait for the job's final message, passing steps on; raise for errors and cancels."""
         cancel_sent = False

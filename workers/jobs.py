@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .engine import engine
 from .framing import check_spec, pack_header, tensor_specs, unpack_header
+from .memory import PeakMemory
 from .protocol import Message, sample_request
 
 log = logging.getLogger("xdit.jobs")
@@ -34,7 +36,7 @@ class JobCancelled(Exception):
 class Work:
     """What every rank knows about the current job."""
 
-    kind: str  # "sample" | "stop"
+    kind: str  # "sample" | "decode" | "probe" | "stop"
     job: str = ""
     params: dict[str, Any] | None = None
     tensors: dict[str, torch.Tensor] | None = None
@@ -119,3 +121,26 @@ class JobRunner:
         if init_latents is not None:
             kwargs = self.pipeline.partial_denoise(kwargs, init_latents, request.denoise)
         return self.pipeline(**kwargs, output_type="latent", return_dict=False, step_callback=on_step, prepared=prepared)[0]
+
+    def decode(self, work: Work, client: bytes | None) -> tuple[torch.Tensor | None, dict]:
+        """Decode the work's latents with the pipeline's VAE, its tiles over every rank (parallel/vae_decode.py);
+        rank 0 returns the image and, per rank, the tiles it decoded and its peak memory above its resting one."""
+        vae_decode = engine("vae_decode")
+        vae = self.pipeline.module.vae
+        latents = work.tensors["latents"].to(vae.device, vae.dtype)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        tiles = vae_decode.fit_tiles(vae, latents, world, work.params.get("tile", 0))
+        started = time.perf_counter()
+
+        def on_tile(tile: int) -> None:  # rank 0's tiles start about when the others' of that round do
+            info = {"index": min(tile + world, tiles), "total": tiles, "elapsed": time.perf_counter() - started}
+            self.server.send(client, Message("step", work.job, info))
+
+        with PeakMemory() as peak:
+            image = vae_decode.tiled_decode(vae, latents, rank, world, on_tile=on_tile if rank == 0 else None)
+        mine = len(range(rank, tiles, world))
+        flat = torch.tensor([mine, peak.bytes], dtype=torch.int64)
+        every = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(every, flat, group=self.group)
+        ranks = [{"rank": r, "tiles": int(t[0]), "peak_bytes": int(t[1])} for r, t in enumerate(every)]
+        return image, {"tiles": tiles, "ranks": ranks}

@@ -54,6 +54,8 @@ CLIENT_MESSAGES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     # With seed (and height, width): the whole inputs of a job, negative prompt and initial noise included.
     "encode": {"prompt": ((str,), True), "negative_prompt": ((str,), False), "seed": ((int,), False),
                "height": ((int,), False), "width": ((int,), False)},
+    # Decode LATENT tensors with the pool's VAE, tiles over the ranks (parallel/vae_decode.py); tile in latent pixels.
+    "decode": {"tile": ((int,), False)},
     "cancel": {},
     "status": {},
     "stop": {},
@@ -107,7 +109,7 @@ def decode(frames: list, *, from_client: bool = True) -> Message:
         raise ProtocolError(f"tensors must be a list of at most {MAX_TENSORS} specs")
     if len(specs) != len(frames) - 1:
         raise ProtocolError(f"header lists {len(specs)} tensors but {len(frames) - 1} frames arrived")
-    allowed = (JOB_INPUTS if kind == "submit" else ()) if from_client else None
+    allowed = {"submit": JOB_INPUTS, "decode": ("latents",)}.get(kind, ()) if from_client else None
     tensors = dict(tensor_of(spec, frame, i, allowed) for i, (spec, frame) in enumerate(zip(specs, frames[1:])))
     if len(tensors) != len(specs):
         raise ProtocolError("tensor names must be unique")

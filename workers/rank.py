@@ -215,6 +215,8 @@ class Rank:
                 raise ValueError("this pool was started without text encoders; start it with them "
                                  "(`python -m workers serve --text-encoders`, or the xDiT Pool node's text_encoders on)")
             return None
+        if message.type == "decode":
+            return self._check_decode(message)
         if "latents" not in message.tensors:
             raise ValueError("submit needs a 'latents' tensor (the initial noise)")
         prepared = self.runner.prepare(message.params, message.tensors)
@@ -227,6 +229,21 @@ class Rank:
             raise ValueError(f"init_latents {list(init.shape)} must have the shape of latents {list(latents.shape)}")
         engine("loading").make_scheduler(self.default_scheduler, message.params.get("scheduler", "default"))
         return prepared
+
+    def _check_decode(self, message: Message) -> None:
+        vae = getattr(self.pipeline.module, "vae", None)
+        latents = message.tensors.get("latents")
+        if vae is None:
+            raise ValueError("this pool's pipeline has no VAE to decode with; decode with ComfyUI's VAE Decode")
+        if latents is None or not latents.is_floating_point():
+            raise ValueError("decode needs a floating-point 'latents' tensor in the VAE's own space (ComfyUI's LATENT)")
+        channels = vae.config.get("latent_channels") or vae.config.get("z_dim")
+        dims = 5 if self.pipeline.comfy.temporal else 4
+        if latents.ndim != dims or latents.shape[1] != channels:
+            layout = "[batch, channels, frames, height, width]" if dims == 5 else "[batch, channels, height, width]"
+            raise ValueError(f"this pool's {type(vae).__name__} decodes {dims}-D latents {layout} with {channels} channels, "
+                             f"got {list(latents.shape)}; decode latents of this pool's model")
+        engine("vae_decode").fit_tiles(vae, latents, self.world_size, message.params.get("tile", 0))
 
     # -- the job loop -------------------------------------------------------------------------------
     def loop(self) -> None:
@@ -242,7 +259,8 @@ class Rank:
                     self._encode(job)
                     continue
                 else:
-                    work = Work("sample", job.id, job.message.params, job.message.tensors)
+                    kind = "decode" if job.message.type == "decode" else "sample"
+                    work = Work(kind, job.id, job.message.params, job.message.tensors)
                     client, prepared = job.client, job.prepared
                     self.control.send("job_started", job=job.id, client=client)
             try:
@@ -277,14 +295,18 @@ class Rank:
         self.state = "busy"
         reply = None  # sent once the state says idle, so a client that asks right after sees idle
         try:
-            name = work.params.get("scheduler", "default")
-            if name != self.scheduler_name:
-                self.pipeline.use_scheduler(engine("loading").make_scheduler(self.default_scheduler, name))
-                self.scheduler_name = name
-            self.loras.apply([engine("lora").LoraSpec(lora["path"], float(lora["strength"]), lora.get("expert", ""))
-                              for lora in work.params.get("loras", [])])
-            latents = self.runner.run(work, client, prepared)
-            reply = Message("result", work.job, {}, {"latents": latents})
+            if work.kind == "decode":
+                images, info = self.runner.decode(work, client)
+                reply = Message("result", work.job, info, {"images": images} if images is not None else {})
+            else:
+                name = work.params.get("scheduler", "default")
+                if name != self.scheduler_name:
+                    self.pipeline.use_scheduler(engine("loading").make_scheduler(self.default_scheduler, name))
+                    self.scheduler_name = name
+                self.loras.apply([engine("lora").LoraSpec(lora["path"], float(lora["strength"]), lora.get("expert", ""))
+                                  for lora in work.params.get("loras", [])])
+                latents = self.runner.run(work, client, prepared)
+                reply = Message("result", work.job, {}, {"latents": latents})
             self.jobs_done += 1
         except JobCancelled as cancelled:
             reply = Message("cancelled", work.job, {"step": cancelled.step})

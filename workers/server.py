@@ -182,6 +182,10 @@ class ClientServer(threading.Thread):
         """Text encoding runs on rank 0 alone, between sampling jobs, in FIFO order with them."""
         self._on_submit(client, message)
 
+    def _on_decode(self, client: bytes, message: Message) -> None:
+        """A VAE decode runs on every rank, in FIFO order with sampling jobs."""
+        self._on_submit(client, message)
+
     def _on_cancel(self, client: bytes, message: Message) -> None:
         with self._lock:
             queued = self._queued.pop(message.job, None)
