@@ -63,12 +63,10 @@ def diffusers_config(settings: CacheSettings):
     raise ValueError(f"no diffusers cache for method {settings.method!r}")
 
 
-def metric_groups(plan_cfg: CfgMode) -> list[GroupCoordinator]:
-    """The groups whose ranks together hold what one single-process forward sees."""
-    groups = [get_sp_group(), get_dp_group()]
-    if plan_cfg is CfgMode.BATCHED:  # each cfg rank holds half the batch of one call
-        groups.append(get_cfg_group())
-    return [group for group in groups if group.world_size > 1]
+def metric_groups() -> list[GroupCoordinator]:
+    """The groups whose ranks together hold what one single-process forward sees (the cache models name
+    their guidance branches, so a CFG parallel rank runs whole calls of its own branch)."""
+    return [group for group in (get_sp_group(), get_dp_group()) if group.world_size > 1]
 
 
 def real_tokens(residual: torch.Tensor) -> torch.Tensor:
@@ -133,9 +131,17 @@ def install(transformer: torch.nn.Module, settings: CacheSettings, report: Cache
         _taylorseer_seam(_hooks(transformer, _TAYLORSEER_CACHE_HOOK)[0], report)
 
 
-def check_cache_layout(settings: CacheSettings, pipefusion_degree: int) -> None:
-    """A cache needs whole steps per forward; PipeFusion runs each step as patches through stale K/V."""
-    if settings.method != "none" and pipefusion_degree > 1:
+def check_cache(settings: CacheSettings, pipefusion_degree: int, transformer: torch.nn.Module) -> None:
+    """The cache needs diffusers' cache support on the model, and whole steps per forward (PipeFusion runs
+    each step as patches through stale K/V)."""
+    if settings.method == "none":
+        return
+    if not hasattr(transformer, "enable_cache"):
+        raise ValueError(
+            f"--cache {settings.method}: diffusers has no cache hooks for {type(transformer).__name__} (no CacheMixin); "
+            "use --cache none with this model (Flux and Wan take a cache)."
+        )
+    if pipefusion_degree > 1:
         raise LayoutError(
             f"--cache {settings.method} does not combine with PipeFusion (pipefusion degree {pipefusion_degree}): "
             "its blocks see one patch at a time; use --cache none, or Ulysses/Ring/CFG parallel instead of PipeFusion."
@@ -144,17 +150,18 @@ def check_cache_layout(settings: CacheSettings, pipefusion_degree: int) -> None:
 
 @contextlib.contextmanager
 def step_cache(wrappers: list, settings: CacheSettings) -> Iterator[CacheReport]:
-    """Enable the cache on each wrapped transformer for one pipeline call, then remove it.
+    """Enable the cache on each wrapped transformer for one pipeline call, then remove it (pipelines that
+    name no cache context run in DEFAULT_CONTEXT).
 
     `wrappers`: xFuserTransformerBaseWrapper objects (Wan 2.2: both experts, each its own cache).
     """
-    check_cache_layout(settings, get_pp_group().world_size)
+    check_cache(settings, get_pp_group().world_size, wrappers[0].module)
     sequential_cfg = get_cfg_group().world_size > 1 and any(w.plan.cfg is CfgMode.SEQUENTIAL for w in wrappers)
     report = CacheReport(settings, branches_by_name=sequential_cfg)
     modules = [wrapper.module for wrapper in wrappers]
     try:
         for wrapper, module in zip(wrappers, modules):
-            install(module, settings, report, metric_groups(wrapper.plan.cfg))
+            install(module, settings, report, metric_groups())
         with contextlib.ExitStack() as contexts:
             for module in modules:
                 contexts.enter_context(module.cache_context(DEFAULT_CONTEXT))

@@ -205,9 +205,9 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
                     f"token rows divide by {c.patches * c.sp_degree}, or change --num-patches."
                 )
         if kwargs.get(STEP_CACHE) is not None:
-            from ..step_cache import check_cache_layout
+            from ..step_cache import check_cache
 
-            check_cache_layout(kwargs[STEP_CACHE], c.pipefusion_degree)
+            check_cache(kwargs[STEP_CACHE], c.pipefusion_degree, self.module.transformer.module)
         if c.cfg_degree > 1 and not self.uses_cfg(kwargs):
             raise LayoutError(self.cfg_parallel_hint(kwargs))
         if batch < c.dp_degree:

@@ -1,0 +1,125 @@
+"""Step caching on every sequence/CFG layout takes the single-process decisions of diffusers' own hook.
+
+Two torchrun launches (2 and 4 ranks) run every case with the cache as a job setting; the reference is
+diffusers' single-process pipeline with the same hook (`enable_cache`), its decisions recorded here.
+Each case must equal it within 1e-4 and skip exactly the same steps on every rank; the negative control
+(the metric of one rank's shard, agreed by broadcast) must miss.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from parallel import tiny_models
+
+from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
+
+STEPS, SIZE, THRESHOLD = 20, 64, 0.42
+FIRST_BLOCK = {"method": "first-block", "threshold": THRESHOLD}
+TAYLORSEER = {"method": "taylorseer", "interval": 3, "warmup": 2, "order": 2}
+CASES = {  # name: (ranks, family, layout, true CFG, cache, fault)
+    "ulysses2": (2, "flux", {"ulysses_degree": 2}, False, FIRST_BLOCK, None),
+    "ring2": (2, "flux", {"ring_degree": 2}, False, FIRST_BLOCK, None),
+    "cfg2": (2, "flux", {"cfg_degree": 2}, True, FIRST_BLOCK, None),
+    "control": (2, "flux", {"ulysses_degree": 2}, False, FIRST_BLOCK, "one_shard"),
+    "taylorseer-ulysses2": (2, "flux", {"ulysses_degree": 2}, True, TAYLORSEER, None),
+    "ulysses2_ring2": (4, "flux", {"ulysses_degree": 2, "ring_degree": 2}, False, FIRST_BLOCK, None),
+    "cfg2_ulysses2": (4, "flux", {"cfg_degree": 2, "ulysses_degree": 2}, True, FIRST_BLOCK, None),
+}
+
+
+def call_kwargs(family: str, true_cfg: bool) -> dict:
+    tiny = tiny_models.MODELS[family]
+    return {"num_inference_steps": STEPS, "guidance_scale": tiny.guidance, "height": SIZE, "width": SIZE,
+            **(tiny.true_cfg if true_cfg else {})}
+
+
+def reference(model_dir: Path, family: str, inputs: dict, call: dict, cache: dict):
+    """diffusers in this process with the same hook; returns (latents, decisions per cache context)."""
+    from diffusers import DiffusionPipeline
+
+    from parallel.cache_settings import CacheSettings
+    from parallel.model_executor import step_cache
+
+    pipeline = DiffusionPipeline.from_pretrained(model_dir)
+    settings = CacheSettings.from_params(cache)
+    pipeline.transformer.enable_cache(step_cache.diffusers_config(settings))
+    decisions: dict[str, list[bool]] = {}
+    if settings.method == "first-block":
+        hook = _hook(pipeline.transformer, "fbc_leader_block_hook")
+        measure = hook._should_compute_remaining_blocks
+        hook._should_compute_remaining_blocks = lambda r: _record(decisions, hook, measure(r))
+    else:
+        hook = _hook(pipeline.transformer, "taylorseer_cache")
+        measure = hook._measure_should_compute
+        hook._measure_should_compute = lambda: (lambda out: (_record(decisions, hook, out[0]), out[1]))(measure())
+    return diffusers_latents(pipeline, family, **inputs, **call), decisions
+
+
+def _hook(transformer, name: str):
+    return next(m._diffusers_hook.get_hook(name) for m in transformer.modules()
+                if getattr(m, "_diffusers_hook", None) is not None and m._diffusers_hook.get_hook(name) is not None)
+
+
+def _record(decisions: dict, hook, full: bool) -> bool:
+    decisions.setdefault(hook.state_manager.context.name, []).append(full)
+    return full
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dirs, tmp_path_factory):
+    """Both launches once; {case: (output path, ranks, reference latents, reference decisions)}."""
+    work = tmp_path_factory.mktemp("step_cache")
+    results = {}
+    for nproc in (2, 4):
+        specs = []
+        for name, (ranks, family, layout, true_cfg, cache, fault) in CASES.items():
+            if ranks != nproc:
+                continue
+            inputs = work / f"{family}.safetensors"
+            if not inputs.exists():
+                save_file(tiny_models.make_inputs(family, height=SIZE, width=SIZE), inputs)
+            call = call_kwargs(family, true_cfg)
+            output = work / f"{name}.safetensors"
+            specs.append({"model": str(tiny_model_dirs[family]), "inputs": str(inputs), "output": str(output),
+                          "layout": layout, "call": call, "cache": cache, "fault": fault})
+            results[name] = (output, ranks, *reference(tiny_model_dirs[family], family, load_file(inputs), call, cache))
+        spec_file = work / f"cases{nproc}.json"
+        spec_file.write_text(json.dumps(specs))
+        run = torchrun(nproc, "tests/step_cache_cases.py", str(spec_file))
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return results
+
+
+def _case(runs, name: str):
+    output, ranks, expected, decisions = runs[name]
+    errors = sorted(output.parent.glob(f"{output.name}.error.rank*"))
+    assert not errors, errors[0].read_text()
+    per_rank = [json.loads(Path(f"{output}.rank{r}.json").read_text()) for r in range(ranks)]
+    return load_file(output)["latents"], expected, per_rank, decisions
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n != "control"])
+def test_cached_layout_equals_diffusers_with_the_same_hook(runs, name):
+    parallel, expected, per_rank, decisions = _case(runs, name)
+    error = (parallel - expected).abs().max().item()
+    assert error <= TOLERANCE, f"{name}: max |parallel - diffusers| = {error:.3g}"
+    for rank, report in enumerate(per_rank):  # each rank ran every branch, or (sequential CFG) its own
+        assert report["decisions"], f"{name}: rank {rank} recorded no decision"
+        for context, mine in report["decisions"].items():
+            assert mine == decisions[context], f"{name}: rank {rank} {context}: {mine} != diffusers {decisions[context]}"
+    calls = [full for branch in decisions.values() for full in branch]
+    assert (per_rank[0]["full"], per_rank[0]["cached"]) == (sum(calls), len(calls) - sum(calls))
+    assert len(calls) - sum(calls) >= len(calls) / 3, f"{name}: only {len(calls) - sum(calls)} of {len(calls)} calls cached"
+
+
+def test_negative_control_metric_of_one_shard_misses(runs):
+    parallel, expected, per_rank, decisions = _case(runs, "control")
+    error = (parallel - expected).abs().max().item()
+    assert per_rank[0]["decisions"] != decisions and error > 10 * TOLERANCE, (
+        f"the one-shard metric took the single-process decisions (max error {error:.3g})")
