@@ -9,6 +9,9 @@ Each case must equal it within 1e-4 and skip exactly the same steps on every ran
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from parallel import tiny_models
+from parallel.launch import ROOT, rank_environment
 
 from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
 
@@ -123,3 +127,62 @@ def test_negative_control_metric_of_one_shard_misses(runs):
     error = (parallel - expected).abs().max().item()
     assert per_rank[0]["decisions"] != decisions and error > 10 * TOLERANCE, (
         f"the one-shard metric took the single-process decisions (max error {error:.3g})")
+
+
+def test_one_shot_pool_job_takes_the_cache_and_reports_its_calls(runs, tiny_model_dirs, tmp_path):
+    """Contract P: `sample --cache first-block` on a 2-rank Ulysses pool; the job says how many calls it cached."""
+    output, _, expected, decisions = runs["ulysses2"]
+    result = tmp_path / "out.safetensors"
+    call = call_kwargs("flux", False)
+    run = subprocess.run(
+        [sys.executable, "-m", "workers", "sample", "--model", str(tiny_model_dirs["flux"]), "--nproc", "2",
+         "--ulysses-degree", "2", "--inputs", str(output.parent / "flux.safetensors"), "--output", str(result),
+         "--steps", str(STEPS), "--guidance-scale", str(call["guidance_scale"]), "--height", str(SIZE),
+         "--width", str(SIZE), "--cache", "first-block", "--cache-threshold", str(THRESHOLD)],
+        cwd=ROOT, env=rank_environment(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    full = sum(decisions["cond"])
+    assert f"{full} full model calls, {STEPS - full} from the cache" in run.stdout, run.stdout
+    assert (load_file(result)["latents"] - expected).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"method": "fbcache"}, "cache method 'fbcache' is not one of"),
+    ({"method": "first-block", "threshold": 0}, "threshold is 0; use a value above 0"),
+    ({"method": "taylorseer", "interval": 0}, "interval is 0; use 1 to 1000"),
+    ({"method": "first-block", "every": 2}, "cache does not take ['every']"),
+])
+def test_bad_cache_settings_are_one_clear_error(settings, message):
+    from parallel.request import SampleRequest
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SampleRequest.from_params({"steps": 4, "guidance_scale": 1.0, "height": 64, "width": 64, "cache": settings})
+
+
+def test_cache_round_trips_on_the_wire_and_is_absent_when_off():
+    from parallel.request import STEP_CACHE, SampleRequest
+
+    base = {"steps": 4, "guidance_scale": 1.0, "height": 64, "width": 64}
+    cached = SampleRequest.from_params({**base, "cache": {"method": "first-block", "threshold": 0.2}})
+    assert SampleRequest.from_params(cached.to_params()) == cached
+    assert cached.pipeline_kwargs({})[STEP_CACHE].threshold == 0.2
+    plain = SampleRequest.from_params(base)
+    assert "cache" not in plain.to_params() and STEP_CACHE not in plain.pipeline_kwargs({})
+
+
+def test_models_without_diffusers_cache_and_pipefusion_are_refused(tiny_model_dirs):
+    from diffusers import DiffusionPipeline
+
+    from parallel.cache_settings import CacheSettings
+    from parallel.config import LayoutError
+    from parallel.model_executor.step_cache import check_cache
+
+    cache = CacheSettings("first-block", 0.2)
+    pixart = DiffusionPipeline.from_pretrained(tiny_model_dirs["pixart-alpha"]).transformer
+    with pytest.raises(ValueError, match="diffusers has no cache hooks for PixArtTransformer2DModel"):
+        check_cache(cache, 1, pixart)
+    flux = DiffusionPipeline.from_pretrained(tiny_model_dirs["flux"]).transformer
+    with pytest.raises(LayoutError, match="does not combine with PipeFusion"):
+        check_cache(cache, 2, flux)
+    check_cache(cache, 1, flux)
+    check_cache(CacheSettings(), 2, pixart)

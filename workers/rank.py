@@ -283,7 +283,9 @@ class Rank:
                 self.scheduler_name = name
             self.loras.apply([engine("lora").LoraSpec(lora["path"], float(lora["strength"])) for lora in work.params.get("loras", [])])
             latents = self.runner.run(work, client, prepared)
-            reply = Message("result", work.job, {}, {"latents": latents})
+            reply = Message("result", work.job, self.runner.outcome(), {"latents": latents})
+            if "cache" in reply.params and self.rank == 0:
+                log.info("job %s: %s", work.job, reply.params["cache"]["text"])
             self.jobs_done += 1
         except JobCancelled as cancelled:
             reply = Message("cancelled", work.job, {"step": cancelled.step})
