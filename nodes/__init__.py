@@ -5,6 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import ComfyExtension, io
 
 from . import routes  # noqa: F401 - registers the /xdit routes on ComfyUI's server
+from .cache_node import XDiTCache
 from .lora_node import XDiTLoRA
 from .pool_node import XDiTPool
 from .sampler_node import XDiTSampler
@@ -13,7 +14,7 @@ from .text_encode_node import XDiTTextEncode
 
 class XDiTExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [XDiTPool, XDiTTextEncode, XDiTSampler, XDiTLoRA]
+        return [XDiTPool, XDiTTextEncode, XDiTSampler, XDiTLoRA, XDiTCache]
 
 
 async def comfy_entrypoint() -> XDiTExtension:
