@@ -2,9 +2,11 @@
 
 diffusers' first-block cache skips the remaining blocks when mean|r - r_prev| / mean|r_prev| of the first
 block's residual r is under the threshold. Under sequence parallelism a rank holds only its tokens, so
-the two sums are all-reduced over the ranks that together hold one forward's tokens (sequence parallel,
-the batched CFG halves, the data-parallel replicas) before they are divided: every rank then takes the
-decision the single-process model takes. That reduction replaces the hook's metric method and is the
+the two sums are all-reduced over the ranks that together hold what one single-process forward sees
+(sequence parallel, data-parallel replicas) before they are divided: every rank then takes the decision
+the single-process model takes. CFG parallel needs no reduction: the models with diffusers' cache call
+each guidance branch in its own cache_context, which keys the hook's state, so a CFG rank keeps the
+state of its branch exactly as one process does. That reduction replaces the hook's metric method and is the
 only change to diffusers' hook. TaylorSeer decides from the step count alone, so it needs none; the
 same seam only counts its decisions.
 
@@ -25,7 +27,7 @@ from ..config import LayoutError
 from ..distributed import GroupCoordinator, get_cfg_group, get_dp_group, get_pp_group, get_runtime_state, get_sp_group
 from .plans import CfgMode
 
-# The context the cache state is kept under when the pipeline names none (PixArt, SD3): one for the call.
+# The context the cache state is kept under when the pipeline names none (FLUX.1 Kontext): one per call.
 DEFAULT_CONTEXT = "default"
 
 
@@ -63,10 +65,12 @@ def diffusers_config(settings: CacheSettings):
     raise ValueError(f"no diffusers cache for method {settings.method!r}")
 
 
-def metric_groups() -> list[GroupCoordinator]:
-    """The groups whose ranks together hold what one single-process forward sees (the cache models name
-    their guidance branches, so a CFG parallel rank runs whole calls of its own branch)."""
-    return [group for group in (get_sp_group(), get_dp_group()) if group.world_size > 1]
+def metric_groups(cfg: CfgMode) -> list[GroupCoordinator]:
+    """The groups whose ranks together hold what one single-process forward sees."""
+    groups = [get_sp_group(), get_dp_group()]
+    if cfg is CfgMode.BATCHED:  # one call on cat([uncond, cond]): each CFG rank holds half of it
+        groups.append(get_cfg_group())
+    return [group for group in groups if group.world_size > 1]
 
 
 def real_tokens(residual: torch.Tensor) -> torch.Tensor:
@@ -161,7 +165,7 @@ def step_cache(wrappers: list, settings: CacheSettings) -> Iterator[CacheReport]
     modules = [wrapper.module for wrapper in wrappers]
     try:
         for wrapper, module in zip(wrappers, modules):
-            install(module, settings, report, metric_groups())
+            install(module, settings, report, metric_groups(wrapper.plan.cfg))
         with contextlib.ExitStack() as contexts:
             for module in modules:
                 contexts.enter_context(module.cache_context(DEFAULT_CONTEXT))
