@@ -236,3 +236,17 @@ def test_contract_e_refuses_the_cache_with_pipefusion_in_one_line(runs, tiny_mod
     assert run.returncode != 0 and len(errors) == 1, run.stderr[-3000:]
     assert "--cache first-block does not combine with PipeFusion (pipefusion degree 2)" in errors[0]
     assert not result.exists()
+
+
+def test_step_cache_benchmark_runs_on_the_tiny_model(tmp_path):
+    """bench.step_cache end to end (no timing asserted): the cached Ulysses-2 run equals diffusers' cached run."""
+    out = tmp_path / "step_cache.json"
+    run = subprocess.run([sys.executable, "-m", "bench.step_cache", "--tiny", "--runs", "1", "--steps", str(STEPS),
+                          "--threshold", str(THRESHOLD), "--json", str(out)],
+                         cwd=ROOT, env=rank_environment(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert rows["1 rank + cache"]["full_calls"] == rows["ulysses2 + cache"]["full_calls"] < STEPS
+    assert report["relative_l2"]["ulysses2 + cache vs 1 rank + cache"] < 1e-5
+    assert 0 < report["relative_l2"]["ulysses2 + cache"] < 1
