@@ -52,11 +52,11 @@ class PoolHandle:
     key: PoolKey
     endpoint: str
     status: dict = field(default_factory=dict)
-    loras: tuple[tuple[str, float], ...] = ()  # (file, strength), applied on every rank per job
+    loras: tuple[tuple[str, float, str], ...] = ()  # (file, strength, expert), applied on every rank per job
     cache: dict = field(default_factory=dict)  # the step cache each job asks for (CacheSettings.to_params)
 
-    def with_lora(self, path: str, strength: float) -> "PoolHandle":
-        return replace(self, loras=self.loras + ((path, strength),))
+    def with_lora(self, path: str, strength: float, expert: str = "") -> "PoolHandle":
+        return replace(self, loras=self.loras + ((path, strength, expert),))
 
     def with_cache(self, cache: dict) -> "PoolHandle":
         return replace(self, cache=cache)

@@ -73,7 +73,8 @@ class XDiTSampler(io.ComfyNode):
                                                                  pool.status.get("inputs", {}))
         tensors["latents"] = adapter.noise_to_model(noise).float()
         params = {"steps": steps, "height": height, "width": width, "preview": preview, "scheduler": sampler,
-                  "loras": [{"path": path, "strength": strength} for path, strength in pool.loras]}
+                  "loras": [{"path": path, "strength": strength, **({"expert": expert} if expert else {})}
+                            for path, strength, expert in pool.loras]}
         if denoise < 1.0:  # img2img: start from the given latent, noised to the schedule's point
             tensors["init_latents"] = adapter.to_model(samples.float())
             params["denoise"] = denoise

@@ -4,7 +4,9 @@ A real `python -m workers serve` pool with Ring 2 samples a 9-frame 48×48 video
 split unevenly, with `num_frames` in the job's call map; the result and the step previews are checked.
 Video-to-video (denoise 0.6, ComfyUI's meaning: the last 4 steps of a 6-step schedule, from the init video
 noised to that point) equals diffusers with its scheduler cut the way its img2img pipelines cut it (full
-schedule, later timesteps, begin index), across Wan 2.2's expert switch. Then Wan 2.2's own `guidance_scale_2` (the low-noise expert's guidance) reaches the pool through the same
+schedule, later timesteps, begin index), across Wan 2.2's expert switch. A LoRA in ComfyUI's Wan layout goes
+into both experts by default and into the low-noise expert alone when the job names it, each equal to
+diffusers with the LoRA loaded into those experts. Then Wan 2.2's own `guidance_scale_2` (the low-noise expert's guidance) reaches the pool through the same
 generic call map and the latents equal diffusers' with it (negative control: they differ from the job
 without it), and a call parameter the family does not declare is refused at submit with one line.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import torch
 from diffusers import DiffusionPipeline
+from safetensors.torch import save_file
 
 from parallel import tiny_models
 import pytest
@@ -53,6 +56,15 @@ def test_wan22_video_job_on_a_ring2_pool_equals_diffusers(video_model_dirs, tmp_
         assert (restyled - video_to_video_reference(model, inputs, init, to_video)).abs().max().item() <= TOLERANCE
         assert (restyled - latents).abs().max().item() > 100 * TOLERANCE, "the init video must change the result"
 
+        lora = wan_lora(tmp_path / "wan_lora.safetensors")
+        experts = {}
+        for expert in ("", "transformer_2"):
+            spec = {"path": lora, "strength": 0.8, **({"expert": expert} if expert else {})}
+            experts[expert] = client.sample(inputs, {**params, "loras": [spec]})
+            assert (experts[expert] - lora_reference(model, inputs, params, lora, 0.8, expert)).abs().max().item() <= TOLERANCE
+        assert (experts[""] - experts["transformer_2"]).abs().max().item() > 100 * TOLERANCE
+        assert (experts["transformer_2"] - latents).abs().max().item() > 100 * TOLERANCE
+
         with pytest.raises(JobFailed) as refused:
             client.sample(inputs, {**params, "call": {"true_cfg_scale": 2.0}})
         assert "WanPipeline does not take true_cfg_scale; it takes guidance_scale_2, num_frames" in str(refused.value)
@@ -84,5 +96,29 @@ def video_to_video_reference(model, inputs: dict, init: torch.Tensor, params: di
     start = scheduler.add_noise(init, inputs["latents"], scheduler.timesteps[total - steps:][:1])
     scheduler.set_timesteps = last_steps
     return diffusers_latents(pipeline, FAMILY, **{**inputs, "latents": start}, num_inference_steps=steps,
+                             guidance_scale=params["guidance_scale"], height=params["height"], width=params["width"],
+                             **params["call"])
+
+
+def wan_lora(path) -> str:
+    """A LoRA in the layout ComfyUI users download for Wan (diffusion_model.blocks.N.self_attn.q ...)."""
+    g = torch.Generator().manual_seed(3)
+    weights = {}
+    for block in (0, 1):
+        for layer in ("self_attn.q", "self_attn.o", "ffn.0"):
+            out = 64  # the tiny Wan: inner and feed-forward widths 64
+            weights[f"diffusion_model.blocks.{block}.{layer}.lora_A.weight"] = torch.randn(4, 64, generator=g) * 0.3
+            weights[f"diffusion_model.blocks.{block}.{layer}.lora_B.weight"] = torch.randn(out, 4, generator=g) * 0.3
+    save_file(weights, path)
+    return str(path)
+
+
+def lora_reference(model, inputs: dict, params: dict, lora: str, strength: float, expert: str) -> torch.Tensor:
+    """diffusers' WanPipeline with the LoRA loaded into both experts ("") or only into `expert`."""
+    pipeline = DiffusionPipeline.from_pretrained(model)
+    for name in ("transformer", "transformer_2") if not expert else (expert,):
+        pipeline.load_lora_weights(lora, adapter_name=name, load_into_transformer_2=name == "transformer_2")
+        getattr(pipeline, name).set_adapters([name], weights=[strength])
+    return diffusers_latents(pipeline, FAMILY, **inputs, num_inference_steps=params["steps"],
                              guidance_scale=params["guidance_scale"], height=params["height"], width=params["width"],
                              **params["call"])

@@ -120,13 +120,14 @@ def _check_loras(loras: list) -> None:
     for lora in loras:
         if (
             not isinstance(lora, dict)
-            or set(lora) != {"path", "strength"}
+            or set(lora) - {"expert"} != {"path", "strength"}
             or not isinstance(lora["path"], str)
+            or not isinstance(lora.get("expert", ""), str)
             or not isinstance(lora["strength"], _NUMBER)
             or isinstance(lora["strength"], bool)
             or not math.isfinite(lora["strength"])
         ):
-            raise ProtocolError("each LoRA must be a map {path: string, strength: finite number}")
+            raise ProtocolError("each LoRA must be a map {path: string, strength: finite number, expert: optional string}")
 
 
 def _check_params(kind: str, params: dict) -> None:

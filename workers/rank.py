@@ -281,7 +281,8 @@ class Rank:
             if name != self.scheduler_name:
                 self.pipeline.use_scheduler(engine("loading").make_scheduler(self.default_scheduler, name))
                 self.scheduler_name = name
-            self.loras.apply([engine("lora").LoraSpec(lora["path"], float(lora["strength"])) for lora in work.params.get("loras", [])])
+            self.loras.apply([engine("lora").LoraSpec(lora["path"], float(lora["strength"]), lora.get("expert", ""))
+                              for lora in work.params.get("loras", [])])
             latents = self.runner.run(work, client, prepared)
             reply = Message("result", work.job, self.runner.outcome(), {"latents": latents})
             if "cache" in reply.params and self.rank == 0:
