@@ -36,13 +36,16 @@ class CacheSettings:
         unknown = sorted(set(params) - known, key=str)
         if unknown:
             raise ValueError(f"cache does not take {unknown}; it takes {sorted(known)}")
-        check_fields({
-            "method": Field((str,), False),
-            "threshold": Field((int, float), False, 0.0, 10.0, above_minimum=True),
-            "interval": Field((int,), False, 1, 1000),
-            "warmup": Field((int,), False, 0, 1000),
-            "order": Field((int,), False, 1, 4),
-        }, params)
+        try:
+            check_fields({
+                "method": Field((str,), False),
+                "threshold": Field((int, float), False, 0.0, 10.0, above_minimum=True),
+                "interval": Field((int,), False, 1, 1000),
+                "warmup": Field((int,), False, 0, 1000),
+                "order": Field((int,), False, 1, 4),
+            }, params)
+        except ValueError as error:
+            raise ValueError(f"cache {error}") from None
         if params.get("method", "none") not in METHODS:
             raise ValueError(f"cache method {params['method']!r} is not one of {list(METHODS)}")
         values = dict(params)

@@ -169,8 +169,8 @@ def test_one_shot_pool_job_takes_the_cache_and_reports_its_calls(runs, tiny_mode
 
 @pytest.mark.parametrize("settings, message", [
     ({"method": "fbcache"}, "cache method 'fbcache' is not one of"),
-    ({"method": "first-block", "threshold": 0}, "threshold is 0; use a value above 0"),
-    ({"method": "taylorseer", "interval": 0}, "interval is 0; use 1 to 1000"),
+    ({"method": "first-block", "threshold": 0}, "cache threshold is 0; use a value above 0"),
+    ({"method": "taylorseer", "interval": 0}, "cache interval is 0; use 1 to 1000"),
     ({"method": "first-block", "every": 2}, "cache does not take ['every']"),
 ])
 def test_bad_cache_settings_are_one_clear_error(settings, message):
