@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from parallel import tiny_models
 from parallel.launch import ROOT, rank_environment
 
+from pool_helpers import free_endpoint, idle_client, start_serve, stop_serve
 from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
 
 STEPS, SIZE, THRESHOLD = 20, 64, 0.42
@@ -150,21 +151,41 @@ def test_negative_control_metric_of_one_shard_misses(runs):
         f"the one-shard metric took the single-process decisions (max error {error:.3g})")
 
 
-def test_one_shot_pool_job_takes_the_cache_and_reports_its_calls(runs, tiny_model_dirs, tmp_path):
-    """Contract P: `sample --cache first-block` on a 2-rank Ulysses pool; the job says how many calls it cached."""
+def test_pool_job_takes_the_cache_and_reports_its_calls(runs, tiny_model_dirs, tmp_path):
+    """Contract P: `sample --cache first-block` on a served Ulysses-2 pool equals diffusers with the same hook;
+    the CLI prints the job's full and cached calls and `status` keeps them (the panel shows them)."""
     output, _, expected, decisions = runs["ulysses2"]
-    result = tmp_path / "out.safetensors"
     call = call_kwargs(CASES["ulysses2"])
-    run = subprocess.run(
-        [sys.executable, "-m", "workers", "sample", "--model", str(tiny_model_dirs["flux"]), "--nproc", "2",
-         "--ulysses-degree", "2", "--inputs", str(output.parent / "flux-b1.safetensors"), "--output", str(result),
-         "--steps", str(STEPS), "--guidance-scale", str(call["guidance_scale"]), "--height", str(SIZE),
-         "--width", str(SIZE), "--cache", "first-block", "--cache-threshold", str(THRESHOLD)],
-        cwd=ROOT, env=rank_environment(), capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    full = sum(decisions["cond"])
-    assert f"{full} full model calls, {STEPS - full} from the cache" in run.stdout, run.stdout
-    assert (load_file(result)["latents"] - expected).abs().max().item() <= TOLERANCE
+    endpoint = free_endpoint()
+    serve = start_serve(tiny_model_dirs["flux"], endpoint, "--nproc", "2", "--ulysses-degree", "2",
+                        log=tmp_path / "serve.log")
+    try:
+        client, _ = idle_client(endpoint)
+        client.close()
+
+        def sample(*flags: str) -> subprocess.CompletedProcess:
+            return subprocess.run(
+                [sys.executable, "-m", "workers", "sample", "--endpoint", endpoint, "--inputs",
+                 str(output.parent / "flux-b1.safetensors"), "--output", str(tmp_path / "out.safetensors"),
+                 "--steps", str(STEPS), "--guidance-scale", str(call["guidance_scale"]), "--height", str(SIZE),
+                 "--width", str(SIZE), *flags], cwd=ROOT, env=rank_environment(), capture_output=True, text=True,
+                timeout=300)
+
+        def status() -> dict:
+            return json.loads(subprocess.run([sys.executable, "-m", "workers", "status", "--endpoint", endpoint, "--json"],
+                                             cwd=ROOT, env=rank_environment(), capture_output=True, text=True,
+                                             timeout=60, check=True).stdout)
+
+        run = sample("--cache", "first-block", "--cache-threshold", str(THRESHOLD))
+        assert run.returncode == 0, run.stderr[-3000:]
+        full = sum(decisions["cond"])
+        assert f"{full} full model calls, {STEPS - full} from the cache" in run.stdout, run.stdout
+        assert (load_file(tmp_path / "out.safetensors")["latents"] - expected).abs().max().item() <= TOLERANCE
+        cache = status()["last_cache"]
+        assert (cache["method"], cache["full"], cache["cached"]) == ("first-block", full, STEPS - full)
+        assert sample().returncode == 0 and status()["last_cache"] is None  # the next job asks for none
+    finally:
+        stop_serve(serve)
 
 
 @pytest.mark.parametrize("settings, message", [
