@@ -49,6 +49,8 @@ CASES = {
     # 27 video tokens over 2 ranks: padded shards, whose padding the metric must leave out
     "wan-uneven-ulysses2": Case(2, {"ulysses_degree": 2}, "wan", cache={"method": "first-block", "threshold": 0.2},
                                 video=(9, 48, 48)),
+    "wan22-ring2": Case(2, {"ring_degree": 2}, "wan22", cache={"method": "first-block", "threshold": 0.2},
+                        video=(5, 64, 64)),
     "control": Case(2, {"ulysses_degree": 2}, fault="one_shard"),
     "taylorseer-ulysses2": Case(2, {"ulysses_degree": 2}, true_cfg=True, cache=TAYLORSEER),
     "ulysses2_ring2": Case(4, {"ulysses_degree": 2, "ring_degree": 2}),
@@ -72,16 +74,13 @@ def reference(model_dir: Path, family: str, inputs: dict, call: dict, cache: dic
 
     pipeline = DiffusionPipeline.from_pretrained(model_dir)
     settings = CacheSettings.from_params(cache)
-    pipeline.transformer.enable_cache(step_cache.diffusers_config(settings))
     decisions: dict[str, list[bool]] = {}
-    if settings.method == "first-block":
-        hook = _hook(pipeline.transformer, "fbc_leader_block_hook")
-        measure = hook._should_compute_remaining_blocks
-        hook._should_compute_remaining_blocks = lambda r: _record(decisions, hook, measure(r))
-    else:
-        hook = _hook(pipeline.transformer, "taylorseer_cache")
-        measure = hook._measure_should_compute
-        hook._measure_should_compute = lambda: (lambda out: (_record(decisions, hook, out[0]), out[1]))(measure())
+    for transformer in filter(None, (pipeline.transformer, getattr(pipeline, "transformer_2", None))):
+        transformer.enable_cache(step_cache.diffusers_config(settings))  # Wan 2.2: each expert its own cache
+        if settings.method == "first-block":
+            _record_decisions(_hook(transformer, "fbc_leader_block_hook"), "_should_compute_remaining_blocks", decisions)
+        else:
+            _record_decisions(_hook(transformer, "taylorseer_cache"), "_measure_should_compute", decisions)
     return diffusers_latents(pipeline, family, **inputs, **call), decisions
 
 
@@ -90,9 +89,17 @@ def _hook(transformer, name: str):
                 if getattr(m, "_diffusers_hook", None) is not None and m._diffusers_hook.get_hook(name) is not None)
 
 
-def _record(decisions: dict, hook, full: bool) -> bool:
-    decisions.setdefault(hook.state_manager.context.name, []).append(full)
-    return full
+def _record_decisions(hook, method: str, decisions: dict) -> None:
+    """Wrap the hook's decision method to note each decision under its cache context."""
+    decide = getattr(hook, method)
+
+    def recorded(*args):
+        out = decide(*args)
+        full = out[0] if isinstance(out, tuple) else out  # TaylorSeer returns (decision, state)
+        decisions.setdefault(hook.state_manager.context.name, []).append(full)
+        return out
+
+    setattr(hook, method, recorded)
 
 
 @pytest.fixture(scope="module")
