@@ -4,11 +4,11 @@ diffusers' first-block cache skips the remaining blocks when mean|r - r_prev| / 
 block's residual r is under the threshold. Under sequence parallelism a rank holds only its tokens, so
 the two sums are all-reduced over the ranks that together hold what one single-process forward sees
 (sequence parallel, data-parallel replicas) before they are divided: every rank then takes the decision
-the single-process model takes. CFG parallel needs no reduction: the models with diffusers' cache call
-each guidance branch in its own cache_context, which keys the hook's state, so a CFG rank keeps the
-state of its branch exactly as one process does. That reduction replaces the hook's metric method and is the
-only change to diffusers' hook. TaylorSeer decides from the step count alone, so it needs none; the
-same seam only counts its decisions.
+the single-process model takes. That reduction replaces the hook's metric method and is the only change
+to diffusers' hook. TaylorSeer decides from the step count alone, so it needs none; the same seam only
+counts its decisions. Sequential CFG parallel needs no reduction either: the pipelines call each guidance
+branch in its own cache_context, which keys the hook's state, so a CFG rank keeps the state of its
+branch exactly as one process does.
 
 The cache lives for one pipeline call (a job's setting): enabled before, removed after.
 """

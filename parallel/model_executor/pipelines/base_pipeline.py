@@ -108,7 +108,8 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
             return contextlib.nullcontext()
         from ..step_cache import step_cache
 
-        return step_cache([getattr(self.module, name) for name in ("transformer", "transformer_2") if name in self._original], settings)
+        experts = [getattr(self.module, name) for name in ("transformer", "transformer_2") if name in self._original]
+        return step_cache(experts, settings)
 
     # -- text -------------------------------------------------------------------------------------
     def encode_text(self, prompt: str) -> dict[str, torch.Tensor]:
