@@ -59,7 +59,7 @@ def diffusers_config(settings: CacheSettings):
 
     if settings.method == "first-block":
         return FirstBlockCacheConfig(threshold=settings.threshold)
-    if settings.method == "taylorseer":
+    if settings.method == "taylorseer":  # factors in the model's own dtype (diffusers' default bf16 rounds fp32)
         return TaylorSeerCacheConfig(cache_interval=settings.interval, disable_cache_before_step=settings.warmup,
                                      max_order=settings.order, taylor_factors_dtype=None)
     raise ValueError(f"no diffusers cache for method {settings.method!r}")
