@@ -5,6 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import ComfyExtension, io
 
 from . import routes  # noqa: F401 - registers the /xdit routes on ComfyUI's server
+from .cache_node import XDiTCache
 from .lora_node import XDiTLoRA
 from .pool_node import XDiTPool
 from .sampler_node import XDiTSampler
@@ -14,7 +15,7 @@ from .vae_decode_node import XDiTVAEDecode
 
 class XDiTExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [XDiTPool, XDiTTextEncode, XDiTSampler, XDiTLoRA, XDiTVAEDecode]
+        return [XDiTPool, XDiTTextEncode, XDiTSampler, XDiTLoRA, XDiTCache, XDiTVAEDecode]
 
 
 async def comfy_entrypoint() -> XDiTExtension:

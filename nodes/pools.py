@@ -12,7 +12,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..parallel import builtin_models
@@ -53,9 +53,13 @@ class PoolHandle:
     endpoint: str
     status: dict = field(default_factory=dict)
     loras: tuple[tuple[str, float, str], ...] = ()  # (file, strength, expert), applied on every rank per job
+    cache: dict = field(default_factory=dict)  # the step cache each job asks for (CacheSettings.to_params)
 
     def with_lora(self, path: str, strength: float, expert: str = "") -> "PoolHandle":
-        return PoolHandle(self.key, self.endpoint, self.status, self.loras + ((path, strength, expert),))
+        return replace(self, loras=self.loras + ((path, strength, expert),))
+
+    def with_cache(self, cache: dict) -> "PoolHandle":
+        return replace(self, cache=cache)
 
     @property
     def pipeline(self) -> str:

@@ -6,6 +6,8 @@ live previews, and turns ComfyUI's cancel into a cancel on the pool at the next 
 
 from __future__ import annotations
 
+import logging
+
 import comfy.model_management
 import comfy.sample
 import comfy.utils
@@ -80,6 +82,8 @@ class XDiTSampler(io.ComfyNode):
         call.update(guidance_call)
         if call:
             params["call"] = call
+        if pool.cache:  # from an xDiT Cache node
+            params["cache"] = pool.cache
 
         latent_format = adapter.latent_format(samples.shape[1])
         previewer = _previewer(latent_format) if preview else None
@@ -104,10 +108,13 @@ class XDiTSampler(io.ComfyNode):
         from ..workers.client import JobCancelledError
 
         try:
-            latents = POOLS.client(pool.endpoint).sample(tensors, params, on_step=on_step, should_cancel=should_cancel)
+            client = POOLS.client(pool.endpoint)
+            latents = client.sample(tensors, params, on_step=on_step, should_cancel=should_cancel)
         except JobCancelledError:
             comfy.model_management.throw_exception_if_processing_interrupted()
             raise comfy.model_management.InterruptProcessingException()
+        if "cache" in client.last_result:
+            logging.info("xDiT Sampler: %s", client.last_result["cache"]["text"])
         out = latent_image.copy()
         out["samples"] = adapter.to_comfy(latents.float(), height, width)
         return io.NodeOutput(out)

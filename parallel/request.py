@@ -15,6 +15,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .cache_settings import CacheSettings, add_cache_arguments, cache_from_args
 from .call_parameters import CallParameter, check_call
 
 
@@ -59,6 +60,7 @@ FIELDS: dict[str, Field] = {
     "width": Field((int,), True, 8, 16384),
     "denoise": Field(_NUMBER, False, 0.0, 1.0, above_minimum=True),  # below 1: img2img from init_latents
     "call": Field((dict,), False),  # the family's own scalars, checked against its call_parameters
+    "cache": Field((dict,), False),  # step cache settings (cache_settings.py)
 }
 
 
@@ -80,6 +82,7 @@ class SampleRequest:
     width: int
     denoise: float = 1.0
     call: dict[str, int | float] = field(default_factory=dict)
+    cache: CacheSettings = CacheSettings()
 
     @classmethod
     def from_params(cls, params: dict[str, Any], declared: dict[str, CallParameter] | None = None,
@@ -94,7 +97,7 @@ class SampleRequest:
         if declared is not None:
             call = check_call(declared, call, model)
         return cls(params["steps"], float(params["guidance_scale"]), params["height"], params["width"],
-                   float(params.get("denoise", 1.0)), call)
+                   float(params.get("denoise", 1.0)), call, CacheSettings.from_params(params.get("cache", {})))
 
     def to_params(self) -> dict[str, Any]:
         """The plain map `from_params` reads (what travels on the wire), defaults left out."""
@@ -103,6 +106,9 @@ class SampleRequest:
             del params["denoise"]
         if not self.call:
             del params["call"]
+        params["cache"] = self.cache.to_params()
+        if not params["cache"]:
+            del params["cache"]
         return params
 
     def pipeline_kwargs(self, tensors: dict[str, Any]) -> dict[str, Any]:
@@ -114,7 +120,12 @@ class SampleRequest:
             "height": self.height,
             "width": self.width,
             **self.call,
+            **({STEP_CACHE: self.cache} if self.cache.method != "none" else {}),
         }
+
+
+# The pipeline wrapper's key for the job's step cache (it pops it before diffusers sees the arguments).
+STEP_CACHE = "_step_cache"
 
 
 def parse_call(text: str) -> tuple[str, int | float]:
@@ -147,6 +158,7 @@ def add_request_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", default=None, **options)
     parser.add_argument("--call", type=parse_call, action="append", default=[], metavar="NAME=VALUE",
                         help="a family's own call parameter (e.g. guidance_scale_2=3.0 for Wan 2.2); repeatable")
+    add_cache_arguments(parser)
 
 
 def request_from_args(args: argparse.Namespace, declared: dict[str, CallParameter] | None = None,
@@ -157,4 +169,6 @@ def request_from_args(args: argparse.Namespace, declared: dict[str, CallParamete
         if getattr(args, name) is not None:
             call[name] = getattr(args, name)
     params = {"steps": args.steps, "guidance_scale": args.guidance_scale, "height": args.height, "width": args.width}
-    return SampleRequest.from_params({**params, **({"call": call} if call else {})}, declared, model)
+    cache = cache_from_args(args)
+    params = {**params, **({"call": call} if call else {}), **({"cache": cache} if cache else {})}
+    return SampleRequest.from_params(params, declared, model)

@@ -127,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"-> {args.output}",
                 flush=True,
             )
+            if parallel.cache_report is not None:
+                print(f"xdit: {parallel.cache_report.describe()}", flush=True)
         return 0
     except (LayoutError, ValueError, FileNotFoundError) as error:
         if world.rank == 0:

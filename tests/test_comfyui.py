@@ -52,12 +52,14 @@ def saved_latent(comfy, entry) -> torch.Tensor:
 
 
 def reference(model_dir, family, *, steps=4, size=64, seed=7, positive="a cat on a mat", negative="blurry",
-              true_cfg=None, **call) -> torch.Tensor:
+              true_cfg=None, cache=None, **call) -> torch.Tensor:
     """diffusers' single-process result for ComfyUI's noise of `seed`, in ComfyUI's latent space
     (`true_cfg`: Flux's real CFG, what xDiT Sampler's cfg above 1 means for Flux; `call`: more pipeline
-    arguments, e.g. Kontext's reference image)."""
+    arguments, e.g. Kontext's reference image; `cache`: a diffusers cache config enabled on the transformer)."""
     _, cfg, scale, shift = FAMILIES[family]
     pipeline = DiffusionPipeline.from_pretrained(model_dir)
+    if cache is not None:
+        pipeline.transformer.enable_cache(cache)
     channels = 4 if family.startswith("pixart") else 16
     noise = torch.randn((1, channels, size // 8, size // 8), generator=torch.manual_seed(seed))
     with torch.no_grad():
@@ -87,7 +89,7 @@ def reference(model_dir, family, *, steps=4, size=64, seed=7, positive="a cat on
 
 def test_pack_imports_and_lists_its_nodes(comfy):
     info = comfy.get("/object_info")
-    for node in ("XDiTPool", "XDiTTextEncode", "XDiTSampler"):
+    for node in ("XDiTPool", "XDiTTextEncode", "XDiTSampler", "XDiTCache"):
         assert info[node]["category"] == "sampling/xDiT"
         assert all("tooltip" in spec[1] for spec in info[node]["input"]["required"].values())
     assert info["XDiTPool"]["display_name"] == "xDiT Pool"
@@ -212,3 +214,21 @@ def test_xdit_lora_node_applies_a_lora_like_diffusers_fused(comfy, tiny_model_di
     expected = pipeline._unpack_latents(fused_reference(tiny_model_dirs["flux"], inputs, [(lora, 0.8)]), 64, 64, 8)
     expected = expected / FAMILIES["flux"][2] + FAMILIES["flux"][3]
     assert (saved_latent(comfy, entry) - expected).abs().max().item() <= TOLERANCE
+
+
+def test_xdit_cache_node_samples_like_diffusers_with_the_same_hook(comfy, tiny_model_dirs):
+    """xDiT Cache (first-block) chained onto a Ulysses-2 pool equals diffusers' FirstBlockCacheConfig in one
+    process, differs from the uncached result, and the job's full and cached calls reach ComfyUI's log."""
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    prompt = workflow("flux", steps=20, prefix="cache")
+    prompt["8"] = {"class_type": "XDiTCache", "inputs": {"pool": ["1", 0], "method": "first-block", "threshold": 0.42,
+                                                          "interval": 5, "warmup": 3, "order": 1}}
+    prompt["5"]["inputs"]["pool"] = ["8", 0]
+    entry = comfy.wait(comfy.queue(prompt))
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+    latent = saved_latent(comfy, entry)
+    expected = reference(tiny_model_dirs["flux"], "flux", steps=20, cache=FirstBlockCacheConfig(threshold=0.42))
+    assert (latent - expected).abs().max().item() <= TOLERANCE
+    assert (latent - reference(tiny_model_dirs["flux"], "flux", steps=20)).abs().max().item() > 100 * TOLERANCE
+    assert "xDiT Sampler: first-block cache (threshold 0.42):" in comfy.log.read_text()

@@ -208,6 +208,8 @@ export class PoolPanel {
       ["restarts", status.restarts ?? 0],
       ["queue", status.queue ?? 0],
     ];
+    const cache = status.last_cache;
+    if (cache) chips.push(["cache", `${cache.full} full / ${cache.cached} cached`]);
     return h("section", { className: "xdit-pool", dataset: { poolId: pool.id, state, endpoint: pool.endpoint } },
       h("div", { className: "xdit-pool-head" },
         h("span", { className: "xdit-pool-title", title: status.model ?? pool.key?.model ?? "" }, pool.label),

@@ -203,6 +203,8 @@ def sample(args) -> int:
             latents = client.sample(inputs, params, on_step=on_step, should_cancel=interrupted.is_set)
             _write_output(latents, args, model)
             print(f"xdit: job done in {time.perf_counter() - start:.3f} s -> {args.output}", flush=True)
+            if "cache" in client.last_result:
+                print(f"xdit: {client.last_result['cache']['text']}", flush=True)
             if pool is not None:
                 os.remove(pool.spec.log_file)
             return 0

@@ -55,6 +55,7 @@ class JobCancelledError(RuntimeError):
 class PoolClient:
     def __init__(self, endpoint: str, context: zmq.Context | None = None, curve_dir: str | None = None):
         self.endpoint, self.curve_dir = endpoint, curve_dir
+        self.last_result: dict = {}  # the last sample's result params (sample returns its latents)
         self._context = context or zmq.Context.instance()
         self.socket = self._context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, f"client-{uuid.uuid4().hex}".encode())
@@ -187,7 +188,9 @@ class PoolClient:
     ) -> torch.Tensor:
         """Run one sampling job to the end and return its latents."""
         job = self.submit(tensors, params)
-        return self._follow(job, on_step, should_cancel).tensors["latents"]
+        result = self._follow(job, on_step, should_cancel)
+        self.last_result = result.params
+        return result.tensors["latents"]
 
     def encode(self, prompt: str, **job_inputs) -> dict[str, torch.Tensor]:
         """The pool pipeline's own text encoding of `prompt` (prompt_embeds, pooled / mask); with

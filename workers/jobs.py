@@ -85,6 +85,14 @@ class JobRunner:
         """The job's SampleRequest, its call map checked against what this pipeline's family declares."""
         return sample_request(params, self.pipeline.call_parameters, type(self.pipeline.module).__name__)
 
+    def outcome(self) -> dict[str, Any]:
+        """What the last job reports beside its latents: the step cache's full and cached model calls."""
+        report = self.pipeline.cache_report
+        if report is None:
+            return {}
+        return {"cache": {"method": report.settings.method, "full": report.full, "cached": report.cached,
+                          "text": report.describe()}}
+
     def prepare(self, params: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any], int, int]:
         """Rank 0, at submit: the request and the pipeline's own checks, once; `run` reuses the result."""
         kwargs = self.request(params).pipeline_kwargs(tensors)

@@ -76,6 +76,7 @@ class Rank:
         self.control.send("hello", pid=os.getpid())
         self.server = None
         self.jobs_done = args.jobs_done
+        self.last_cache: dict | None = None  # the last job's step cache: method, full and cached model calls
         self.memory: list[dict] = []
         self.pids: list[int] = []
         self.nodes: list[dict] = []
@@ -189,6 +190,7 @@ class Rank:
             "world_size": self.world_size,
             "ranks_alive": alive,
             "jobs_done": self.jobs_done,
+            "last_cache": self.last_cache,
             "restarts": self.args.restarts,
             "model": self.args.model,
             "pipeline": type(self.pipeline.module).__name__ if self.state != "starting" else None,
@@ -306,7 +308,10 @@ class Rank:
                 self.loras.apply([engine("lora").LoraSpec(lora["path"], float(lora["strength"]), lora.get("expert", ""))
                                   for lora in work.params.get("loras", [])])
                 latents = self.runner.run(work, client, prepared)
-                reply = Message("result", work.job, {}, {"latents": latents})
+                reply = Message("result", work.job, self.runner.outcome(), {"latents": latents})
+                self.last_cache = reply.params.get("cache")
+                if self.last_cache is not None and self.rank == 0:
+                    log.info("job %s: %s", work.job, self.last_cache["text"])
             self.jobs_done += 1
         except JobCancelled as cancelled:
             reply = Message("cancelled", work.job, {"step": cancelled.step})

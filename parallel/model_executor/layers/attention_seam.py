@@ -118,6 +118,12 @@ def _release_route(call_site: tuple[str, str]) -> None:
         setattr(site, call_site[1], route.original)
 
 
+def _cache_may_serve(module: torch.nn.Module) -> bool:
+    """A diffusers cache hook on the layer (TaylorSeer) returns its prediction without running attention."""
+    registry = getattr(module, "_diffusers_hook", None)
+    return registry is not None and bool(registry.hooks)
+
+
 class xFuserAttentionBaseWrapper(xFuserLayerBaseWrapper):
     """Makes one attention layer sequence parallel.
 
@@ -157,7 +163,7 @@ class xFuserAttentionBaseWrapper(xFuserLayerBaseWrapper):
             return
         _ACTIVE.reset(self._token)
         self._token = None
-        if output is not None and self._layer.calls == 0:
+        if output is not None and self._layer.calls == 0 and not _cache_may_serve(module):
             raise RuntimeError(
                 f"{self._layer.name} ({type(module).__name__}) ran without reaching "
                 f"{'.'.join(self.call_site)}: its processor ({type(getattr(module, 'processor', None)).__name__}) "

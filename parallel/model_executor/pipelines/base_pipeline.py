@@ -19,6 +19,7 @@ import torch
 from ...call_parameters import CallParameter
 from ...config import LayoutError, ParallelConfig
 from ...distributed import get_dp_group, get_layout, get_runtime_state
+from ...request import STEP_CACHE
 from ..base_wrapper import xFuserBaseWrapper
 from ..register import xFuserSchedulerWrappersRegister
 
@@ -58,6 +59,7 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
 
         super().__init__(pipeline)
         self.parallel_config: ParallelConfig = get_layout().config
+        self.cache_report = None  # the last call's step_cache.CacheReport, when it asked for a cache
         self._original = {"transformer": pipeline.transformer, "scheduler": pipeline.scheduler}
         pipeline.scheduler = xFuserSchedulerWrappersRegister.get_wrapper(pipeline.scheduler)(pipeline.scheduler)
         for name in ("transformer", "transformer_2"):  # Wan 2.2's low-noise expert is wrapped like the first
@@ -99,6 +101,15 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
                 setattr(self.module, name, self._original[name])
         self.module.scheduler = self._original["scheduler"]
         return self.module
+
+    def _step_cache(self, settings) -> contextlib.AbstractContextManager:
+        """diffusers' cache hook on the transformer(s) for this call, if the job asks for one."""
+        if settings is None:
+            return contextlib.nullcontext()
+        from ..step_cache import step_cache
+
+        experts = [getattr(self.module, name) for name in ("transformer", "transformer_2") if name in self._original]
+        return step_cache(experts, settings)
 
     # -- text -------------------------------------------------------------------------------------
     def encode_text(self, prompt: str) -> dict[str, torch.Tensor]:
@@ -194,6 +205,10 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
                     f"{c.patches} PipeFusion patches × sequence-parallel degree {c.sp_degree}; choose a height whose "
                     f"token rows divide by {c.patches * c.sp_degree}, or change --num-patches."
                 )
+        if kwargs.get(STEP_CACHE) is not None:
+            from ..step_cache import check_cache
+
+            check_cache(kwargs[STEP_CACHE], c.pipefusion_degree, self.module.transformer.module)
         if c.cfg_degree > 1 and not self.uses_cfg(kwargs):
             raise LayoutError(self.cfg_parallel_hint(kwargs))
         if batch < c.dp_degree:
@@ -296,6 +311,7 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
             kwargs.update(self._step_callback_arguments(step_callback))
         total = kwargs.pop(SCHEDULE_TAIL_OF, None)
         schedule = self.module.scheduler.tail_of(total) if total else contextlib.nullcontext()
+        caching = self._step_cache(kwargs.pop(STEP_CACHE, None))
         dp = get_dp_group()
         counts = [len(part) for part in torch.arange(batch).tensor_split(dp.world_size)]
         start = sum(counts[: dp.rank_in_group])
@@ -307,7 +323,7 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
             num_inference_steps=kwargs.get("num_inference_steps", 0),
             image_tokens=tokens,
         )
-        with schedule:
+        with schedule, caching as self.cache_report:
             output = self.module(**local)
         if dp.world_size == 1:
             return output

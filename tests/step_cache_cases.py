@@ -1,0 +1,73 @@
+"""Runs step-cache cases in one torchrun job (tests/test_step_cache.py).
+
+    torchrun --nproc-per-node N tests/step_cache_cases.py CASES.json
+
+Each case: {"model", "inputs", "output", "layout": {ParallelConfig fields}, "call": {__call__ kwargs},
+"cache": {CacheSettings map}, "fault"}. Rank 0 writes the latents; every rank writes its cache decisions
+(per cache context) and the job's full/cached counts to output + ".rank<r>.json"; a failure goes to
+output + ".error".
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from parallel.cache_settings import CacheSettings
+from parallel.config import ParallelConfig
+from parallel.distributed import destroy_distributed_environment, init_distributed_environment
+from parallel.loading import load_pipeline
+from parallel.model_executor import step_cache
+from parallel.model_executor.layout_scope import under_layout
+from parallel.request import STEP_CACHE
+
+
+def one_shard_metric(residual, previous, groups):
+    """Negative control: the relative change of the first rank's shard alone, broadcast so ranks still agree."""
+    value = torch.stack([(residual - previous).abs().sum() / previous.abs().sum()]).double()
+    for group in groups:
+        group.broadcast(value, src=0)
+    return value.item()
+
+
+FAULTS = {"one_shard": one_shard_metric}
+
+
+def run_case(case: dict, rank: int) -> None:
+    pipeline = load_pipeline(case["model"])
+    with under_layout(pipeline, ParallelConfig(**case["layout"])) as parallel:
+        original = step_cache.reduced_relative_change
+        if case.get("fault"):
+            step_cache.reduced_relative_change = FAULTS[case["fault"]]
+        try:
+            cache = CacheSettings.from_params(case["cache"])
+            latents = parallel(**load_file(case["inputs"]), **case["call"], **{STEP_CACHE: cache},
+                               output_type="latent", return_dict=False)[0]
+        finally:
+            step_cache.reduced_relative_change = original
+        report = parallel.cache_report
+    Path(f"{case['output']}.rank{rank}.json").write_text(
+        json.dumps({"decisions": report.decisions, "full": report.full, "cached": report.cached}))
+    if rank == 0:
+        save_file({"latents": latents.contiguous()}, case["output"])
+
+
+def main(spec: str) -> int:
+    torch.set_num_threads(1)
+    world = init_distributed_environment()
+    for case in json.loads(Path(spec).read_text()):
+        try:
+            run_case(case, world.rank)
+        except Exception:  # recorded per case; the batch goes on
+            Path(case["output"] + f".error.rank{world.rank}").write_text(traceback.format_exc())
+    destroy_distributed_environment()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
