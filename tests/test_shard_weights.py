@@ -120,3 +120,23 @@ def test_pool_status_shows_each_rank_holding_its_share(deep_model, tmp_path, npr
     assert status["parallel"]["shard_weights"] is True and "sharded weights" in status["parallel"]["description"]
     ratios = [m["parameter_bytes"] / unsharded for m in status["memory"]]
     assert len(ratios) == nproc and all(0 < r <= bound for r in ratios), ratios
+
+
+def test_pool_node_passes_shard_weights_and_refuses_it_with_pipefusion(monkeypatch):
+    import types
+
+    from xdit_test_helpers import import_node_module
+
+    folders = types.ModuleType("folder_paths")
+    folders.get_folder_paths = folders.get_filename_list = lambda name: []
+    latest = types.ModuleType("comfy_api.latest")
+    latest.io = types.SimpleNamespace(Custom=lambda name: name, ComfyNode=object)
+    node = import_node_module(monkeypatch, "pool_node", {"folder_paths": folders, "comfy_api": types.ModuleType("comfy_api"),
+                                                        "comfy_api.latest": latest})
+    kwargs = {"model": "xdit-tiny-sd3", "nproc": 2, "dp_degree": 1, "cfg_parallel": False, "pipefusion_degree": 1,
+              "ring_degree": 1, "ulysses_degree": 2, "num_patches": 0, "warmup_steps": 1, "text_encoders": True,
+              "dtype": "auto", "devices": "", "threads_per_rank": 0, "endpoint": "", "shard_weights": True}
+    assert node.pool_key(kwargs, resolve_model=False).parallel.shard_weights is True
+    assert node.XDiTPool.validate_inputs(**kwargs) is True
+    refused = node.XDiTPool.validate_inputs(**{**kwargs, "ulysses_degree": 1, "pipefusion_degree": 2})
+    assert refused.startswith("--shard-weights with --pipefusion-degree 2")
