@@ -140,3 +140,26 @@ def test_pool_node_passes_shard_weights_and_refuses_it_with_pipefusion(monkeypat
     assert node.XDiTPool.validate_inputs(**kwargs) is True
     refused = node.XDiTPool.validate_inputs(**{**kwargs, "ulysses_degree": 1, "pipefusion_degree": 2})
     assert refused.startswith("--shard-weights with --pipefusion-degree 2")
+
+
+def _engine(model_dir, inputs, output, *flags):
+    return torchrun(2, "-m", "parallel.run", "--model", str(model_dir), "--inputs", str(inputs), "--output", str(output),
+                    "--steps", "2", "--height", "64", "--width", "64", "--guidance-scale", "4.5", *flags)
+
+
+def test_contract_e_with_shard_weights_equals_diffusers_and_refuses_what_it_cannot(tiny_model_dirs, tmp_path):
+    inputs, output = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_file(tiny_models.make_inputs("pixart-alpha"), inputs)
+    run = _engine(tiny_model_dirs["pixart-alpha"], inputs, output, "--ulysses-degree", "2", "--shard-weights")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "[ulysses=2, sharded weights]" in run.stdout
+    expected = diffusers_latents(tiny_model_dirs["pixart-alpha"], "pixart-alpha", **load_file(inputs),
+                                 num_inference_steps=2, guidance_scale=4.5, height=64, width=64)
+    assert (load_file(output)["latents"] - expected).abs().max().item() <= TOLERANCE
+    output.unlink()
+    for flags, message in ((["--pipefusion-degree", "2"], "--shard-weights with --pipefusion-degree 2"),
+                           (["--ulysses-degree", "2", "--dtype", "fp8"], "--shard-weights does not work with --dtype fp8")):
+        run = _engine(tiny_model_dirs["pixart-alpha"], inputs, output, *flags, "--shard-weights")
+        errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+        assert run.returncode != 0 and len(errors) == 1 and message in errors[0], run.stderr[-3000:]
+        assert not output.exists()
