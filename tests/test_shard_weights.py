@@ -23,20 +23,24 @@ LAYOUTS = {
     2: {"shard2-dp2": {"dp_degree": 2}, "shard2-ulysses2": {"ulysses_degree": 2}, "shard2-cfg2": {"cfg_degree": 2}},
     4: {"shard4-cfg2-ulysses2": {"cfg_degree": 2, "ulysses_degree": 2}},
 }
-CASES = [(n, f, l) for n, layouts in LAYOUTS.items() for f in tiny_models.FAMILIES for l in layouts]
+FAMILIES = (*tiny_models.FAMILIES, "wan", "wan22")  # Wan 2.2 A14B: both experts sharded
+FRAMES = {"wan": 5, "wan22": 5}
+CASES = [(n, f, l) for n, layouts in LAYOUTS.items() for f in FAMILIES for l in layouts]
 FAULT = (2, "sd3", "shard2-ulysses2-stale")
 
 
 def call_kwargs(family: str, layout: str) -> dict:
     tiny = tiny_models.MODELS[family]
     kwargs = {"num_inference_steps": STEPS, "guidance_scale": tiny.guidance, "height": SIZE, "width": SIZE}
+    if family in FRAMES:
+        kwargs["num_frames"] = FRAMES[family]
     if "cfg" in layout:
         kwargs.update(tiny.true_cfg)
     return kwargs
 
 
 @pytest.fixture(scope="module")
-def matrix(tiny_model_dirs, tmp_path_factory):
+def matrix(tiny_model_dirs, video_model_dirs, tmp_path_factory):
     """Both launches once: {case: (output file, inputs file)}."""
     work = tmp_path_factory.mktemp("shard")
     results = {}
@@ -47,9 +51,10 @@ def matrix(tiny_model_dirs, tmp_path_factory):
             batch = 2 if "dp2" in layout else 1  # data parallel: each rank its own sample
             inputs = work / f"{family}-b{batch}.safetensors"
             if not inputs.exists():
-                save_file(tiny_models.make_inputs(family, batch=batch, height=SIZE, width=SIZE), inputs)
+                frames = {"num_frames": FRAMES[family]} if family in FRAMES else {}
+                save_file(tiny_models.make_inputs(family, batch=batch, height=SIZE, width=SIZE, **frames), inputs)
             output = work / f"{nproc}-{family}-{layout}.safetensors"
-            specs.append({"model": str(tiny_model_dirs[family]), "inputs": str(inputs), "output": str(output),
+            specs.append({"model": str({**tiny_model_dirs, **video_model_dirs}[family]), "inputs": str(inputs), "output": str(output),
                           "layout": layouts[layout.removesuffix("-stale")], "call": call_kwargs(family, layout),
                           "fault": "stale_shard" if case == FAULT else None})
             results[case] = (output, inputs)
@@ -57,7 +62,7 @@ def matrix(tiny_model_dirs, tmp_path_factory):
         spec_file.write_text(json.dumps(specs))
         run = torchrun(nproc, "tests/shard_weights_cases.py", str(spec_file))
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return results, tiny_model_dirs
+    return results, {**tiny_model_dirs, **video_model_dirs}
 
 
 def _result(matrix, case):
