@@ -11,6 +11,8 @@ their own part of the work), and not with PipeFusion, where each stage runs othe
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -30,4 +32,18 @@ def shard_weights(pipeline) -> None:
         if transformer is None:
             continue
         for block in transformer_blocks(transformer):
+            original = type(block)
             fully_shard(block, mesh=mesh, reshard_after_forward=True)
+            _keep_step_cache_metadata(original, type(block))
+
+
+def _keep_step_cache_metadata(original: type, sharded: type) -> None:
+    """diffusers' step caches (FirstBlockCache, TaylorSeer) look a block's metadata up by its exact class, and
+    `fully_shard` gives each sharded block a subclass of its own: register the subclass like the original."""
+    from diffusers.hooks._helpers import TransformerBlockRegistry
+
+    try:
+        metadata = TransformerBlockRegistry.get(original)
+    except ValueError:  # a block diffusers' caches do not know: nothing to keep
+        return
+    TransformerBlockRegistry.register(sharded, dataclasses.replace(metadata))
