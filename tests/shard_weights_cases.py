@@ -5,7 +5,7 @@
 As tests/engine_cases.py, but every case loads its pipeline sharded (a sharded transformer is not
 un-sharded afterwards, so each case loads its own). Fault "stale_shard": the last rank's shard of the
 first block's first weight is zeroed after sharding, i.e. one rank serving a wrong shard, which the
-comparison with diffusers must catch.
+comparison with diffusers must catch. "cache": the job's step cache settings (the wire's `cache` map).
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from parallel.cache_settings import CacheSettings
 from parallel.config import ParallelConfig
 from parallel.distributed import (destroy_distributed_environment, destroy_model_parallel,
                                   init_distributed_environment, initialize_model_parallel)
 from parallel.loading import load_pipeline
 from parallel.model_executor import wrap_pipeline
+from parallel.request import STEP_CACHE
 from parallel.weight_sharding import transformer_blocks
 
 
@@ -34,7 +36,8 @@ def run_case(case: dict, rank: int, world_size: int) -> None:
             with torch.no_grad():
                 next(transformer_blocks(pipeline.transformer)[0].parameters()).to_local().zero_()
         parallel = wrap_pipeline(pipeline)
-        latents = parallel(**load_file(case["inputs"]), **case["call"], output_type="latent", return_dict=False)[0]
+        cache = {STEP_CACHE: CacheSettings.from_params(case["cache"])} if case.get("cache") else {}
+        latents = parallel(**load_file(case["inputs"]), **case["call"], **cache, output_type="latent", return_dict=False)[0]
     finally:
         destroy_model_parallel()
     if rank == 0:

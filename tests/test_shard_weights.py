@@ -1,6 +1,7 @@
 """`--shard-weights` (FSDP2 over the world): every family's tiny model, sharded with data parallel (each
 rank its own sample: sharding and no activation split), with Ulysses, CFG parallel and both, equals diffusers' single-process pipeline; the pool's status shows each rank
-holding about 1/N of the weights; a wrong shard on one rank is caught (negative control).
+holding about 1/N of the weights; the step cache on sharded blocks equals diffusers' cached pipeline; a
+wrong shard on one rank is caught (negative control).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ FAMILIES = (*tiny_models.FAMILIES, "wan", "wan22")  # Wan 2.2 A14B: both experts
 FRAMES = {"wan": 5, "wan22": 5}
 CASES = [(n, f, l) for n, layouts in LAYOUTS.items() for f in FAMILIES for l in layouts]
 FAULT = (2, "sd3", "shard2-ulysses2-stale")
+CACHED = (2, "flux", "shard2-ulysses2-cached")  # diffusers' first-block cache hooks on sharded blocks
+CACHE = {"method": "first-block", "threshold": 0.5}
 
 
 def call_kwargs(family: str, layout: str) -> dict:
@@ -46,7 +49,7 @@ def matrix(tiny_model_dirs, video_model_dirs, tmp_path_factory):
     results = {}
     for nproc, layouts in LAYOUTS.items():
         specs = []
-        for case in [c for c in CASES if c[0] == nproc] + ([FAULT] if nproc == 2 else []):
+        for case in [c for c in CASES if c[0] == nproc] + ([FAULT, CACHED] if nproc == 2 else []):
             _, family, layout = case
             batch = 2 if "dp2" in layout else 1  # data parallel: each rank its own sample
             inputs = work / f"{family}-b{batch}.safetensors"
@@ -55,8 +58,9 @@ def matrix(tiny_model_dirs, video_model_dirs, tmp_path_factory):
                 save_file(tiny_models.make_inputs(family, batch=batch, height=SIZE, width=SIZE, **frames), inputs)
             output = work / f"{nproc}-{family}-{layout}.safetensors"
             specs.append({"model": str({**tiny_model_dirs, **video_model_dirs}[family]), "inputs": str(inputs), "output": str(output),
-                          "layout": layouts[layout.removesuffix("-stale")], "call": call_kwargs(family, layout),
-                          "fault": "stale_shard" if case == FAULT else None})
+                          "layout": layouts[layout.rsplit("-", 1)[0] if case in (FAULT, CACHED) else layout],
+                          "call": call_kwargs(family, layout), "fault": "stale_shard" if case == FAULT else None,
+                          "cache": CACHE if case == CACHED else None})
             results[case] = (output, inputs)
         spec_file = work / f"cases{nproc}.json"
         spec_file.write_text(json.dumps(specs))
@@ -85,6 +89,17 @@ def test_sharded_weights_match_single_process_diffusers(matrix, case):
 def test_negative_control_one_wrong_shard_fails(matrix):
     parallel, expected = _result(matrix, FAULT)
     assert (parallel - expected).abs().max().item() > 100 * TOLERANCE
+
+
+def test_step_cache_on_sharded_weights_matches_diffusers_cached(matrix):
+    from test_step_cache import reference
+
+    results, dirs = matrix
+    output, inputs = results[CACHED]
+    error = Path(str(output) + ".error")
+    assert not error.exists(), error.read_text()
+    expected, _ = reference(dirs["flux"], "flux", load_file(inputs), call_kwargs("flux", CACHED[2]), CACHE)
+    assert (load_file(output)["latents"] - expected).abs().max().item() <= TOLERANCE
 
 
 def test_shard_weights_with_pipefusion_is_refused_in_one_line():
