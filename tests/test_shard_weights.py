@@ -1,7 +1,8 @@
 """`--shard-weights` (FSDP2 over the world): every family's tiny model, sharded with data parallel (each
-rank its own sample: sharding and no activation split), with Ulysses, CFG parallel and both, equals diffusers' single-process pipeline; the pool's status shows each rank
-holding about 1/N of the weights; the step cache on sharded blocks equals diffusers' cached pipeline; a
-wrong shard on one rank is caught (negative control).
+rank its own sample: sharding and no activation split), with Ulysses, CFG parallel and both, equals
+diffusers' single-process pipeline; the pool's status shows each rank holding about 1/N of the weights;
+the step cache on sharded blocks equals diffusers' cached pipeline; a wrong shard on one rank is caught
+(negative control); contract E and the xDiT Pool node take the flag and refuse it with PipeFusion.
 """
 
 from __future__ import annotations
