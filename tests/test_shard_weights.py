@@ -1,6 +1,6 @@
 """`--shard-weights` (FSDP2 over the world): every family's tiny model, sharded with data parallel (each
-rank its own sample: sharding and no activation split), with Ulysses, CFG parallel and both, equals
-diffusers' single-process pipeline; the pool's status shows each rank holding about 1/N of the weights;
+rank its own sample: sharding and no activation split), with Ulysses, Ring, CFG parallel and Ulysses ×
+CFG, equals diffusers' single-process pipeline; the pool's status shows each rank holding about 1/N of the weights;
 the step cache on sharded blocks equals diffusers' cached pipeline; a wrong shard on one rank is caught
 (negative control); contract E and the xDiT Pool node take the flag and refuse it with PipeFusion.
 """
@@ -22,7 +22,8 @@ from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
 
 STEPS, SIZE = 2, 64
 LAYOUTS = {
-    2: {"shard2-dp2": {"dp_degree": 2}, "shard2-ulysses2": {"ulysses_degree": 2}, "shard2-cfg2": {"cfg_degree": 2}},
+    2: {"shard2-dp2": {"dp_degree": 2}, "shard2-ulysses2": {"ulysses_degree": 2}, "shard2-cfg2": {"cfg_degree": 2},
+        "shard2-ring2": {"ring_degree": 2}},
     4: {"shard4-cfg2-ulysses2": {"cfg_degree": 2, "ulysses_degree": 2}},
 }
 FAMILIES = (*tiny_models.FAMILIES, "wan", "wan22")  # Wan 2.2 A14B: both experts sharded
