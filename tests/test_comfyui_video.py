@@ -8,11 +8,16 @@ latent frame) arrive over the websocket. A second xDiT Sampler at denoise 0.6 re
 schedule from the first video noised with ComfyUI's noise of its seed (tests/test_pool_video.py builds
 that reference). xDiT VAE Decode decodes the first video on the pool's two ranks; SaveImage's frames
 equal diffusers' tiled decode of the saved latent to 8-bit truncation.
+
+Wan 2.2 TI2V 5B end to end: ComfyUI's own Wan22ImageToVideoLatent makes its 48-channel latent (its VAE
+input, unused without a start image, is a tiny TAESD written by ComfyUI's own code), and xDiT Sampler's
+result equals diffusers' in ComfyUI's Wan22 latent space.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 
 import numpy as np
 import torch
@@ -25,6 +30,7 @@ from xdit_test_helpers import TOLERANCE, diffusers_latents
 
 FAMILY, FRAMES, SIZE, STEPS, CFG, SEED = "wan22", 9, 48, 4, 5.0, 5
 DENOISE, SEED_2 = 0.6, 11
+SIZE_5B = 64  # TI2V 5B's ×16 VAE: 4 × 4 latent pixels, 3 latent frames, 12 tokens
 POSITIVE, NEGATIVE = "a red fox in the snow", "blurry"
 
 
@@ -94,3 +100,41 @@ def test_wan_video_workflow_equals_diffusers_and_streams_previews(comfy, video_m
     decoded = (tiled_reference(video_model_dirs[FAMILY], saved["6"], 2)[0] / 2 + 0.5).clamp(0, 1).movedim(0, -1)
     assert pixels.shape == decoded.shape == (FRAMES, SIZE, SIZE, 3)
     assert (pixels - decoded).abs().max().item() <= 1 / 255 + TOLERANCE  # SaveImage truncates to 8 bits
+
+
+def ti2v_workflow(vae_name: str) -> dict:
+    graph = workflow()
+    graph["1"]["inputs"]["model"] = "xdit-tiny-wan22-5b (built-in, no download)"
+    graph["4"] = {"class_type": "VAELoader", "inputs": {"vae_name": vae_name}}
+    graph["11"] = {"class_type": "Wan22ImageToVideoLatent", "inputs": {
+        "vae": ["4", 0], "width": SIZE_5B, "height": SIZE_5B, "length": FRAMES, "batch_size": 1}}
+    graph["5"]["inputs"]["latent_image"] = ["11", 0]
+    graph["6"]["inputs"]["filename_prefix"] = "video_wan22-5b"
+    return {key: graph[key] for key in ("1", "2", "3", "4", "11", "5", "6")}
+
+
+def test_wan22_ti2v_5b_workflow_equals_diffusers(comfy, video_model_dirs):
+    vae_name = "xdit_tiny_taesd48.safetensors"
+    script = ("import sys; out = sys.argv[1]; sys.argv = sys.argv[:1] + ['--cpu']; import comfy.options; "
+              "comfy.options.enable_args_parsing(); import comfy.taesd.taesd as t; "
+              "from safetensors.torch import save_file; save_file(t.TAESD(latent_channels=48).state_dict(), out)")
+    subprocess.run([str(comfy.python), "-c", script, str(comfy.work / "models" / "vae" / vae_name)],
+                   cwd=comfy.comfy, check=True, capture_output=True)
+    entry = comfy.wait(comfy.queue(ti2v_workflow(vae_name)))
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+    info = entry["outputs"]["6"]["latents"][0]
+    latent = load_file(comfy.work / "output" / info["subfolder"] / info["filename"])["latent_tensor"]
+
+    pipeline = DiffusionPipeline.from_pretrained(video_model_dirs["wan22-5b"])
+    with torch.no_grad():
+        positive, _ = pipeline.encode_prompt(POSITIVE, do_classifier_free_guidance=False, max_sequence_length=512)
+        negative, _ = pipeline.encode_prompt(NEGATIVE, do_classifier_free_guidance=False, max_sequence_length=512)
+    shape = (1, 48, (FRAMES - 1) // 4 + 1, SIZE_5B // 16, SIZE_5B // 16)
+    expected = diffusers_latents(pipeline, prompt_embeds=positive, negative_prompt_embeds=negative,
+                                 latents=torch.randn(shape, generator=torch.manual_seed(SEED)), guidance_scale=CFG,
+                                 num_inference_steps=STEPS, height=SIZE_5B, width=SIZE_5B, num_frames=FRAMES)
+    mean = torch.tensor(pipeline.vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(pipeline.vae.config.latents_std).view(1, -1, 1, 1, 1)
+    expected = expected * std + mean  # ComfyUI's Wan22 process_out
+    assert latent.shape == expected.shape == shape
+    assert (latent - expected).abs().max().item() <= TOLERANCE
