@@ -94,3 +94,17 @@ MODELS = {
     "medium": BenchModel("medium-flux", MEDIUM_TRANSFORMER, height=512, width=512, text_tokens=128, steps=1),
     "tiny": BenchModel("tiny-flux", None, height=64, width=64, text_tokens=16, steps=2),
 }
+
+
+def start_drive(spec: dict):
+    """A benchmark rank's start: one thread, the world joined, the spec's model built, and the inputs and
+    call arguments of a run of spec["steps"] steps without true CFG. Returns (world, model, pipeline,
+    inputs, kwargs)."""
+    from parallel.distributed import init_distributed_environment
+
+    torch.set_num_threads(1)
+    world = init_distributed_environment()
+    model = MODELS[spec["model"]]
+    pipeline = model.pipeline()
+    inputs = {k: v for k, v in model.inputs(pipeline).items() if not k.startswith("negative")}
+    return world, model, pipeline, inputs, {**model.call_kwargs(true_cfg=False), "num_inference_steps": spec["steps"]}

@@ -46,18 +46,12 @@ def drive(spec: dict) -> None:
     import torch.distributed as dist
 
     from parallel.config import ParallelConfig
-    from parallel.distributed import init_distributed_environment
     from parallel.distributed.parallel_state import all_coordinators
     from parallel.model_executor.layout_scope import under_layout
 
-    from .model import MODELS
+    from .model import start_drive
 
-    torch.set_num_threads(1)
-    world = init_distributed_environment()
-    model = MODELS[spec["model"]]
-    pipeline = model.pipeline()
-    inputs = {k: v for k, v in model.inputs(pipeline).items() if not k.startswith("negative")}
-    kwargs = {**model.call_kwargs(true_cfg=False), "num_inference_steps": spec["steps"]}
+    world, model, pipeline, inputs, kwargs = start_drive(spec)
     times = {name: [] for name in LAYOUTS}
     sent = {name: 0 for name in LAYOUTS}
     outputs = {}

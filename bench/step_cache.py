@@ -50,18 +50,12 @@ def drive(spec: dict) -> None:
 
     from parallel.cache_settings import CacheSettings
     from parallel.config import ParallelConfig
-    from parallel.distributed import init_distributed_environment
     from parallel.model_executor.layout_scope import under_layout
     from parallel.request import STEP_CACHE
 
-    from .model import MODELS
+    from .model import start_drive
 
-    torch.set_num_threads(1)
-    world = init_distributed_environment()
-    model = MODELS[spec["model"]]
-    pipeline = model.pipeline()
-    inputs = {k: v for k, v in model.inputs(pipeline).items() if not k.startswith("negative")}
-    kwargs = {**model.call_kwargs(true_cfg=False), "num_inference_steps": spec["steps"]}
+    world, model, pipeline, inputs, kwargs = start_drive(spec)
     cache = CacheSettings("first-block", spec["threshold"])
     times = {name: [] for name in RUNS}
     outputs, full = {}, {}

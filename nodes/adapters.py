@@ -98,6 +98,8 @@ class FamilyAdapter:
                 guidance = float(extras["guidance"])
             if not prefix and self.data.reference_latents and extras.get("reference_latents"):
                 tensors[self.data.reference_latents] = _repeat(self._reference(extras["reference_latents"]), batch)
+            if not prefix and self.data.concat_latents:
+                tensors[self.data.concat_latents] = _repeat(self._start_image(extras), batch)
         return {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, guidance
 
     def guidance_parameters(self, cfg: float, conditioning_guidance: float | None, use_negative: bool) -> tuple[float, dict]:
@@ -118,6 +120,17 @@ class FamilyAdapter:
                 "chain one ReferenceLatent node only"
             )
         return self.latent_format(latents[0].shape[1]).process_in(latents[0].float())
+
+    def _start_image(self, extras: dict) -> torch.Tensor:
+        """WanImageToVideo's encoding of [start image, gray frames] (VAE space; the pipeline normalises it)."""
+        latents, mask = extras.get("concat_latent_image"), extras.get("concat_mask")
+        if latents is None:
+            raise ConditioningError(f"{self.name} animates a start image: pass the conditioning through ComfyUI's "
+                                    "WanImageToVideo node with a start_image")
+        if mask is not None and (not (mask[:, :, :1] == 0).all() or (mask[:, :, 1:] == 0).any()):
+            raise ConditioningError(f"{self.name} takes one start image (the first frame); give WanImageToVideo a "
+                                    "single start_image")
+        return latents.float()
 
     def _single(self, conditioning, which: str):
         if not isinstance(conditioning, list) or not conditioning:

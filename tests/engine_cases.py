@@ -63,15 +63,16 @@ def run_case(case: dict, rank: int) -> None:
         save_file({"latents": latents.contiguous()}, case["output"])
 
 
-def main(spec: str) -> int:
+def main(spec: str, run=None, error_suffix=lambda rank: "" if rank == 0 else f".rank{rank}") -> int:
+    """Every case of `spec` through `run(case, rank)` (this module's run_case by default) in one world; a
+    failing case leaves its traceback in output + ".error" + error_suffix(rank) and the matrix goes on."""
     torch.set_num_threads(1)
     world = init_distributed_environment()
     for case in json.loads(Path(spec).read_text()):
         try:
-            run_case(case, world.rank)
-        except Exception:  # recorded per case (rank 0's, else the failing rank's); the matrix goes on
-            suffix = "" if world.rank == 0 else f".rank{world.rank}"
-            Path(case["output"] + ".error" + suffix).write_text(traceback.format_exc())
+            (run or run_case)(case, world.rank)
+        except Exception:  # recorded per case; the matrix goes on
+            Path(case["output"] + ".error" + error_suffix(world.rank)).write_text(traceback.format_exc())
     destroy_distributed_environment()
     return 0
 

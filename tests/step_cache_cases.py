@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -20,11 +19,12 @@ from safetensors.torch import load_file, save_file
 
 from parallel.cache_settings import CacheSettings
 from parallel.config import ParallelConfig
-from parallel.distributed import destroy_distributed_environment, init_distributed_environment
 from parallel.loading import load_pipeline
 from parallel.model_executor import step_cache
 from parallel.model_executor.layout_scope import under_layout
 from parallel.request import STEP_CACHE
+
+import engine_cases
 
 
 def one_shard_metric(residual, previous, groups):
@@ -57,17 +57,5 @@ def run_case(case: dict, rank: int) -> None:
         save_file({"latents": latents.contiguous()}, case["output"])
 
 
-def main(spec: str) -> int:
-    torch.set_num_threads(1)
-    world = init_distributed_environment()
-    for case in json.loads(Path(spec).read_text()):
-        try:
-            run_case(case, world.rank)
-        except Exception:  # recorded per case; the batch goes on
-            Path(case["output"] + f".error.rank{world.rank}").write_text(traceback.format_exc())
-    destroy_distributed_environment()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+if __name__ == "__main__":  # every rank names its own error file
+    sys.exit(engine_cases.main(sys.argv[1], run=run_case, error_suffix=lambda rank: f".rank{rank}"))

@@ -8,11 +8,22 @@ latent frame) arrive over the websocket. A second xDiT Sampler at denoise 0.6 re
 schedule from the first video noised with ComfyUI's noise of its seed (tests/test_pool_video.py builds
 that reference). xDiT VAE Decode decodes the first video on the pool's two ranks; SaveImage's frames
 equal diffusers' tiled decode of the saved latent to 8-bit truncation.
+
+Wan 2.2 image-to-video as ComfyUI hands it over: EmptyImage → ComfyUI's own WanImageToVideo (its VAE a Wan
+2.1 VAE of the real architecture with random weights, written by ComfyUI's own code) → xDiT Sampler equals
+diffusers' WanImageToVideoPipeline with that same VAE (loaded by diffusers' from_single_file) encoding the
+start image itself.
+
+Wan 2.2 TI2V 5B end to end: ComfyUI's own Wan22ImageToVideoLatent makes its 48-channel latent (its VAE
+input, unused without a start image, is a tiny TAESD written by ComfyUI's own code), and xDiT Sampler's
+result equals diffusers' in ComfyUI's Wan22 latent space.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 
 import numpy as np
 import torch
@@ -25,6 +36,7 @@ from xdit_test_helpers import TOLERANCE, diffusers_latents
 
 FAMILY, FRAMES, SIZE, STEPS, CFG, SEED = "wan22", 9, 48, 4, 5.0, 5
 DENOISE, SEED_2 = 0.6, 11
+SIZE_5B = 64  # TI2V 5B's ×16 VAE: 4 × 4 latent pixels, 3 latent frames, 12 tokens
 POSITIVE, NEGATIVE = "a red fox in the snow", "blurry"
 
 
@@ -94,3 +106,105 @@ def test_wan_video_workflow_equals_diffusers_and_streams_previews(comfy, video_m
     decoded = (tiled_reference(video_model_dirs[FAMILY], saved["6"], 2)[0] / 2 + 0.5).clamp(0, 1).movedim(0, -1)
     assert pixels.shape == decoded.shape == (FRAMES, SIZE, SIZE, 3)
     assert (pixels - decoded).abs().max().item() <= 1 / 255 + TOLERANCE  # SaveImage truncates to 8 bits
+
+
+def ti2v_workflow(vae_name: str) -> dict:
+    graph = workflow()
+    graph["1"]["inputs"]["model"] = "xdit-tiny-wan22-5b (built-in, no download)"
+    graph["4"] = {"class_type": "VAELoader", "inputs": {"vae_name": vae_name}}
+    graph["11"] = {"class_type": "Wan22ImageToVideoLatent", "inputs": {
+        "vae": ["4", 0], "width": SIZE_5B, "height": SIZE_5B, "length": FRAMES, "batch_size": 1}}
+    graph["5"]["inputs"]["latent_image"] = ["11", 0]
+    graph["6"]["inputs"]["filename_prefix"] = "video_wan22-5b"
+    return {key: graph[key] for key in ("1", "2", "3", "4", "11", "5", "6")}
+
+
+def test_wan22_ti2v_5b_workflow_equals_diffusers(comfy, video_model_dirs):
+    vae_name = "xdit_tiny_taesd48.safetensors"
+    script = ("import sys; out = sys.argv[1]; sys.argv = sys.argv[:1] + ['--cpu']; import comfy.options; "
+              "comfy.options.enable_args_parsing(); import comfy.taesd.taesd as t; "
+              "from safetensors.torch import save_file; save_file(t.TAESD(latent_channels=48).state_dict(), out)")
+    subprocess.run([str(comfy.python), "-c", script, str(comfy.work / "models" / "vae" / vae_name)],
+                   cwd=comfy.comfy, check=True, capture_output=True)
+    entry = comfy.wait(comfy.queue(ti2v_workflow(vae_name)))
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+    info = entry["outputs"]["6"]["latents"][0]
+    latent = load_file(comfy.work / "output" / info["subfolder"] / info["filename"])["latent_tensor"]
+
+    pipeline = DiffusionPipeline.from_pretrained(video_model_dirs["wan22-5b"])
+    with torch.no_grad():
+        positive, _ = pipeline.encode_prompt(POSITIVE, do_classifier_free_guidance=False, max_sequence_length=512)
+        negative, _ = pipeline.encode_prompt(NEGATIVE, do_classifier_free_guidance=False, max_sequence_length=512)
+    shape = (1, 48, (FRAMES - 1) // 4 + 1, SIZE_5B // 16, SIZE_5B // 16)
+    expected = diffusers_latents(pipeline, prompt_embeds=positive, negative_prompt_embeds=negative,
+                                 latents=torch.randn(shape, generator=torch.manual_seed(SEED)), guidance_scale=CFG,
+                                 num_inference_steps=STEPS, height=SIZE_5B, width=SIZE_5B, num_frames=FRAMES)
+    mean = torch.tensor(pipeline.vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(pipeline.vae.config.latents_std).view(1, -1, 1, 1, 1)
+    expected = expected * std + mean  # ComfyUI's Wan22 process_out
+    assert latent.shape == expected.shape == shape
+    assert (latent - expected).abs().max().item() <= TOLERANCE
+
+
+WAN_VAE_SCRIPT = """
+import math, sys
+out = sys.argv[1]; sys.argv = sys.argv[:1] + ["--cpu"]
+import comfy.options; comfy.options.enable_args_parsing()
+import torch, comfy.ldm.wan.vae as wan
+from safetensors.torch import save_file
+torch.manual_seed(0)
+vae = wan.WanVAE(dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                 temperal_downsample=[False, True, True], dropout=0.0)
+weights = {}
+for name, value in vae.state_dict().items():  # ComfyUI's layers skip weight init: give them torch's default
+    w = torch.empty(value.shape)
+    if w.ndim > 1:
+        torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+    else:
+        w.fill_(1.0 if name.endswith("gamma") else 0.0)
+    weights[name] = w.half()
+save_file(weights, out)
+"""
+START_COLOR = 0x4080C0
+
+
+def test_wan_image_to_video_from_comfyuis_node_equals_diffusers(comfy, tmp_path):
+    from diffusers import AutoencoderKLWan
+
+    from parallel import tiny_models
+
+    vae_file = comfy.work / "models" / "vae" / "xdit_wan21_vae_random.safetensors"
+    subprocess.run([str(comfy.python), "-c", WAN_VAE_SCRIPT, str(vae_file)], cwd=comfy.comfy, check=True,
+                   capture_output=True, env={**os.environ, "PYTHONPATH": str(comfy.comfy)})
+    graph = workflow()
+    graph["1"]["inputs"]["model"] = "xdit-tiny-wan22-i2v (built-in, no download)"
+    graph["4"] = {"class_type": "VAELoader", "inputs": {"vae_name": vae_file.name}}
+    graph["11"] = {"class_type": "EmptyImage", "inputs": {"width": SIZE, "height": SIZE, "batch_size": 1, "color": START_COLOR}}
+    graph["12"] = {"class_type": "WanImageToVideo", "inputs": {
+        "positive": ["2", 0], "negative": ["3", 0], "vae": ["4", 0], "width": SIZE, "height": SIZE, "length": FRAMES,
+        "batch_size": 1, "start_image": ["11", 0]}}
+    graph["5"]["inputs"].update(positive=["12", 0], negative=["12", 1], latent_image=["12", 2])
+    graph["6"]["inputs"]["filename_prefix"] = "i2v_wan22"
+    entry = comfy.wait(comfy.queue({key: graph[key] for key in ("1", "2", "3", "4", "11", "12", "5", "6")}))
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+    info = entry["outputs"]["6"]["latents"][0]
+    latent = load_file(comfy.work / "output" / info["subfolder"] / info["filename"])["latent_tensor"]
+
+    pipeline = DiffusionPipeline.from_pretrained(tiny_models.save_tiny_pipeline("wan22-i2v", tmp_path / "i2v"))
+    config = tmp_path / "vae_config"
+    with torch.device("meta"):
+        AutoencoderKLWan().save_config(config)
+    pipeline.vae = AutoencoderKLWan.from_single_file(str(vae_file), config=str(config), torch_dtype=torch.float32)
+    with torch.no_grad():
+        positive, _ = pipeline.encode_prompt(POSITIVE, do_classifier_free_guidance=False, max_sequence_length=512)
+        negative, _ = pipeline.encode_prompt(NEGATIVE, do_classifier_free_guidance=False, max_sequence_length=512)
+    rgb = torch.tensor([(START_COLOR >> shift & 0xFF) / 0xFF for shift in (16, 8, 0)])
+    image = rgb.view(1, 3, 1, 1).expand(1, 3, SIZE, SIZE)
+    expected = diffusers_latents(pipeline, prompt_embeds=positive, negative_prompt_embeds=negative, image=image,
+                                 latents=torch.randn(SHAPE, generator=torch.manual_seed(SEED)), guidance_scale=CFG,
+                                 num_inference_steps=STEPS, height=SIZE, width=SIZE, num_frames=FRAMES)
+    mean = torch.tensor(pipeline.vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(pipeline.vae.config.latents_std).view(1, -1, 1, 1, 1)
+    expected = expected * std + mean
+    assert latent.shape == expected.shape == SHAPE
+    assert (latent - expected).abs().max().item() <= TOLERANCE

@@ -34,6 +34,9 @@ class ComfyData:
     reference_latents: the tensor input that takes the positive conditioning's `reference_latents`
                     (ComfyUI's ReferenceLatent) as model-space latents [B, C, h, w], when the conditioning
                     has one (without, the edit model samples from text alone); "": the model takes none.
+    concat_latents: the tensor input that takes the positive conditioning's `concat_latent_image` (ComfyUI's
+                    WanImageToVideo: its VAE's encoding of the start image and the frames after it), in the
+                    VAE's own space; "": the model takes none.
     """
 
     latent_formats: dict[int, str]
@@ -45,6 +48,7 @@ class ComfyData:
     expects: str = ""
     empty_latent: str = "an empty latent node made for this model"
     reference_latents: str = ""
+    concat_latents: str = ""
 
     def scale(self, channels: int) -> int:
         return self.spatial.get(channels, 8)

@@ -17,6 +17,9 @@ ComfyUI keeps Wan latents in its Wan21 (16 channels, ×8) and Wan22 (48 channels
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import types
 from typing import Any
 
 import torch
@@ -123,14 +126,54 @@ class xFuserWanPipeline(xFuserPipelineBaseWrapper):
 
 class xFuserWanImageToVideoPipeline(xFuserWanPipeline):
     """Wan image-to-video: the transformer also takes the first frame's VAE latents and a frame mask
-    (36 input channels for 16 output channels); every rank encodes the image with its own VAE."""
+    (36 input channels for 16 output channels); every rank encodes the image with its own VAE, or takes
+    that encoding as given (`image_latents`: ComfyUI's WanImageToVideo encodes [start image, gray frames]
+    with ComfyUI's VAE), which the pipeline then normalises and masks as its own."""
 
-    tensor_inputs = ("image",)
+    tensor_inputs = ("image", "image_latents")
+    comfy = dataclasses.replace(xFuserWanPipeline.comfy, concat_latents="image_latents")
 
     def check_inputs(self, kwargs: dict[str, Any], batch: int) -> None:
-        if kwargs.get("image") is None:
-            raise ValueError(f"{type(self.module).__name__} needs `image`, the first frame to animate")
+        given = kwargs.get("image_latents")
+        if kwargs.get("image") is None and given is None:
+            raise ValueError(f"{type(self.module).__name__} needs `image`, the first frame to animate, or `image_latents`, "
+                             "its VAE encoding with the frames after it")
+        if given is not None:
+            if getattr(self.module, "image_encoder", None) is not None:
+                raise ValueError(f"this {type(self.module).__name__} (Wan 2.1) also encodes the start image with CLIP "
+                                 "vision: send `image` itself, not `image_latents`")
+            scale = self.module.vae_scale_factor_spatial
+            expected = (batch, self.module.vae.config.z_dim, self.latent_frames(kwargs),
+                        kwargs["height"] // scale, kwargs["width"] // scale)
+            if tuple(given.shape) != expected:
+                raise ValueError(f"image_latents have shape {list(given.shape)} but this video needs {list(expected)} "
+                                 "(the VAE encoding of the start image and the frames after it)")
         super().check_inputs(kwargs, batch)
+
+    def prepare(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], int, int]:
+        if kwargs.get("image_latents") is not None and kwargs.get("image") is None:  # stands in for the encoded image
+            latents = kwargs["image_latents"]
+            kwargs = {**kwargs, "image": latents.new_zeros(latents.shape[0], 3, kwargs["height"], kwargs["width"])}
+        return super().prepare(kwargs)
+
+    def call_context(self, kwargs: dict[str, Any]):
+        """The pipeline's VAE encode of the condition video answers with the given encoding."""
+        given = kwargs.pop("image_latents", None)
+        if given is None:
+            return contextlib.nullcontext()
+        return _encoded_as(self.module.vae, given)
+
+
+@contextlib.contextmanager
+def _encoded_as(vae, latents: torch.Tensor):
+    def encode(video, *args, **kwargs):
+        return types.SimpleNamespace(latent_dist=types.SimpleNamespace(mode=lambda: latents.to(video.device, video.dtype)))
+
+    vae.encode = encode
+    try:
+        yield
+    finally:
+        del vae.encode
 
 
 # -- tiny built-in models --------------------------------------------------------------------------------

@@ -275,6 +275,11 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
         )
 
     # -- running ------------------------------------------------------------------------------------
+    def call_context(self, kwargs: dict[str, Any]) -> contextlib.AbstractContextManager:
+        """Around the pipeline call, with this rank's arguments: a family may take out inputs the pipeline
+        does not know and stand in for what they replace (Wan image-to-video's given image encoding)."""
+        return contextlib.nullcontext()
+
     def prepare(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], int, int]:
         """The call's full keyword arguments, its batch size and image tokens; raises if it can't run."""
         kwargs = {**self.call_defaults, **kwargs}
@@ -323,7 +328,7 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
             num_inference_steps=kwargs.get("num_inference_steps", 0),
             image_tokens=tokens,
         )
-        with schedule, caching as self.cache_report:
+        with schedule, caching as self.cache_report, self.call_context(local):
             output = self.module(**local)
         if dp.world_size == 1:
             return output
