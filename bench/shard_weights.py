@@ -31,22 +31,18 @@ def drive(spec: dict) -> None:
     import torch.distributed as dist
 
     from parallel.config import ParallelConfig
-    from parallel.distributed import init_distributed_environment, initialize_model_parallel
+    from parallel.distributed import initialize_model_parallel
     from parallel.model_executor import wrap_pipeline
     from parallel.weight_sharding import shard_weights
     from workers.memory import memory_of_this_rank
 
-    from .model import MODELS
+    from .model import start_drive
 
-    torch.set_num_threads(1)
-    world = init_distributed_environment()
+    world, model, plain, inputs, kwargs = start_drive(spec)
     initialize_model_parallel(ParallelConfig(ulysses_degree=world.world_size))
-    model = MODELS[spec["model"]]
-    plain, sharded = model.pipeline(), model.pipeline()
+    sharded = model.pipeline()
     shard_weights(sharded)
     pipelines = {"unsharded": wrap_pipeline(plain), "sharded": wrap_pipeline(sharded)}
-    inputs = {k: v for k, v in model.inputs(plain).items() if not k.startswith("negative")}
-    kwargs = {**model.call_kwargs(true_cfg=False), "num_inference_steps": spec["steps"]}
     times = {name: [] for name in RUNS}
     outputs = {}
     for round_ in range(spec["runs"] + 1):  # round 0 warms up, untimed
