@@ -62,7 +62,7 @@ def _config(kwargs) -> ParallelConfig:
         dp_degree=kwargs["dp_degree"], cfg_degree=2 if kwargs["cfg_parallel"] else 1,
         pipefusion_degree=kwargs["pipefusion_degree"], ring_degree=kwargs["ring_degree"],
         ulysses_degree=kwargs["ulysses_degree"], num_patches=kwargs["num_patches"] or None,
-        warmup_steps=kwargs["warmup_steps"],
+        warmup_steps=kwargs["warmup_steps"], shard_weights=kwargs.get("shard_weights", False),
     )
 
 
@@ -110,6 +110,9 @@ class XDiTPool(io.ComfyNode):
                 io.String.Input("curve_dir", default="", optional=True,
                                 tooltip="With endpoint, for a pool served with --curve-dir: a folder holding its server.key and "
                                         "an allowed client.key_secret (from `python -m workers keys`). Empty: $XDIT_CURVE_DIR, if set."),
+                io.Boolean.Input("shard_weights", default=False, optional=True,
+                                 tooltip="Split every transformer block's weights over the ranks (FSDP2), for models larger "
+                                         "than one GPU; not with PipeFusion or fp8."),
             ],
             outputs=[XDiTPoolType.Output(display_name="pool")],
         )

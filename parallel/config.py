@@ -24,6 +24,7 @@ class ParallelConfig:
     ulysses_degree: int = 1
     num_patches: int | None = None
     warmup_steps: int = 1
+    shard_weights: bool = False  # FSDP2: each rank keeps 1/world of every transformer block (weight_sharding.py)
 
     @property
     def sp_degree(self) -> int:
@@ -50,7 +51,8 @@ class ParallelConfig:
             )
             if value > 1
         ]
-        return " × ".join(parts) or "single rank"
+        layout = " × ".join(parts) or "single rank"
+        return f"{layout}, sharded weights" if self.shard_weights else layout
 
     def check(self, world_size: int, ranks_flag: str = "--nproc-per-node") -> None:
         """Raise LayoutError unless these degrees can run on `world_size` ranks (`ranks_flag`: how the
@@ -66,6 +68,11 @@ class ParallelConfig:
             raise LayoutError(
                 f"--warmup-steps is {self.warmup_steps}; PipeFusion needs at least 1 synchronous step to fill its "
                 "stale K/V, so use --warmup-steps 1 or more."
+            )
+        if self.shard_weights and self.pipefusion_degree > 1:
+            raise LayoutError(
+                f"--shard-weights with --pipefusion-degree {self.pipefusion_degree}: PipeFusion stages already hold "
+                "only their own blocks and run different blocks at once, so drop one of the two."
             )
         if self.num_patches is not None and self.num_patches < 1:
             raise LayoutError(f"--num-patches is {self.num_patches}; use 1 or more (default: the pipefusion degree).")
@@ -87,6 +94,8 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--warmup-steps", type=int, default=1, help="PipeFusion synchronous warm-up steps.")
     group.add_argument("--cfg-parallel", action="store_true", help="Run the two guidance branches on two ranks.")
     group.add_argument("--dp-degree", type=int, default=1, help="Data parallel: split the batch over replicas.")
+    group.add_argument("--shard-weights", action="store_true",
+                       help="Split every transformer block's weights over the ranks (FSDP2); not with PipeFusion.")
 
 
 def config_from_args(args: argparse.Namespace) -> ParallelConfig:
@@ -98,4 +107,5 @@ def config_from_args(args: argparse.Namespace) -> ParallelConfig:
         ulysses_degree=args.ulysses_degree,
         num_patches=args.num_patches,
         warmup_steps=args.warmup_steps,
+        shard_weights=args.shard_weights,
     )

@@ -97,8 +97,9 @@ def files(tmp_path_factory):
             "pixart": pixart_lora(root / "pixart.safetensors"), "corrupt": str(corrupt), "missing": str(root / "nope.safetensors")}
 
 
-@pytest.mark.parametrize("layout", [("--ulysses-degree", "2"), ("--pipefusion-degree", "2", "--warmup-steps", "4")],
-                         ids=["ulysses2", "pipefusion2"])
+@pytest.mark.parametrize("layout", [("--ulysses-degree", "2"), ("--pipefusion-degree", "2", "--warmup-steps", "4"),
+                                    ("--ulysses-degree", "2", "--shard-weights")],
+                         ids=["ulysses2", "pipefusion2", "ulysses2-shard-weights"])
 def test_lora_on_a_parallel_pool(tiny_model_dirs, files, tmp_path, layout):
     model = tiny_model_dirs["flux"]
     inputs = tiny_models.make_inputs("flux", negative=False)

@@ -115,7 +115,8 @@ class Rank:
             self._serve()
         # Only rank 0 encodes text, so only rank 0 loads the text encoders.
         text_encoders = self.args.text_encoders and self.rank == 0
-        self.pipeline = wrap_pipeline(load_pipeline(model, text_encoders=text_encoders, dtype=self.args.dtype))
+        self.pipeline = wrap_pipeline(load_pipeline(model, text_encoders=text_encoders, dtype=self.args.dtype,
+                                                    shard_weights=self.config.shard_weights))
         self.default_scheduler = self.pipeline.module.scheduler.module
         self.scheduler_name = "default"
         self.runner = JobRunner(self.pipeline, self.group, self.server)
@@ -131,14 +132,14 @@ class Rank:
     def _census(self) -> tuple[list[dict], list[int]]:
         """Every rank's node, host and pid (for status), and one layout for the whole world."""
         c = self.config
-        layout = [c.dp_degree, c.cfg_degree, c.pipefusion_degree, c.ring_degree, c.ulysses_degree, c.num_patches or 0, c.warmup_steps]
+        layout = [c.dp_degree, c.cfg_degree, c.pipefusion_degree, c.ring_degree, c.ulysses_degree, c.num_patches or 0, c.warmup_steps, int(c.shard_weights)]
         width = 2 + len(layout)
         flat = self._gather_ints([self.args.node_rank, os.getpid(), *layout])
         rows = [flat[r * width:(r + 1) * width] for r in range(self.world_size)]
         hosts = self._gather_text(socket.gethostname())
         for r, row in enumerate(rows):
             if row[2:] != layout:
-                names = "dp, cfg, pipefusion, ring, ulysses, patches, warmup"
+                names = "dp, cfg, pipefusion, ring, ulysses, patches, warmup, shard"
                 raise StartRefused(f"node {row[0]} runs the layout ({names}) = {tuple(row[2:])} but node "
                                    f"{self.args.node_rank} runs {tuple(layout)}: start every node with the same layout flags")
         nodes: dict[int, dict] = {}

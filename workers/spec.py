@@ -79,6 +79,8 @@ class PoolSpec:
             args += ["--num-patches", str(p.num_patches)]
         if p.cfg_degree > 1:
             args.append("--cfg-parallel")
+        if p.shard_weights:
+            args.append("--shard-weights")
         if self.text_encoders:
             args.append("--text-encoders")
         if self.dtype:

@@ -1,0 +1,101 @@
+"""The wall-time cost of `--shard-weights` on the medium Flux model: sharded vs unsharded, 1 and 2 ranks.
+
+    python -m bench.shard_weights [--tiny] [--runs 3] [--steps 2]
+
+One torchrun job per rank count (1 rank; Ulysses-2 on 2 ranks), one thread per rank. Each job loads the
+model twice, once plain and once with its blocks sharded over the world (FSDP2), under the same layout, and
+times the two interleaved round by round after an untimed warm-up round, so the ratio sharded / unsharded
+comes from one run. On 1 rank the ratio is FSDP's own bookkeeping (a gather over one rank); on 2 ranks it
+adds the all-gather of every block's weights before the block runs (gloo over loopback here; NCCL overlaps
+it with compute on GPUs). Also reported: each rank's parameter bytes, and the largest difference between the
+two outputs (the sharded run must be the unsharded one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+from parallel.launch import ROOT, rank_environment, torchrun_command
+
+OUT = Path(__file__).resolve().parent / "out"
+RUNS = ("unsharded", "sharded")
+
+
+def drive(spec: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from parallel.config import ParallelConfig
+    from parallel.distributed import initialize_model_parallel
+    from parallel.model_executor import wrap_pipeline
+    from parallel.weight_sharding import shard_weights
+    from workers.memory import memory_of_this_rank
+
+    from .model import start_drive
+
+    world, model, plain, inputs, kwargs = start_drive(spec)
+    initialize_model_parallel(ParallelConfig(ulysses_degree=world.world_size))
+    sharded = model.pipeline()
+    shard_weights(sharded)
+    pipelines = {"unsharded": wrap_pipeline(plain), "sharded": wrap_pipeline(sharded)}
+    times = {name: [] for name in RUNS}
+    outputs = {}
+    for round_ in range(spec["runs"] + 1):  # round 0 warms up, untimed
+        for name in RUNS if round_ % 2 == 0 else RUNS[::-1]:
+            dist.barrier()
+            start = time.perf_counter()
+            with torch.no_grad():
+                outputs[name] = pipelines[name](**inputs, **kwargs)[0]
+            elapsed = time.perf_counter() - start
+            dist.barrier()
+            if round_:
+                times[name].append(elapsed)
+    parameter_bytes = {name: memory_of_this_rank(p.module.transformer.module)["parameter_bytes"] for name, p in pipelines.items()}
+    if world.rank == 0:
+        Path(spec["result"]).write_text(json.dumps({
+            "times": times, "parameter_bytes": parameter_bytes,
+            "max_abs_diff": (outputs["sharded"] - outputs["unsharded"]).abs().max().item()}))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.shard_weights", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="the tiny test model: checks the machinery only")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=OUT / "shard_weights.json")
+    parser.add_argument("--drive", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.drive:
+        drive(json.loads(args.drive.read_text()))
+        return 0
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    model = "tiny" if args.tiny else "medium"
+    rows = {}
+    for nproc in (1, 2):
+        spec_file, result = args.json.with_suffix(f".{nproc}.spec.json"), args.json.with_suffix(f".{nproc}.raw.json")
+        spec_file.write_text(json.dumps({"model": model, "runs": args.runs, "steps": args.steps, "result": str(result)}))
+        subprocess.run(torchrun_command(nproc, "-m", "bench.shard_weights", "--drive", str(spec_file)), cwd=ROOT,
+                       env=rank_environment(), check=True)
+        raw = json.loads(result.read_text())
+        median = {name: statistics.median(t) for name, t in raw["times"].items()}
+        rows[nproc] = {"median_s": median, "ratio": median["sharded"] / median["unsharded"],
+                       "parameter_bytes": raw["parameter_bytes"], "max_abs_diff": raw["max_abs_diff"]}
+    args.json.write_text(json.dumps({"model": model, "steps": args.steps, "runs": args.runs, "rows": rows}, indent=2))
+    print(f"| ranks ({model} Flux, {args.steps} steps, median of {args.runs}) | unsharded s | sharded s | "
+          "sharded / unsharded | parameter MiB per rank (unsharded → sharded) | max abs Δ |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for nproc, r in rows.items():
+        mib = {k: v / 2**20 for k, v in r["parameter_bytes"].items()}
+        print(f"| {nproc}{' (Ulysses-2)' if nproc > 1 else ''} | {r['median_s']['unsharded']:.2f} | "
+              f"{r['median_s']['sharded']:.2f} | {r['ratio']:.3f} | {mib['unsharded']:.1f} → {mib['sharded']:.1f} | "
+              f"{r['max_abs_diff']:.1e} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

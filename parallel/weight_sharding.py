@@ -1,0 +1,49 @@
+"""`--shard-weights`: every transformer block's weights split over the ranks with PyTorch's FSDP2.
+
+Models larger than one card fit when each rank keeps 1/N of every block and the block's whole weights
+exist only while it runs: `fully_shard` all-gathers a block just before its forward and frees the gathered
+copy after it. The blocks are the elements of the transformer's top-level `ModuleList`s (Flux's double and
+single stacks, SD3's and PixArt's `transformer_blocks`, Wan's `blocks`), which hold almost all weights;
+embeddings, norms and the output projection stay replicated. Every rank must run the same blocks in the same
+order, so this composes with Ulysses, Ring, CFG parallel and data parallel (all ranks run every block on
+their own part of the work), and not with PipeFusion, where each stage runs other blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+
+def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+    return [block for child in transformer.children() if isinstance(child, torch.nn.ModuleList) for block in child]
+
+
+def shard_weights(pipeline) -> None:
+    """Shard the blocks of the pipeline's transformer(s) (Wan 2.2's two experts each) over the whole world."""
+    world = torch.distributed.get_world_size()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mesh = init_device_mesh(device, (world,))
+    for name in ("transformer", "transformer_2"):
+        transformer = getattr(pipeline, name, None)
+        if transformer is None:
+            continue
+        for block in transformer_blocks(transformer):
+            original = type(block)
+            fully_shard(block, mesh=mesh, reshard_after_forward=True)
+            _keep_step_cache_metadata(original, type(block))
+
+
+def _keep_step_cache_metadata(original: type, sharded: type) -> None:
+    """diffusers' step caches (FirstBlockCache, TaylorSeer) look a block's metadata up by its exact class, and
+    `fully_shard` gives each sharded block a subclass of its own: register the subclass like the original."""
+    from diffusers.hooks._helpers import TransformerBlockRegistry
+
+    try:
+        metadata = TransformerBlockRegistry.get(original)
+    except ValueError:  # a block diffusers' caches do not know: nothing to keep
+        return
+    TransformerBlockRegistry.register(sharded, dataclasses.replace(metadata))
