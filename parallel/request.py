@@ -15,6 +15,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from .cache_settings import CacheSettings, add_cache_arguments, cache_from_args
 from .call_parameters import CallParameter, check_call
 
@@ -112,7 +114,9 @@ class SampleRequest:
         return params
 
     def pipeline_kwargs(self, tensors: dict[str, Any]) -> dict[str, Any]:
-        """The diffusers pipeline's keyword arguments for this request and its tensor inputs."""
+        """The diffusers pipeline's keyword arguments for this request and its tensor inputs (their values
+        checked: see check_tensor_values)."""
+        check_tensor_values(tensors)
         return {
             **tensors,
             "num_inference_steps": self.steps,
@@ -122,6 +126,25 @@ class SampleRequest:
             **self.call,
             **({STEP_CACHE: self.cache} if self.cache.method != "none" else {}),
         }
+
+
+def check_tensor_values(tensors: dict[str, Any]) -> None:
+    """Refuse, before any compute, values no pipeline can use: latents, embeddings and images that are not
+    floating point (a cast would silently change them), non-finite values (the result would be NaN),
+    embeddings of no token. Masks (`*_mask`) are integer or boolean and pass as they are."""
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor) or name.endswith("_mask"):
+            continue
+        if not tensor.is_floating_point():
+            raise ValueError(f"{name} is {str(tensor.dtype).removeprefix('torch.')}; send floating-point values "
+                             "(float32, bfloat16 or float16)")
+        finite = torch.isfinite(tensor)
+        if not finite.all():
+            raise ValueError(f"{name} has {int((~finite).sum())} NaN or infinite values of {tensor.numel()}; "
+                             "send finite values")
+        if name.endswith("prompt_embeds") and tensor.ndim == 3 and tensor.shape[1] == 0:
+            raise ValueError(f"{name} has no tokens; encode the prompt with this model's text encoders "
+                             "(an empty prompt still has its padding and end tokens)")
 
 
 # The pipeline wrapper's key for the job's step cache (it pops it before diffusers sees the arguments).

@@ -1,7 +1,9 @@
 """Malformed input never kills or wedges a running pool (real pool, real ZMQ sockets).
 
 Each bad message gets an `error` reply (or is dropped by ZMQ), the pool stays idle with no
-restart, and a normal job afterwards still equals diffusers' single-process result.
+restart, and a normal job afterwards still equals diffusers' single-process result. Well-formed messages
+with nonsense values (NaN or infinite tensors, integer or boolean latents and embeddings, a prompt of no
+token) are refused at submit with one line, before any compute.
 """
 
 from __future__ import annotations
@@ -100,6 +102,37 @@ def test_bad_message_gets_an_error_and_the_pool_stays_healthy(pool, raw, name):
     assert reply is not None and reply.type == "error", reply
     assert reply.params["message"]
     assert SIDE_EFFECTS == []
+    assert_pool_healthy(pool)
+
+
+def _nan_latents(inputs):
+    latents = inputs["latents"].clone()
+    latents[0, 0, 0, 0] = float("nan")
+    return {**inputs, "latents": latents}
+
+
+NONSENSE_VALUES = {  # name: (inputs → bad inputs, the one line that refuses them)
+    "NaN latents": (_nan_latents, "latents has 1 NaN or infinite values of 1024; send finite values"),
+    "infinite embeddings": (lambda i: {**i, "prompt_embeds": torch.full_like(i["prompt_embeds"], float("inf"))},
+                            "prompt_embeds has .* NaN or infinite values"),
+    "int64 latents": (lambda i: {**i, "latents": i["latents"].round().long()},
+                      "latents is int64; send floating-point values"),
+    "bool latents": (lambda i: {**i, "latents": i["latents"] > 0}, "latents is bool; send floating-point values"),
+    "int64 embeddings": (lambda i: {**i, "prompt_embeds": i["prompt_embeds"].long()},
+                         "prompt_embeds is int64; send floating-point values"),
+    "0-token prompt": (lambda i: {**i, "prompt_embeds": i["prompt_embeds"][:, :0]},
+                       "prompt_embeds has no tokens; encode the prompt with this model's text encoders"),
+}
+
+
+@pytest.mark.parametrize("case", NONSENSE_VALUES)
+def test_nonsense_values_get_one_clear_error_and_no_result(pool, case):
+    from workers.client import JobFailed
+
+    spoil, message = NONSENSE_VALUES[case]
+    with pytest.raises(JobFailed, match=message) as refused:
+        pool["client"].sample(spoil(pool["inputs"]), PARAMS)
+    assert "\n" not in str(refused.value)
     assert_pool_healthy(pool)
 
 

@@ -82,7 +82,13 @@ class PoolClient:
 
     # -- plumbing -----------------------------------------------------------------------------------
     def send(self, message: Message) -> None:
-        self.socket.send_multipart(protocol.encode(message), copy=False)
+        try:
+            self.socket.send_multipart(protocol.encode(message), copy=False)
+        except zmq.Again:  # no pipe to queue on within SNDTIMEO: a refused handshake tore it down
+            if self._handshakes.poll(0):
+                raise self._refused(recv_monitor_message(self._handshakes)) from None
+            raise PoolUnreachable(f"the pool at {self.endpoint} took no message within "
+                                  f"{self.socket.getsockopt(zmq.SNDTIMEO) / 1000:.0f} s") from None
 
     def receive(self, timeout_s: float) -> Message | None:
         poller = zmq.Poller()
