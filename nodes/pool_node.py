@@ -63,6 +63,7 @@ def _config(kwargs) -> ParallelConfig:
         pipefusion_degree=kwargs["pipefusion_degree"], ring_degree=kwargs["ring_degree"],
         ulysses_degree=kwargs["ulysses_degree"], num_patches=kwargs["num_patches"] or None,
         warmup_steps=kwargs["warmup_steps"], shard_weights=kwargs.get("shard_weights", False),
+        offload=kwargs.get("offload", False),
     )
 
 
@@ -113,6 +114,9 @@ class XDiTPool(io.ComfyNode):
                 io.Boolean.Input("shard_weights", default=False, optional=True,
                                  tooltip="Split every transformer block's weights over the ranks (FSDP2), for models larger "
                                          "than one GPU; not with PipeFusion or fp8."),
+                io.Boolean.Input("offload", default=False, optional=True,
+                                 tooltip="With shard_weights: keep the shards in CPU memory, on the GPU only while their "
+                                         "block runs, for models that do not fit even sharded."),
             ],
             outputs=[XDiTPoolType.Output(display_name="pool")],
         )

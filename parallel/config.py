@@ -25,6 +25,7 @@ class ParallelConfig:
     num_patches: int | None = None
     warmup_steps: int = 1
     shard_weights: bool = False  # FSDP2: each rank keeps 1/world of every transformer block (weight_sharding.py)
+    offload: bool = False  # with shard_weights: the shards wait in CPU memory, on the GPU only while their block runs
 
     @property
     def sp_degree(self) -> int:
@@ -52,7 +53,9 @@ class ParallelConfig:
             if value > 1
         ]
         layout = " × ".join(parts) or "single rank"
-        return f"{layout}, sharded weights" if self.shard_weights else layout
+        if not self.shard_weights:
+            return layout
+        return f"{layout}, sharded weights offloaded to CPU" if self.offload else f"{layout}, sharded weights"
 
     def check(self, world_size: int, ranks_flag: str = "--nproc-per-node") -> None:
         """Raise LayoutError unless these degrees can run on `world_size` ranks (`ranks_flag`: how the
@@ -74,6 +77,8 @@ class ParallelConfig:
                 f"--shard-weights with --pipefusion-degree {self.pipefusion_degree}: PipeFusion stages already hold "
                 "only their own blocks and run different blocks at once, so drop one of the two."
             )
+        if self.offload and not self.shard_weights:
+            raise LayoutError("--offload moves the sharded blocks' weights to CPU memory between uses: add --shard-weights.")
         if self.num_patches is not None and self.num_patches < 1:
             raise LayoutError(f"--num-patches is {self.num_patches}; use 1 or more (default: the pipefusion degree).")
         if self.world_size != world_size:
@@ -96,6 +101,8 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dp-degree", type=int, default=1, help="Data parallel: split the batch over replicas.")
     group.add_argument("--shard-weights", action="store_true",
                        help="Split every transformer block's weights over the ranks (FSDP2); not with PipeFusion.")
+    group.add_argument("--offload", action="store_true",
+                       help="With --shard-weights: keep the shards in CPU memory, on the GPU only while their block runs.")
 
 
 def config_from_args(args: argparse.Namespace) -> ParallelConfig:
@@ -108,4 +115,5 @@ def config_from_args(args: argparse.Namespace) -> ParallelConfig:
         num_patches=args.num_patches,
         warmup_steps=args.warmup_steps,
         shard_weights=args.shard_weights,
+        offload=args.offload,
     )

@@ -27,16 +27,16 @@ FP8_STORAGE = torch.float8_e4m3fn  # "fp8": weights stored in fp8, each layer co
 
 
 def load_pipeline(model_dir: str | Path, *, text_encoders: bool = False, dtype: str | None = None,
-                  shard_weights: bool = False) -> DiffusionPipeline:
+                  shard_weights: bool = False, offload: bool = False) -> DiffusionPipeline:
     """Load a `save_pretrained` folder (text encoders and tokenizers only when asked for), or a single-file
     transformer checkpoint with the pack's shipped configs (parallel/checkpoints); `shard_weights` splits
-    the transformer blocks over the ranks of the world (weight_sharding.py)."""
+    the transformer blocks over the ranks of the world (weight_sharding.py), `offload` keeps the shards in CPU memory."""
     if shard_weights and dtype == "fp8":
         raise ValueError("--shard-weights does not work with --dtype fp8 (its per-layer casting rewrites the weights "
                          "that FSDP holds in shards); use bf16 or fp16 with --shard-weights")
     model_dir = Path(model_dir)
     if model_dir.is_file() or model_dir.suffix.lower() in CHECKPOINT_SUFFIXES:
-        return _load_single_file(model_dir, text_encoders, dtype, shard_weights)
+        return _load_single_file(model_dir, text_encoders, dtype, shard_weights, offload)
     index = model_dir / "model_index.json"
     if not model_dir.exists():
         raise FileNotFoundError(f"{model_dir} does not exist: give a diffusers pipeline folder or a single-file checkpoint")
@@ -48,27 +48,28 @@ def load_pipeline(model_dir: str | Path, *, text_encoders: bool = False, dtype: 
     }
     kwargs = {"torch_dtype": DTYPES[dtype]} if dtype else {}
     pipeline = DiffusionPipeline.from_pretrained(model_dir, **skipped, **kwargs)
-    return _place(pipeline, dtype, shard_weights)
+    return _place(pipeline, dtype, shard_weights, offload)
 
 
-def _load_single_file(path: Path, text_encoders: bool, dtype: str | None, shard_weights: bool) -> DiffusionPipeline:
+def _load_single_file(path: Path, text_encoders: bool, dtype: str | None, shard_weights: bool,
+                      offload: bool) -> DiffusionPipeline:
     if text_encoders:
         raise ValueError(f"{path.name} is a single-file transformer checkpoint: it has no text encoders. Start the "
                          "pool without text encoders and encode prompts in ComfyUI (CLIPTextEncode)")
     from .checkpoints.load import load_single_file_pipeline
 
     pipeline = load_single_file_pipeline(path, dtype=DTYPES[dtype] if dtype else None)
-    return _place(pipeline, dtype, shard_weights)
+    return _place(pipeline, dtype, shard_weights, offload)
 
 
-def _place(pipeline: DiffusionPipeline, dtype: str | None, shard_weights: bool) -> DiffusionPipeline:
+def _place(pipeline: DiffusionPipeline, dtype: str | None, shard_weights: bool, offload: bool) -> DiffusionPipeline:
     """On this rank's GPU if there is one; fp8 keeps the transformer's weights in fp8 between uses."""
     if torch.cuda.is_available():
         pipeline.to(f"cuda:{torch.cuda.current_device()}")
     if shard_weights:
         from .weight_sharding import shard_weights as shard
 
-        shard(pipeline)
+        shard(pipeline, offload)
     if dtype == "fp8":
         pipeline.transformer.enable_layerwise_casting(storage_dtype=FP8_STORAGE, compute_dtype=torch.bfloat16)
     return pipeline

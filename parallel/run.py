@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         initialize_model_parallel(config)
         inputs = read_inputs(args.inputs)
         model = builtin_models.resolve_model_on_ranks(args.model, int(os.environ.get("LOCAL_RANK", 0)), world.barrier)
-        pipeline = load_pipeline(model, dtype=args.dtype, shard_weights=config.shard_weights)
+        pipeline = load_pipeline(model, dtype=args.dtype, shard_weights=config.shard_weights, offload=config.offload)
         set_scheduler(pipeline, args.scheduler)
         parallel = wrap_pipeline(pipeline, attention_kernel=args.attention_kernel)
         request = request_from_args(args, parallel.call_parameters, type(pipeline).__name__)

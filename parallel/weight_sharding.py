@@ -15,25 +15,27 @@ import dataclasses
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
 
 def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
     return [block for child in transformer.children() if isinstance(child, torch.nn.ModuleList) for block in child]
 
 
-def shard_weights(pipeline) -> None:
-    """Shard the blocks of the pipeline's transformer(s) (Wan 2.2's two experts each) over the whole world."""
+def shard_weights(pipeline, offload: bool = False) -> None:
+    """Shard the blocks of the pipeline's transformer(s) (Wan 2.2's two experts each) over the whole world;
+    `offload` (--offload): the shards live in (pinned) CPU memory and are copied in for their block's gather."""
     world = torch.distributed.get_world_size()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = init_device_mesh(device, (world,))
+    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     for name in ("transformer", "transformer_2"):
         transformer = getattr(pipeline, name, None)
         if transformer is None:
             continue
         for block in transformer_blocks(transformer):
             original = type(block)
-            fully_shard(block, mesh=mesh, reshard_after_forward=True)
+            fully_shard(block, mesh=mesh, reshard_after_forward=True, offload_policy=policy)
             _keep_step_cache_metadata(original, type(block))
 
 

@@ -29,7 +29,7 @@ import engine_cases
 def run_case(case: dict, rank: int) -> None:
     initialize_model_parallel(ParallelConfig(**case["layout"], shard_weights=True))
     try:
-        pipeline = load_pipeline(case["model"], shard_weights=True)
+        pipeline = load_pipeline(case["model"], shard_weights=True, offload=case["layout"].get("offload", False))
         if case.get("fault") == "stale_shard" and rank == torch.distributed.get_world_size() - 1:
             with torch.no_grad():
                 next(transformer_blocks(pipeline.transformer)[0].parameters()).to_local().zero_()

@@ -2,7 +2,8 @@
 rank its own sample: sharding and no activation split), with Ulysses, Ring, CFG parallel and Ulysses ×
 CFG, equals diffusers' single-process pipeline; the pool's status shows each rank holding about 1/N of the weights;
 the step cache on sharded blocks equals diffusers' cached pipeline; a wrong shard on one rank is caught
-(negative control); contract E and the xDiT Pool node take the flag and refuse it with PipeFusion.
+(negative control); contract E and the xDiT Pool node take the flag and refuse it with PipeFusion;
+`--offload` (the shards in CPU memory, FSDP2's CPUOffloadPolicy) is exact too and needs --shard-weights.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
 STEPS, SIZE = 2, 64
 LAYOUTS = {
     2: {"shard2-dp2": {"dp_degree": 2}, "shard2-ulysses2": {"ulysses_degree": 2}, "shard2-cfg2": {"cfg_degree": 2},
-        "shard2-ring2": {"ring_degree": 2}},
+        "shard2-ring2": {"ring_degree": 2}, "shard2-ulysses2-offload": {"ulysses_degree": 2, "offload": True}},
     4: {"shard4-cfg2-ulysses2": {"cfg_degree": 2, "ulysses_degree": 2}},
 }
 FAMILIES = (*tiny_models.FAMILIES, "wan", "wan22")  # Wan 2.2 A14B: both experts sharded
@@ -104,6 +105,11 @@ def test_step_cache_on_sharded_weights_matches_diffusers_cached(matrix):
     assert (load_file(output)["latents"] - expected).abs().max().item() <= TOLERANCE
 
 
+def test_offload_without_shard_weights_is_refused_in_one_line():
+    with pytest.raises(LayoutError, match="--offload .* add --shard-weights"):
+        ParallelConfig(ulysses_degree=2, offload=True).check(2)
+
+
 def test_shard_weights_with_pipefusion_is_refused_in_one_line():
     with pytest.raises(LayoutError, match="--shard-weights with --pipefusion-degree 2") as error:
         ParallelConfig(pipefusion_degree=2, shard_weights=True).check(2)
@@ -162,6 +168,8 @@ def test_pool_node_passes_shard_weights_and_refuses_it_with_pipefusion(monkeypat
     assert node.XDiTPool.validate_inputs(**kwargs) is True
     refused = node.XDiTPool.validate_inputs(**{**kwargs, "ulysses_degree": 1, "pipefusion_degree": 2})
     assert refused.startswith("--shard-weights with --pipefusion-degree 2")
+    assert node.pool_key({**kwargs, "offload": True}, resolve_model=False).parallel.offload is True
+    assert node.XDiTPool.validate_inputs(**{**kwargs, "shard_weights": False, "offload": True}).startswith("--offload")
 
 
 def _engine(model_dir, inputs, output, *flags):
@@ -172,9 +180,9 @@ def _engine(model_dir, inputs, output, *flags):
 def test_contract_e_with_shard_weights_equals_diffusers_and_refuses_what_it_cannot(tiny_model_dirs, tmp_path):
     inputs, output = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
     save_file(tiny_models.make_inputs("pixart-alpha"), inputs)
-    run = _engine(tiny_model_dirs["pixart-alpha"], inputs, output, "--ulysses-degree", "2", "--shard-weights")
+    run = _engine(tiny_model_dirs["pixart-alpha"], inputs, output, "--ulysses-degree", "2", "--shard-weights", "--offload")
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "[ulysses=2, sharded weights]" in run.stdout
+    assert "[ulysses=2, sharded weights offloaded to CPU]" in run.stdout
     expected = diffusers_latents(tiny_model_dirs["pixart-alpha"], "pixart-alpha", **load_file(inputs),
                                  num_inference_steps=2, guidance_scale=4.5, height=64, width=64)
     assert (load_file(output)["latents"] - expected).abs().max().item() <= TOLERANCE

@@ -27,6 +27,13 @@ def _pool_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument("--text-encoders", action="store_true", help="also load the text encoders")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "fp8"], default=None, help="fp8: fp8 storage, bf16 compute")
     parser.add_argument("--threads-per-rank", type=int, default=None)
+    limits = parser.add_argument_group("limits (jobs past them are refused at submit; ranks that hang are ended)")
+    limits.add_argument("--max-megapixels", type=float, default=0.0, metavar="MP",
+                        help="largest job in output megapixels, batch × frames × height × width (default: no limit)")
+    limits.add_argument("--max-job-seconds", type=float, default=0.0, metavar="S",
+                        help="longest job, estimated from the pool's last job (default: no limit)")
+    limits.add_argument("--hang-timeout", type=float, default=30.0, metavar="S",
+                        help="a rank silent this long is hung: its job fails naming it and the pool restarts (default: 30)")
     add_parallel_arguments(parser)
 
 
@@ -94,6 +101,7 @@ def _spec(args, endpoint: str | None, curve_dir: str | None = None):
         text_encoders=args.text_encoders, dtype=args.dtype, threads_per_rank=args.threads_per_rank,
         curve_dir=curve_dir, nnodes=getattr(args, "nnodes", 1), node_rank=getattr(args, "node_rank", 0),
         rdzv_endpoint=getattr(args, "rdzv_endpoint", None), rdzv_id=getattr(args, "rdzv_id", "xdit-pool"),
+        max_megapixels=args.max_megapixels, max_job_seconds=args.max_job_seconds, hang_timeout_s=args.hang_timeout,
     )
 
 

@@ -10,6 +10,7 @@ reply at all, and says at once what is wrong with its keys instead of waiting fo
 
 from __future__ import annotations
 
+import errno
 import socket
 import time
 import uuid
@@ -26,6 +27,9 @@ from .protocol import Message
 
 PING_EVERY_S = 5.0
 MISSED_PINGS = 3
+HANDSHAKE_WITHIN_S = 5.0  # a live pool completes it in milliseconds, CURVE included
+ACCEPT_WITHIN_S = 10.0  # the pool acknowledges every submit at once (accepted or error)
+UNKNOWN_PINGS = 2  # pings in a row saying the pool has no such job: its result is not coming
 
 
 class PoolUnreachable(RuntimeError):
@@ -61,6 +65,7 @@ class PoolClient:
         self.socket.setsockopt(zmq.IDENTITY, f"client-{uuid.uuid4().hex}".encode())
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDTIMEO, 10_000)
+        self.socket.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_WITHIN_S * 1000))
         if curve_dir:
             ClientKeys.load(curve_dir).apply(self.socket)
         self._handshakes = self.socket.get_monitor_socket(HANDSHAKE_FAILURES)
@@ -86,7 +91,7 @@ class PoolClient:
             self.socket.send_multipart(protocol.encode(message), copy=False)
         except zmq.Again:  # no pipe to queue on within SNDTIMEO: a refused handshake tore it down
             if self._handshakes.poll(0):
-                raise self._refused(recv_monitor_message(self._handshakes)) from None
+                raise self._handshake_failed(recv_monitor_message(self._handshakes)) from None
             raise PoolUnreachable(f"the pool at {self.endpoint} took no message within "
                                   f"{self.socket.getsockopt(zmq.SNDTIMEO) / 1000:.0f} s") from None
 
@@ -96,13 +101,18 @@ class PoolClient:
         poller.register(self._handshakes, zmq.POLLIN)
         ready = dict(poller.poll(int(timeout_s * 1000)))
         if self._handshakes in ready:
-            raise self._refused(recv_monitor_message(self._handshakes))
+            raise self._handshake_failed(recv_monitor_message(self._handshakes))
         if self.socket not in ready:
             return None
         return protocol.decode(self.socket.recv_multipart(copy=False), from_client=False)
 
-    def _refused(self, event: dict) -> PoolRefused:
+    def _handshake_failed(self, event: dict) -> PoolUnreachable:
         where = f"the pool at {self.endpoint}"
+        timed_out = event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and event["value"] == errno.EAGAIN
+        if timed_out:  # nothing answered, so no key was judged (a refused one ends the connection: EPIPE)
+            return PoolUnreachable(f"{where} accepted the connection but did not complete the ZMQ handshake within "
+                                   f"{HANDSHAKE_WITHIN_S:.0f} s: the process serving it is hung or stopped (the pool's "
+                                   "watchdog restarts a hung rank after --hang-timeout)")
         if not self.curve_dir:
             why = (f"requires CURVE keys: pass --curve-dir DIR (or set {ENV}) with its server.key and an "
                    "allowed client.key_secret, from `python -m workers keys`")
@@ -143,8 +153,8 @@ class PoolClient:
                 return reply
         self._listening = False
         self.check_listening()
-        keys = "" if self.curve_dir else f" (a pool with CURVE keys answers only clients with an allowed key: --curve-dir or {ENV})"
-        raise PoolUnreachable(f"no reply from the pool at {self.endpoint} within {timeout_s:.0f} s{keys}")
+        keys = "" if self.curve_dir else f"; a pool with CURVE keys answers only clients with an allowed key (--curve-dir or {ENV})"
+        raise PoolUnreachable(f"no reply from the pool at {self.endpoint} within {timeout_s:.0f} s: it may be hung or overloaded{keys}")
 
     def status(self, timeout_s: float = 10.0) -> dict:
         return self.request("status", timeout_s=timeout_s).params
@@ -217,14 +227,23 @@ class PoolClient:
         return reply.tensors["images"], reply.params
 
     def _follow(self, job: str, on_step, should_cancel) -> Message:
-        """Wait for the job's final message, passing steps on; raise for errors and cancels."""
+        """Wait for the job's final message, passing steps on; raise for errors and cancels.
+
+        Every wait is bounded: a job the pool does not acknowledge within ACCEPT_WITHIN_S, a pool that
+        stops answering pings, and a pool that answers pings but no longer has the job all raise."""
         cancel_sent = False
-        missed, last_heard = 0, time.monotonic()
+        sent_at = last_heard = time.monotonic()
+        acknowledged, missed, unknown = False, 0, 0
         ping = None
         while True:
             if should_cancel is not None and not cancel_sent and should_cancel():
                 self.cancel(job)
                 cancel_sent = True
+            if not acknowledged and time.monotonic() - sent_at > ACCEPT_WITHIN_S:
+                raise PoolUnreachable(
+                    f"the pool at {self.endpoint} did not acknowledge job {job} within {ACCEPT_WITHIN_S:.0f} s: ZMQ "
+                    f"drops a message with a frame over {protocol.MAX_WIRE_FRAME_BYTES >> 20} MiB without a reply, or the "
+                    "pool is overloaded; nothing of the job runs")
             reply = self.receive(0.1)
             if reply is None:
                 if time.monotonic() - last_heard > PING_EVERY_S:
@@ -235,15 +254,20 @@ class PoolClient:
                             self.check_listening()
                             raise PoolUnreachable(f"the pool at {self.endpoint} stopped answering during job {job}")
                     ping = f"ping-{uuid.uuid4().hex[:12]}"
-                    self.send(Message("status", ping))
+                    self.send(Message("status", ping, {"job": job}))
                     last_heard = time.monotonic()
                 continue
             last_heard, missed = time.monotonic(), 0
             if reply.job == ping:
                 ping = None
+                unknown = unknown + 1 if reply.params.get("job_state") == "unknown" else 0
+                if unknown >= UNKNOWN_PINGS:
+                    raise JobFailed(f"the pool at {self.endpoint} no longer has job {job} (neither queued nor "
+                                    "running) and sent no result; submit it again", -1)
                 continue
             if reply.job not in (job, ""):
                 continue
+            acknowledged = True
             if reply.type == "step" and on_step is not None:
                 on_step(reply)
             elif reply.type == "result":

@@ -6,17 +6,23 @@ start/end/error; the supervisor grants rank 0 the client endpoint (`bind_ok`) an
 job error whether ranks resume or the pool restarts. Only processes of this pool talk here, but it is still msgpack, not pickle.
 Every message names the launch it comes from (the supervisor's restart count when it started the
 rank), so a late message from a rank of a previous launch cannot act on the current one.
+
+Each rank also beats (Heartbeat: its own thread and socket, identity `rank<N>-beat`) every
+BEAT_EVERY_S, so the supervisor's watchdog notices a rank that is stopped or wedged even while its
+peers wait for it in a collective that gloo would let hang for 30 minutes.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import Any, Callable
 
 import zmq
 
 from .framing import ProtocolError, pack_header, unpack_header
 
 MAX_CONTROL_BYTES = 16 * 1024 * 1024  # a rank's start-up failure carries its traceback
+BEAT_EVERY_S = 1.0
 pack = pack_header
 
 
@@ -47,3 +53,31 @@ class RankChannel:
 
     def close(self) -> None:
         self.socket.close()
+
+
+class Heartbeat(threading.Thread):
+    """A rank's beat to its supervisor, with `progress()` (state, step) for the watchdog's message."""
+
+    def __init__(self, context: zmq.Context, endpoint: str, rank: int, launch: int, progress: Callable[[], dict]):
+        super().__init__(name="xdit-heartbeat", daemon=True)
+        self.context, self.endpoint, self.rank, self.launch, self.progress = context, endpoint, rank, launch, progress
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        socket = self.context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.IDENTITY, f"rank{self.rank}-beat".encode())
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(self.endpoint)
+        try:
+            while not self._stopped.wait(BEAT_EVERY_S):
+                try:
+                    socket.send(pack({"type": "beat", "rank": self.rank, "launch": self.launch, **self.progress()}),
+                                flags=zmq.NOBLOCK)
+                except zmq.Again:  # the supervisor is busy: the next beat says the same
+                    pass
+        finally:
+            socket.close()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self.join(timeout=2 * BEAT_EVERY_S)

@@ -1,8 +1,9 @@
 """The job loop every rank runs: receive the job from rank 0, sample, stream steps, obey cancels.
 
 Rank 0 takes the next job from its client server and broadcasts it (a framing.py header, then tensors)
-over a gloo group, so the same code works under NCCL. At every step boundary rank 0 decides
-whether the job goes on and broadcasts that decision, so all ranks stop at the same step.
+over a gloo group, so the same code works under NCCL. At every step boundary, and inside a step
+between transformer blocks (CancelPoints), rank 0 decides whether the job goes on and broadcasts that
+decision, so all ranks stop at the same point.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .protocol import Message, sample_request
 
 log = logging.getLogger("xdit.jobs")
 PREVIEW_SIDE = 64  # latent pixels per side in step previews
+CHECK_EVERY_S = 0.5  # inside a step, the ranks ask rank 0 about a cancel about this often
 
 
 class JobCancelled(Exception):
@@ -73,11 +75,51 @@ def preview_of(latents: torch.Tensor) -> torch.Tensor:
     return sample
 
 
+class CancelPoints:
+    """Where every rank learns from rank 0 whether the job is cancelled: at each step's end (`step_ended`)
+    and, inside a step, before every `every`-th transformer block, so a cancel or a stop takes effect within
+    about CHECK_EVERY_S even when one step takes minutes. `every` starts at 1 and is reset at each step's end
+    from rank 0's measured time per block, sent with the decision, so every rank checks at the same blocks.
+    Only where every rank runs the same blocks in the same order: not under PipeFusion (step ends only).
+    """
+
+    def __init__(self, transformers: list[torch.nn.Module], cancelled, group, rank: int, inside_steps: bool):
+        self.cancelled, self.group, self.rank = cancelled, group, rank
+        self.every, self.blocks, self.step_started = 1, 0, time.perf_counter()
+        blocks = engine("weight_sharding").transformer_blocks
+        # prepend: before FSDP2's own pre-forward, so a cancel never leaves a block's weights gathered
+        self._hooks = [block.register_forward_pre_hook(self._before_block, prepend=True)
+                       for transformer in (transformers if inside_steps else []) for block in blocks(transformer)]
+
+    def _decide(self, every: int = 0) -> tuple[bool, int]:
+        decision = torch.tensor([int(self.rank == 0 and self.cancelled()), every], dtype=torch.int64)
+        dist.broadcast(decision, src=0, group=self.group)
+        return bool(decision[0]), int(decision[1])
+
+    def _before_block(self, module, args) -> None:
+        self.blocks += 1
+        if self.blocks % self.every == 0 and self._decide()[0]:
+            raise JobCancelled(-1)
+
+    def step_ended(self) -> bool:
+        """True when the job is cancelled; else the next step's check interval is agreed on."""
+        seconds = time.perf_counter() - self.step_started
+        every = max(1, int(self.blocks * CHECK_EVERY_S / seconds)) if self.blocks and seconds > 0 else 1
+        cancel, self.every = self._decide(every)
+        self.blocks, self.step_started = 0, time.perf_counter()
+        return cancel
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
 class JobRunner:
     """Runs sampling jobs on the wrapped pipeline; rank 0 also talks to clients through `server`."""
 
-    def __init__(self, pipeline, group: dist.ProcessGroup | None, server=None):
+    def __init__(self, pipeline, group: dist.ProcessGroup | None, server=None, cancel_inside_steps: bool = True):
         self.pipeline, self.group, self.server = pipeline, group, server
+        self.cancel_inside_steps = cancel_inside_steps
         self.rank = dist.get_rank()
         self.step = 0  # the running job's last finished step, for status
 
@@ -110,25 +152,32 @@ class JobRunner:
         preview = work.params.get("preview", True)
 
         self.step = 0
+        transformers = [getattr(t, "module", t) for name in ("transformer", "transformer_2")
+                        if (t := getattr(self.pipeline.module, name, None)) is not None]
+        points = CancelPoints(transformers, lambda: self.server.is_cancelled(work.job), self.group, self.rank,
+                              self.cancel_inside_steps)
 
         def on_step(index: int, latents: torch.Tensor) -> None:
             self.step = index + 1
-            decision = torch.zeros(1, dtype=torch.int64)
-            if self.rank == 0 and self.server.is_cancelled(work.job):
-                decision[0] = 1
-            dist.broadcast(decision, src=0, group=self.group)
-            if self.rank == 0 and not decision[0]:
+            cancelled = points.step_ended()
+            if self.rank == 0 and not cancelled:
                 tensors = {"preview": preview_of(latents)} if preview else {}
                 info = {"index": index + 1, "total": total, "elapsed": time.perf_counter() - started}
                 self.server.send(client, Message("step", work.job, info, tensors))
-            if decision[0]:
+            if cancelled:
                 raise JobCancelled(index + 1)
 
         kwargs = request.pipeline_kwargs(inputs)
         init_latents = kwargs.pop("init_latents", None)
         if init_latents is not None:
             kwargs = self.pipeline.partial_denoise(kwargs, init_latents, request.denoise)
-        return self.pipeline(**kwargs, output_type="latent", return_dict=False, step_callback=on_step, prepared=prepared)[0]
+        try:
+            return self.pipeline(**kwargs, output_type="latent", return_dict=False, step_callback=on_step,
+                                 prepared=prepared)[0]
+        except JobCancelled as cancelled:
+            raise JobCancelled(self.step if cancelled.step < 0 else cancelled.step) from None
+        finally:
+            points.close()
 
     def decode(self, work: Work, client: bytes | None) -> tuple[torch.Tensor | None, dict]:
         """Decode the work's latents with the pipeline's VAE, its tiles over every rank (parallel/vae_decode.py);

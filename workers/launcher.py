@@ -2,7 +2,9 @@
 
 The supervisor, not torchrun's agent, decides what a rank's death means: it polls every rank's
 pid every 50 ms (torchrun's own monitor runs every second), so it sees the rank that died first and
-can name it to the client before it stops the others.
+can name it to the client before it stops the others. A rank that lives but stops beating (SIGSTOP,
+a wedge that even its heartbeat thread cannot get past) for `hang_timeout_s` is declared hung the same
+way, and a pool a client asked to stop is ended STOP_GRACE_S later if its ranks are still busy.
 
 The `Pool` object lives in the process that owns the pool (ComfyUI, `python -m workers serve` or
 `join`). Its supervisor thread is the only user of its ZMQ sockets. It launches torchrun, hands the
@@ -34,7 +36,8 @@ import time
 
 import zmq
 
-from .control import pack, unpack
+from .control import MAX_CONTROL_BYTES, pack, unpack
+from .framing import ProtocolError
 from .engine import launch
 from .processes import is_alive
 from .protocol import Message
@@ -47,6 +50,7 @@ JOIN_RELAUNCH_DELAY_S = 2.0  # lets node 0 notice the break first and host the f
 RENDEZVOUS_RETRY_S = 1.0
 DEATH_REPORT_S = 0.5  # a rank's peers can notice its death before /proc shows it
 WAITING = "waiting for nodes"
+STOP_GRACE_S = 5.0  # after a client's stop, ranks still busy this long are ended
 
 
 class PoolError(RuntimeError):
@@ -129,6 +133,7 @@ class Pool:
         self._context = zmq.Context()
         self._control = self._context.socket(zmq.ROUTER)
         self._control.setsockopt(zmq.LINGER, 0)
+        self._control.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
         port = self._control.bind_to_random_port("tcp://127.0.0.1")
         self._control_endpoint = f"tcp://127.0.0.1:{port}"
         self._standin: StandIn | None = None
@@ -164,6 +169,8 @@ class Pool:
         self._current_job: tuple[str, bytes] | None = None
         self._job_errors: dict[int, str] = {}
         self._job_error_since = 0.0
+        self._beats: dict[int, float] = {}  # rank -> when its heartbeat last came (control.Heartbeat)
+        self._stop_deadline: float | None = None
         spec = self.spec
         command = launch.torchrun_command(
             spec.nproc, "-m", "workers.rank", *spec.rank_arguments(),
@@ -190,8 +197,14 @@ class Pool:
             self._standin.register(poller)
         for sock, _ in poller.poll(50):
             if sock is self._control:
-                identity, raw = self._control.recv_multipart()
-                self._on_control(identity, unpack(raw))
+                frames = self._control.recv_multipart()
+                try:
+                    identity, raw = frames
+                    message = unpack(raw)
+                except (ValueError, ProtocolError) as error:  # only this pool's ranks speak here; still, never die of it
+                    log.warning("dropped a malformed control message (%d frames): %s", len(frames), error)
+                    continue
+                self._on_control(identity, message)
             elif self._standin is not None:
                 self._standin.handle(sock)
         if self._standin is not None:
@@ -201,7 +214,11 @@ class Pool:
         kind, rank = message["type"], message.get("rank", -1)
         if message.get("launch") != self.restarts:
             return  # sent by a rank of a launch that has since been stopped
-        if kind == "hello":
+        if kind == "beat":
+            self._beats[rank] = time.monotonic()
+            if message.get("stopping") and self._stop_deadline is None:
+                self._stop_deadline = time.monotonic() + STOP_GRACE_S
+        elif kind == "hello":
             self.pids[rank] = message["pid"]
             if self.state == WAITING:  # torchrun starts ranks only once every node is in the rendezvous
                 self.state = "starting"
@@ -210,6 +227,7 @@ class Pool:
                 self._standin.close()
             self._control.send_multipart([identity, pack({"type": "bind_ok"})])
         elif kind == "ready":
+            self._beats[rank] = time.monotonic()
             self._ranks_ready.add(rank)
             self.nodes = message.get("nodes") or self.nodes
             if len(self._ranks_ready) == self.spec.nproc:
@@ -250,6 +268,13 @@ class Pool:
         if self._job_errors and time.monotonic() - self._job_error_since > JOB_ERROR_GRACE_S:
             rank = min(self._job_errors)
             return self._crashed(f"the job failed on rank {rank} only ({self._job_errors[rank]}); the pool restarts")
+        if self._stop_deadline is not None and time.monotonic() > self._stop_deadline:
+            log.warning("ranks still busy %.0f s after a client's stop: ending them", STOP_GRACE_S)
+            return self._stop_requested.set()
+        if hung := self._hung_ranks():
+            what = ", ".join(f"rank {r} (pid {self.pids.get(r)})" for r in hung)
+            return self._crashed(f"{what} stopped responding: no heartbeat for {self.spec.hang_timeout_s:g} s "
+                                 "(hung, stopped or starved); the pool is restarting")
         exit_code = self.process.poll()
         dead = self._dead_ranks()
         if exit_code is None and not dead:
@@ -268,6 +293,13 @@ class Pool:
         if self.spec.nnodes > 1:
             return self._world_broke(None, f"torchrun exited with code {exit_code}")
         self._crashed(f"torchrun (exit code {exit_code}) died; the pool is restarting")
+
+    def _hung_ranks(self) -> list[int]:
+        """Ranks of a ready pool whose heartbeat stopped: the watchdog that gloo's 30-minute timeout is not."""
+        if self.state != "ready":
+            return []
+        now = time.monotonic()
+        return sorted(r for r, beat in self._beats.items() if now - beat > self.spec.hang_timeout_s)
 
     def _world_broke(self, rank: int | None, error: str) -> None:
         """A rank here lost its peers: name a rank here that died, or else the other nodes.
@@ -330,6 +362,7 @@ class Pool:
             return
         for pid in self.pids.values():
             self._signal(pid, signal.SIGTERM)
+            self._signal(pid, signal.SIGCONT)  # a stopped rank acts on SIGTERM only once it runs
         self._wait_exited(3.0)
         try:
             os.killpg(self.process.pid, signal.SIGKILL)

@@ -37,6 +37,8 @@ from .framing import (  # the wire's dtypes and limits are the framing's; protoc
 
 PROTOCOL_VERSION = 2  # 2: family scalars travel in params["call"]
 MAX_TENSORS = 16
+# Endpoints let ZMQ drop a sender whose frame passes this, unread; smaller oversize tensors get an error reply.
+MAX_WIRE_FRAME_BYTES = 8 * MAX_FRAME_BYTES
 MAX_PROMPT_CHARS = 20_000
 MAX_LORAS = 16
 JOB_INPUTS = (*PIPELINE_TENSOR_INPUTS, "init_latents")  # init_latents: img2img's starting point
@@ -57,7 +59,7 @@ CLIENT_MESSAGES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     # Decode LATENT tensors with the pool's VAE, tiles over the ranks (parallel/vae_decode.py); tile in latent pixels.
     "decode": {"tile": ((int,), False)},
     "cancel": {},
-    "status": {},
+    "status": {"job": ((str,), False)},  # with job: also that job's state (queued, running, unknown)
     "stop": {},
 }
 SERVER_MESSAGES = ("accepted", "step", "result", "error", "cancelled", "status", "stopping")

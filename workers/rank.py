@@ -31,10 +31,11 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from .control import RankChannel
+from .admission import Admission, megapixels
+from .control import Heartbeat, RankChannel
 from .engine import add_parallel_arguments, config_from_args, engine
 from .jobs import JobCancelled, JobRunner, Work, broadcast_work
-from .memory import memory_of_this_rank
+from .memory import PeakMemory, memory_of_this_rank
 from .processes import is_alive
 from .protocol import Message
 
@@ -62,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--jobs-done", type=int, default=0)
     parser.add_argument("--restarts", type=int, default=0)
+    parser.add_argument("--max-megapixels", type=float, default=0.0)
+    parser.add_argument("--max-job-seconds", type=float, default=0.0)
     add_parallel_arguments(parser)
     return parser.parse_args(argv)
 
@@ -74,6 +77,8 @@ class Rank:
         self.context = zmq.Context()
         self.control = RankChannel(self.context, args.control, self.rank, args.restarts)
         self.control.send("hello", pid=os.getpid())
+        self.heartbeat = Heartbeat(self.context, args.control, self.rank, args.restarts, self.progress)
+        self.heartbeat.start()
         self.server = None
         self.jobs_done = args.jobs_done
         self.last_cache: dict | None = None  # the last job's step cache: method, full and cached model calls
@@ -81,6 +86,7 @@ class Rank:
         self.pids: list[int] = []
         self.nodes: list[dict] = []
         self.state = "starting"
+        self.admission = Admission(args.max_megapixels, args.max_job_seconds)
 
     def _claim_rank(self) -> int:
         """Node 0's ranks come first, whatever order the c10d rendezvous gave the machines."""
@@ -89,6 +95,11 @@ class Rank:
         rank = self.args.node_rank * int(os.environ["LOCAL_WORLD_SIZE"]) + int(os.environ["LOCAL_RANK"])
         os.environ["RANK"] = str(rank)  # read by init_process_group (env://)
         return rank
+
+    def progress(self) -> dict:
+        """What each heartbeat tells the supervisor: this rank's state and step, and whether stop was asked."""
+        stopping = self.server is not None and self.server.stop_requested.is_set()
+        return {"state": self.state, "step": self.runner.step if self.state == "busy" else 0, "stopping": stopping}
 
     # -- start-up -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -116,10 +127,11 @@ class Rank:
         # Only rank 0 encodes text, so only rank 0 loads the text encoders.
         text_encoders = self.args.text_encoders and self.rank == 0
         self.pipeline = wrap_pipeline(load_pipeline(model, text_encoders=text_encoders, dtype=self.args.dtype,
-                                                    shard_weights=self.config.shard_weights))
+                                                    shard_weights=self.config.shard_weights, offload=self.config.offload))
         self.default_scheduler = self.pipeline.module.scheduler.module
         self.scheduler_name = "default"
-        self.runner = JobRunner(self.pipeline, self.group, self.server)
+        self.runner = JobRunner(self.pipeline, self.group, self.server,
+                                cancel_inside_steps=self.config.pipefusion_degree == 1)
         self.loras = engine("lora").LoraManager(self.pipeline.module)
         self.phase = "world"
         self._update_memory()
@@ -132,14 +144,14 @@ class Rank:
     def _census(self) -> tuple[list[dict], list[int]]:
         """Every rank's node, host and pid (for status), and one layout for the whole world."""
         c = self.config
-        layout = [c.dp_degree, c.cfg_degree, c.pipefusion_degree, c.ring_degree, c.ulysses_degree, c.num_patches or 0, c.warmup_steps, int(c.shard_weights)]
+        layout = [c.dp_degree, c.cfg_degree, c.pipefusion_degree, c.ring_degree, c.ulysses_degree, c.num_patches or 0, c.warmup_steps, int(c.shard_weights), int(c.offload)]
         width = 2 + len(layout)
         flat = self._gather_ints([self.args.node_rank, os.getpid(), *layout])
         rows = [flat[r * width:(r + 1) * width] for r in range(self.world_size)]
         hosts = self._gather_text(socket.gethostname())
         for r, row in enumerate(rows):
             if row[2:] != layout:
-                names = "dp, cfg, pipefusion, ring, ulysses, patches, warmup, shard"
+                names = "dp, cfg, pipefusion, ring, ulysses, patches, warmup, shard, offload"
                 raise StartRefused(f"node {row[0]} runs the layout ({names}) = {tuple(row[2:])} but node "
                                    f"{self.args.node_rank} runs {tuple(layout)}: start every node with the same layout flags")
         nodes: dict[int, dict] = {}
@@ -222,6 +234,8 @@ class Rank:
             return self._check_decode(message)
         if "latents" not in message.tensors:
             raise ValueError("submit needs a 'latents' tensor (the initial noise)")
+        request = self.runner.request(message.params)
+        self.admission.check(self._size(request, message.tensors["latents"]), request.steps)
         prepared = self.runner.prepare(message.params, message.tensors)
         for lora in message.params.get("loras", []):
             if not os.path.isfile(lora["path"]):
@@ -232,6 +246,10 @@ class Rank:
             raise ValueError(f"init_latents {list(init.shape)} must have the shape of latents {list(latents.shape)}")
         engine("loading").make_scheduler(self.default_scheduler, message.params.get("scheduler", "default"))
         return prepared
+
+    @staticmethod
+    def _size(request, latents: torch.Tensor) -> float:
+        return megapixels(latents.shape[0], request.height, request.width, int(request.call.get("num_frames", 1)))
 
     def _check_decode(self, message: Message) -> None:
         vae = getattr(self.pipeline.module, "vae", None)
@@ -308,7 +326,12 @@ class Rank:
                     self.scheduler_name = name
                 self.loras.apply([engine("lora").LoraSpec(lora["path"], float(lora["strength"]), lora.get("expert", ""))
                                   for lora in work.params.get("loras", [])])
-                latents = self.runner.run(work, client, prepared)
+                started = time.perf_counter()
+                with PeakMemory() as peak:
+                    latents = self.runner.run(work, client, prepared)
+                request = self.runner.request(work.params)
+                self.admission.record(self._size(request, work.tensors["latents"]), request.steps,
+                                      time.perf_counter() - started, peak.bytes)
                 reply = Message("result", work.job, self.runner.outcome(), {"latents": latents})
                 self.last_cache = reply.params.get("cache")
                 if self.last_cache is not None and self.rank == 0:
@@ -374,6 +397,7 @@ def main(argv=None) -> int:
         time.sleep(0.5)
         return 1
     rank.loop()
+    rank.heartbeat.stop()
     if rank.server:
         rank.server.close()
     rank.control.send("stopped")

@@ -4,6 +4,10 @@ The thread owns the ROUTER socket (ZMQ sockets are not thread-safe): it validate
 queues jobs FIFO, answers status at any time, records cancels, and forwards what the main thread
 produces (step / result / error messages) through an inproc PULL socket. A client that has gone
 away is noticed when a message to it fails (ROUTER_MANDATORY), and its running job is cancelled.
+
+No client can stall the others: every send is non-blocking, so a client that does not read its
+replies (its pipe full at SNDHWM) has them dropped, with a log line, and loses its jobs; it hears why
+once it reads again. Each client may hold MAX_QUEUED_PER_CLIENT waiting jobs, the pool MAX_QUEUED.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from .auth import ServerGuard, ServerKeys
 from .protocol import Message, ProtocolError
 
 log = logging.getLogger("xdit.server")
-MAX_MESSAGE_BYTES = 8 * protocol.MAX_FRAME_BYTES  # ZMQ drops larger messages before they reach us
+MAX_QUEUED_PER_CLIENT = 16
+MAX_QUEUED = 64
 
 
 @dataclass
@@ -61,9 +66,10 @@ class ClientServer(threading.Thread):
         self._outbox.bind(self._outbox_address)
         self._router = context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._router.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_WIRE_FRAME_BYTES)  # per frame: ZMQ drops the sender of a larger one
         self._router.setsockopt(zmq.LINGER, 1000)
-        self._router.setsockopt(zmq.SNDTIMEO, 1000)
+        self._dropped: dict[bytes, int] = {}  # replies dropped per client that does not read
+        self._owed: dict[bytes, Message] = {}  # the error a non-reading client gets once it reads again
         self._guard = ServerGuard(context, ServerKeys.load(curve_dir)) if curve_dir else None
         self._monitor = self._guard.secure(self._router) if self._guard else None
         self._router.bind(endpoint)
@@ -135,15 +141,43 @@ class ClientServer(threading.Thread):
         self._outbox.close()
 
     def _deliver(self, client: bytes, frames: list) -> bool:
+        owed = self._owed.pop(client, None)
+        if owed is not None and not self._send(client, protocol.encode(owed)):
+            self._owed[client] = owed
+            return False
+        return self._send(client, frames)
+
+    def _send(self, client: bytes, frames: list) -> bool:
         try:
-            self._router.send_multipart([client, *frames], copy=False)
+            self._router.send_multipart([client, *frames], copy=False, flags=zmq.NOBLOCK)
+            self._dropped.pop(client, None)
             return True
+        except zmq.Again:  # the client's pipe is full: it does not read its replies
+            self._not_reading(client)
         except zmq.ZMQError as error:  # EHOSTUNREACH: the client went away
             log.info("client %r unreachable (%s)", client, error)
-            with self._lock:
-                if self.running is not None and self.running.client == client:
-                    self.cancelled.add(self.running.id)
-            return False
+            self._cancel_jobs_of(client)
+        return False
+
+    def _not_reading(self, client: bytes) -> None:
+        dropped = self._dropped[client] = self._dropped.get(client, 0) + 1
+        if dropped == 1:
+            log.warning("client %r does not read its replies: dropping them and cancelling its jobs", client)
+        jobs = self._cancel_jobs_of(client)
+        if jobs:
+            self._owed[client] = Message("error", jobs[0], {"rank": 0, "message": (
+                f"job {jobs[0]} was cancelled: this client stopped reading the pool's replies "
+                f"({dropped} dropped); read replies while a job runs")})
+
+    def _cancel_jobs_of(self, client: bytes) -> list[str]:
+        with self._lock:
+            jobs = [job for job, queued in self._queued.items() if queued.client == client]
+            for job in jobs:
+                del self._queued[job]
+            if self.running is not None and self.running.client == client:
+                self.cancelled.add(self.running.id)
+                jobs.insert(0, self.running.id)
+        return jobs
 
     def _reply(self, client: bytes, message: Message) -> None:
         self._deliver(client, protocol.encode(message))
@@ -171,6 +205,13 @@ class ClientServer(threading.Thread):
             raise ProtocolError(f"job {message.job} is already queued or running")
         if self.stop_requested.is_set():
             raise ProtocolError("the pool is stopping")
+        with self._lock:
+            mine = sum(job.client == client for job in self._queued.values())
+        if mine >= MAX_QUEUED_PER_CLIENT:
+            raise ProtocolError(f"this client already has {mine} jobs waiting (the limit per client is "
+                                f"{MAX_QUEUED_PER_CLIENT}); wait for their results before submitting more")
+        if len(self._queued) >= MAX_QUEUED:
+            raise ProtocolError(f"the pool's queue is full ({MAX_QUEUED} jobs waiting); try again when it is shorter")
         job = Job(client, message, self.validate(message))
         with self._lock:
             self._queued[job.id] = job
@@ -198,9 +239,25 @@ class ClientServer(threading.Thread):
             self._reply(client, Message("error", message.job, {"message": f"no job {message.job!r} to cancel", "rank": 0}))
 
     def _on_status(self, client: bytes, message: Message) -> None:
-        self._reply(client, Message("status", message.job, self.status()))
+        status = self.status()
+        if "job" in message.params:
+            status["job_state"] = self._state_of(message.params["job"])
+        self._reply(client, Message("status", message.job, status))
+
+    def _state_of(self, job_id: str) -> str:
+        with self._lock:
+            if self.running is not None and self.running.id == job_id:
+                return "running"
+            return "queued" if job_id in self._queued else "unknown"
 
     def _on_stop(self, client: bytes, message: Message) -> None:
+        """Waiting jobs are refused, the running one cancelled; the supervisor ends ranks that do not exit in time."""
         self.stop_requested.set()
+        with self._lock:
+            queued, self._queued = list(self._queued.values()), {}
+            if self.running is not None:
+                self.cancelled.add(self.running.id)
+        for job in queued:
+            self._reply(job.client, Message("error", job.id, {"message": "the pool is stopping; the job did not run", "rank": 0}))
         self._reply(client, Message("stopping", message.job))
         self.jobs.put(None)

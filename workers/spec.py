@@ -30,6 +30,9 @@ class PoolSpec:
     node_rank: int = 0
     rdzv_endpoint: str | None = None  # HOST:PORT of node 0's rendezvous
     rdzv_id: str = "xdit-pool"
+    max_megapixels: float = 0.0  # admission limits (admission.py); 0: none
+    max_job_seconds: float = 0.0
+    hang_timeout_s: float = 30.0  # a rank silent this long (no heartbeat) is hung: the job fails, the pool restarts
 
     @property
     def world_size(self) -> int:
@@ -49,6 +52,8 @@ class PoolSpec:
             if self.nnodes == 1:
                 raise
             raise LayoutError(f"{error} (here {self.nnodes} nodes × --nproc {self.nproc} = {self.world_size} ranks)") from None
+        if self.hang_timeout_s < 3:
+            raise ValueError(f"--hang-timeout {self.hang_timeout_s:g} is too short: ranks beat every second; give 3 s or more")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT, node 0's address (e.g. 192.168.1.10:29400)")
         if not 0 <= self.node_rank < self.nnodes:
@@ -81,6 +86,12 @@ class PoolSpec:
             args.append("--cfg-parallel")
         if p.shard_weights:
             args.append("--shard-weights")
+        if p.offload:
+            args.append("--offload")
+        if self.max_megapixels:
+            args += ["--max-megapixels", str(self.max_megapixels)]
+        if self.max_job_seconds:
+            args += ["--max-job-seconds", str(self.max_job_seconds)]
         if self.text_encoders:
             args.append("--text-encoders")
         if self.dtype:

@@ -39,7 +39,7 @@ class StandIn:
         sock = self.context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, 8 * protocol.MAX_FRAME_BYTES)
+        sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_WIRE_FRAME_BYTES)
         monitor = self.guard.secure(sock) if self.guard else None
         deadline = time.monotonic() + BIND_RETRY_S
         while True:
@@ -106,7 +106,9 @@ class StandIn:
             try:
                 if self.socket is None:
                     raise zmq.ZMQError(zmq.EHOSTUNREACH)
-                self.socket.send_multipart([client, *frames], copy=False)
+                self.socket.send_multipart([client, *frames], copy=False, flags=zmq.NOBLOCK)
+            except zmq.Again:  # its pipe is full: the client does not read its replies, so this one is dropped
+                continue
             except zmq.ZMQError:
                 if time.monotonic() < deadline:
                     pending.append((deadline, client, frames))
