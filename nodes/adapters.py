@@ -40,6 +40,16 @@ class FamilyAdapter:
 
         return getattr(comfy.latent_formats, self.format_name(channels))()
 
+    def comfy_latent(self, samples: torch.Tensor) -> torch.Tensor:
+        """A LATENT's samples as this pipeline's family takes them: an image model whose latent format is a
+        video one (Qwen-Image's Wan21: ComfyUI keeps its latents [B, C, 1, H, W]) gets its one frame as 4-D."""
+        if not self.data.temporal and samples.ndim == 5 and samples.shape[2] == 1:
+            return samples[:, :, 0]
+        return samples
+
+    def _one_frame(self, channels: int) -> bool:
+        return not self.data.temporal and self.latent_format(channels).latent_dimensions == 3
+
     def job_size(self, samples: torch.Tensor) -> dict[str, int]:
         """The job's pixel size (and frames, for video) of a ComfyUI latent."""
         video = self.data.temporal > 0
@@ -57,6 +67,8 @@ class FamilyAdapter:
         return size
 
     def to_model(self, latents: torch.Tensor) -> torch.Tensor:
+        if self._one_frame(latents.shape[1]):
+            return self.noise_to_model(self.latent_format(latents.shape[1]).process_in(latents[:, :, None])[:, :, 0])
         return self.noise_to_model(self.latent_format(latents.shape[1]).process_in(latents))
 
     def noise_to_model(self, noise: torch.Tensor) -> torch.Tensor:
@@ -65,6 +77,8 @@ class FamilyAdapter:
     def to_comfy(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         if self.data.packed:
             latents = unpack_2x2(latents, height, width)
+        if self._one_frame(latents.shape[1]):  # as ComfyUI's own sampling returns it
+            latents = latents[:, :, None]
         return self.latent_format(latents.shape[1]).process_out(latents)
 
     def preview_latents(self, preview: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -105,7 +119,9 @@ class FamilyAdapter:
     def guidance_parameters(self, cfg: float, conditioning_guidance: float | None, use_negative: bool) -> tuple[float, dict]:
         """The job's guidance_scale and the family call parameters guidance adds: ComfyUI's cfg, or where the
         family distills guidance (its value comes with the conditioning), that as guidance_scale and cfg as
-        true CFG."""
+        true CFG; where cfg is another call parameter (`cfg_call`), that, 1 (off) without a negative."""
+        if self.data.cfg_call:
+            return cfg, {self.data.cfg_call: cfg if use_negative else 1.0}
         if not self.data.guidance_in_conditioning:
             return cfg, {}
         guidance = self.data.default_guidance if conditioning_guidance is None else conditioning_guidance

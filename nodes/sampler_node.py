@@ -62,7 +62,7 @@ class XDiTSampler(io.ComfyNode):
         adapter = adapter_for(pool.pipeline)
         if denoise <= 0.0:
             return io.NodeOutput(latent_image)  # nothing to denoise, as KSampler
-        samples = latent_image["samples"]  # images [B, C, H, W]; video (Wan) [B, C, T', H, W]
+        samples = adapter.comfy_latent(latent_image["samples"])  # images [B, C, H, W]; video (Wan) [B, C, T', H, W]
         batch = samples.shape[0]
         size = adapter.job_size(samples)
         height, width = size.pop("height"), size.pop("width")

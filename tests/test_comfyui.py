@@ -23,6 +23,7 @@ FAMILIES = {  # family: (empty latent node, cfg, scale, shift)
     "sd3": ("EmptySD3LatentImage", 4.5, 1.5305, 0.0609),
     "flux": ("EmptySD3LatentImage", 1.0, 0.3611, 0.1159),
     "flux-kontext": ("EmptySD3LatentImage", 1.0, 0.3611, 0.1159),  # with ReferenceLatent: tests/test_flux_kontext.py
+    "qwen-image": ("EmptySD3LatentImage", 4.0, None, None),  # Wan21 format: the VAE's per-channel mean and std
 }
 TEXT_TO_IMAGE = [family for family in FAMILIES if family != "flux-kontext"]
 
@@ -71,6 +72,11 @@ def reference(model_dir, family, *, steps=4, size=64, seed=7, positive="a cat on
                 negative_embeds, negative_pooled, _ = pipeline.encode_prompt(negative, None)
                 kwargs.update(negative_prompt_embeds=negative_embeds, negative_pooled_prompt_embeds=negative_pooled,
                               true_cfg_scale=true_cfg)
+        elif family == "qwen-image":
+            embeds, _ = pipeline.encode_prompt(positive, device="cpu")
+            negative_embeds, _ = pipeline.encode_prompt(negative, device="cpu")
+            kwargs = {"prompt_embeds": embeds, "negative_prompt_embeds": negative_embeds, "true_cfg_scale": cfg,
+                      "latents": pipeline._pack_latents(noise, 1, channels, size // 8, size // 8)}
         elif family == "sd3":
             pe, _, pp, _ = pipeline.encode_prompt(positive, None, None, do_classifier_free_guidance=False)
             ne, _, np_, _ = pipeline.encode_prompt(negative, None, None, do_classifier_free_guidance=False)
@@ -84,6 +90,11 @@ def reference(model_dir, family, *, steps=4, size=64, seed=7, positive="a cat on
     latents = diffusers_latents(pipeline, family, **kwargs, **call, num_inference_steps=steps, height=size, width=size)
     if family.startswith("flux"):
         latents = pipeline._unpack_latents(latents, size, size, 8)
+    if family == "qwen-image":  # [B, C, 1, H, W] in the VAE's space, as ComfyUI's own Qwen-Image sampling returns
+        latents = pipeline._unpack_latents(latents, size, size, 8)
+        config = pipeline.vae.config
+        mean, std = (torch.tensor(v).view(1, -1, 1, 1, 1) for v in (config.latents_mean, config.latents_std))
+        return latents * std + mean
     return latents / scale + shift
 
 

@@ -119,6 +119,23 @@ def test_image_latents_convert_as_comfyui_does(adapters, latent_formats, pipelin
         assert torch.equal(adapter.noise_to_model(x), FluxPipeline._pack_latents(x, 2, channels, 6, 4))
 
 
+def test_qwen_image_latents_keep_comfyuis_one_frame_and_its_cfg_is_true_cfg(adapters, latent_formats):
+    """Qwen-Image samples images in Wan 2.1's latent space: ComfyUI keeps them [B, 16, 1, H, W] (Wan21 is a video
+    format) and hands EmptySD3LatentImage's [B, 16, H, W] to its sampler as one frame; its cfg is true CFG."""
+    from diffusers import QwenImagePipeline
+
+    qwen, fmt = adapters.adapter_for("QwenImagePipeline"), latent_formats.Wan21()
+    x = torch.randn(2, 16, 1, 6, 4, generator=torch.Generator().manual_seed(0))
+    samples = qwen.comfy_latent(x)
+    assert torch.equal(samples, x[:, :, 0]) and qwen.job_size(samples) == {"height": 48, "width": 32}
+    model = qwen.to_model(samples)
+    assert torch.equal(model, QwenImagePipeline._pack_latents(fmt.process_in(x)[:, :, 0], 2, 16, 6, 4))
+    assert torch.equal(qwen.to_comfy(model, 48, 32), fmt.process_out(fmt.process_in(x)))  # 5-D, as ComfyUI returns it
+    assert torch.allclose(qwen.to_comfy(model, 48, 32), x, atol=1e-5)
+    assert qwen.guidance_parameters(4.0, None, True) == (4.0, {"true_cfg_scale": 4.0})
+    assert qwen.guidance_parameters(1.0, None, False) == (1.0, {"true_cfg_scale": 1.0})
+
+
 def test_wan_latents_use_comfyuis_wan21_and_wan22_formats(adapters, latent_formats):
     """16 channels (Wan 2.1, 2.2 A14B, ×8) and 48 (Wan 2.2 TI2V 5B, ×16); 4 frames per latent frame."""
     wan = adapters.adapter_for("WanPipeline")

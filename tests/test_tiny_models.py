@@ -16,7 +16,7 @@ torch.set_num_threads(1)  # tiny models: threading overhead only slows them down
 
 LATENT_SHAPE = {  # expected output latents of a 64x64 run, batch 1
     "pixart-alpha": (1, 4, 8, 8), "pixart-sigma": (1, 4, 8, 8), "sd3": (1, 16, 8, 8), "flux": (1, 16, 64),
-    "flux-kontext": (1, 16, 64)}
+    "flux-kontext": (1, 16, 64), "qwen-image": (1, 16, 64)}
 
 pytestmark = pytest.mark.parametrize("family", FAMILIES)
 

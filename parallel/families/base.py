@@ -28,6 +28,8 @@ class ComfyData:
     guidance_in_conditioning: the conditioning's "guidance" (FluxGuidance) is the pipeline's
                     distilled `guidance_scale` (`default_guidance` without one); ComfyUI's cfg then
                     becomes `true_cfg_scale`.
+    cfg_call:       the call parameter ComfyUI's cfg sets where it is not `guidance_scale` (Qwen-Image's
+                    classifier-free guidance is `true_cfg_scale`); "": guidance_scale.
     temporal:       frames per latent frame after the first (video: latents [B, C, T', H, W]); 0: images.
     expects:        how to make a conditioning this model takes (said when one does not fit).
     empty_latent:   which ComfyUI node makes a latent this model takes (said when one does not fit).
@@ -44,6 +46,7 @@ class ComfyData:
     packed: bool = False
     guidance_in_conditioning: bool = False
     default_guidance: float = 3.5
+    cfg_call: str = ""
     temporal: int = 0
     expects: str = ""
     empty_latent: str = "an empty latent node made for this model"

@@ -32,7 +32,14 @@ class WrapperRegister:
         self._declared.append((names, build))
 
     def get_wrapper(self, obj: Any) -> type:
+        """The wrapper for `obj`'s class; for a layer of a shared class (diffusers' `Attention`) whose processor
+        class is declared, the one built for that processor (its processor decides what the layer calls)."""
         cls = obj if isinstance(obj, type) else type(obj)
+        processor = getattr(obj, "processor", None) if not isinstance(obj, type) else None
+        for names, build in self._declared if processor is not None else ():
+            declared = names()
+            if type(processor).__name__ in declared:
+                return build(type(processor).__name__, declared[type(processor).__name__])
         for candidate in cls.__mro__:
             if candidate in self._wrappers:
                 return self._wrappers[candidate]

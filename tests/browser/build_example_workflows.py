@@ -27,6 +27,7 @@ EXAMPLES = {  # file stem: (family, empty latent node, cfg, what the example say
     "xdit_sd3": ("sd3", "EmptySD3LatentImage", 4.5, "Stable Diffusion 3"),
     "xdit_flux": ("flux", "EmptySD3LatentImage", 1.0, "Flux (cfg 1: distilled guidance only)"),
     "xdit_wan": ("wan22", "EmptyHunyuanLatentVideo", 5.0, "Wan 2.2 text-to-video"),
+    "xdit_qwen_image": ("qwen-image", "EmptySD3LatentImage", 4.0, "Qwen-Image (cfg: true CFG with the negative prompt)"),
     "xdit_flux_kontext": ("flux-kontext", "EmptySD3LatentImage", 1.0,
                           "FLUX.1 Kontext editing a first sampler's image (your own: LoadImage → VAEEncode)"),
 }
