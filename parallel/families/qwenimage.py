@@ -23,7 +23,7 @@ from ..call_parameters import CallParameter
 from ..config import LayoutError
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
-from ..model_executor.plans import CfgMode, Gather, ParallelPlan, Split
+from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split, TokenRows
 from .base import FAMILIES, ComfyData, Family, TinyModel
 
 MASKS = {"prompt_embeds": "prompt_embeds_mask", "negative_prompt_embeds": "negative_prompt_embeds_mask"}
@@ -158,6 +158,12 @@ QWEN_IMAGE = FAMILIES.register(Family(
         cfg=CfgMode.SEQUENTIAL,
         cfg_branches=("cond", "uncond"),
         uneven_tokens=True,
+        pipefusion=PipeFusionPlan(
+            blocks=("transformer_blocks",),
+            carried=("hidden_states", "encoder_hidden_states"),
+            returns=("encoder_hidden_states", "hidden_states"),
+            token_inputs={"image_rotary_emb": TokenRows(dim=0, items=(0,))},  # the image's table; the text's whole
+        ),
     ),
     tiny={"qwen-image": TinyModel("QwenImagePipeline", build_tiny, tiny_inputs, guidance=1.0,
                                   true_cfg={"true_cfg_scale": 4.0})},

@@ -195,7 +195,8 @@ def _returns(plan: PipeFusionPlan, named: dict[str, Any]):
 def _rows(value, rows: TokenRows, text_tokens: int, window: slice):
     """The text rows and this patch's image rows of a per-token input (or of each tensor in a tuple)."""
     if isinstance(value, tuple):
-        return tuple(_rows(v, rows, text_tokens, window) for v in value)
+        return tuple(_rows(v, rows, text_tokens, window) if rows.items is None or i in rows.items else v
+                     for i, v in enumerate(value))
     if rows.ndim is not None and value.ndim != rows.ndim:
         return value
     value = value.movedim(rows.dim, 0)

@@ -69,11 +69,14 @@ class TokenRows:
     text: where the text tokens' rows sit (kept whole with every patch); NONE: image rows only.
     ndim: slice only tensors with this many dimensions; others pass whole (Wan 2.2 TI2V's per-token
           modulation is [B, S, 6, D]; the other Wan models pass one per sample, [B, 6, D]).
+    items: for a tuple, the positions that hold image rows (Qwen-Image's (image, text) rotary tables);
+           None: every one.
     """
 
     dim: int = 0
     text: TextLayout = TextLayout.NONE
     ndim: int | None = None
+    items: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
