@@ -28,6 +28,7 @@ from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
 STEPS, SIZE, THRESHOLD = 20, 64, 0.42
 FIRST_BLOCK = {"method": "first-block", "threshold": THRESHOLD}
 TAYLORSEER = {"method": "taylorseer", "interval": 3, "warmup": 2, "order": 2}
+QWEN_FIRST_BLOCK = {"method": "first-block", "threshold": 1.0}  # its tiny model's first-block residual moves more
 
 
 class Case(NamedTuple):
@@ -58,6 +59,9 @@ CASES = {
     "taylorseer-ulysses2": Case(2, {"ulysses_degree": 2}, true_cfg=True, cache=TAYLORSEER),
     "ulysses2_ring2": Case(4, {"ulysses_degree": 2, "ring_degree": 2}),
     "cfg2_ulysses2": Case(4, {"cfg_degree": 2, "ulysses_degree": 2}, true_cfg=True),
+    "qwen-image-ring2": Case(2, {"ring_degree": 2}, "qwen-image", cache=QWEN_FIRST_BLOCK),  # true CFG by default
+    "qwen-image-cfg2_ulysses2": Case(4, {"cfg_degree": 2, "ulysses_degree": 2}, "qwen-image", true_cfg=True,
+                                     cache=QWEN_FIRST_BLOCK),
 }
 
 
