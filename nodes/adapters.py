@@ -28,6 +28,8 @@ class FamilyAdapter:
     # -- latents ------------------------------------------------------------------------------------
     def format_name(self, channels: int) -> str:
         """The comfy.latent_formats class of a latent with `channels` channels."""
+        if not self.data.latent_formats:
+            raise ConditioningError(f"{self.name}: {self.data.expects}")
         if channels not in self.data.latent_formats:
             raise ConditioningError(
                 f"a {self.name} latent has {channels} channels; expected {' or '.join(map(str, self.data.latent_formats))}"

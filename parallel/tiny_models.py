@@ -19,6 +19,7 @@ from transformers import (
     CLIPTextModel,
     CLIPTextModelWithProjection,
     CLIPTokenizer,
+    Qwen2Tokenizer,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -79,6 +80,21 @@ def _clip_tokenizer() -> CLIPTokenizer:
             tokens.append(pieces[0])
     vocab = {tok: i for i, tok in enumerate(dict.fromkeys(tokens))}
     return CLIPTokenizer(vocab=vocab, merges=list(dict.fromkeys(merges)), model_max_length=77)
+
+
+def _byte_level_alphabet() -> list[str]:
+    """The 256 characters byte-level BPE (GPT-2, Qwen) maps bytes to: printable ones as themselves."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    codes = dict(zip(printable, printable)) | {b: 256 + n for n, b in enumerate(others)}
+    return [chr(codes[b]) for b in range(256)]
+
+
+def _qwen_tokenizer() -> Qwen2Tokenizer:
+    """Qwen's byte-level tokenizer with no merges (every byte a token) and its chat tokens (Qwen2.5-VL, Qwen3)."""
+    return Qwen2Tokenizer(vocab={c: i for i, c in enumerate(_byte_level_alphabet())}, merges=[], unk_token=None,
+                          bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                          additional_special_tokens=["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
 
 
 # ------------------------------------------------------------------------------------- text encoders

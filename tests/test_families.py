@@ -39,7 +39,8 @@ def test_every_diffusers_class_finds_its_family():
         assert FAMILIES.for_transformer(getattr(diffusers, family.transformer)) is family
         for pipeline, wrapper in family.pipelines.items():
             assert FAMILIES.pipeline_wrapper(getattr(diffusers, pipeline)) is wrapper
-            assert set(wrapper.comfy.latent_formats)  # every pipeline says how ComfyUI keeps its latents
+            # every pipeline says how ComfyUI keeps its latents, or why this ComfyUI cannot (FLUX.2: not in 0.3.64)
+            assert set(wrapper.comfy.latent_formats) or "ComfyUI" in wrapper.comfy.expects
     with pytest.raises(ValueError, match="StableDiffusionPipeline is not a supported pipeline; supported: .*FluxPipeline"):
         FAMILIES.pipeline_wrapper(diffusers.StableDiffusionPipeline)
 
@@ -134,6 +135,12 @@ def test_qwen_image_latents_keep_comfyuis_one_frame_and_its_cfg_is_true_cfg(adap
     assert torch.allclose(qwen.to_comfy(model, 48, 32), x, atol=1e-5)
     assert qwen.guidance_parameters(4.0, None, True) == (4.0, {"true_cfg_scale": 4.0})
     assert qwen.guidance_parameters(1.0, None, False) == (1.0, {"true_cfg_scale": 1.0})
+
+
+def test_a_model_comfyui_cannot_sample_says_so(adapters):
+    flux2 = adapters.adapter_for("Flux2KleinPipeline")
+    with pytest.raises(adapters.ConditioningError, match="Flux2KleinPipeline: FLUX.2 needs a ComfyUI with FLUX.2 support"):
+        flux2.job_size(torch.zeros(1, 128, 4, 4))
 
 
 def test_wan_latents_use_comfyuis_wan21_and_wan22_formats(adapters, latent_formats):

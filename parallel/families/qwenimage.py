@@ -87,23 +87,13 @@ class xFuserQwenImagePipeline(xFuserPipelineBaseWrapper):
 
 
 # -- tiny built-in model ----------------------------------------------------------------------------------
-def _byte_level_alphabet() -> list[str]:
-    """The 256 characters byte-level BPE (GPT-2, Qwen2) maps bytes to: printable ones as themselves."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    codes = dict(zip(printable, printable)) | {b: 256 + n for n, b in enumerate(others)}
-    return [chr(codes[b]) for b in range(256)]
-
-
 def _tiny_text_encoder(seed: int, width: int):
-    """Qwen2.5-VL with a byte-level vocabulary (every byte a token, no merges) and Qwen's chat tokens."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+    """Qwen2.5-VL on the byte-level Qwen tokenizer of the tiny models."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     from .. import tiny_models as tm
 
-    tokenizer = Qwen2Tokenizer(vocab={c: i for i, c in enumerate(_byte_level_alphabet())}, merges=[], unk_token=None,
-                               bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                               additional_special_tokens=["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
+    tokenizer = tm._qwen_tokenizer()
     ids = {"bos_token_id": None, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
     config = Qwen2_5_VLConfig(
         text_config=dict(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2, num_attention_heads=2,

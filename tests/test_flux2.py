@@ -1,0 +1,81 @@
+"""FLUX.2 [klein]: uneven image tokens with 4-axis rotary ids, and its Qwen3 text encoder on a pool.
+
+test_engine_layouts runs the tiny [klein] base model through every layout (real CFG as two calls). Here:
+contract E on 48 × 80 pixels (15 image tokens: uneven over 2 ranks) under Ulysses 2 and Ring 2 equals
+diffusers' single-process Flux2KleinPipeline within 1e-4; the pool's text encoding (three stacked Qwen3
+layers, padded to 512 tokens as the pipeline pads them) equals diffusers' encode_prompt, and a job with it
+equals diffusers; a guidance-distilled [klein] refuses CFG parallel in one line.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from parallel import tiny_models
+
+from pool_helpers import free_endpoint, idle_client, start_serve, stop_serve
+from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
+
+FAMILY, STEPS, GUIDANCE = "flux2-klein", 4, 4.0
+HEIGHT, WIDTH = 48, 80
+CALL = {"num_inference_steps": STEPS, "guidance_scale": GUIDANCE, "height": HEIGHT, "width": WIDTH}
+
+
+def _engine(model, inputs, output, *flags):
+    return torchrun(2, "-m", "parallel.run", "--model", str(model), "--inputs", str(inputs), "--output", str(output),
+                    "--steps", str(STEPS), "--guidance-scale", str(GUIDANCE), "--height", str(HEIGHT),
+                    "--width", str(WIDTH), *flags)
+
+
+@pytest.mark.parametrize("flags", [("--ulysses-degree", "2"), ("--ring-degree", "2")], ids=["ulysses2", "ring2"])
+def test_uneven_tokens_equal_diffusers(tiny_model_dirs, tmp_path, flags):
+    inputs, output = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_file(tiny_models.make_inputs(FAMILY, height=HEIGHT, width=WIDTH), inputs)
+    run = _engine(tiny_model_dirs[FAMILY], inputs, output, *flags)
+    assert run.returncode == 0, run.stderr[-3000:]
+    expected = diffusers_latents(tiny_model_dirs[FAMILY], FAMILY, **load_file(inputs), **CALL)
+    assert expected.shape == (1, 32, HEIGHT // 8, WIDTH // 8)  # what the pipeline returns: unpatchified
+    assert (load_file(output)["latents"] - expected).abs().max().item() <= TOLERANCE
+
+
+def test_a_distilled_klein_refuses_cfg_parallel(tiny_model_dirs, tmp_path):
+    distilled = tmp_path / "distilled"
+    from diffusers import DiffusionPipeline
+
+    pipeline = DiffusionPipeline.from_pretrained(tiny_model_dirs[FAMILY])
+    pipeline.register_to_config(is_distilled=True)
+    pipeline.save_pretrained(distilled)
+    assert json.loads((distilled / "model_index.json").read_text())["is_distilled"] is True
+    inputs, output = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_file(tiny_models.make_inputs(FAMILY), inputs)
+    run = torchrun(2, "-m", "parallel.run", "--model", str(distilled), "--inputs", str(inputs), "--output", str(output),
+                   "--steps", "2", "--guidance-scale", "4", "--height", "64", "--width", "64", "--cfg-parallel")
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert run.returncode != 0 and len(errors) == 1 and "guidance-distilled" in errors[0], run.stderr[-3000:]
+
+
+def test_the_pools_text_encoder_matches_diffusers(tiny_model_dirs, tmp_path):
+    from diffusers import DiffusionPipeline
+
+    endpoint = free_endpoint()
+    process = start_serve(tiny_model_dirs[FAMILY], endpoint, "--nproc", "2", "--ulysses-degree", "2", "--text-encoders",
+                          log=tmp_path / "serve.log")
+    try:
+        client, _ = idle_client(endpoint)
+        with client:
+            pipeline = DiffusionPipeline.from_pretrained(tiny_model_dirs[FAMILY])
+            encoded = {text: client.encode(text)["prompt_embeds"] for text in ("a red fox in the snow", "")}
+            for text, embeds in encoded.items():
+                assert torch.equal(embeds, pipeline.encode_prompt(text, device="cpu")[0]), text
+            inputs = {"latents": tiny_models.make_inputs(FAMILY)["latents"], "prompt_embeds": encoded["a red fox in the snow"],
+                      "negative_prompt_embeds": encoded[""]}
+            latents = client.sample(inputs, {"steps": STEPS, "guidance_scale": GUIDANCE, "height": 64, "width": 64})
+            expected = diffusers_latents(pipeline, FAMILY, **inputs, num_inference_steps=STEPS, guidance_scale=GUIDANCE,
+                                         height=64, width=64)
+            assert (latents - expected).abs().max().item() <= TOLERANCE
+    finally:
+        stop_serve(process)
