@@ -108,3 +108,45 @@ def start_drive(spec: dict):
     pipeline = model.pipeline()
     inputs = {k: v for k, v in model.inputs(pipeline).items() if not k.startswith("negative")}
     return world, model, pipeline, inputs, {**model.call_kwargs(true_cfg=False), "num_inference_steps": spec["steps"]}
+
+
+def launch_per_rank_count(module: str, spec: dict, json_out, nprocs=(1, 2)) -> dict[int, dict]:
+    """Run `python -m <module> --drive SPEC` under torchrun once per rank count; each drive writes its raw
+    result to spec["result"]. Returns {nproc: raw result}."""
+    import json
+    import subprocess
+
+    from parallel.launch import ROOT, rank_environment, torchrun_command
+
+    raws = {}
+    for nproc in nprocs:
+        spec_file, result = json_out.with_suffix(f".{nproc}.spec.json"), json_out.with_suffix(f".{nproc}.raw.json")
+        spec_file.write_text(json.dumps({**spec, "result": str(result)}))
+        subprocess.run(torchrun_command(nproc, "-m", module, "--drive", str(spec_file)), cwd=ROOT,
+                       env=rank_environment(), check=True)
+        raws[nproc] = json.loads(result.read_text())
+    return raws
+
+
+def timed_rounds(pipelines: dict, inputs: dict, kwargs: dict, runs: int) -> tuple[dict, dict, dict]:
+    """Time every pipeline on the same inputs, round by round, the order alternating; round 0 is a warm-up
+    kept apart. Returns ({name: [seconds]}, {name: last output}, {name: warm-up seconds})."""
+    import time
+
+    import torch.distributed as dist
+
+    times = {name: [] for name in pipelines}
+    warmup, outputs = {}, {}
+    for round_ in range(runs + 1):
+        for name in pipelines if round_ % 2 == 0 else list(pipelines)[::-1]:
+            dist.barrier()
+            start = time.perf_counter()
+            with torch.no_grad():
+                outputs[name] = pipelines[name](**inputs, **kwargs)[0]
+            elapsed = time.perf_counter() - start
+            dist.barrier()
+            if round_:
+                times[name].append(elapsed)
+            else:
+                warmup[name] = elapsed
+    return times, outputs, warmup

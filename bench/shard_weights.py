@@ -16,45 +16,29 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import time
 from pathlib import Path
 
-from parallel.launch import ROOT, rank_environment, torchrun_command
+from .model import launch_per_rank_count
 
 OUT = Path(__file__).resolve().parent / "out"
 RUNS = ("unsharded", "sharded")
 
 
 def drive(spec: dict) -> None:
-    import torch
-    import torch.distributed as dist
-
     from parallel.config import ParallelConfig
     from parallel.distributed import initialize_model_parallel
     from parallel.model_executor import wrap_pipeline
     from parallel.weight_sharding import shard_weights
     from workers.memory import memory_of_this_rank
 
-    from .model import start_drive
+    from .model import start_drive, timed_rounds
 
     world, model, plain, inputs, kwargs = start_drive(spec)
     initialize_model_parallel(ParallelConfig(ulysses_degree=world.world_size))
     sharded = model.pipeline()
     shard_weights(sharded)
     pipelines = {"unsharded": wrap_pipeline(plain), "sharded": wrap_pipeline(sharded)}
-    times = {name: [] for name in RUNS}
-    outputs = {}
-    for round_ in range(spec["runs"] + 1):  # round 0 warms up, untimed
-        for name in RUNS if round_ % 2 == 0 else RUNS[::-1]:
-            dist.barrier()
-            start = time.perf_counter()
-            with torch.no_grad():
-                outputs[name] = pipelines[name](**inputs, **kwargs)[0]
-            elapsed = time.perf_counter() - start
-            dist.barrier()
-            if round_:
-                times[name].append(elapsed)
+    times, outputs, _ = timed_rounds(pipelines, inputs, kwargs, spec["runs"])
     parameter_bytes = {name: memory_of_this_rank(p.module.transformer.module)["parameter_bytes"] for name, p in pipelines.items()}
     if world.rank == 0:
         Path(spec["result"]).write_text(json.dumps({
@@ -76,12 +60,8 @@ def main(argv=None) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     model = "tiny" if args.tiny else "medium"
     rows = {}
-    for nproc in (1, 2):
-        spec_file, result = args.json.with_suffix(f".{nproc}.spec.json"), args.json.with_suffix(f".{nproc}.raw.json")
-        spec_file.write_text(json.dumps({"model": model, "runs": args.runs, "steps": args.steps, "result": str(result)}))
-        subprocess.run(torchrun_command(nproc, "-m", "bench.shard_weights", "--drive", str(spec_file)), cwd=ROOT,
-                       env=rank_environment(), check=True)
-        raw = json.loads(result.read_text())
+    raws = launch_per_rank_count("bench.shard_weights", {"model": model, "runs": args.runs, "steps": args.steps}, args.json)
+    for nproc, raw in raws.items():
         median = {name: statistics.median(t) for name, t in raw["times"].items()}
         rows[nproc] = {"median_s": median, "ratio": median["sharded"] / median["unsharded"],
                        "parameter_bytes": raw["parameter_bytes"], "max_abs_diff": raw["max_abs_diff"]}

@@ -63,7 +63,7 @@ def _config(kwargs) -> ParallelConfig:
         pipefusion_degree=kwargs["pipefusion_degree"], ring_degree=kwargs["ring_degree"],
         ulysses_degree=kwargs["ulysses_degree"], num_patches=kwargs["num_patches"] or None,
         warmup_steps=kwargs["warmup_steps"], shard_weights=kwargs.get("shard_weights", False),
-        offload=kwargs.get("offload", False),
+        offload=kwargs.get("offload", False), compile=kwargs.get("compile", False),
     )
 
 
@@ -117,6 +117,9 @@ class XDiTPool(io.ComfyNode):
                 io.Boolean.Input("offload", default=False, optional=True,
                                  tooltip="With shard_weights: keep the shards in CPU memory, on the GPU only while their "
                                          "block runs, for models that do not fit even sharded."),
+                io.Boolean.Input("compile", default=False, optional=True,
+                                 tooltip="torch.compile every transformer block: faster steps once the first job of each "
+                                         "size has paid the compilation."),
             ],
             outputs=[XDiTPoolType.Output(display_name="pool")],
         )

@@ -26,6 +26,7 @@ class ParallelConfig:
     warmup_steps: int = 1
     shard_weights: bool = False  # FSDP2: each rank keeps 1/world of every transformer block (weight_sharding.py)
     offload: bool = False  # with shard_weights: the shards wait in CPU memory, on the GPU only while their block runs
+    compile: bool = False  # torch.compile of every transformer block's forward (compile.py)
 
     @property
     def sp_degree(self) -> int:
@@ -53,9 +54,9 @@ class ParallelConfig:
             if value > 1
         ]
         layout = " × ".join(parts) or "single rank"
-        if not self.shard_weights:
-            return layout
-        return f"{layout}, sharded weights offloaded to CPU" if self.offload else f"{layout}, sharded weights"
+        if self.shard_weights:
+            layout += ", sharded weights offloaded to CPU" if self.offload else ", sharded weights"
+        return f"{layout}, compiled" if self.compile else layout
 
     def check(self, world_size: int, ranks_flag: str = "--nproc-per-node") -> None:
         """Raise LayoutError unless these degrees can run on `world_size` ranks (`ranks_flag`: how the
@@ -103,6 +104,8 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                        help="Split every transformer block's weights over the ranks (FSDP2); not with PipeFusion.")
     group.add_argument("--offload", action="store_true",
                        help="With --shard-weights: keep the shards in CPU memory, on the GPU only while their block runs.")
+    group.add_argument("--compile", action="store_true",
+                       help="torch.compile every transformer block (the first job of each size pays the compilation).")
 
 
 def config_from_args(args: argparse.Namespace) -> ParallelConfig:
@@ -116,4 +119,5 @@ def config_from_args(args: argparse.Namespace) -> ParallelConfig:
         warmup_steps=args.warmup_steps,
         shard_weights=args.shard_weights,
         offload=args.offload,
+        compile=args.compile,
     )

@@ -130,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             if parallel.cache_report is not None:
                 print(f"xdit: {parallel.cache_report.describe()}", flush=True)
+            if config.compile:
+                from .compile import describe, report
+
+                print(f"xdit: {describe(report())}", flush=True)
         return 0
     except (LayoutError, ValueError, FileNotFoundError) as error:
         if world.rank == 0:

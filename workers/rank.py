@@ -144,14 +144,14 @@ class Rank:
     def _census(self) -> tuple[list[dict], list[int]]:
         """Every rank's node, host and pid (for status), and one layout for the whole world."""
         c = self.config
-        layout = [c.dp_degree, c.cfg_degree, c.pipefusion_degree, c.ring_degree, c.ulysses_degree, c.num_patches or 0, c.warmup_steps, int(c.shard_weights), int(c.offload)]
+        layout = [c.dp_degree, c.cfg_degree, c.pipefusion_degree, c.ring_degree, c.ulysses_degree, c.num_patches or 0, c.warmup_steps, int(c.shard_weights), int(c.offload), int(c.compile)]
         width = 2 + len(layout)
         flat = self._gather_ints([self.args.node_rank, os.getpid(), *layout])
         rows = [flat[r * width:(r + 1) * width] for r in range(self.world_size)]
         hosts = self._gather_text(socket.gethostname())
         for r, row in enumerate(rows):
             if row[2:] != layout:
-                names = "dp, cfg, pipefusion, ring, ulysses, patches, warmup, shard, offload"
+                names = "dp, cfg, pipefusion, ring, ulysses, patches, warmup, shard, offload, compile"
                 raise StartRefused(f"node {row[0]} runs the layout ({names}) = {tuple(row[2:])} but node "
                                    f"{self.args.node_rank} runs {tuple(layout)}: start every node with the same layout flags")
         nodes: dict[int, dict] = {}
@@ -217,6 +217,7 @@ class Rank:
             "memory": self.memory,
             "queue": self.server.queue_length() if self.server else 0,
             "step": self.runner.step if self.state == "busy" else 0,
+            "compile": engine("compile").report() if self.config.compile and self.state != "starting" else None,
             "pids": self.pids,
             "nodes": nodes,
         }

@@ -88,6 +88,8 @@ class PoolSpec:
             args.append("--shard-weights")
         if p.offload:
             args.append("--offload")
+        if p.compile:
+            args.append("--compile")
         if self.max_megapixels:
             args += ["--max-megapixels", str(self.max_megapixels)]
         if self.max_job_seconds:

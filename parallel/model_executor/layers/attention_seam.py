@@ -46,6 +46,9 @@ class _ActiveLayer:
 _ACTIVE: contextvars.ContextVar[_ActiveLayer | None] = contextvars.ContextVar("xdit_active_attention", default=None)
 
 
+# Under --compile (parallel/compile.py) the collectives and the active-layer mark run eagerly: dynamo stops
+# cleanly at these three functions instead of tracing group state it would guard on and recompile for.
+@torch.compiler.disable
 def _sequence_parallel_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, *, tokens_dim: int):
     """USP for the active layer; `tokens_dim` is 2 for [B, H, S, D] callers and 1 for [B, S, H, D]."""
     layer = _ACTIVE.get()
@@ -153,10 +156,12 @@ class xFuserAttentionBaseWrapper(xFuserLayerBaseWrapper):
             _release_route(self.call_site)
             self._routed = False
 
+    @torch.compiler.disable
     def _enter(self, module, args):
         self._layer.calls = 0
         self._token = _ACTIVE.set(self._layer)
 
+    @torch.compiler.disable
     def _exit(self, module, args, output):
         """Runs after forward, also when it raised (then `output` is None and torch re-raises its error)."""
         if self._token is None:  # an earlier pre-hook raised before _enter ran

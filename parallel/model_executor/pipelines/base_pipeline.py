@@ -68,6 +68,10 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
                 self._original[name] = transformer
                 plan = FAMILIES.for_transformer(transformer).plan
                 setattr(pipeline, name, xFuserTransformerBaseWrapper(transformer, plan, attention_kernel))
+        if self.parallel_config.compile:  # after the wrappers, so their attention seam is compiled in
+            from ...compile import compile_blocks
+
+            compile_blocks(pipeline)
 
     @classmethod
     def all_tensor_inputs(cls) -> tuple[str, ...]:

@@ -1,0 +1,74 @@
+"""The speed of `--compile` on the medium Flux model: compiled vs eager, 1 and 2 ranks (inductor on CPU).
+
+    python -m bench.compile [--tiny] [--runs 3] [--steps 2]
+
+One torchrun job per rank count (1 rank; Ulysses-2 on 2 ranks), one thread per rank. Each job loads the
+model twice under the same layout, once eager and once with every transformer block compiled
+(parallel/compile.py), runs both once untimed (the compiled one pays its compilation there: reported), then
+times them interleaved round by round, so the ratio compiled / eager comes from one run. Also reported: the
+compiled graphs and graph breaks, and the largest difference between the two outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from .model import launch_per_rank_count
+
+OUT = Path(__file__).resolve().parent / "out"
+
+
+def drive(spec: dict) -> None:
+    from parallel.compile import compile_blocks, report
+    from parallel.config import ParallelConfig
+    from parallel.distributed import initialize_model_parallel
+    from parallel.model_executor import wrap_pipeline
+
+    from .model import start_drive, timed_rounds
+
+    world, model, eager, inputs, kwargs = start_drive(spec)
+    initialize_model_parallel(ParallelConfig(ulysses_degree=world.world_size))
+    pipelines = {"eager": wrap_pipeline(eager), "compiled": wrap_pipeline(model.pipeline())}
+    compile_blocks(pipelines["compiled"].module)
+    times, outputs, warmup = timed_rounds(pipelines, inputs, kwargs, spec["runs"])
+    if world.rank == 0:
+        Path(spec["result"]).write_text(json.dumps({
+            "times": times, "warmup": warmup, "compile": report(),
+            "max_abs_diff": (outputs["compiled"] - outputs["eager"]).abs().max().item()}))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.compile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="the tiny test model: checks the machinery only")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=OUT / "compile.json")
+    parser.add_argument("--drive", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.drive:
+        drive(json.loads(args.drive.read_text()))
+        return 0
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    model = "tiny" if args.tiny else "medium"
+    raws = launch_per_rank_count("bench.compile", {"model": model, "runs": args.runs, "steps": args.steps}, args.json)
+    rows = {}
+    for nproc, raw in raws.items():
+        median = {name: statistics.median(t) for name, t in raw["times"].items()}
+        rows[nproc] = {"median_s": median, "speedup": median["eager"] / median["compiled"],
+                       "first_run_s": raw["warmup"], "compile": raw["compile"], "max_abs_diff": raw["max_abs_diff"]}
+    args.json.write_text(json.dumps({"model": model, "steps": args.steps, "runs": args.runs, "rows": rows}, indent=2))
+    print(f"| ranks ({model} Flux, {args.steps} steps, median of {args.runs}) | eager s | compiled s | eager / compiled | "
+          "first compiled run s | graphs / breaks | max abs Δ |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for nproc, r in rows.items():
+        print(f"| {nproc}{' (Ulysses-2)' if nproc > 1 else ''} | {r['median_s']['eager']:.2f} | {r['median_s']['compiled']:.2f} | "
+              f"{r['speedup']:.2f} | {r['first_run_s']['compiled']:.1f} | {r['compile']['graphs']} / {r['compile']['breaks']} | "
+              f"{r['max_abs_diff']:.1e} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
