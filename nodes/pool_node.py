@@ -30,16 +30,25 @@ def diffusers_models() -> list[str]:
 
 
 def single_file_models() -> list[str]:
-    """Supported single-file transformer checkpoints (Flux.1, SD3/3.5, PixArt) in ComfyUI's model folders."""
+    """Supported single-file transformer checkpoints (Flux.1, SD3/3.5, PixArt; GGUF too) in ComfyUI's model folders."""
     found, seen = [], set()
     for folder in CHECKPOINT_FOLDERS:
-        for name in folder_paths.get_filename_list(folder):
+        for name in folder_paths.get_filename_list(folder) + _gguf_files(folder):
             path = folder_paths.get_full_path(folder, name)
             if path and name.lower().endswith(CHECKPOINT_SUFFIXES) and os.path.realpath(path) not in seen \
                     and checkpoint_variant(path):
                 seen.add(os.path.realpath(path))
                 found.append(f"{FILE_PREFIX}{folder}/{name}")
     return found
+
+
+def _gguf_files(folder: str) -> list[str]:
+    """GGUF files in a model folder (city96's layout): ComfyUI lists only its own extensions there."""
+    names = []
+    for root in folder_paths.get_folder_paths(folder):
+        for directory, _, files in os.walk(root, followlinks=True):
+            names += [os.path.relpath(os.path.join(directory, f), root) for f in files if f.lower().endswith(".gguf")]
+    return sorted(names)
 
 
 def model_path(choice: str) -> str:

@@ -35,6 +35,10 @@ def load_pipeline(model_dir: str | Path, *, text_encoders: bool = False, dtype: 
         raise ValueError("--shard-weights does not work with --dtype fp8 (its per-layer casting rewrites the weights "
                          "that FSDP holds in shards); use bf16 or fp16 with --shard-weights")
     model_dir = Path(model_dir)
+    if model_dir.suffix.lower() == ".gguf" and (shard_weights or dtype == "fp8"):
+        raise ValueError(f"{model_dir.name} is GGUF-quantized: its blocks are not plain tensors that "
+                         + ("FSDP can shard; run it without --shard-weights" if shard_weights else
+                            "fp8 storage can recast; drop --dtype fp8 (choose bf16, fp16 or fp32 compute)"))
     if model_dir.is_file() or model_dir.suffix.lower() in CHECKPOINT_SUFFIXES:
         return _load_single_file(model_dir, text_encoders, dtype, shard_weights, offload)
     index = model_dir / "model_index.json"

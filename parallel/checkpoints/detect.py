@@ -1,7 +1,8 @@
 """Which model a single-file checkpoint holds, from its tensor names and shapes alone.
 
-Reads a .safetensors header (no tensor data) or a .pth/.pt/.ckpt pickle (torch.load with weights_only=True,
-memory-mapped) and asks each family that declares a single-file layout (`Family.single_file`, the original
+Reads a .safetensors header (no tensor data), a GGUF file's tensor table (memory-mapped: city96's files
+keep the original layout's names, their quantized shapes are read as the logical ones) or a .pth/.pt/.ckpt
+pickle (torch.load with weights_only=True, memory-mapped) and asks each family that declares a single-file layout (`Family.single_file`, the original
 layouts ComfyUI users keep: BFL for Flux, SAI for SD3/SD3.5, the PixArt repository's own) whether its
 marker is there; that family's reader names the variant and derives the config values the weights pin
 down. Values the weights cannot show come from the shipped config of the detected variant. No diffusers
@@ -26,7 +27,7 @@ from .shapes import Shapes
 if TYPE_CHECKING:
     from ..families import SingleFile
 
-CHECKPOINT_SUFFIXES = (".safetensors", ".sft", ".pth", ".pt", ".ckpt", ".bin")
+CHECKPOINT_SUFFIXES = (".safetensors", ".sft", ".gguf", ".pth", ".pt", ".ckpt", ".bin")
 # A whole-model checkpoint (ComfyUI's `checkpoints` folder, SAI's sd3.5_large.safetensors) keeps the
 # transformer under this prefix next to the VAE and text encoders; only the transformer is read.
 TRANSFORMER_PREFIX = "model.diffusion_model."
@@ -80,9 +81,28 @@ class CheckpointFile:
         if self.path.suffix.lower() not in CHECKPOINT_SUFFIXES:
             raise ValueError(f"{self.path}: not a checkpoint file; expected one of {', '.join(CHECKPOINT_SUFFIXES)}")
         self._pickled: dict[str, torch.Tensor] | None = None
-        names = self._read_safetensors_header() if self._is_safetensors() else self._read_pickle()
+        self.quantization: dict[str, int] = {}  # GGUF: tensor name -> its GGML type, for the quantized ones
+        if self.is_gguf:
+            names = self._read_gguf_header()
+        else:
+            names = self._read_safetensors_header() if self._is_safetensors() else self._read_pickle()
         self.prefix = TRANSFORMER_PREFIX if any(k.startswith(TRANSFORMER_PREFIX) for k in names) else ""
         self.shapes = {k[len(self.prefix):]: s for k, s in names.items() if k.startswith(self.prefix)}
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.suffix.lower() == ".gguf"
+
+    def _read_gguf_header(self) -> dict[str, tuple[int, ...]]:
+        import gguf
+
+        try:
+            reader = gguf.GGUFReader(self.path)
+        except (ValueError, OSError) as error:
+            raise self._broken(error) from None
+        plain = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+        self.quantization = {t.name: int(t.tensor_type) for t in reader.tensors if t.tensor_type not in plain}
+        return {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}  # GGML order is reversed
 
     def _is_safetensors(self) -> bool:
         return self.path.suffix.lower() in (".safetensors", ".sft")
@@ -123,6 +143,11 @@ class CheckpointFile:
         """The transformer's tensors, under their original names without the whole-checkpoint prefix."""
         if self._pickled is not None:
             return {k: self._pickled[self.prefix + k] for k in self.shapes}
+        if self.is_gguf:  # quantized tensors stay quantized: diffusers' GGUFParameter
+            from diffusers.models.model_loading_utils import load_gguf_checkpoint
+
+            tensors = load_gguf_checkpoint(str(self.path), return_tensors=True)
+            return {k: tensors[self.prefix + k] for k in self.shapes}
         try:
             with safe_open(self.path, framework="pt") as handle:
                 return {k: handle.get_tensor(self.prefix + k) for k in self.shapes}
@@ -163,7 +188,7 @@ def checkpoint_variant(path: str | Path) -> str | None:
 
 @functools.lru_cache(maxsize=4096)
 def _cached_variant(path: str, mtime_ns: int, size: int) -> str | None:
-    pickled = not path.lower().endswith((".safetensors", ".sft"))
+    pickled = not path.lower().endswith((".safetensors", ".sft", ".gguf"))
     if pickled and not zipfile.is_zipfile(path):
         return None
     try:

@@ -4,6 +4,11 @@ The transformer is converted with its family's converter (`SingleFile.convert`, 
 checked against the config the detection derived, and loaded with `from_single_file(..., config=<shipped folder>, local_files_only=True)`:
 nothing comes from a model hub. The pipeline has the transformer and the shipped scheduler; VAE and text
 encoders are None, because the pool samples from ComfyUI's embeddings and latents.
+
+A GGUF file stays quantized in memory: its quantized tensors are diffusers' GGUFParameter, converted
+like any other (row splits and joins of their blocks), and diffusers' GGUF quantizer swaps the linear
+layers that hold them for ones that dequantize on the fly, in the compute dtype (--dtype; bf16 by
+default). Every parallel layout runs on such layers unchanged; weight sharding does not (see loading.py).
 """
 
 from __future__ import annotations
@@ -33,13 +38,23 @@ def _weights_dtype(state_dict: dict) -> torch.dtype:
     return torch.bfloat16 if dtype.itemsize == 1 else dtype
 
 
+def _logical_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    """A tensor's shape as the model sees it: a GGUF-quantized one holds bytes per row."""
+    quant_type = getattr(tensor, "quant_type", None)
+    if quant_type is None:
+        return tuple(tensor.shape)
+    import gguf
+
+    return tuple(gguf.quants.quant_shape_from_byte_shape(tuple(tensor.shape), quant_type))
+
+
 def _check_fits(model: torch.nn.Module, state_dict: dict, detected: Detected) -> None:
     """One error naming what differs between the converted weights and the model the config describes."""
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     missing = sorted(expected.keys() - state_dict.keys())
     unexpected = sorted(state_dict.keys() - expected.keys())
-    wrong = [f"{k} {tuple(state_dict[k].shape)} (expected {expected[k]})"
-             for k in sorted(expected.keys() & state_dict.keys()) if tuple(state_dict[k].shape) != expected[k]]
+    wrong = [f"{k} {_logical_shape(state_dict[k])} (expected {expected[k]})"
+             for k in sorted(expected.keys() & state_dict.keys()) if _logical_shape(state_dict[k]) != expected[k]]
     if missing or unexpected or wrong:
         found = (("missing", missing), ("unexpected", unexpected), ("of the wrong shape", wrong))
         problems = [f"{len(v)} {what}: {v[:4]}{' ...' if len(v) > 4 else ''}" for what, v in found if v]
@@ -52,7 +67,15 @@ def load_transformer(detected: Detected, checkpoint: CheckpointFile, index: dict
     config = {**cls.load_config(detected.config_dir, subfolder="transformer", local_files_only=True),
               **detected.overrides}
     original = checkpoint.state_dict()
-    dtype = dtype or _weights_dtype(original)
+    dtype = dtype or (torch.bfloat16 if checkpoint.is_gguf else _weights_dtype(original))
+    quantized = {}
+    if checkpoint.is_gguf:
+        if not issubclass(cls, FromOriginalModelMixin):
+            raise ValueError(f"{detected.path}: GGUF files load for the families diffusers' single-file loader "
+                             f"takes (Flux, SD3, ...), not {cls.__name__}; use its .safetensors file")
+        from diffusers import GGUFQuantizationConfig
+
+        quantized = {"quantization_config": GGUFQuantizationConfig(compute_dtype=dtype)}
     try:
         state_dict = detected.single_file.convert(original, config)
     except KeyError as error:
@@ -65,7 +88,7 @@ def load_transformer(detected: Detected, checkpoint: CheckpointFile, index: dict
     _check_fits(model, state_dict, detected)
     if issubclass(cls, FromOriginalModelMixin):
         return cls.from_single_file(state_dict, config=str(detected.config_dir), subfolder="transformer",
-                                    local_files_only=True, torch_dtype=dtype, **detected.overrides)
+                                    local_files_only=True, torch_dtype=dtype, **quantized, **detected.overrides)
     state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     model.load_state_dict(state_dict, strict=True, assign=True)
     return model.eval()

@@ -1,0 +1,125 @@
+"""GGUF single files (city96's layout: the original model's tensor names), kept quantized on every rank.
+
+A tiny Flux.1 transformer in BFL's layout written as GGUF, its 2-D weights Q8_0 (rows of 32-value blocks),
+the rest F32, as city96's convert script keeps small tensors: detected from the file's tensor table, loaded
+with diffusers' GGUF support (GGUFParameter weights, layers that dequantize on the fly), and sampled under
+Ulysses 2 and Ring 2 through contract E: equal within 1e-4 to diffusers' single-process pipeline around the
+same GGUF transformer; its weights are the written Q8_0 values. Negative control: the unquantized weights
+give another result.
+Refused in one line: GGUF with --shard-weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from parallel import tiny_models
+
+from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
+
+gguf = pytest.importorskip("gguf")  # a pack requirement: always there where requirements.txt is installed
+
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+CALL = {"num_inference_steps": 4, "guidance_scale": 3.5, "height": 64, "width": 64}
+
+
+def _quantizable(array) -> bool:
+    return array.ndim == 2 and array.shape[-1] % 32 == 0
+
+
+def _q8_0(tensor: torch.Tensor) -> torch.Tensor:
+    """The values a Q8_0 copy of `tensor` holds (rows quantize independently, so row splits commute)."""
+    array = tensor.float().numpy()
+    return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(array, Q8_0), Q8_0).copy()).reshape(tensor.shape)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    from test_single_file import original_layout
+
+    root = tmp_path_factory.mktemp("gguf")
+    pipeline = tiny_models.build_tiny_pipeline("flux", seed=3)
+    writer = gguf.GGUFWriter(str(root / "flux1-dev-Q8_0.gguf"), "flux")
+    for name, tensor in original_layout("flux", pipeline.transformer).items():
+        array = tensor.float().numpy()
+        if _quantizable(array):
+            writer.add_tensor(name, gguf.quants.quantize(array, Q8_0), raw_dtype=Q8_0,
+                              raw_shape=gguf.quants.quant_shape_to_byte_shape(array.shape, Q8_0))
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    save_file(tiny_models.make_inputs("flux"), root / "in.safetensors")
+    return {"gguf": root / "flux1-dev-Q8_0.gguf", "inputs": root / "in.safetensors", "plain": pipeline}
+
+
+@pytest.fixture(scope="module")
+def reference(files):
+    """diffusers' own pipeline, single process, around the GGUF transformer as diffusers' GGUF support loads it
+    (its layers dequantize on the fly), in fp32."""
+    from parallel.checkpoints.load import load_single_file_pipeline
+
+    pipeline = tiny_models.build_tiny_pipeline("flux", seed=3)
+    pipeline.transformer = load_single_file_pipeline(files["gguf"], dtype=torch.float32).transformer
+    return diffusers_latents(pipeline, "flux", **load_file(files["inputs"]), **CALL)
+
+
+def test_detected_and_kept_quantized_with_the_written_values(files):
+    from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
+
+    from parallel.checkpoints.detect import CheckpointFile, detect_checkpoint
+    from parallel.checkpoints.load import load_single_file_pipeline
+
+    checkpoint = CheckpointFile(files["gguf"])
+    assert detect_checkpoint(checkpoint).variant == "flux1-dev"
+    assert checkpoint.shapes["double_blocks.0.img_attn.qkv.weight"] == (192, 64)  # logical, not bytes
+    transformer = load_single_file_pipeline(files["gguf"], dtype=torch.float32).transformer
+    layer = transformer.transformer_blocks[0].attn.to_q
+    assert type(layer).__name__ == "GGUFLinear" and layer.weight.quant_type == Q8_0
+    plain = files["plain"].transformer.state_dict()
+    stored = sum(p.numel() * p.element_size() for p in transformer.parameters())
+    assert stored < 0.4 * sum(v.numel() * 4 for v in plain.values())  # 8.5 bits per weight, not 32
+    for name, weight in transformer.named_parameters():  # Q8_0 of the written weights (scales are fp16)
+        value = dequantize_gguf_tensor(weight).float().reshape(plain[name].shape) if hasattr(weight, "quant_type") else weight
+        expected = _q8_0(plain[name]) if _quantizable(plain[name].numpy()) else plain[name]
+        assert (value - expected).abs().max().item() <= 1e-4, name
+
+
+@pytest.mark.parametrize("layout", [("--ulysses-degree", "2"), ("--ring-degree", "2")], ids=["ulysses2", "ring2"])
+def test_gguf_equals_diffusers_single_process(files, reference, tmp_path, layout):
+    output = tmp_path / "out.safetensors"
+    run = torchrun(2, "-m", "parallel.run", "--model", str(files["gguf"]), "--inputs", str(files["inputs"]),
+                   "--output", str(output), "--dtype", "fp32", "--steps", "4", "--guidance-scale", "3.5",
+                   "--height", "64", "--width", "64", *layout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    parallel = load_file(output)["latents"]
+    assert (parallel - reference).abs().max().item() <= TOLERANCE
+    unquantized = diffusers_latents(files["plain"], "flux", **load_file(files["inputs"]), **CALL)
+    assert (unquantized - parallel).abs().max().item() > 10 * TOLERANCE  # the quantization is real
+
+
+def test_gguf_with_shard_weights_is_refused_in_one_line(files, tmp_path):
+    run = torchrun(2, "-m", "parallel.run", "--model", str(files["gguf"]), "--inputs", str(files["inputs"]),
+                   "--output", str(tmp_path / "out.safetensors"), "--steps", "2", "--guidance-scale", "3.5",
+                   "--height", "64", "--width", "64", "--ulysses-degree", "2", "--shard-weights")
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert run.returncode != 0 and len(errors) == 1 and "GGUF-quantized" in errors[0] and "--shard-weights" in errors[0]
+
+
+def test_the_pool_node_lists_gguf_files_comfyui_itself_does_not(files, tmp_path, monkeypatch):
+    import shutil
+
+    from test_single_file import _pool_node_module
+
+    folder = tmp_path / "unet" / "flux"
+    folder.mkdir(parents=True)
+    shutil.copy(files["gguf"], folder / "flux1-dev-Q8_0.gguf")
+    node = _pool_node_module(monkeypatch, {"diffusion_models": [tmp_path / "unet"]})
+    node.folder_paths.get_filename_list = lambda name: []  # ComfyUI lists its own extensions only
+    listed = [m for m in node.diffusers_models() if m.startswith(node.FILE_PREFIX)]
+    assert listed == ["file: diffusion_models/flux/flux1-dev-Q8_0.gguf"]
+    assert node.model_path(listed[0]) == str(folder / "flux1-dev-Q8_0.gguf")
