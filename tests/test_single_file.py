@@ -410,14 +410,57 @@ def test_incomplete_or_mismatching_weights(checkpoints, tmp_path):
         detect_checkpoint(tmp_path / "c.safetensors")
 
 
-def test_quantized_checkpoint_refused(checkpoints, tmp_path):
-    """fp8-scaled files carry per-tensor scales next to the weights: loading the weights alone would be wrong."""
+def _fp8_scaled(weights: dict, per_layer: bool) -> tuple[dict, dict]:
+    """ComfyUI's scaled fp8 file of `weights` (its 2-D weights fp8 with a per-tensor scale: the `scaled_fp8`
+    marker with `scale_weight`, or per-layer `comfy_quant` JSON with `weight_scale`), and the weights it
+    means, stored · scale, as ComfyUI's loader computes them."""
+    stored, meant = {}, {}
+    for name, weight in weights.items():
+        if name.endswith(".weight") and weight.ndim == 2:
+            scale = weight.abs().max().float() / 448
+            fp8 = (weight.float() / scale).to(torch.float8_e4m3fn)
+            layer = name.removesuffix(".weight")
+            stored[name] = fp8
+            if per_layer:
+                stored[layer + ".comfy_quant"] = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()),
+                                                              dtype=torch.uint8)
+                stored[layer + ".weight_scale"], stored[layer + ".input_scale"] = scale, torch.tensor(1.0)
+            else:
+                stored[layer + ".scale_weight"], stored[layer + ".scale_input"] = scale, torch.tensor(1.0)
+            meant[name] = fp8.float() * scale
+        else:
+            stored[name] = meant[name] = weight
+    if not per_layer:
+        stored["scaled_fp8"] = torch.zeros(0, dtype=torch.float8_e4m3fn)
+    return stored, meant
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["scaled_fp8", "comfy_quant"])
+def test_comfyui_scaled_fp8_reads_as_comfyui_does(checkpoints, tmp_path, per_layer):
+    """ComfyUI's fp8_scaled files: the weights are stored · scale, exactly as a plain file of those values."""
     _, path = checkpoints["flux1-dev"]
-    weights = dict(CheckpointFile(path).state_dict(), scaled_fp8=torch.zeros(0, dtype=torch.float8_e4m3fn))
-    weights["img_in.scale_weight"] = torch.ones(1)
-    save_file(weights, tmp_path / "flux1-dev-fp8-scaled.safetensors")
-    with pytest.raises(ValueError, match="quantized checkpoint"):
-        load_pipeline(tmp_path / "flux1-dev-fp8-scaled.safetensors")
+    stored, meant = _fp8_scaled(CheckpointFile(path).state_dict(), per_layer)
+    save_file(stored, tmp_path / "flux1-dev-fp8-scaled.safetensors")
+    save_file(meant, tmp_path / "flux1-dev-meant.safetensors")
+    assert detect_checkpoint(tmp_path / "flux1-dev-fp8-scaled.safetensors").variant == "flux1-dev"
+    got = load_pipeline(tmp_path / "flux1-dev-fp8-scaled.safetensors", dtype="fp32").transformer.state_dict()
+    want = load_pipeline(tmp_path / "flux1-dev-meant.safetensors", dtype="fp32").transformer.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    unscaled = load_pipeline(tmp_path / "flux1-dev-fp8-scaled.safetensors").transformer  # bf16 compute by default
+    assert unscaled.dtype == torch.bfloat16
+
+
+def test_quantized_formats_this_pack_does_not_read_are_refused(checkpoints, tmp_path):
+    _, path = checkpoints["flux1-dev"]
+    stored, _ = _fp8_scaled(CheckpointFile(path).state_dict(), per_layer=True)
+    stored["img_in.comfy_quant"] = torch.tensor(list(b'{"format": "nvfp4"}'), dtype=torch.uint8)
+    save_file(stored, tmp_path / "flux1-dev-nvfp4.safetensors")
+    with pytest.raises(ValueError, match="layer img_in is stored as 'nvfp4', a format this pack does not read"):
+        load_pipeline(tmp_path / "flux1-dev-nvfp4.safetensors")
+    weights = dict(CheckpointFile(path).state_dict(), **{"img_in.weight.absmax": torch.ones(1)})
+    save_file(weights, tmp_path / "flux1-dev-nf4.safetensors")
+    with pytest.raises(ValueError, match="bitsandbytes-quantized checkpoint"):
+        load_pipeline(tmp_path / "flux1-dev-nf4.safetensors")
 
 
 def test_text_encoders_refused(checkpoints):

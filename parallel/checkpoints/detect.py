@@ -155,8 +155,8 @@ class CheckpointFile:
             raise self._broken(error) from None
 
 
-# Weights stored with per-tensor scales (ComfyUI's fp8_scaled) or bitsandbytes blocks would load unscaled.
-QUANTIZED_MARKERS = ("scaled_fp8", ".scale_weight", ".weight_scale", ".absmax", ".quant_map", ".quant_state")
+# bitsandbytes blocks would load without their state (ComfyUI's scaled fp8 is read: scaled.py).
+QUANTIZED_MARKERS = (".absmax", ".quant_map", ".quant_state")
 
 
 def detect_checkpoint(path: str | Path | CheckpointFile) -> Detected:
@@ -164,8 +164,8 @@ def detect_checkpoint(path: str | Path | CheckpointFile) -> Detected:
     checkpoint = path if isinstance(path, CheckpointFile) else CheckpointFile(path)
     quantized = next((k for k in checkpoint.shapes if any(m in k for m in QUANTIZED_MARKERS)), None)
     if quantized:
-        raise ValueError(f"{checkpoint.path} is a quantized checkpoint (tensor {quantized!r}: fp8-scaled or "
-                         "bitsandbytes), which would load without its scales; use the bf16, fp16 or plain fp8 file")
+        raise ValueError(f"{checkpoint.path} is a bitsandbytes-quantized checkpoint (tensor {quantized!r}), which "
+                         "this pack does not read; use the bf16, fp16, fp8 (scaled too) or GGUF file")
     for single_file in _single_files():
         if single_file.marker in checkpoint.shapes:
             variant, overrides = single_file.read(Shapes(checkpoint.path, checkpoint.shapes, single_file.title))

@@ -23,6 +23,7 @@ import torch
 from accelerate import init_empty_weights
 from diffusers.loaders.single_file_model import FromOriginalModelMixin
 
+from . import scaled
 from .detect import CheckpointFile, Detected, detect_checkpoint
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ def load_transformer(detected: Detected, checkpoint: CheckpointFile, index: dict
               **detected.overrides}
     original = checkpoint.state_dict()
     dtype = dtype or (torch.bfloat16 if checkpoint.is_gguf else _weights_dtype(original))
+    if scaled.is_scaled(original):
+        original = scaled.dequantize(original, detected.path)
     quantized = {}
     if checkpoint.is_gguf:
         if not issubclass(cls, FromOriginalModelMixin):
