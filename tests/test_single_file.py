@@ -53,6 +53,7 @@ VARIANTS = {
                                            "sample_size": 128}),
     "pixart-sigma-1024": ("pixart-sigma", {"num_attention_heads": 2, "attention_head_dim": 72,
                                            "cross_attention_dim": 144}),
+    "qwen-image": ("qwen-image", {}),
 }
 PIXART_TOKENS = {"pixart-alpha": 120, "pixart-sigma": 300}
 
@@ -198,6 +199,8 @@ def original_layout(family: str, transformer) -> dict:
         return flux_to_bfl(sd, config)
     if family == "sd3":
         return sd3_to_sai(sd, config)
+    if family == "qwen-image":  # Comfy-Org's files keep diffusers' names, under ComfyUI's prefix
+        return {f"model.diffusion_model.{k}": v for k, v in sd.items()}
     return pixart_to_original(sd, config, PIXART_TOKENS[family], transformer.pos_embed.pos_embed)
 
 

@@ -8,6 +8,10 @@ trailing padding common to the whole batch is trimmed away before the call (exac
 masked out and the text's rotary positions start at 0 either way), an all-valid mask is dropped, and
 prompts that still differ in length are refused under Ulysses, Ring and PipeFusion with one line.
 
+Single files (Comfy-Org's `qwen_image_*.safetensors`, also fp8 and GGUF) keep diffusers' own names, under
+ComfyUI's `model.diffusion_model.` prefix where it is whole-checkpoint; the rotary axes have no weights and
+follow the head size in Qwen-Image's proportions (16 + 56 + 56 of 128).
+
 Its attention layers are diffusers' shared `Attention` class with a processor that calls
 `dispatch_attention_fn`, so the family declares the processor (`attention_layers`).
 """
@@ -20,11 +24,12 @@ import numpy as np
 import torch
 
 from ..call_parameters import CallParameter
+from ..checkpoints.shapes import Shapes
 from ..config import LayoutError
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split, TokenRows
-from .base import FAMILIES, ComfyData, Family, TinyModel
+from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant
 
 MASKS = {"prompt_embeds": "prompt_embeds_mask", "negative_prompt_embeds": "negative_prompt_embeds_mask"}
 
@@ -84,6 +89,24 @@ class xFuserQwenImagePipeline(xFuserPipelineBaseWrapper):
     def encode_text(self, prompt: str) -> dict[str, torch.Tensor]:
         embeds, mask = self.module.encode_prompt(prompt, device=self.module.transformer.device)
         return {"prompt_embeds": embeds} if mask is None else {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+
+
+# -- single-file checkpoints: diffusers' own names -----------------------------------------------------------
+def read_checkpoint(shape: Shapes) -> tuple[str, dict]:
+    hidden, in_channels = shape("img_in.weight")
+    head_dim = shape("transformer_blocks.0.attn.norm_q.weight")[0]
+    spatial = head_dim * 7 // 16 // 2 * 2
+    if "transformer_blocks.0.img_mod.1.weight" not in shape or "time_text_embed.addition_t_embedding.weight" in shape:
+        raise shape.error("a Qwen-Image transformer of a variant this pack does not support (only Qwen-Image text-to-image)")
+    return "qwen-image", {
+        "in_channels": in_channels, "out_channels": shape("proj_out.weight")[0] // 4, "attention_head_dim": head_dim,
+        "num_attention_heads": shape.heads(hidden, head_dim), "num_layers": shape.blocks(r"transformer_blocks\.(\d+)\."),
+        "joint_attention_dim": shape("txt_in.weight")[1], "axes_dims_rope": [head_dim - 2 * spatial, spatial, spatial],
+    }
+
+
+def convert_checkpoint(state_dict: dict, config: dict) -> dict:
+    return state_dict  # already diffusers' names
 
 
 # -- tiny built-in model ----------------------------------------------------------------------------------
@@ -154,6 +177,13 @@ QWEN_IMAGE = FAMILIES.register(Family(
             returns=("encoder_hidden_states", "hidden_states"),
             token_inputs={"image_rotary_emb": TokenRows(dim=0, items=(0,))},  # the image's table; the text's whole
         ),
+    ),
+    single_file=SingleFile(
+        marker="txt_norm.weight",
+        title="Qwen-Image",
+        variants={"qwen-image": Variant("qwen-image", "Qwen-Image", "diffusers' keys img_in.*, txt_norm.*, transformer_blocks.*")},
+        read=read_checkpoint,
+        convert=convert_checkpoint,
     ),
     tiny={"qwen-image": TinyModel("QwenImagePipeline", build_tiny, tiny_inputs, guidance=1.0,
                                   true_cfg={"true_cfg_scale": 4.0})},
