@@ -5,20 +5,20 @@ the image, every block attends over text + image). Notation: I image tokens, T t
 of D, L attention layers (double + single blocks), C output channels, N = U·R sequence-parallel ranks.
 
 Bytes (`min_bytes_per_step`), what one rank puts on the wire:
-- xDiT Ulysses: Q, K, V of the local image shard go through one all-to-all and the output comes back
-  through another: 4·(I/N)·H·D·(U−1)/U per layer. The text is replicated, so each rank computes the text
-  queries of its H/U heads only and all-gathers that output: T·(H/U)·D·(U−1) per layer.
-- xDiT Ring: the image K and V blocks travel R−1 hops: 2·(I/R)·(H/U)·D·(R−1) per layer (text K/V stay local).
+- Text and image sharded alike (S = I + T: diffusers CP always; this engine where T and I both divide
+  by N, `Split.text` in the family's plan): Ulysses 4·(S/N)·H·D·(U−1)/U, Ring 2·(S/R)·(H/U)·D·(R−1) per layer.
+- Text replicated (this engine where T or I does not divide): Q, K, V of the local image shard go through
+  one all-to-all and the output comes back through another, 4·(I/N)·H·D·(U−1)/U per layer; each rank
+  computes the text queries of its H/U heads only and all-gathers that output, T·(H/U)·D·(U−1) per
+  layer; Ring moves the image K and V blocks only, 2·(I/R)·(H/U)·D·(R−1) (text K/V stay local).
 - Both: the final proj_out all-gather of the image tokens, (I/N)·C·(N−1) per transformer call.
 - CFG parallel: one all-gather of the noise prediction per step, I·C·(cfg−1).
-- diffusers CP shards text and image alike (S = I + T): Ulysses 4·(S/N)·H·D·(U−1)/U, Ring with its
-  all-gather rotation 2·(S/R)·(H/U)·D·(R−1) per layer, plus the same proj_out all-gather.
 With true CFG on a layout without CFG parallel, every rank runs both branches: twice the SP traffic.
 
 Work (`work_ceiling`): multiply-accumulates in the blocks, 12·d² per token per block (d = H·D: QKV,
 output and a 4× MLP, in both double-block streams and the single blocks) plus 2·Sq·Sk·D per head for
-attention. Ranks that replicate the text redo its share, so even with free communication the engine's
-sequence-parallel efficiency cannot exceed W(1) / (N·W(N)); diffusers CP replicates nothing.
+attention. Ranks that replicate the text redo its share, so even with free communication the
+sequence-parallel efficiency cannot exceed W(1) / (N·W(N)); sharded text replicates nothing.
 """
 
 from __future__ import annotations
@@ -51,12 +51,18 @@ def _calls_per_rank_per_step(layout: "Layout") -> int:
     return 2 if layout.true_cfg and layout.cfg == 1 else 1
 
 
+def text_sharded(layout: "Layout", m: ModelDims) -> bool:
+    """Whether the text is sharded with the image tokens under this layout (see module docstring)."""
+    n = layout.ulysses * layout.ring
+    return layout.engine == "diffusers-cp" or (m.text_tokens % n == 0 and m.image_tokens % n == 0)
+
+
 def min_bytes_per_step(layout: "Layout", m: ModelDims) -> float:
     """Bytes one rank must send per denoising step under this layout's method (see module docstring)."""
     u, r = layout.ulysses, layout.ring
     n = u * r
     head_block = (m.heads // u) * m.head_dim  # per token, after Ulysses has split the heads
-    if layout.engine == "diffusers-cp":
+    if text_sharded(layout, m):
         sharded = m.image_tokens + m.text_tokens
         text_gather = 0
     else:
@@ -75,7 +81,7 @@ def work_per_rank(layout: "Layout", m: ModelDims) -> float:
     n = u * r
     d = m.heads * m.head_dim
     total = m.image_tokens + m.text_tokens
-    if layout.engine == "diffusers-cp":
+    if text_sharded(layout, m):
         tokens, queries = total / n, total / r
     else:  # the text is replicated on every sequence-parallel rank
         tokens, queries = m.image_tokens / n + m.text_tokens, m.image_tokens / r + m.text_tokens

@@ -5,7 +5,8 @@ Python and collective latency, not parallel speed-up. MEDIUM keeps Flux.1's stru
 single-stream blocks, joint attention with the text in front, packed 2×2 latents, RoPE, distilled
 guidance embedding) at 8 heads × 64 and 4 + 4 blocks. At 512×512 that is 1024 image tokens; 128 text
 tokens keep the 8:1 image:text ratio of Flux.1 at 1024×1024 with 512 T5 tokens, which matters
-because the engine replicates the text tokens on every sequence-parallel rank.
+because the engine replicates the text tokens on every sequence-parallel rank where they do not divide
+by the degree (here they do, so Ulysses and Ring shard text and image alike, as diffusers CP does).
 TINY is the test model itself, for a fast end-to-end check of the benchmark machinery.
 
 Text encoders are left out (prompts arrive as embeddings, as in contract E); the tiny VAE and the

@@ -284,7 +284,10 @@ FLUX = FAMILIES.register(Family(
     pipelines={"FluxPipeline": xFuserFluxPipeline, "FluxKontextPipeline": xFuserFluxKontextPipeline},
     transformer="FluxTransformer2DModel",
     plan=ParallelPlan(
-        inputs={"": {"hidden_states": Split(dim=1, expected_dims=3), "img_ids": Split(dim=0, expected_dims=2)}},
+        inputs={"": {"hidden_states": Split(dim=1, expected_dims=3), "img_ids": Split(dim=0, expected_dims=2),
+                     # the text too, where it divides (joint attention gathers the whole sequence per head)
+                     "encoder_hidden_states": Split(dim=1, expected_dims=3, text=True),
+                     "txt_ids": Split(dim=0, expected_dims=2, text=True)}},
         outputs={"proj_out": Gather(dim=1, expected_dims=3)},
         attention={
             "transformer_blocks.*.attn": TextLayout.PREFIX,

@@ -109,7 +109,10 @@ FLUX2 = FAMILIES.register(Family(
     pipelines={"Flux2KleinPipeline": xFuserFlux2KleinPipeline},
     transformer="Flux2Transformer2DModel",
     plan=ParallelPlan(
-        inputs={"": {"hidden_states": Split(dim=1, expected_dims=3), "img_ids": Split(dim=1, expected_dims=3)}},
+        inputs={"": {"hidden_states": Split(dim=1, expected_dims=3), "img_ids": Split(dim=1, expected_dims=3),
+                     # the text too, where it divides (its rotary ids carry their positions)
+                     "encoder_hidden_states": Split(dim=1, expected_dims=3, text=True),
+                     "txt_ids": Split(dim=1, expected_dims=3, text=True)}},
         outputs={"proj_out": Gather(dim=1, expected_dims=3)},
         attention={
             "transformer_blocks.*.attn": TextLayout.PREFIX,

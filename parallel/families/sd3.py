@@ -92,6 +92,7 @@ SD3 = FAMILIES.register(Family(
     pipelines={"StableDiffusion3Pipeline": xFuserStableDiffusion3Pipeline},
     transformer="SD3Transformer2DModel",
     plan=ParallelPlan(
+        inputs={"": {"encoder_hidden_states": Split(dim=1, expected_dims=3, text=True)}},  # where it divides
         outputs={"pos_embed": Split(dim=1, expected_dims=3), "proj_out": Gather(dim=1, expected_dims=3)},
         attention={"transformer_blocks.*.attn": TextLayout.SUFFIX, "transformer_blocks.*.attn2": TextLayout.NONE},
         pipefusion=PipeFusionPlan(

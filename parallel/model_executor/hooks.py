@@ -60,6 +60,7 @@ def apply_sequence_plan(
         for path, specs in plan.inputs.items():
             module = transformer.get_submodule(path)
             where = path or type(transformer).__name__
+            specs = {name: spec for name, spec in specs.items() if kv_cache is None or not spec.text}
             handles.append(module.register_forward_pre_hook(_split_inputs(module, where, specs, sp, plan.uneven_tokens), with_kwargs=True))
         for path, op in plan.outputs.items():
             handles.append(transformer.get_submodule(path).register_forward_hook(_output_op(path, op, sp, plan.uneven_tokens)))
@@ -87,15 +88,30 @@ def _record_text_tokens(text_input: str):
 
 def _split_inputs(module: torch.nn.Module, where: str, specs: dict[str, Split], sp: GroupCoordinator,
                   uneven: bool = False):
+    image = {name: spec for name, spec in specs.items() if not spec.text}
+    text = {name: spec for name, spec in specs.items() if spec.text}
+
     def hook(module_, args, kwargs):
         named = as_keyword_arguments(module.forward, args, kwargs)
-        for name, spec in specs.items():
+        for name, spec in image.items():
             if named.get(name) is not None and spec.ndim in (None, named[name].ndim):
                 check_dims(named[name], spec, where, f"input {name!r}")
                 named[name] = shard(named[name], spec.dim, sp, name, uneven)
+        present = {name: spec for name, spec in text.items() if named.get(name) is not None}
+        if present and _text_shards(named, present, sp):
+            for name, spec in present.items():
+                check_dims(named[name], spec, where, f"input {name!r}")
+                named[name] = shard(named[name], spec.dim, sp, name)
+            get_runtime_state().text_tokens = 0  # no replicated text: attention sees one sequence shard
         return (), named
 
     return hook
+
+
+def _text_shards(named: dict, text: dict[str, Split], sp: GroupCoordinator) -> bool:
+    """Whether this call's text splits with the image (see Split.text)."""
+    return get_runtime_state().token_split is None and all(named[n].shape[s.dim] % sp.world_size == 0 for n, s in text.items())
+
 
 
 def _output_op(path: str, op: Split | Gather, sp: GroupCoordinator, uneven: bool = False):

@@ -26,12 +26,18 @@ class Split:
     [B, S]; other Wan models pass one timestep per sample, [B]).
     expected_dims: the number of dimensions this tensor must have; any other is a LayoutError, so a
     diffusers upgrade that reshapes it fails loudly instead of splitting the wrong axis.
+    text: a text input of joint attention (its tokens, their rotary ids). Sharded with the image tokens
+          when its length divides by the degree and the image tokens split evenly (as diffusers' context
+          parallelism does: every rank then projects and runs 1/N of the text, and attention gathers the
+          whole sequence for its heads); otherwise left whole on every rank (replicated text). Never
+          under PipeFusion, whose patches carry the whole text.
     """
 
     dim: int
     items: tuple[int, ...] | None = None
     ndim: int | None = None
     expected_dims: int | None = None
+    text: bool = False
 
 
 @dataclass(frozen=True)

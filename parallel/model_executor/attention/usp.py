@@ -136,6 +136,6 @@ def usp_attention(
 
     out_text, out_image = out[:, :, :text_tokens], out[:, :, text_tokens:]
     out_image = ulysses.all_to_all(out_image, scatter_dim=2, gather_dim=1)
-    if text_tokens:
-        out_text = ulysses.all_gather(out_text, dim=1)
-    return _join_text(out_text, out_image, text_layout)
+    if not text_tokens:  # no replicated text (none, or sharded with the image: one sequence shard)
+        return out_image
+    return _join_text(ulysses.all_gather(out_text, dim=1), out_image, text_layout)
