@@ -15,7 +15,9 @@ scheduler come from tiny_models and the VAE never runs (output_type="latent").
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from diffusers import FluxPipeline, FluxTransformer2DModel
@@ -151,3 +153,29 @@ def timed_rounds(pipelines: dict, inputs: dict, kwargs: dict, runs: int) -> tupl
             else:
                 warmup[name] = elapsed
     return times, outputs, warmup
+
+
+def side_by_side_arguments(module: str, doc: str, runs: int, steps: int) -> argparse.ArgumentParser:
+    """The options every side-by-side bench takes: --tiny, --runs, --steps, --json (bench/out/<name>.json) and
+    the hidden --drive SPEC its torchrun ranks get; the bench adds its own."""
+
+    name = module.rsplit(".", 1)[-1]
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="the tiny test model: checks the machinery only")
+    parser.add_argument("--runs", type=int, default=runs)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "out" / f"{name}.json")
+    parser.add_argument("--drive", type=Path, help=argparse.SUPPRESS)
+    return parser
+
+
+def parse_or_drive(parser, argv, drive):
+    """The parsed options; None after running `drive` on a rank (the --drive SPEC torchrun passes it)."""
+    import json
+
+    args = parser.parse_args(argv)
+    if args.drive:
+        drive(json.loads(args.drive.read_text()))
+        return None
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    return args

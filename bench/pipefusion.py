@@ -11,7 +11,6 @@ Bytes are what each rank's group coordinators counted, per step, next to what th
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import json
@@ -22,7 +21,8 @@ from pathlib import Path
 
 from parallel.launch import ROOT, rank_environment, torchrun_command
 
-OUT = Path(__file__).resolve().parent / "out"
+from .model import parse_or_drive, side_by_side_arguments
+
 LAYOUTS = {"1 rank (diffusers)": None, "ulysses2": {"ulysses_degree": 2},
            "pipefusion2": {"pipefusion_degree": 2, "warmup_steps": 1, "num_patches": 2}}
 
@@ -83,17 +83,9 @@ def drive(spec: dict) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.pipefusion", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="the tiny test model: checks the machinery only")
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--json", type=Path, default=OUT / "pipefusion.json")
-    parser.add_argument("--drive", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.drive:
-        drive(json.loads(args.drive.read_text()))
+    parser = side_by_side_arguments("bench.pipefusion", __doc__, runs=5, steps=4)
+    if (args := parse_or_drive(parser, argv, drive)) is None:
         return 0
-    args.json.parent.mkdir(parents=True, exist_ok=True)
     spec_file = args.json.with_suffix(".spec.json")
     result = args.json.with_suffix(".raw.json")
     spec_file.write_text(json.dumps({"model": "tiny" if args.tiny else "medium", "runs": args.runs, "steps": args.steps,

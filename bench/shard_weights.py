@@ -13,14 +13,12 @@ two outputs (the sharded run must be the unsharded one).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
 
-from .model import launch_per_rank_count
+from .model import launch_per_rank_count, parse_or_drive, side_by_side_arguments
 
-OUT = Path(__file__).resolve().parent / "out"
 RUNS = ("unsharded", "sharded")
 
 
@@ -47,17 +45,9 @@ def drive(spec: dict) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.shard_weights", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="the tiny test model: checks the machinery only")
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--json", type=Path, default=OUT / "shard_weights.json")
-    parser.add_argument("--drive", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.drive:
-        drive(json.loads(args.drive.read_text()))
+    parser = side_by_side_arguments("bench.shard_weights", __doc__, runs=3, steps=2)
+    if (args := parse_or_drive(parser, argv, drive)) is None:
         return 0
-    args.json.parent.mkdir(parents=True, exist_ok=True)
     model = "tiny" if args.tiny else "medium"
     rows = {}
     raws = launch_per_rank_count("bench.shard_weights", {"model": model, "runs": args.runs, "steps": args.steps}, args.json)

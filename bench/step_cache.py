@@ -11,7 +11,6 @@ report how many transformer calls ran in full.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -20,7 +19,8 @@ from pathlib import Path
 
 from parallel.launch import ROOT, rank_environment, torchrun_command
 
-OUT = Path(__file__).resolve().parent / "out"
+from .model import parse_or_drive, side_by_side_arguments
+
 RUNS = ("1 rank", "1 rank + cache", "ulysses2", "ulysses2 + cache")
 
 
@@ -90,19 +90,11 @@ def drive(spec: dict) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.step_cache", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="the tiny test model: checks the machinery only")
-    parser.add_argument("--runs", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=28)
+    parser = side_by_side_arguments("bench.step_cache", __doc__, runs=2, steps=28)
     parser.add_argument("--threshold", type=float, default=0.5,
                         help="first-block cache threshold (random weights change ~0.4 per step, more than a trained model)")
-    parser.add_argument("--json", type=Path, default=OUT / "step_cache.json")
-    parser.add_argument("--drive", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.drive:
-        drive(json.loads(args.drive.read_text()))
+    if (args := parse_or_drive(parser, argv, drive)) is None:
         return 0
-    args.json.parent.mkdir(parents=True, exist_ok=True)
     spec_file, result = args.json.with_suffix(".spec.json"), args.json.with_suffix(".raw.json")
     spec_file.write_text(json.dumps({"model": "tiny" if args.tiny else "medium", "runs": args.runs, "steps": args.steps,
                                      "threshold": args.threshold, "result": str(result)}))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -63,3 +64,16 @@ def reference(model_dir: Path, family: str, inputs: dict, params: dict = PARAMS)
 def idle_client(endpoint: str, timeout_s: float = 120) -> tuple[PoolClient, dict]:
     client = PoolClient(endpoint)
     return client, client.wait_until_idle(timeout_s)
+
+
+@contextlib.contextmanager
+def serving(model_dir: Path, work: Path, *flags: str):
+    """A `serve` pool on a free endpoint (its log in `work`) and an idle client for it; stopped after."""
+    endpoint = free_endpoint()
+    process = start_serve(model_dir, endpoint, *flags, log=work / "serve.log")
+    try:
+        client, _ = idle_client(endpoint)
+        with client:
+            yield client
+    finally:
+        stop_serve(process)

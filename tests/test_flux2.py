@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from parallel import tiny_models
 
-from pool_helpers import free_endpoint, idle_client, start_serve, stop_serve
+from pool_helpers import serving
 from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
 
 FAMILY, STEPS, GUIDANCE = "flux2-klein", 4, 4.0
@@ -61,21 +61,14 @@ def test_a_distilled_klein_refuses_cfg_parallel(tiny_model_dirs, tmp_path):
 def test_the_pools_text_encoder_matches_diffusers(tiny_model_dirs, tmp_path):
     from diffusers import DiffusionPipeline
 
-    endpoint = free_endpoint()
-    process = start_serve(tiny_model_dirs[FAMILY], endpoint, "--nproc", "2", "--ulysses-degree", "2", "--text-encoders",
-                          log=tmp_path / "serve.log")
-    try:
-        client, _ = idle_client(endpoint)
-        with client:
-            pipeline = DiffusionPipeline.from_pretrained(tiny_model_dirs[FAMILY])
-            encoded = {text: client.encode(text)["prompt_embeds"] for text in ("a red fox in the snow", "")}
-            for text, embeds in encoded.items():
-                assert torch.equal(embeds, pipeline.encode_prompt(text, device="cpu")[0]), text
-            inputs = {"latents": tiny_models.make_inputs(FAMILY)["latents"], "prompt_embeds": encoded["a red fox in the snow"],
-                      "negative_prompt_embeds": encoded[""]}
-            latents = client.sample(inputs, {"steps": STEPS, "guidance_scale": GUIDANCE, "height": 64, "width": 64})
-            expected = diffusers_latents(pipeline, FAMILY, **inputs, num_inference_steps=STEPS, guidance_scale=GUIDANCE,
-                                         height=64, width=64)
-            assert (latents - expected).abs().max().item() <= TOLERANCE
-    finally:
-        stop_serve(process)
+    with serving(tiny_model_dirs[FAMILY], tmp_path, "--nproc", "2", "--ulysses-degree", "2", "--text-encoders") as client:
+        pipeline = DiffusionPipeline.from_pretrained(tiny_model_dirs[FAMILY])
+        encoded = {text: client.encode(text)["prompt_embeds"] for text in ("a red fox in the snow", "")}
+        for text, embeds in encoded.items():
+            assert torch.equal(embeds, pipeline.encode_prompt(text, device="cpu")[0]), text
+        inputs = {"latents": tiny_models.make_inputs(FAMILY)["latents"], "prompt_embeds": encoded["a red fox in the snow"],
+                  "negative_prompt_embeds": encoded[""]}
+        latents = client.sample(inputs, {"steps": STEPS, "guidance_scale": GUIDANCE, "height": 64, "width": 64})
+        expected = diffusers_latents(pipeline, FAMILY, **inputs, num_inference_steps=STEPS, guidance_scale=GUIDANCE,
+                                     height=64, width=64)
+        assert (latents - expected).abs().max().item() <= TOLERANCE

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from parallel import tiny_models
 
-from pool_helpers import free_endpoint, idle_client, start_serve, stop_serve
+from pool_helpers import serving
 from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
 
 FAMILY, STEPS = "qwen-image", 4
@@ -84,20 +84,13 @@ def test_prompts_of_different_lengths_are_refused_under_ulysses(runs):
 def test_the_pools_text_encoder_matches_diffusers(tiny_model_dirs, tmp_path):
     from diffusers import DiffusionPipeline
 
-    endpoint = free_endpoint()
-    process = start_serve(tiny_model_dirs[FAMILY], endpoint, "--nproc", "2", "--ulysses-degree", "2", "--text-encoders",
-                          log=tmp_path / "serve.log")
-    try:
-        client, _ = idle_client(endpoint)
-        with client:
-            encoded = client.encode("a red fox in the snow")
-            pipeline = DiffusionPipeline.from_pretrained(tiny_model_dirs[FAMILY])
-            embeds, _ = pipeline.encode_prompt("a red fox in the snow", device="cpu")
-            assert torch.equal(encoded["prompt_embeds"], embeds)
-            inputs = {**tiny_models.make_inputs(FAMILY, height=HEIGHT, width=WIDTH), "prompt_embeds": embeds}
-            del inputs["prompt_embeds_mask"]
-            latents = client.sample(inputs, {"steps": STEPS, "guidance_scale": 1.0, "height": HEIGHT, "width": WIDTH})
-            expected = diffusers_latents(pipeline, FAMILY, **inputs, **call())
-            assert (latents - expected).abs().max().item() <= TOLERANCE
-    finally:
-        stop_serve(process)
+    with serving(tiny_model_dirs[FAMILY], tmp_path, "--nproc", "2", "--ulysses-degree", "2", "--text-encoders") as client:
+        encoded = client.encode("a red fox in the snow")
+        pipeline = DiffusionPipeline.from_pretrained(tiny_model_dirs[FAMILY])
+        embeds, _ = pipeline.encode_prompt("a red fox in the snow", device="cpu")
+        assert torch.equal(encoded["prompt_embeds"], embeds)
+        inputs = {**tiny_models.make_inputs(FAMILY, height=HEIGHT, width=WIDTH), "prompt_embeds": embeds}
+        del inputs["prompt_embeds_mask"]
+        latents = client.sample(inputs, {"steps": STEPS, "guidance_scale": 1.0, "height": HEIGHT, "width": WIDTH})
+        expected = diffusers_latents(pipeline, FAMILY, **inputs, **call())
+        assert (latents - expected).abs().max().item() <= TOLERANCE
