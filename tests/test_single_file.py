@@ -54,6 +54,9 @@ VARIANTS = {
     "pixart-sigma-1024": ("pixart-sigma", {"num_attention_heads": 2, "attention_head_dim": 72,
                                            "cross_attention_dim": 144}),
     "qwen-image": ("qwen-image", {}),
+    # Wan's head size is 128 in every released model (the single-file reader assumes it)
+    "wan2.1-t2v-1.3b": ("wan", {"num_attention_heads": 2, "attention_head_dim": 128}),
+    "wan2.2-ti2v-5b": ("wan22-5b", {"num_attention_heads": 2, "attention_head_dim": 128}),
 }
 PIXART_TOKENS = {"pixart-alpha": 120, "pixart-sigma": 300}
 
@@ -193,6 +196,28 @@ def pixart_to_original(sd: dict, config, tokens: int, pos_embed: torch.Tensor) -
     return out
 
 
+_WAN_NAMES = [  # diffusers -> Wan's original names (the inverse of diffusers' rename table), in order
+    ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+    ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+    ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+    ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+    ("condition_embedder.time_proj", "time_projection.1"),
+    ("attn2", "cross_attn"), ("attn1", "self_attn"), (".to_out.0.", ".o."), (".to_q.", ".q."), (".to_k.", ".k."),
+    (".to_v.", ".v."), ("proj_out", "head.head"), ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2"),
+    ("norm2", "norm__placeholder"), ("norm3", "norm2"), ("norm__placeholder", "norm3"),
+]
+
+
+def wan_to_original(sd: dict) -> dict:
+    out = {}
+    for key, value in sd.items():
+        for ours, theirs in _WAN_NAMES:
+            key = key.replace(ours, theirs)
+        key = "head.modulation" if key == "scale_shift_table" else key.replace(".scale_shift_table", ".modulation")
+        out[key] = value
+    return out
+
+
 def original_layout(family: str, transformer) -> dict:
     sd, config = transformer.state_dict(), transformer.config
     if family == "flux":
@@ -201,6 +226,8 @@ def original_layout(family: str, transformer) -> dict:
         return sd3_to_sai(sd, config)
     if family == "qwen-image":  # Comfy-Org's files keep diffusers' names, under ComfyUI's prefix
         return {f"model.diffusion_model.{k}": v for k, v in sd.items()}
+    if family.startswith("wan"):
+        return wan_to_original(sd)
     return pixart_to_original(sd, config, PIXART_TOKENS[family], transformer.pos_embed.pos_embed)
 
 
@@ -239,10 +266,11 @@ def checkpoints(tmp_path_factory):
 
 
 def _run(pipe, family: str) -> torch.Tensor:
+    video = {"num_frames": 5} if family in tiny_models.VIDEO_FAMILIES else {}
     with torch.no_grad():
-        return pipe(**tiny_models.make_inputs(family), **tiny_models.PIPELINE_CALL_DEFAULTS[family],
+        return pipe(**tiny_models.make_inputs(family, **video), **video, **tiny_models.PIPELINE_CALL_DEFAULTS[family],
                     guidance_scale=tiny_models.MODELS[family].guidance, height=64, width=64, num_inference_steps=4,
-                    output_type="latent").images
+                    output_type="latent", return_dict=False)[0]
 
 
 def _same_scheduler(file_pipe, folder_pipe, family: str) -> None:
@@ -523,15 +551,18 @@ def test_pool_node_lists_single_files(checkpoints, tmp_path, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------- engine (torchrun)
-def test_engine_takes_a_file(checkpoints, tmp_path):
+@pytest.mark.parametrize("variant", ["flux1-dev", "wan2.1-t2v-1.3b"])
+def test_engine_takes_a_file(checkpoints, tmp_path, variant):
     """Contract E with --model FILE on 2 ranks (Ulysses 2) equals the single-process file pipeline."""
-    family = "flux"
-    _, path = checkpoints["flux1-dev"]
-    inputs = tiny_models.make_inputs(family)
+    family, _ = VARIANTS[variant]
+    _, path = checkpoints[variant]
+    video = ["--num-frames", "5"] if family in tiny_models.VIDEO_FAMILIES else []
+    inputs = tiny_models.make_inputs(family, **({"num_frames": 5} if video else {}))
     save_file(inputs, tmp_path / "in.safetensors")
     result = torchrun(2, "-m", "parallel.run", "--model", str(path), "--inputs", str(tmp_path / "in.safetensors"),
                       "--output", str(tmp_path / "out.safetensors"), "--steps", "4", "--guidance-scale",
-                      str(tiny_models.MODELS[family].guidance), "--height", "64", "--width", "64", "--ulysses-degree", "2")
+                      str(tiny_models.MODELS[family].guidance), "--height", "64", "--width", "64", "--ulysses-degree", "2",
+                      *video)
     assert result.returncode == 0, result.stderr[-3000:]
     from safetensors.torch import load_file
 

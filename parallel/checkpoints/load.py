@@ -107,8 +107,9 @@ def load_single_file_pipeline(path: str | Path, *, dtype: torch.dtype | None = N
     scheduler = getattr(diffusers, index["scheduler"][1]).from_pretrained(
         detected.config_dir, subfolder="scheduler", local_files_only=True)
     pipeline_cls = getattr(diffusers, index["_class_name"])
-    modules, _ = pipeline_cls._get_signature_keys(pipeline_cls)
+    modules, optional = pipeline_cls._get_signature_keys(pipeline_cls)
     absent = {name: None for name in modules if name not in ("transformer", "scheduler")}
-    pipeline = pipeline_cls(**absent, transformer=transformer, scheduler=scheduler)
+    settings = {name: index[name] for name in optional if name in index}  # e.g. Wan 2.2 TI2V's expand_timesteps
+    pipeline = pipeline_cls(**absent, **settings, transformer=transformer, scheduler=scheduler)
     pipeline.register_to_config(_name_or_path=str(path))
     return pipeline

@@ -13,6 +13,12 @@ with the rotary table and TI2V's per-token modulation sliced alike; each expert 
 stale K/V when it takes over.
 
 ComfyUI keeps Wan latents in its Wan21 (16 channels, ×8) and Wan22 (48 channels, ×16) formats.
+
+Single files: Wan's original layout (`blocks.N.self_attn.q`, `patch_embedding`, `head.head`), as Comfy-Org
+repackages it (`wan2.1_t2v_1.3B_fp16.safetensors`, `wan2.2_ti2v_5B_fp16.safetensors`; fp8, scaled fp8 and
+GGUF through the same path), converted by diffusers' own converter. The head size is 128 in every Wan (the
+weights cannot show it: q/k norms span all heads). Text-to-video 2.1 and TI2V 5B load; image-to-video files
+(Wan 2.1's CLIP image projection, or 36 input channels) and Wan 2.2 A14B's two experts (two files) do not yet.
 """
 
 from __future__ import annotations
@@ -25,11 +31,12 @@ from typing import Any
 import torch
 
 from ..call_parameters import CallParameter
+from ..checkpoints.shapes import Shapes
 from ..config import LayoutError
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split, TokenRows
-from .base import FAMILIES, ComfyData, Family, TinyModel
+from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant
 
 DEFAULT_FRAMES = 81  # WanPipeline.__call__'s default num_frames
 PROMPT_TOKENS = 512  # WanPipeline.__call__'s max_sequence_length: what a text prompt is padded to
@@ -296,6 +303,32 @@ def _tiny(model: str) -> TinyModel:
     return TinyModel("WanImageToVideoPipeline" if model == "wan22-i2v" else "WanPipeline", build, inputs)
 
 
+# -- single-file checkpoints: Wan's original layout ----------------------------------------------------------
+WAN_HEAD_DIM = 128
+
+
+def read_checkpoint(shape: Shapes) -> tuple[str, dict]:
+    dim, in_channels = shape("patch_embedding.weight")[:2]
+    patch = list(shape("patch_embedding.weight")[2:])
+    out_channels = shape("head.head.weight")[0] // (patch[0] * patch[1] * patch[2])
+    if "img_emb.proj.1.weight" in shape or in_channels != out_channels:
+        raise shape.error("a Wan image-to-video transformer: only text-to-video (Wan 2.1) and TI2V 5B (Wan 2.2) "
+                          "single files load; use a diffusers folder of the image-to-video model")
+    variant = "wan2.2-ti2v-5b" if in_channels == TINY_CHANNELS_5B else "wan2.1-t2v-14b" if dim >= 5120 else "wan2.1-t2v-1.3b"
+    return variant, {
+        "in_channels": in_channels, "out_channels": out_channels, "patch_size": patch,
+        "num_attention_heads": shape.heads(dim, WAN_HEAD_DIM), "attention_head_dim": WAN_HEAD_DIM,
+        "ffn_dim": shape("blocks.0.ffn.0.weight")[0], "num_layers": shape.blocks(r"blocks\.(\d+)\."),
+        "text_dim": shape("text_embedding.0.weight")[1], "freq_dim": shape("time_embedding.0.weight")[1],
+    }
+
+
+def convert_checkpoint(state_dict: dict, config: dict) -> dict:
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    return convert_wan_transformer_to_diffusers(state_dict)
+
+
 WAN = FAMILIES.register(Family(
     name="wan",
     pipelines={"WanPipeline": xFuserWanPipeline, "WanImageToVideoPipeline": xFuserWanImageToVideoPipeline},
@@ -314,6 +347,17 @@ WAN = FAMILIES.register(Family(
             token_inputs={"rotary_emb": TokenRows(dim=1), "temb": TokenRows(dim=1, ndim=4)},
         ),
         output_channels="out_channels",
+    ),
+    single_file=SingleFile(
+        marker="blocks.0.self_attn.q.weight",
+        title="Wan",
+        variants={
+            "wan2.1-t2v-1.3b": Variant("wan", "Wan 2.1 T2V 1.3B", "Wan keys blocks.*.self_attn.*, 16 channels, width below 5120"),
+            "wan2.1-t2v-14b": Variant("wan", "Wan 2.1 T2V 14B", "Wan keys blocks.*.self_attn.*, 16 channels, width 5120"),
+            "wan2.2-ti2v-5b": Variant("wan22-5b", "Wan 2.2 TI2V 5B", "Wan keys blocks.*.self_attn.*, 48 channels"),
+        },
+        read=read_checkpoint,
+        convert=convert_checkpoint,
     ),
     tiny={model: _tiny(model) for model in ("wan", "wan22", "wan22-5b", "wan22-i2v")},
     # Its cross-attention (attn2) is the same class but the plan never selects it.
