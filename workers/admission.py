@@ -1,7 +1,7 @@
 """Admission control at submit: refuse at once a job the pool should not start, naming the limit.
 
-A job's size is its output pixels (batch × frames × height × width, frames from the request's
-`num_frames`, diffusers' common name) and its steps. Limits:
+A job's size is its output pixels (batch × frames × height × width; a video's frames from its latent
+frames and the pipeline's frames per latent frame) and its steps. Limits:
 - `--max-megapixels`: the job's output megapixels;
 - `--max-job-seconds`: its estimated run time;
 - always, memory: its estimated peak must fit what this machine has free (CUDA's free memory on a GPU,

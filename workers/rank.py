@@ -248,9 +248,11 @@ class Rank:
         engine("loading").make_scheduler(self.default_scheduler, message.params.get("scheduler", "default"))
         return prepared
 
-    @staticmethod
-    def _size(request, latents: torch.Tensor) -> float:
-        return megapixels(latents.shape[0], request.height, request.width, int(request.call.get("num_frames", 1)))
+    def _size(self, request, latents: torch.Tensor) -> float:
+        """Output megapixels: video latents [B, C, T', H, W] hold (T' - 1) × the pipeline's frames per latent frame + 1."""
+        temporal = self.pipeline.comfy.temporal
+        frames = (latents.shape[2] - 1) * temporal + 1 if temporal and latents.ndim == 5 else 1
+        return megapixels(latents.shape[0], request.height, request.width, frames)
 
     def _check_decode(self, message: Message) -> None:
         vae = getattr(self.pipeline.module, "vae", None)
