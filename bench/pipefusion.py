@@ -31,9 +31,11 @@ def analytic_bytes(name: str, dims, steps: int) -> float:
     """Mean bytes per rank per step that the method must send (fp32)."""
     i, t, c = dims.image_tokens, dims.text_tokens, dims.out_channels
     d = dims.heads * dims.head_dim
-    if name == "ulysses2":  # q,k,v out and o back for the image shard; text head outputs gathered; final gather
-        per_layer = 4 * (i / 2) * d / 2 + t * (d / 2)
-        return (dims.attention_layers * per_layer + (i / 2) * c) * 4
+    if name == "ulysses2":  # as bench/analytic.py counts Ulysses (text sharded with the image where both divide)
+        from .analytic import min_bytes_per_step
+        from .layouts import LAYOUTS as BENCH_LAYOUTS
+
+        return min_bytes_per_step(BENCH_LAYOUTS["xdit-ulysses2"], dims)
     if name == "pipefusion2":  # stage 0 sends each patch (+ the text stream); stage 1 broadcasts the output
         warm, patched = (i + t) * d, (i + 2 * t) * d
         activations = (warm + (steps - 1) * patched) / steps
