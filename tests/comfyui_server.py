@@ -26,7 +26,7 @@ PROBE = Path(__file__).resolve().parent / "comfyui_probe"
 class ComfyServer:
     def __init__(self, comfy: Path, python: Path, work: Path):
         self.work, self.comfy, self.python = work, comfy, python
-        for name in ("probe_before", "custom_nodes", "probe_after", "models/diffusers", "models/loras", "models/vae",
+        for name in ("probe_before", "custom_nodes", "probe_after", "models/diffusers", "models/diffusion_models", "models/loras", "models/vae",
                      "output", "user/default"):
             (work / name).mkdir(parents=True, exist_ok=True)
         for when in ("before", "after"):
@@ -34,7 +34,8 @@ class ComfyServer:
         (work / "custom_nodes" / "comfyui-xdit-pool").symlink_to(ROOT)
         (work / "extra.yaml").write_text(  # custom_nodes folders load in this order
             f"xdit:\n  base_path: {work}\n  custom_nodes: \"probe_before\\ncustom_nodes\\nprobe_after\"\n"
-            "  diffusers: models/diffusers\n  loras: models/loras\n  vae: models/vae\n"
+            "  diffusers: models/diffusers\n  diffusion_models: models/diffusion_models\n  loras: models/loras\n"
+            "  vae: models/vae\n"
         )
         (work / "user" / "default" / "comfy.settings.json").write_text(json.dumps({"Comfy.TutorialCompleted": True}))
         self.port = free_port()

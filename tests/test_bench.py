@@ -38,3 +38,14 @@ def test_bench_all_tiny_writes_finite_results(tmp_path):
                 assert math.isclose(row["bytes_per_step"], row["bytes_per_step_analytic"]), row
     assert {"xdit-1", "xdit-ulysses2", "xdit-ring2", "xdit-cfg2", "diffusers-cp-ulysses2", "diffusers-cp-ring2"} <= ran
     assert {g["layout"] for g in results["goals"]} >= {"xdit-1", "xdit-ulysses2", "xdit-cfg2"}
+
+
+def test_bench_model_call_tiny_prices_a_call_and_its_bytes(tmp_path):
+    out = tmp_path / "model_call.json"
+    run = subprocess.run([sys.executable, "-m", "bench.model_call", "--model", "tiny", "--runs", "2", "--json", str(out)],
+                         cwd=ROOT, env=rank_environment(threads_per_rank=None), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert all(math.isfinite(result[key]) for key in ("in_process_ms", "pool_ms", "added_ms"))
+    assert result["max_abs_diff"] < 1e-4
+    assert 0 < result["later_call_bytes"] < result["first_call_bytes"]  # the conditioning travelled once

@@ -47,8 +47,8 @@ def workflow(family: str, *, steps=4, size=64, seed=7, positive="a cat on a mat"
     }
 
 
-def saved_latent(comfy, entry) -> torch.Tensor:
-    info = entry["outputs"]["6"]["latents"][0]
+def saved_latent(comfy, entry, node: str = "6") -> torch.Tensor:
+    info = entry["outputs"][node]["latents"][0]
     return load_file(comfy.work / "output" / info["subfolder"] / info["filename"])["latent_tensor"]
 
 

@@ -37,7 +37,7 @@ def _q8_0(tensor: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    from test_single_file import original_layout
+    from original_layouts import original_layout
 
     root = tmp_path_factory.mktemp("gguf")
     pipeline = tiny_models.build_tiny_pipeline("flux", seed=3)

@@ -282,10 +282,21 @@ def test_tensor_name_not_accepted_for_submit(name):
     rejects([pack(submit_header(tensors=[spec(name)])), bytes(16)], r"tensor .* is not accepted here; allowed: \['latents'")
 
 
-@pytest.mark.parametrize("kind", [k for k in CLIENT_TYPES if k not in ("submit", "decode")])
+@pytest.mark.parametrize("kind", [k for k in CLIENT_TYPES if k not in ("submit", "decode", "evaluate")])
 def test_tensorless_client_types_accept_no_tensors(kind):
     rejects([pack(header(kind, params=minimal_params(kind), tensors=[spec()])), bytes(16)],
             r"tensor 'latents' is not accepted here; allowed: \[\]")
+
+
+def test_evaluate_accepts_only_model_call_tensors():
+    rejects([pack(header("evaluate", params={}, tensors=[spec("negative_prompt_embeds")])), bytes(16)],
+            r"tensor 'negative_prompt_embeds' is not accepted here; allowed: \['latents', 'sigma', 'prompt_embeds'")
+
+
+@pytest.mark.parametrize("conditioning", [{"prompt_embeds": "abc"}, {"init_latents": "0" * 32}, {"prompt_embeds": 7}])
+def test_evaluate_names_conditioning_by_model_call_tensor_and_key(conditioning):
+    rejects([pack(header("evaluate", params={"conditioning": conditioning}))],
+            "evaluate's conditioning maps model-call tensor names to 32-hex-digit keys")
 
 
 def test_decode_accepts_only_latents():

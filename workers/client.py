@@ -23,6 +23,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from . import protocol
 from .auth import ENV, HANDSHAKE_FAILURES, ClientKeys
+from .conditioning import key_of
 from .protocol import Message
 
 PING_EVERY_S = 5.0
@@ -45,9 +46,10 @@ class PoolRefused(PoolUnreachable):
 
 
 class JobFailed(RuntimeError):
-    def __init__(self, message: str, rank: int):
+    def __init__(self, message: str, rank: int, missing: bool = False):
         super().__init__(message if rank < 0 else f"rank {rank}: {message}")
         self.rank = rank
+        self.missing = missing  # a model call named conditioning the pool does not hold (conditioning.py)
 
 
 class JobCancelledError(RuntimeError):
@@ -60,6 +62,8 @@ class PoolClient:
     def __init__(self, endpoint: str, context: zmq.Context | None = None, curve_dir: str | None = None):
         self.endpoint, self.curve_dir = endpoint, curve_dir
         self.last_result: dict = {}  # the last sample's result params (sample returns its latents)
+        self.last_call_bytes = 0  # tensor bytes the last model call sent (conditioning only when not held)
+        self._held: set[str] = set()  # conditioning keys this client has sent to the pool
         self._context = context or zmq.Context.instance()
         self.socket = self._context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, f"client-{uuid.uuid4().hex}".encode())
@@ -208,6 +212,30 @@ class PoolClient:
         self.last_result = result.params
         return result.tensors["latents"]
 
+    def evaluate(self, tensors: dict[str, torch.Tensor], conditioning: dict[str, torch.Tensor],
+                 loras: list[dict] | tuple = (), should_cancel: Callable[[], bool] | None = None) -> torch.Tensor:
+        """One model call (xDiT Model): `tensors` latents and sigma, `conditioning` by name. Conditioning
+        travels once: later calls name it by key, and send it again only if the pool no longer holds it."""
+        keys = {name: key_of(tensor) for name, tensor in conditioning.items()}
+        send = {name: tensor for name, tensor in conditioning.items() if keys[name] not in self._held}
+        params = {"conditioning": keys, **({"loras": list(loras)} if loras else {})}
+        while True:
+            self.check_listening()
+            job = f"call-{uuid.uuid4().hex[:16]}"
+            sent = {**tensors, **send}
+            self.send(Message("evaluate", job, params, sent))
+            try:
+                reply = self._follow(job, None, should_cancel)
+            except JobFailed as failed:
+                if not failed.missing or len(send) == len(conditioning):
+                    raise
+                self._held.difference_update(keys.values())
+                send = dict(conditioning)
+                continue
+            self._held.update(keys.values())
+            self.last_call_bytes = sum(t.nbytes for t in sent.values())
+            return reply.tensors["prediction"]
+
     def encode(self, prompt: str, **job_inputs) -> dict[str, torch.Tensor]:
         """The pool pipeline's own text encoding of `prompt` (prompt_embeds, pooled / mask); with
         `negative_prompt`, `seed`, `height` and `width`: a whole job's inputs, latents included."""
@@ -275,4 +303,5 @@ class PoolClient:
             elif reply.type == "cancelled":
                 raise JobCancelledError(reply.params.get("step", 0))
             elif reply.type == "error":
-                raise JobFailed(reply.params.get("message", "unknown error"), reply.params.get("rank", -1))
+                raise JobFailed(reply.params.get("message", "unknown error"), reply.params.get("rank", -1),
+                                reply.params.get("missing", False) is True)

@@ -28,6 +28,7 @@ ArgumentParser = engine("arguments").ArgumentParser
 LayoutError = config.LayoutError
 ParallelConfig = config.ParallelConfig
 PIPELINE_TENSOR_INPUTS = engine("families").FAMILIES.tensor_inputs()  # every registered pipeline's
+MODEL_CALL_TENSORS = engine("families").FAMILIES.model_call_tensors()  # single model calls (xDiT Model)
 add_parallel_arguments = config.add_parallel_arguments
 config_from_args = config.config_from_args
 

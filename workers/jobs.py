@@ -122,6 +122,7 @@ class JobRunner:
         self.cancel_inside_steps = cancel_inside_steps
         self.rank = dist.get_rank()
         self.step = 0  # the running job's last finished step, for status
+        self.call_every = 1  # model calls: blocks between cancel checks, agreed after each call
 
     def request(self, params: dict[str, Any]):
         """The job's SampleRequest, its call map checked against what this pipeline's family declares."""
@@ -152,9 +153,7 @@ class JobRunner:
         preview = work.params.get("preview", True)
 
         self.step = 0
-        transformers = [getattr(t, "module", t) for name in ("transformer", "transformer_2")
-                        if (t := getattr(self.pipeline.module, name, None)) is not None]
-        points = CancelPoints(transformers, lambda: self.server.is_cancelled(work.job), self.group, self.rank,
+        points = CancelPoints(self._transformers(), lambda: self.server.is_cancelled(work.job), self.group, self.rank,
                               self.cancel_inside_steps)
 
         def on_step(index: int, latents: torch.Tensor) -> None:
@@ -178,6 +177,29 @@ class JobRunner:
             raise JobCancelled(self.step if cancelled.step < 0 else cancelled.step) from None
         finally:
             points.close()
+
+    def evaluate(self, work: Work) -> torch.Tensor:
+        """One model call (model_call.py), cancellable between transformer blocks like a step."""
+        device = self.pipeline.module.transformer.device
+        dtype = self.pipeline.module.transformer.dtype
+        tensors = {k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in work.tensors.items()}
+        points = CancelPoints(self._transformers(), lambda: self.server.is_cancelled(work.job), self.group, self.rank,
+                              self.cancel_inside_steps)
+        points.every = self.call_every
+        try:
+            prediction = engine("model_executor.model_call").evaluate(self.pipeline, tensors)
+            if points.step_ended():
+                raise JobCancelled(0)
+            self.call_every = points.every
+            return prediction
+        except JobCancelled:
+            raise JobCancelled(0) from None
+        finally:
+            points.close()
+
+    def _transformers(self) -> list[torch.nn.Module]:
+        return [getattr(t, "module", t) for name in ("transformer", "transformer_2")
+                if (t := getattr(self.pipeline.module, name, None)) is not None]
 
     def decode(self, work: Work, client: bytes | None) -> tuple[torch.Tensor | None, dict]:
         """Decode the work's latents with the pipeline's VAE, its tiles over every rank (parallel/vae_decode.py);

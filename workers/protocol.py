@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from .engine import PIPELINE_TENSOR_INPUTS, request
+from .conditioning import KEY as CONDITIONING_KEY
+from .engine import MODEL_CALL_TENSORS, PIPELINE_TENSOR_INPUTS, request
 from .framing import (  # the wire's dtypes and limits are the framing's; protocol users read them here
     DTYPE_NAMES,
     DTYPES,
@@ -56,6 +57,9 @@ CLIENT_MESSAGES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     # With seed (and height, width): the whole inputs of a job, negative prompt and initial noise included.
     "encode": {"prompt": ((str,), True), "negative_prompt": ((str,), False), "seed": ((int,), False),
                "height": ((int,), False), "width": ((int,), False)},
+    # One model evaluation (ComfyUI's samplers through xDiT Model): latents, sigma and the conditioning, each
+    # conditioning tensor named by its key (conditioning.py) and sent only when the pool may not hold it.
+    "evaluate": {"conditioning": ((dict,), False), "loras": ((list,), False)},
     # Decode LATENT tensors with the pool's VAE, tiles over the ranks (parallel/vae_decode.py); tile in latent pixels.
     "decode": {"tile": ((int,), False)},
     "cancel": {},
@@ -111,7 +115,7 @@ def decode(frames: list, *, from_client: bool = True) -> Message:
         raise ProtocolError(f"tensors must be a list of at most {MAX_TENSORS} specs")
     if len(specs) != len(frames) - 1:
         raise ProtocolError(f"header lists {len(specs)} tensors but {len(frames) - 1} frames arrived")
-    allowed = {"submit": JOB_INPUTS, "decode": ("latents",)}.get(kind, ()) if from_client else None
+    allowed = {"submit": JOB_INPUTS, "decode": ("latents",), "evaluate": MODEL_CALL_TENSORS}.get(kind, ()) if from_client else None
     tensors = dict(tensor_of(spec, frame, i, allowed) for i, (spec, frame) in enumerate(zip(specs, frames[1:])))
     if len(tensors) != len(specs):
         raise ProtocolError("tensor names must be unique")
@@ -152,8 +156,12 @@ def _check_params(kind: str, params: dict) -> None:
                 raise ProtocolError(f"{name} is {len(params[name])} characters; the limit is {MAX_PROMPT_CHARS}")
         if "seed" in params and not {"height", "width"} <= set(params):
             raise ProtocolError("encode with a seed needs height and width (the size of the initial noise)")
-    if kind == "submit":
+    if kind in ("submit", "evaluate"):
         _check_loras(params.get("loras", []))
+    if kind == "evaluate":
+        for name, key in params.get("conditioning", {}).items():
+            if name not in MODEL_CALL_TENSORS or not isinstance(key, str) or not CONDITIONING_KEY.fullmatch(key):
+                raise ProtocolError("evaluate's conditioning maps model-call tensor names to 32-hex-digit keys (conditioning.key_of)")
 
 
 def sample_request(params: dict, declared=None, model: str = "this model") -> request.SampleRequest:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import zmq
 
 from .admission import Admission, megapixels
+from .conditioning import ConditioningCache
 from .control import Heartbeat, RankChannel
 from .engine import add_parallel_arguments, config_from_args, engine
 from .jobs import JobCancelled, JobRunner, Work, broadcast_work
@@ -81,6 +82,8 @@ class Rank:
         self.heartbeat.start()
         self.server = None
         self.jobs_done = args.jobs_done
+        self.model_calls = 0  # single model calls answered (xDiT Model)
+        self.conditioning = ConditioningCache()  # rank 0: what model calls sent, by key
         self.last_cache: dict | None = None  # the last job's step cache: method, full and cached model calls
         self.memory: list[dict] = []
         self.pids: list[int] = []
@@ -203,11 +206,13 @@ class Rank:
             "world_size": self.world_size,
             "ranks_alive": alive,
             "jobs_done": self.jobs_done,
+            "model_calls": self.model_calls,
             "last_cache": self.last_cache,
             "restarts": self.args.restarts,
             "model": self.args.model,
             "pipeline": type(self.pipeline.module).__name__ if self.state != "starting" else None,
             "inputs": self.pipeline.input_widths() if self.state != "starting" else {},
+            "model_class": self.pipeline.comfy_model_class() if self.state != "starting" else "",
             "text_encoders": self.args.text_encoders,
             "dtype": self.args.dtype or "as saved",
             "loads": {"pipeline": 1, "lora": self.loras.loads if self.state != "starting" else 0},
@@ -233,20 +238,35 @@ class Rank:
             return None
         if message.type == "decode":
             return self._check_decode(message)
+        self._check_loras(message)
+        if message.type == "evaluate":
+            return self._check_model_call(message)
         if "latents" not in message.tensors:
             raise ValueError("submit needs a 'latents' tensor (the initial noise)")
         request = self.runner.request(message.params)
         self.admission.check(self._size(request, message.tensors["latents"]), request.steps)
         prepared = self.runner.prepare(message.params, message.tensors)
-        for lora in message.params.get("loras", []):
-            if not os.path.isfile(lora["path"]):
-                raise ValueError(f"LoRA file {lora['path']} does not exist on the pool's machine")
         init = message.tensors.get("init_latents")
         if init is not None and init.shape != message.tensors["latents"].shape:
             latents = message.tensors["latents"]
             raise ValueError(f"init_latents {list(init.shape)} must have the shape of latents {list(latents.shape)}")
         engine("loading").make_scheduler(self.default_scheduler, message.params.get("scheduler", "default"))
         return prepared
+
+    @staticmethod
+    def _check_loras(message: Message) -> None:
+        for lora in message.params.get("loras", []):
+            if not os.path.isfile(lora["path"]):
+                raise ValueError(f"LoRA file {lora['path']} does not exist on the pool's machine")
+
+    def _check_model_call(self, message: Message) -> dict[str, torch.Tensor]:
+        """The call's tensors, its conditioning filled in from what earlier calls sent, checked once."""
+        tensors = self.conditioning.resolve(message.params.get("conditioning", {}), message.tensors)
+        engine("model_executor.model_call").check_model_call(self.pipeline, tensors)
+        latents = tensors["latents"]
+        scale = self.pipeline.module.vae_scale_factor
+        self.admission.check(megapixels(latents.shape[0], latents.shape[2] * scale, latents.shape[3] * scale), 1)
+        return tensors
 
     def _size(self, request, latents: torch.Tensor) -> float:
         """Output megapixels: video latents [B, C, T', H, W] hold (T' - 1) × the pipeline's frames per latent frame + 1."""
@@ -282,6 +302,8 @@ class Rank:
                 elif job.message.type == "encode":  # rank 0 alone; the others keep waiting
                     self._encode(job)
                     continue
+                elif job.message.type == "evaluate":  # its tensors: the conditioning filled in at submit
+                    work, client = Work("evaluate", job.id, job.message.params, job.prepared), job.client
                 else:
                     kind = "decode" if job.message.type == "decode" else "sample"
                     work = Work(kind, job.id, job.message.params, job.message.tensors)
@@ -322,13 +344,17 @@ class Rank:
             if work.kind == "decode":
                 images, info = self.runner.decode(work, client)
                 reply = Message("result", work.job, info, {"images": images} if images is not None else {})
+                self.jobs_done += 1
+            elif work.kind == "evaluate":
+                self._apply_loras(work)
+                reply = Message("result", work.job, {}, {"prediction": self.runner.evaluate(work)})
+                self.model_calls += 1
             else:
                 name = work.params.get("scheduler", "default")
                 if name != self.scheduler_name:
                     self.pipeline.use_scheduler(engine("loading").make_scheduler(self.default_scheduler, name))
                     self.scheduler_name = name
-                self.loras.apply([engine("lora").LoraSpec(lora["path"], float(lora["strength"]), lora.get("expert", ""))
-                                  for lora in work.params.get("loras", [])])
+                self._apply_loras(work)
                 started = time.perf_counter()
                 with PeakMemory() as peak:
                     latents = self.runner.run(work, client, prepared)
@@ -339,7 +365,7 @@ class Rank:
                 self.last_cache = reply.params.get("cache")
                 if self.last_cache is not None and self.rank == 0:
                     log.info("job %s: %s", work.job, self.last_cache["text"])
-            self.jobs_done += 1
+                self.jobs_done += 1
         except JobCancelled as cancelled:
             reply = Message("cancelled", work.job, {"step": cancelled.step})
         except Exception as error:  # noqa: BLE001 - any failure of the job is reported, then judged
@@ -355,6 +381,10 @@ class Rank:
             self._update_memory()
         except Exception as error:  # noqa: BLE001 - a peer is gone
             self._lost_world(error)
+
+    def _apply_loras(self, work: Work) -> None:
+        self.loras.apply([engine("lora").LoraSpec(lora["path"], float(lora["strength"]), lora.get("expert", ""))
+                          for lora in work.params.get("loras", [])])
 
     def _job_failed(self, work: Work, error: Exception) -> Message:
         """Ask the supervisor whether every rank failed alike (answer and go on) or not (restart)."""

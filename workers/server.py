@@ -194,7 +194,8 @@ class ClientServer(threading.Thread):
         try:
             getattr(self, f"_on_{message.type}")(client, message)
         except (ProtocolError, ValueError) as error:
-            self._reply(client, Message("error", message.job, {"message": str(error), "rank": 0}))
+            params = {"message": str(error), "rank": 0, **getattr(error, "reply_params", {})}
+            self._reply(client, Message("error", message.job, params))
 
     def _on_submit(self, client: bytes, message: Message) -> None:
         if not message.job:
@@ -221,6 +222,10 @@ class ClientServer(threading.Thread):
 
     def _on_encode(self, client: bytes, message: Message) -> None:
         """Text encoding runs on rank 0 alone, between sampling jobs, in FIFO order with them."""
+        self._on_submit(client, message)
+
+    def _on_evaluate(self, client: bytes, message: Message) -> None:
+        """One model call (xDiT Model) runs on every rank, in FIFO order with sampling jobs."""
         self._on_submit(client, message)
 
     def _on_decode(self, client: bytes, message: Message) -> None:

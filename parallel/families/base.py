@@ -17,6 +17,10 @@ import torch
 from ..model_executor.plans import ParallelPlan
 
 
+# What every single model call carries beside its family's conditioning (model_call.py)
+MODEL_CALL_TENSORS = ("latents", "sigma")
+
+
 @dataclass(frozen=True)
 class ComfyData:
     """What the ComfyUI side needs to turn its LATENT and CONDITIONING into this pipeline's inputs.
@@ -39,6 +43,11 @@ class ComfyData:
     concat_latents: the tensor input that takes the positive conditioning's `concat_latent_image` (ComfyUI's
                     WanImageToVideo: its VAE's encoding of the start image and the frames after it), in the
                     VAE's own space; "": the model takes none.
+    model_class:    the class in `comfy.supported_models` whose model sampling (flow shift, prediction type),
+                    latent format and conditioning an xDiT Model carries (ComfyUI's samplers on the pool);
+                    "": no xDiT Model for this family.
+    model_call_conds: keyword of ComfyUI's diffusion model call (context, y, guidance) → the pipeline's name
+                    for it in a model call (the wrapper's model_call_inputs).
     """
 
     latent_formats: dict[int, str]
@@ -52,6 +61,8 @@ class ComfyData:
     empty_latent: str = "an empty latent node made for this model"
     reference_latents: str = ""
     concat_latents: str = ""
+    model_class: str = ""
+    model_call_conds: dict[str, str] = field(default_factory=dict)
 
     def scale(self, channels: int) -> int:
         return self.spatial.get(channels, 8)
@@ -185,6 +196,12 @@ class FamilyRegistry:
         may carry (each pipeline's wrapper then checks its own)."""
         names = (name for family in self for wrapper in family.pipelines.values() for name in wrapper.all_tensor_inputs())
         return tuple(dict.fromkeys(names))
+
+    def model_call_tensors(self) -> tuple[str, ...]:
+        """Every tensor some registered pipeline takes in a single model call (model_call.py): the latents,
+        their noise level and the families' conditioning."""
+        names = (name for family in self for wrapper in family.pipelines.values() for name in wrapper.model_call_inputs)
+        return tuple(dict.fromkeys((*MODEL_CALL_TENSORS, *names)))
 
     def comfy_data(self, pipeline: str) -> ComfyData:
         """What the ComfyUI side needs for the pipeline class named `pipeline`."""

@@ -29,12 +29,13 @@ from ..config import LayoutError
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split, TokenRows
-from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant
+from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant, pack_2x2, unpack_2x2
 
 
 class xFuserFluxPipeline(xFuserPipelineBaseWrapper):
     comfy = ComfyData(
-        latent_formats={16: "Flux"}, packed=True, guidance_in_conditioning=True,
+        latent_formats={16: "Flux"}, packed=True, guidance_in_conditioning=True, model_class="Flux",
+        model_call_conds={"context": "prompt_embeds", "y": "pooled_prompt_embeds", "guidance": "guidance"},
         expects="encode with xDiT Text Encode on this pool, or Flux's DualCLIPLoader (T5 4096 wide, pooled CLIP-L 768)",
     )
     tensor_inputs = ("pooled_prompt_embeds", "negative_pooled_prompt_embeds")
@@ -48,6 +49,28 @@ class xFuserFluxPipeline(xFuserPipelineBaseWrapper):
     call_parameters = {
         "true_cfg_scale": CallParameter(float, "real classifier-free guidance with negative embeddings (1: off)", 0.0, 100.0),
     }
+
+    # guidance: the distilled guidance per sample (FluxGuidance); models without guidance_embeds ignore it
+    model_call_inputs = ("prompt_embeds", "pooled_prompt_embeds", "guidance")
+    model_call_required = ("prompt_embeds", "pooled_prompt_embeds")
+
+    def model_call_arguments(self, latents, timestep, inputs):
+        """FluxPipeline's loop: 2×2-packed tokens and their ids, timestep / 1000, guidance as given."""
+        batch, _, height, width = latents.shape
+        embeds = inputs["prompt_embeds"]
+        guidance = inputs.get("guidance") if self.module.transformer.config.guidance_embeds else None
+        if self.module.transformer.config.guidance_embeds and guidance is None:
+            raise ValueError("this Flux model has distilled guidance: send 'guidance' (FluxGuidance's value) per sample")
+        return {"hidden_states": pack_2x2(latents), "timestep": timestep / 1000, "guidance": guidance,
+                "pooled_projections": inputs["pooled_prompt_embeds"], "encoder_hidden_states": embeds,
+                "txt_ids": embeds.new_zeros(embeds.shape[1], 3),
+                "img_ids": self.module._prepare_latent_image_ids(batch, height // 2, width // 2, latents.device, latents.dtype)}
+
+    def comfy_model_class(self) -> str:
+        return "Flux" if self.module.transformer.config.guidance_embeds else "FluxSchnell"
+
+    def model_call_output(self, output, latents):
+        return unpack_2x2(output, latents.shape[2] * 8, latents.shape[3] * 8)
 
     def flow_sigmas(self, total: int) -> np.ndarray:
         return np.linspace(1.0, 1 / total, total)  # FluxPipeline's own default

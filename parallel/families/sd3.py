@@ -24,7 +24,8 @@ HEAD_DIM = 64
 
 class xFuserStableDiffusion3Pipeline(xFuserPipelineBaseWrapper):
     comfy = ComfyData(
-        latent_formats={16: "SD3"},
+        latent_formats={16: "SD3"}, model_class="SD3",
+        model_call_conds={"context": "prompt_embeds", "y": "pooled_prompt_embeds"},
         expects="encode with xDiT Text Encode on this pool, or SD3's TripleCLIPLoader (CLIP-L + CLIP-G + T5: 4096 wide, pooled 2048)",
     )
     tensor_inputs = ("pooled_prompt_embeds", "negative_pooled_prompt_embeds")
@@ -34,6 +35,12 @@ class xFuserStableDiffusion3Pipeline(xFuserPipelineBaseWrapper):
         "pooled_prompt_embeds": "pooled_projection_dim",
         "negative_pooled_prompt_embeds": "pooled_projection_dim",
     }
+
+    model_call_inputs = model_call_required = ("prompt_embeds", "pooled_prompt_embeds")
+
+    def model_call_arguments(self, latents, timestep, inputs):
+        return {"hidden_states": latents, "timestep": timestep, "encoder_hidden_states": inputs["prompt_embeds"],
+                "pooled_projections": inputs["pooled_prompt_embeds"]}
 
     def encode_text(self, prompt: str) -> dict[str, torch.Tensor]:
         embeds, _, pooled, _ = self.module.encode_prompt(prompt, None, None, do_classifier_free_guidance=False)

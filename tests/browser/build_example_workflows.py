@@ -30,10 +30,12 @@ EXAMPLES = {  # file stem: (family, empty latent node, cfg, what the example say
     "xdit_qwen_image": ("qwen-image", "EmptySD3LatentImage", 4.0, "Qwen-Image (cfg: true CFG with the negative prompt)"),
     "xdit_flux_kontext": ("flux-kontext", "EmptySD3LatentImage", 1.0,
                           "FLUX.1 Kontext editing a first sampler's image (your own: LoadImage → VAEEncode)"),
+    "xdit_model_ksampler": ("sd3", "EmptySD3LatentImage", 4.5, "ComfyUI's KSampler on the pool through xDiT Model (SD3)"),
 }
 REFERENCE = {"xdit_flux_kontext"}  # edit models: a first sampler's LATENT → ReferenceLatent on the positive
+KSAMPLER = {"xdit_model_ksampler"}  # ComfyUI's own KSampler on xDiT Model instead of xDiT Sampler
 
-BUILD = """async ({ family, empty, cfg, name, stem, id, reference }) => {
+BUILD = """async ({ family, empty, cfg, name, stem, id, reference, ksampler }) => {
     app.graph.clear();
     const add = (type, [x, y], values = {}, extra = {}) => {
         const node = LiteGraph.createNode(type);
@@ -60,11 +62,20 @@ BUILD = """async ({ family, empty, cfg, name, stem, id, reference }) => {
     const addSampler = (pos, seed, extra) => add('XDiTSampler', pos, { seed, control_after_generate: 'fixed', steps: 8,
         cfg, sampler: 'default', denoise: 1.0, preview: true }, extra);
     const wire = (node) => [pool, positive, negative, latent].forEach((input, slot) => input.connect(0, node, slot));
-    const sampler = addSampler([810, 120], 42);
+    const sampler = ksampler
+        ? add('KSampler', [810, 120], { seed: 42, control_after_generate: 'fixed', steps: 8, cfg,
+            sampler_name: 'euler', scheduler: 'simple', denoise: 1.0 })
+        : addSampler([810, 120], 42);
     const save = add('SaveLatent', [1130, 120], { filename_prefix: `latents/${stem}` });
     pool.connect(0, positive, 0);
     pool.connect(0, negative, 0);
-    wire(sampler);
+    if (ksampler) {
+        const model = add('XDiTModel', [40, 560]);
+        pool.connect(0, model, 0);
+        [model, positive, negative, latent].forEach((input, slot) => input.connect(0, sampler, slot));
+    } else {
+        wire(sampler);
+    }
     sampler.connect(0, save, 0);
     if (reference) {
         const first = addSampler([810, 500], 7, { title: 'xDiT Sampler (the image to edit)' });
@@ -99,9 +110,9 @@ def main() -> None:
                     path = ROOT / "example_workflows" / f"{stem}.json"
                     old_id = json.loads(path.read_text()).get("id") if path.exists() else None  # keep diffs small
                     spec = {"family": family, "empty": empty, "cfg": cfg, "name": name, "stem": stem, "id": old_id,
-                            "reference": stem in REFERENCE}
+                            "reference": stem in REFERENCE, "ksampler": stem in KSAMPLER}
                     result = browser.eval(BUILD, spec)
-                    assert len(result["classes"]) == (8 if stem in REFERENCE else 6), result["classes"]
+                    assert len(result["classes"]) == (8 if stem in REFERENCE else 7 if stem in KSAMPLER else 6), result["classes"]
                     path.parent.mkdir(exist_ok=True)
                     path.write_text(json.dumps(result["workflow"], indent=2) + "\n")
                     print(f"wrote {path.relative_to(ROOT)}")

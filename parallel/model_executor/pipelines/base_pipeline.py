@@ -44,6 +44,9 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
     call_parameters: the family's own `__call__` scalars that a job may set.
     call_defaults:   keyword arguments the family needs when it is given embeddings instead of text.
     latent_patch:    latent pixels per token side, if not the transformer's `patch_size` (Flux packs 2×2).
+    model_call_inputs: the conditioning a single model call takes (model_call.py; ComfyUI's samplers
+                     through xDiT Model), named as the pipeline names them; (): no model calls.
+    model_call_required: those of them every call needs.
     """
 
     comfy: ClassVar[ComfyData]
@@ -52,6 +55,8 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
     call_parameters: ClassVar[dict[str, CallParameter]] = {}  # family scalars a job may set (call_parameters.py)
     call_defaults: ClassVar[dict[str, Any]] = {}
     latent_patch: ClassVar[int | None] = None
+    model_call_inputs: ClassVar[tuple[str, ...]] = ()
+    model_call_required: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, pipeline: DiffusionPipeline, attention_kernel: str | None = None):
         from ...families import FAMILIES
@@ -124,6 +129,21 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
         """Last-dimension size the model needs for each embedding input (for clients to check)."""
         config = self.module.transformer.config
         return {name: int(config[entry]) for name, entry in self.embedding_sizes.items()}
+
+    # -- single model calls (model_call.py) ----------------------------------------------------------
+    def model_call_arguments(self, latents: torch.Tensor, timestep: torch.Tensor,
+                             inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """The transformer's keyword arguments for `latents` [B, C, H, W] at the scheduler's `timestep` [B],
+        as the pipeline's loop makes them (families with model_call_inputs)."""
+        raise NotImplementedError
+
+    def model_call_output(self, output: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        """The transformer's output as a prediction shaped like `latents`."""
+        return output
+
+    def comfy_model_class(self) -> str:
+        """comfy.supported_models' class for this model (ComfyData.model_class; a family may tell variants apart)."""
+        return self.comfy.model_class
 
     # -- checks -------------------------------------------------------------------------------------
     def uses_cfg(self, kwargs: dict[str, Any]) -> bool:

@@ -82,6 +82,14 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
             return self._forward_batched_cfg(args, kwargs)
         return self._forward_sequential_cfg(args, kwargs)
 
+    @xFuserBaseWrapper.check_parallel_state
+    def evaluate(self, **named):
+        """One call outside a pipeline's loop (model_call.py): its batch split over the cfg ranks where it
+        divides, whatever the plan's CfgMode (a ComfyUI sampler batches cond and uncond in one call)."""
+        if self._cfg.world_size > 1 and named["hidden_states"].shape[0] % self._cfg.world_size == 0:
+            return self._forward_batched_cfg((), named)
+        return self._run(**named)
+
     def _run(self, *args, **kwargs):
         """The diffusers forward; with PipeFusion, every stage then takes the last stage's output."""
         output = self.module(*args, **kwargs)

@@ -1,0 +1,97 @@
+"""One evaluation of the wrapped transformer outside its pipeline's loop: a model call of ComfyUI's samplers.
+
+KSampler and SamplerCustomAdvanced step in ComfyUI and ask the model for one prediction per call; a pool
+answers each call with one parallel evaluation here. A model call names its inputs as the pipeline does:
+`latents` [B, C, H, W] in the model's latent space (unpacked, as ComfyUI holds them), `sigma` [B] the
+flow-matching noise level, and the family's conditioning (`model_call_inputs`: prompt_embeds, pooled, ...).
+The family's wrapper turns them into the transformer call its pipeline's loop makes (`model_call_arguments`,
+`model_call_output`), so the prediction is exactly the one the pipeline computes for the same latents and
+timestep, under every layout the plan applies (Ulysses, Ring, USP, uneven tokens).
+
+The batch (ComfyUI batches cond and uncond into one call) is split over the dp ranks, then over the cfg
+ranks, wherever it divides; a batch that does not divide runs whole on those ranks (the same result, with
+redundant work). PipeFusion pipelines patches across the steps of one run, which single calls do not have.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import LayoutError
+from ..distributed import get_dp_group, get_runtime_state
+from ..families.base import MODEL_CALL_TENSORS
+from ..request import check_tensor_values
+
+
+def check_model_call(wrapper, tensors: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError / LayoutError, before any rank computes, for a call this pool cannot evaluate."""
+    pipeline = type(wrapper.module).__name__
+    if not wrapper.model_call_inputs:
+        raise ValueError(f"{pipeline} takes no single model calls on this pool yet (xDiT Model supports "
+                         "SD3 and Flux.1 pipelines); sample it with xDiT Sampler")
+    c = wrapper.parallel_config
+    if c.pipefusion_degree > 1:
+        raise LayoutError("PipeFusion pipelines patches across the steps of one sampling run, which single model "
+                          "calls (xDiT Model) do not have; use a pool with pipefusion degree 1 (Ulysses, Ring, CFG or dp)")
+    known = set(MODEL_CALL_TENSORS) | set(wrapper.model_call_inputs)
+    unknown = sorted(set(tensors) - known)
+    if unknown:
+        raise ValueError(f"a model call of {pipeline} does not take {unknown}; it takes {sorted(known)}")
+    for name in ("latents", "sigma", *wrapper.model_call_required):
+        if name not in tensors:
+            raise ValueError(f"a model call of {pipeline} needs {name!r}")
+    check_tensor_values(tensors)
+    latents, sigma = tensors["latents"], tensors["sigma"]
+    batch = latents.shape[0]
+    channels = wrapper.module.transformer.config.in_channels // (4 if wrapper.comfy.packed else 1)
+    if latents.ndim != 4 or latents.shape[1] != channels:
+        raise ValueError(f"latents have shape {list(latents.shape)}; {pipeline} takes [batch, {channels}, height, width] "
+                         "in its model space")
+    if sigma.shape != (batch,):
+        raise ValueError(f"sigma must hold one noise level per sample, shape [{batch}], not {list(sigma.shape)}")
+    for name in wrapper.model_call_inputs:
+        if name in tensors and tensors[name].shape[0] != batch:
+            raise ValueError(f"{name} has batch {tensors[name].shape[0]} but latents have {batch}: send one per sample")
+    scale = wrapper.module.vae_scale_factor
+    height, width = latents.shape[2] * scale, latents.shape[3] * scale
+    tokens = wrapper.image_tokens(height, width)
+    if not wrapper.tokens_split(tokens):
+        raise LayoutError(f"{height}x{width} gives {tokens} image tokens, which do not split over sequence-parallel "
+                          f"degree {c.sp_degree}; choose a resolution whose token count divides by {c.sp_degree}")
+
+
+def _split(dp, batch: int) -> list[int] | None:
+    """Samples per dp rank, or None where the batch runs whole on every dp rank."""
+    if dp.world_size == 1 or batch < dp.world_size:
+        return None
+    return [len(part) for part in torch.arange(batch).tensor_split(dp.world_size)]
+
+
+def evaluate(wrapper, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The family's prediction for `tensors` (checked by check_model_call), shaped like `latents`."""
+    latents, sigma = tensors["latents"], tensors["sigma"]
+    inputs = {k: v for k, v in tensors.items() if k not in MODEL_CALL_TENSORS}
+    batch = latents.shape[0]
+    dp = get_dp_group()
+    counts = _split(dp, batch)
+    if counts is not None:
+        start, count = sum(counts[: dp.rank_in_group]), counts[dp.rank_in_group]
+        latents, sigma = latents[start : start + count], sigma[start : start + count]
+        inputs = {k: v[start : start + count] for k, v in inputs.items()}
+    scale = wrapper.module.vae_scale_factor
+    height, width = latents.shape[2] * scale, latents.shape[3] * scale
+    get_runtime_state().set_input_parameters(height=height, width=width, batch_size=latents.shape[0],
+                                             num_inference_steps=0, image_tokens=wrapper.image_tokens(height, width))
+    # The pipelines' loops pass the scheduler's timestep: sigma × num_train_timesteps for flow matching.
+    timestep = sigma * wrapper.module.scheduler.config.num_train_timesteps
+    arguments = wrapper.model_call_arguments(latents, timestep, inputs)
+    with torch.no_grad():
+        output = wrapper.module.transformer.evaluate(**arguments, return_dict=False)[0]
+    prediction = wrapper.model_call_output(output, latents)
+    if counts is None:
+        return prediction
+    padded = prediction.new_zeros((max(counts), *prediction.shape[1:]))
+    padded[: prediction.shape[0]] = prediction
+    gathered = dp.all_gather(padded.unsqueeze(0), dim=0)
+    return torch.cat([gathered[i, :n] for i, n in enumerate(counts)])
+

@@ -1,0 +1,157 @@
+"""xDiT Model in a real ComfyUI: ComfyUI's own samplers (KSampler, SamplerCustomAdvanced with a CFGGuider)
+on a pool equal ComfyUI's own model code on the same single-file checkpoint.
+
+The checkpoint is a tiny SD3 in SAI's layout that ComfyUI's UNETLoader loads natively (ComfyUI's MMDiT:
+hidden 64 × depth, depth heads of 64); the pool loads the same weights as a diffusers folder. Both sides
+get the same CONDITIONING (xDiT Text Encode) and ComfyUI's own noise, so the latents agree within 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from parallel import tiny_models
+from original_layouts import original_layout
+from test_comfyui import saved_latent
+from xdit_test_helpers import TOLERANCE
+
+MODEL = "tiny-sd3-sai"
+STEPS, SIZE, CFG, SEED = 4, 64, 4.5, 11
+SAMPLERS = [("euler", "simple"), ("dpmpp_2m", "karras")]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(comfy):
+    """The same tiny SD3 as a diffusers folder (for the pool) and a SAI single file (for UNETLoader)."""
+    pipe = tiny_models.build_tiny_pipeline("sd3", seed=4)
+    config = {k: v for k, v in pipe.transformer.config.items() if not k.startswith("_")}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(4)
+        transformer = type(pipe.transformer).from_config(
+            {**config, "num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 64, "caption_projection_dim": 128}
+        ).eval()
+    tiny_models._peak_attention(transformer, tiny_models.QK_SCALE)
+    pipe = type(pipe)(**{**pipe.components, "transformer": transformer})
+    pipe.save_pretrained(comfy.work / "models" / "diffusers" / MODEL, safe_serialization=True)
+    weights = original_layout("sd3", transformer)
+    save_file({k: v.contiguous() for k, v in weights.items()}, comfy.work / "models" / "diffusion_models" / f"{MODEL}.safetensors")
+    return MODEL
+
+
+def _pool(**layout) -> dict:
+    return {"class_type": "XDiTPool", "inputs": {
+        "model": MODEL, "nproc": 2, "ulysses_degree": 1, "ring_degree": 1, "pipefusion_degree": 1, "num_patches": 0,
+        "warmup_steps": 1, "cfg_parallel": False, "dp_degree": 1, "text_encoders": True, "dtype": "auto", "devices": "",
+        "threads_per_rank": 1, "endpoint": "", **layout}}
+
+
+def _ksampler(model, sampler: str, scheduler: str, steps: int = STEPS) -> dict:
+    return {"class_type": "KSampler", "inputs": {
+        "model": model, "seed": SEED, "steps": steps, "cfg": CFG, "sampler_name": sampler, "scheduler": scheduler,
+        "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0], "denoise": 1.0}}
+
+
+def _save(samples, prefix: str) -> dict:
+    return {"class_type": "SaveLatent", "inputs": {"samples": samples, "filename_prefix": prefix}}
+
+
+def _graph(layout: dict, stock: bool) -> dict:
+    """The pool's text encodings, then KSampler (both samplers) and SamplerCustomAdvanced on xDiT Model
+    (and, with `stock`, on ComfyUI's own model of the same file)."""
+    prompt = {
+        "1": _pool(**layout),
+        "2": {"class_type": "XDiTTextEncode", "inputs": {"pool": ["1", 0], "text": "a red fox in snow"}},
+        "3": {"class_type": "XDiTTextEncode", "inputs": {"pool": ["1", 0], "text": "blurry"}},
+        "4": {"class_type": "EmptySD3LatentImage", "inputs": {"width": SIZE, "height": SIZE, "batch_size": 1}},
+        "5": {"class_type": "XDiTModel", "inputs": {"pool": ["1", 0]}},
+        "6": {"class_type": "UNETLoader", "inputs": {"unet_name": f"{MODEL}.safetensors", "weight_dtype": "default"}},
+        "7": {"class_type": "RandomNoise", "inputs": {"noise_seed": SEED}},
+        "8": {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "euler"}},
+    }
+    for source, model in (("xdit", "5"), ("stock", "6")) if stock else (("xdit", "5"),):
+        for sampler, scheduler in SAMPLERS:
+            node = f"{source}-{sampler}"
+            prompt[node] = _ksampler([model, 0], sampler, scheduler)
+            prompt[f"save-{node}"] = _save([node, 0], f"{source}_{sampler}")
+        prompt[f"{source}-guider"] = {"class_type": "CFGGuider", "inputs": {
+            "model": [model, 0], "positive": ["2", 0], "negative": ["3", 0], "cfg": CFG}}
+        prompt[f"{source}-sigmas"] = {"class_type": "BasicScheduler", "inputs": {
+            "model": [model, 0], "scheduler": "simple", "steps": STEPS, "denoise": 1.0}}
+        prompt[f"{source}-custom"] = {"class_type": "SamplerCustomAdvanced", "inputs": {
+            "noise": ["7", 0], "guider": [f"{source}-guider", 0], "sampler": ["8", 0], "sigmas": [f"{source}-sigmas", 0],
+            "latent_image": ["4", 0]}}
+        prompt[f"save-{source}-custom"] = _save([f"{source}-custom", 0], f"{source}_custom")
+    return prompt
+
+
+def _latents(comfy, entry) -> dict[str, torch.Tensor]:
+    return {node.removeprefix("save-"): saved_latent(comfy, entry, node) for node in entry["outputs"]}
+
+
+@pytest.fixture(scope="module")
+def stock(comfy, checkpoint):
+    """ComfyUI's own model (UNETLoader) and xDiT Model on a Ulysses-2 pool, in one prompt."""
+    entry = comfy.wait(comfy.queue(_graph({"ulysses_degree": 2}, stock=True)), 600)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+    return _latents(comfy, entry)
+
+
+def _compare(latents: dict[str, torch.Tensor], stock: dict[str, torch.Tensor]) -> None:
+    for name in [f"{sampler}" for sampler, _ in SAMPLERS] + ["custom"]:
+        reference = stock[f"stock-{name}"]
+        assert (latents[f"xdit-{name}"] - reference).abs().max().item() <= TOLERANCE, name
+        assert reference.abs().max().item() > 0.1  # a real latent, not zeros
+
+
+def test_comfyuis_samplers_on_a_ulysses_pool_equal_comfyuis_own_model(stock):
+    _compare(stock, stock)
+    # negative control: the two samplers differ, so agreeing per sampler is not agreeing on anything
+    assert (stock["stock-euler"] - stock["stock-dpmpp_2m"]).abs().max().item() > 1e-2
+
+
+def test_comfyuis_samplers_on_a_cfg_parallel_pool_equal_comfyuis_own_model(comfy, stock):
+    entry = comfy.wait(comfy.queue(_graph({"cfg_parallel": True}, stock=False)), 600)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+    _compare(_latents(comfy, entry), stock)
+
+
+def test_interrupt_mid_sampling_leaves_the_pool_idle_and_the_next_prompt_exact(comfy, stock):
+    prompt = _graph({"ulysses_degree": 2}, stock=False)
+    prompt["xdit-euler"] = _ksampler(["5", 0], "euler", "simple", steps=1000)
+    prompt = {k: v for k, v in prompt.items() if k in ("1", "2", "3", "4", "5", "xdit-euler", "save-xdit-euler")}
+    before = _model_calls(comfy)
+    prompt_id = comfy.queue(prompt)
+    deadline = time.monotonic() + 120
+    while _model_calls(comfy) < before + 6:
+        assert time.monotonic() < deadline, "the long sampling never started"
+        time.sleep(0.05)
+    comfy.post("/interrupt")
+    entry = comfy.wait(prompt_id, 60)
+    assert any(m[0] == "execution_interrupted" for m in entry["status"]["messages"])
+    pools = [p for p in comfy.get("/xdit/pools")["pools"] if p["status"].get("world_size")]
+    assert pools and all(p["status"]["state"] == "idle" for p in pools)
+
+    entry = comfy.wait(comfy.queue(_graph({"ulysses_degree": 2}, stock=False)), 600)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+    _compare(_latents(comfy, entry), stock)
+
+
+def _model_calls(comfy) -> int:
+    return sum(p["status"].get("model_calls", 0) for p in comfy.get("/xdit/pools")["pools"])
+
+
+def test_a_comfyui_lora_loader_on_xdit_model_is_one_clear_error(comfy, checkpoint):
+    save_file({"lora_unet_x.lora_down.weight": torch.zeros(1, 1)}, comfy.work / "models" / "loras" / "xdit_model_lora.safetensors")
+    prompt = _graph({"ulysses_degree": 2}, stock=False)
+    prompt["lora"] = {"class_type": "LoraLoaderModelOnly", "inputs": {
+        "model": ["5", 0], "lora_name": "xdit_model_lora.safetensors", "strength_model": 1.0}}
+    prompt["xdit-euler"]["inputs"]["model"] = ["lora", 0]
+    entry = comfy.wait(comfy.queue(prompt), 600)
+    assert entry["status"]["status_str"] == "error"
+    error = json.dumps([m for m in entry["status"]["messages"] if m[0] == "execution_error"])
+    assert "load LoRAs with xDiT LoRA between xDiT Pool and xDiT Model" in error

@@ -1,0 +1,68 @@
+"""Conditioning a pool keeps between model calls, so a ComfyUI prompt sends it once (xDiT Model).
+
+A model call names each conditioning tensor by a key, the hash of its dtype, shape and bytes
+(`key_of`), and sends the tensor only when the pool may not hold it. The pool checks that a tensor
+sent with a key hashes to it (no client can plant a tensor under another's key), keeps at most
+MAX_ENTRIES / MAX_BYTES, least recently used out first, and answers a call naming a key it does not
+hold with an error marked `missing`, after which the client sends the tensor again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections import OrderedDict
+
+import torch
+
+MAX_ENTRIES = 64
+MAX_BYTES = 2 << 30
+KEY = re.compile(r"[0-9a-f]{32}")
+
+
+def key_of(tensor: torch.Tensor) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(f"{tensor.dtype}|{list(tensor.shape)}|".encode())
+    digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+class NotHeld(ValueError):
+    """A call names conditioning the pool does not hold (evicted, or the pool restarted): send it again."""
+
+    reply_params = {"missing": True}
+
+
+class ConditioningCache:
+    """Rank 0's conditioning by key (used from the client server's thread only)."""
+
+    def __init__(self, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES):
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.bytes = 0
+
+    def resolve(self, keys: dict[str, str], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`tensors` with every conditioning named in `keys` filled in; those sent along are kept."""
+        tensors = dict(tensors)
+        for name, key in keys.items():
+            if name in tensors:
+                if key_of(tensors[name]) != key:
+                    raise ValueError(f"conditioning {name!r} does not hash to its key {key}; send key_of(tensor)")
+                self._keep(key, tensors[name])
+            elif key in self._entries:
+                self._entries.move_to_end(key)
+                tensors[name] = self._entries[key]
+            else:
+                raise NotHeld(f"the pool does not hold conditioning {name!r} ({key}): it was evicted or the pool "
+                              "restarted; send it with the call")
+        return tensors
+
+    def _keep(self, key: str, tensor: torch.Tensor) -> None:
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return
+        self._entries[key] = tensor
+        self.bytes += tensor.nbytes
+        while len(self._entries) > self.max_entries or (self.bytes > self.max_bytes and len(self._entries) > 1):
+            _, dropped = self._entries.popitem(last=False)
+            self.bytes -= dropped.nbytes
