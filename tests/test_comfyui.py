@@ -100,7 +100,7 @@ def reference(model_dir, family, *, steps=4, size=64, seed=7, positive="a cat on
 
 def test_pack_imports_and_lists_its_nodes(comfy):
     info = comfy.get("/object_info")
-    for node in ("XDiTPool", "XDiTTextEncode", "XDiTSampler", "XDiTCache"):
+    for node in ("XDiTPool", "XDiTTextEncode", "XDiTSampler", "XDiTCache", "XDiTModel"):
         assert info[node]["category"] == "sampling/xDiT"
         assert all("tooltip" in spec[1] for spec in info[node]["input"]["required"].values())
     assert info["XDiTPool"]["display_name"] == "xDiT Pool"
