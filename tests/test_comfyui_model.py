@@ -155,3 +155,29 @@ def test_a_comfyui_lora_loader_on_xdit_model_is_one_clear_error(comfy, checkpoin
     assert entry["status"]["status_str"] == "error"
     error = json.dumps([m for m in entry["status"]["messages"] if m[0] == "execution_error"])
     assert "load LoRAs with xDiT LoRA between xDiT Pool and xDiT Model" in error
+
+
+def test_xdit_lora_before_xdit_model_equals_comfyuis_lora_loader_on_its_own_model(comfy, stock):
+    """A diffusers-format SD3 LoRA: xDiT LoRA on the pool (PEFT adapters) vs ComfyUI's LoraLoaderModelOnly
+    patching its own model's fused q/k/v weights, both under KSampler."""
+    g = torch.Generator().manual_seed(9)
+    weights = {}
+    for layer in ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"):
+        weights[f"transformer.transformer_blocks.0.{layer}.lora_A.weight"] = torch.randn(4, 128, generator=g) * 0.2
+        weights[f"transformer.transformer_blocks.0.{layer}.lora_B.weight"] = torch.randn(128, 4, generator=g) * 0.2
+    save_file(weights, comfy.work / "models" / "loras" / "xdit_sd3_lora.safetensors")
+    prompt = {k: v for k, v in _graph({"ulysses_degree": 2}, stock=True).items()
+              if k in ("1", "2", "3", "4", "5", "6", "xdit-euler", "stock-euler", "save-xdit-euler", "save-stock-euler")}
+    prompt["xdit-lora"] = {"class_type": "XDiTLoRA", "inputs": {
+        "pool": ["1", 0], "lora_name": "xdit_sd3_lora.safetensors", "strength": 0.8}}
+    prompt["5"]["inputs"]["pool"] = ["xdit-lora", 0]
+    prompt["stock-lora"] = {"class_type": "LoraLoaderModelOnly", "inputs": {
+        "model": ["6", 0], "lora_name": "xdit_sd3_lora.safetensors", "strength_model": 0.8}}
+    prompt["stock-euler"]["inputs"]["model"] = ["stock-lora", 0]
+    logged = len(comfy.log.read_text())
+    entry = comfy.wait(comfy.queue(prompt), 600)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+    latents = _latents(comfy, entry)
+    assert (latents["xdit-euler"] - latents["stock-euler"]).abs().max().item() <= TOLERANCE
+    assert (latents["xdit-euler"] - stock["stock-euler"]).abs().max().item() > 1e-3  # the LoRA changed the result
+    assert "lora key not loaded" not in comfy.log.read_text()[logged:]  # ComfyUI took every key of the file
