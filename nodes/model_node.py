@@ -71,12 +71,13 @@ def _refuse_patches(control, options: dict) -> None:
     if control is not None:
         raise UnsupportedPatch("xDiT Model cannot apply a ControlNet: the transformer runs on the pool; "
                                "sample without the ControlNet (Apply ControlNet) or with ComfyUI's own model")
-    for kind in ("patches_replace", "patches"):
-        found = {name: sorted(table) for name, table in options.get(kind, {}).items() if table}
+    replaced = [f"{name} {' '.join(map(str, key)) if isinstance(key, tuple) else key}"
+                for name, table in options.get("patches_replace", {}).items() for key in table]
+    patched = [name for name, table in options.get("patches", {}).items() if table]
+    for what, found in (("block or attention replacement", replaced), ("model patch", patched)):
         if found:
-            what = "attention replacement" if kind == "patches_replace" else "model patch"
-            raise UnsupportedPatch(f"xDiT Model cannot apply a ComfyUI {what} ({found}): the transformer runs on the "
-                                   "pool; remove the node that adds it")
+            raise UnsupportedPatch(f"xDiT Model cannot apply a ComfyUI {what} ({', '.join(sorted(found))}): the "
+                                   "transformer runs on the pool; remove the node that adds it")
 
 
 class PoolModelPatcher(comfy.model_patcher.ModelPatcher):

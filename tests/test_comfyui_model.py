@@ -181,3 +181,17 @@ def test_xdit_lora_before_xdit_model_equals_comfyuis_lora_loader_on_its_own_mode
     assert (latents["xdit-euler"] - latents["stock-euler"]).abs().max().item() <= TOLERANCE
     assert (latents["xdit-euler"] - stock["stock-euler"]).abs().max().item() > 1e-3  # the LoRA changed the result
     assert "lora key not loaded" not in comfy.log.read_text()[logged:]  # ComfyUI took every key of the file
+
+
+def test_a_block_replacement_on_xdit_model_is_one_clear_error(comfy, stock):
+    """Skip Layer Guidance replaces transformer blocks inside the model, which runs on the pool: refused,
+    not silently ignored."""
+    prompt = _graph({"ulysses_degree": 2}, stock=False)
+    prompt["slg"] = {"class_type": "SkipLayerGuidanceDiT", "inputs": {
+        "model": ["5", 0], "double_layers": "1", "single_layers": "", "scale": 3.0, "start_percent": 0.0,
+        "end_percent": 1.0, "rescaling_scale": 0.0}}
+    prompt["xdit-euler"]["inputs"]["model"] = ["slg", 0]
+    entry = comfy.wait(comfy.queue(prompt), 600)
+    assert entry["status"]["status_str"] == "error"
+    error = json.dumps([m for m in entry["status"]["messages"] if m[0] == "execution_error"])
+    assert "xDiT Model cannot apply a ComfyUI block or attention replacement (dit double_block 1)" in error
