@@ -49,6 +49,9 @@ class PoolTransformer(torch.nn.Module):
         if sigma is None:
             raise UnsupportedPatch("xDiT Model is called by ComfyUI's samplers, which pass the noise level (sigmas); "
                                    "this caller passed none")
+        one_frame = x.ndim == 5 and x.shape[2] == 1  # an image model in a video latent format (Qwen-Image: [B, C, 1, H, W])
+        if one_frame:
+            x = x[:, :, 0]
         batch = x.shape[0]
         conditioning = {self.conds[name]: value.float() for name, value in {"context": context, **kwargs}.items()
                         if value is not None and name in self.conds}
@@ -61,8 +64,9 @@ class PoolTransformer(torch.nn.Module):
         from ..workers.client import JobCancelledError
 
         try:
-            return POOLS.client(self.pool.endpoint).evaluate(
+            prediction = POOLS.client(self.pool.endpoint).evaluate(
                 tensors, conditioning, loras, should_cancel=comfy.model_management.processing_interrupted)
+            return prediction[:, :, None] if one_frame else prediction
         except JobCancelledError:
             raise comfy.model_management.InterruptProcessingException() from None
 
@@ -93,7 +97,8 @@ def comfy_model(pool) -> PoolModelPatcher:
     adapter = adapter_for(pool.pipeline)
     name = pool.status.get("model_class") or adapter.data.model_class
     if not name or not adapter.data.model_call_conds:
-        raise ConditioningError(f"xDiT Model does not run {pool.pipeline} yet (it runs SD3 and Flux.1 pools); "
+        raise ConditioningError(f"xDiT Model does not run {pool.pipeline} yet (it runs SD3, Flux.1 and Qwen-Image "
+                                "pools); "
                                 "sample it with xDiT Sampler")
     channels = next(iter(adapter.data.latent_formats))
     config_class = getattr(comfy.supported_models, name)
@@ -114,7 +119,7 @@ class XDiTModel(io.ComfyNode):
             display_name="xDiT Model",
             category="sampling/xDiT",
             description="The pool as a MODEL for KSampler, SamplerCustomAdvanced and guiders: ComfyUI's samplers "
-                        "step here, each model call runs in parallel on the pool (SD3 and Flux.1).",
+                        "step here, each model call runs in parallel on the pool (SD3, Flux.1, Qwen-Image).",
             inputs=[XDiTPoolType.Input("pool", tooltip="The xDiT Pool (or xDiT LoRA) that evaluates the model.")],
             outputs=[io.Model.Output()],
         )

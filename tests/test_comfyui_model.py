@@ -195,3 +195,41 @@ def test_a_block_replacement_on_xdit_model_is_one_clear_error(comfy, stock):
     assert entry["status"]["status_str"] == "error"
     error = json.dumps([m for m in entry["status"]["messages"] if m[0] == "execution_error"])
     assert "xDiT Model cannot apply a ComfyUI block or attention replacement (dit double_block 1)" in error
+
+
+QWEN = "tiny-qwen-image-comfy"
+
+
+@pytest.fixture(scope="module")
+def qwen_checkpoint(comfy):
+    """A Qwen-Image of ComfyUI's own width (ComfyUI reads only its depth and input channels from a file:
+    24 heads of 128, text 3584 wide) with one block, as a diffusers folder and a Comfy-Org single file."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from parallel.families.qwenimage import tiny_text_encoder
+
+    pipe = tiny_models.build_tiny_pipeline("qwen-image", seed=4)
+    transformer = tiny_models._peak_attention(
+        tiny_models._seeded(4, QwenImageTransformer2DModel, num_layers=1), tiny_models.QK_SCALE)
+    tokenizer, text_encoder = tiny_text_encoder(5, 3584, heads=28, kv_heads=4)
+    pipe = type(pipe)(**{**pipe.components, "transformer": transformer, "tokenizer": tokenizer,
+                         "text_encoder": text_encoder})
+    pipe.save_pretrained(comfy.work / "models" / "diffusers" / QWEN, safe_serialization=True)
+    weights = original_layout("qwen-image", transformer)
+    save_file({k: v.contiguous() for k, v in weights.items()}, comfy.work / "models" / "diffusion_models" / f"{QWEN}.safetensors")
+    return QWEN
+
+
+def test_ksampler_on_a_qwen_image_pool_equals_comfyuis_own_qwen_image(comfy, qwen_checkpoint):
+    prompt = {k: v for k, v in _graph({"ulysses_degree": 2}, stock=True).items()
+              if k in ("1", "2", "3", "4", "5", "6", "xdit-euler", "stock-euler", "save-xdit-euler", "save-stock-euler")}
+    prompt["1"]["inputs"]["model"] = QWEN
+    prompt["6"]["inputs"]["unet_name"] = f"{QWEN}.safetensors"
+    for node in ("xdit-euler", "stock-euler"):
+        prompt[node]["inputs"]["cfg"] = 4.0
+    entry = comfy.wait(comfy.queue(prompt), 600)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+    latents = _latents(comfy, entry)
+    assert latents["stock-euler"].shape == (1, 16, 1, SIZE // 8, SIZE // 8)  # ComfyUI's own layout for Qwen-Image
+    assert (latents["xdit-euler"] - latents["stock-euler"]).abs().max().item() <= TOLERANCE
+    assert latents["stock-euler"].abs().max().item() > 0.1

@@ -36,6 +36,10 @@ def _pipeline_result(model_dir, family: str, inputs: dict) -> tuple[torch.Tensor
             latents = pipe(latents=inputs["packed"], prompt_embeds=inputs["prompt_embeds"],
                            pooled_prompt_embeds=inputs["pooled_prompt_embeds"], guidance_scale=3.5, **call)[0]
             latents = pipe._unpack_latents(latents, SIZE, SIZE, pipe.vae_scale_factor)
+        elif family == "qwen-image":  # one branch: the pipeline's true CFG rescales norms, ComfyUI's CFG does not
+            latents = pipe(latents=inputs["packed"], prompt_embeds=inputs["prompt_embeds"],
+                           prompt_embeds_mask=inputs["prompt_embeds_mask"], **call)[0]
+            latents = pipe._unpack_latents(latents, SIZE, SIZE, pipe.vae_scale_factor)[:, :, 0]
         else:
             latents = pipe(latents=inputs["latents"], guidance_scale=GUIDANCE,
                            **{k: v for k, v in inputs.items() if "embeds" in k}, **call)[0]
@@ -43,8 +47,8 @@ def _pipeline_result(model_dir, family: str, inputs: dict) -> tuple[torch.Tensor
 
 
 def _inputs(family: str, batch: int = 1) -> dict:
-    inputs = tiny_models.make_inputs(family, batch=batch, height=SIZE, width=SIZE, seed=5, negative=family != "flux")
-    if family == "flux":
+    inputs = tiny_models.make_inputs(family, batch=batch, height=SIZE, width=SIZE, seed=5, negative=family == "sd3")
+    if family != "sd3":
         inputs["packed"] = inputs["latents"]  # what FluxPipeline takes; the pool takes them unpacked
         inputs["latents"] = _unpack(inputs["packed"])
     return inputs
@@ -63,11 +67,13 @@ def _euler_on_pool(client, family: str, inputs: dict, sigmas: torch.Tensor) -> t
     if family == "flux":
         conditioning = {"prompt_embeds": inputs["prompt_embeds"], "pooled_prompt_embeds": inputs["pooled_prompt_embeds"],
                         "guidance": torch.full((batch,), 3.5)}
+    elif family == "qwen-image":
+        conditioning = {"prompt_embeds": inputs["prompt_embeds"]}
     else:
         conditioning = {"prompt_embeds": torch.cat([inputs["negative_prompt_embeds"], inputs["prompt_embeds"]]),
                         "pooled_prompt_embeds": torch.cat([inputs["negative_pooled_prompt_embeds"], inputs["pooled_prompt_embeds"]])}
     for sigma, following in zip(sigmas[:-1], sigmas[1:]):
-        if family == "flux":
+        if family != "sd3":
             v = client.evaluate({"latents": x, "sigma": sigma.repeat(batch)}, conditioning)
         else:
             uncond, cond = client.evaluate({"latents": torch.cat([x, x]), "sigma": sigma.repeat(2 * batch)}, conditioning).chunk(2)
@@ -79,7 +85,7 @@ def _euler_on_pool(client, family: str, inputs: dict, sigmas: torch.Tensor) -> t
 @pytest.fixture(scope="module")
 def references(tiny_model_dirs):
     out = {}
-    for family, batch in (("sd3", 1), ("sd3", 2), ("flux", 1)):
+    for family, batch in (("sd3", 1), ("sd3", 2), ("flux", 1), ("qwen-image", 1)):
         inputs = _inputs(family, batch)
         out[family, batch] = (inputs, *_pipeline_result(tiny_model_dirs[family], family, inputs))
     return out
@@ -147,6 +153,13 @@ def _planting(send, key: str):
         return send(message)
 
     return planted
+
+
+def test_qwen_image_calls_on_a_ulysses_pool_equal_diffusers(tiny_model_dirs, references, tmp_path):
+    inputs, expected, sigmas = references["qwen-image", 1]
+    with serving(tiny_model_dirs["qwen-image"], tmp_path, *LAYOUTS["ulysses2"]) as client:
+        result = _euler_on_pool(client, "qwen-image", inputs, sigmas)
+    assert (result - expected).abs().max().item() < TOLERANCE
 
 
 def test_pipefusion_pools_refuse_model_calls(tiny_model_dirs, references, tmp_path):

@@ -29,7 +29,7 @@ from ..config import LayoutError
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split, TokenRows
-from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant
+from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant, pack_2x2, unpack_2x2
 
 MASKS = {"prompt_embeds": "prompt_embeds_mask", "negative_prompt_embeds": "negative_prompt_embeds_mask"}
 
@@ -38,7 +38,8 @@ class xFuserQwenImagePipeline(xFuserPipelineBaseWrapper):
     comfy = ComfyData(
         latent_formats={16: "Wan21"}, packed=True, cfg_call="true_cfg_scale",
         expects="encode with xDiT Text Encode on this pool, or Qwen-Image's CLIPLoader (Qwen2.5-VL 7B, 3584 wide)",
-        empty_latent="EmptySD3LatentImage (16 channels)",
+        empty_latent="EmptySD3LatentImage (16 channels)", model_class="QwenImage",
+        model_call_conds={"context": "prompt_embeds"},
     )
     tensor_inputs = tuple(MASKS.values())
     latent_patch = 2
@@ -46,6 +47,18 @@ class xFuserQwenImagePipeline(xFuserPipelineBaseWrapper):
     call_parameters = {
         "true_cfg_scale": CallParameter(float, "classifier-free guidance with the negative embeddings (1: off)", 0.0, 100.0),
     }
+
+    model_call_inputs = model_call_required = ("prompt_embeds",)
+
+    def model_call_arguments(self, latents, timestep, inputs):
+        """QwenImagePipeline's loop: 2×2-packed tokens, timestep / 1000, the text without a mask (all valid)."""
+        batch, _, height, width = latents.shape
+        return {"hidden_states": pack_2x2(latents), "timestep": timestep / 1000,
+                "encoder_hidden_states": inputs["prompt_embeds"], "encoder_hidden_states_mask": None,
+                "img_shapes": [[(1, height // 2, width // 2)]] * batch}
+
+    def model_call_output(self, output, latents):
+        return unpack_2x2(output, latents.shape[2] * 8, latents.shape[3] * 8)
 
     def flow_sigmas(self, total: int) -> np.ndarray:
         return np.linspace(1.0, 1 / total, total)  # QwenImagePipeline's own default
@@ -110,18 +123,21 @@ def convert_checkpoint(state_dict: dict, config: dict) -> dict:
 
 
 # -- tiny built-in model ----------------------------------------------------------------------------------
-def _tiny_text_encoder(seed: int, width: int):
-    """Qwen2.5-VL on the byte-level Qwen tokenizer of the tiny models."""
+def tiny_text_encoder(seed: int, width: int, heads: int = 2, kv_heads: int = 1):
+    """Qwen2.5-VL on the byte-level Qwen tokenizer of the tiny models, `width` wide (its multimodal rotary
+    sections in Qwen2.5-VL's proportions of the head size: 16 + 24 + 24 of 64)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     from .. import tiny_models as tm
 
     tokenizer = tm._qwen_tokenizer()
     ids = {"bos_token_id": None, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    half = width // heads // 2
     config = Qwen2_5_VLConfig(
-        text_config=dict(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, vocab_size=len(tokenizer), **ids,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}),
+        text_config=dict(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, vocab_size=len(tokenizer), **ids,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [
+                             half // 4, 3 * half // 8, 3 * half // 8]}),
         vision_config=dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=width,
                            fullatt_block_indexes=[0]), **ids)
     return tokenizer, tm._seeded(seed, Qwen2_5_VLForConditionalGeneration, config)
@@ -139,7 +155,7 @@ def build_tiny(seed: int):
     scheduler = FlowMatchEulerDiscreteScheduler(
         base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0, shift_terminal=0.02,
         time_shift_type="exponential", use_dynamic_shifting=True)
-    tokenizer, text_encoder = _tiny_text_encoder(seed + 1, tm.T5_DIM)
+    tokenizer, text_encoder = tiny_text_encoder(seed + 1, tm.T5_DIM)
     return QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                              transformer=transformer)
 

@@ -28,7 +28,7 @@ def check_model_call(wrapper, tensors: dict[str, torch.Tensor]) -> None:
     pipeline = type(wrapper.module).__name__
     if not wrapper.model_call_inputs:
         raise ValueError(f"{pipeline} takes no single model calls on this pool yet (xDiT Model supports "
-                         "SD3 and Flux.1 pipelines); sample it with xDiT Sampler")
+                         "SD3, Flux.1 and Qwen-Image pipelines); sample it with xDiT Sampler")
     c = wrapper.parallel_config
     if c.pipefusion_degree > 1:
         raise LayoutError("PipeFusion pipelines patches across the steps of one sampling run, which single model "
