@@ -178,9 +178,12 @@ def _save_mini(directory: Path) -> None:
                 transformer=transformer).save_pretrained(directory)
 
 
-def transformer_peak(pipeline, run) -> int:
-    """Peak bytes that the transformer calls made during `run()` allocate beyond what existed at entry."""
+def transformer_peak(pipeline, run, ignore=None) -> int:
+    """Peak bytes that the transformer calls made during `run()` allocate beyond what existed at entry;
+    `ignore`: a module whose parameters and buffers are never counted (views of weights are not activations)."""
     tracker, peaks = _tracker(), []
+    for tensor in [*ignore.parameters(), *ignore.buffers()] if ignore is not None else []:
+        tracker.live[tensor.untyped_storage().data_ptr()] = [0, 1 << 62]  # never released: counted as nothing
     transformer = getattr(pipeline.transformer, "module", pipeline.transformer)
     start = transformer.register_forward_pre_hook(lambda *a: peaks.append(-tracker.reset()))
     stop = transformer.register_forward_hook(lambda *a: peaks.__setitem__(-1, peaks[-1] + tracker.peak))

@@ -1,0 +1,317 @@
+"""Per-rank memory with --shard-weights: weights + activations for FLUX.2 [dev], Qwen-Image and Wan 2.2 A14B.
+
+    python -m bench.memory_table [--json OUT.json] [--no-measure]
+
+Weights per rank are exact counts: the transformer built on the meta device from its released config
+(no memory), its block parameters sharded over the world (FSDP2: ÷ ranks, plus the one block gathered
+while it runs) and the rest whole on every rank. Activations are the analytic models of one transformer
+call at one rank's share of the tokens (`flux2_peak`, `qwen_peak`; Wan's is bench/wan_memory.py's),
+written from diffusers' blocks and this engine's sequence-parallel attention, and checked here against
+mini models of the same blocks measured on real torchrun ranks (every tensor the call allocates, the
+model's own weights excluded). A layout fits a 24 GB card when weights + activations leave 10% of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from parallel.launch import ROOT, rank_environment, torchrun_command
+
+from . import wan_memory
+
+CARD = 24 * 10**9  # bytes of a 24 GB card
+HEADROOM = 0.9  # what a layout may plan to use of it (allocator, CUDA context)
+RANKS = (2, 4, 8)
+ACT = 2  # bf16
+
+
+@dataclass(frozen=True)
+class Joint:
+    """An image model over a joint image + text sequence, at one resolution."""
+
+    family: str  # "flux2" | "qwen"
+    dim: int
+    heads: int
+    head_dim: int
+    mlp: int  # hidden width of the MLP
+    image_tokens: int
+    text_tokens: int
+
+
+# -- activations -----------------------------------------------------------------------------------------
+def _local(m: Joint, ulysses: int, ring: int, text_sharded: bool) -> tuple[int, int]:
+    sp = ulysses * ring
+    return math.ceil(m.image_tokens / sp), math.ceil(m.text_tokens / sp) if text_sharded else m.text_tokens
+
+
+def flux2_peak(m: Joint, ulysses: int, ring: int, text_sharded: bool = True) -> dict[str, float]:
+    """Bytes one rank holds at the steps of a FLUX.2 transformer call that can be its peak.
+
+    The largest steps are in the single-stream blocks, over the joint sequence of L = t + s local tokens
+    (t text, s image; a = L·D·act, f = MLP width / D). Following Flux2SingleTransformerBlock and its
+    parallel processor, alive at the concatenation before to_out: the block input and its modulated norm
+    (2a), the fused QKV + MLP projection ((3 + 2f)·a), q and k after norm and rotary (2a), the attention
+    output (a), the SwiGLU product (f·a) and the concatenation itself ((1 + f)·a): (9 + 4f)·a.
+    In the attention step, beside the block input, norm, projection and q, k ((7 + 2f)·a): under Ulysses
+    the stacked q/k/v, its all-to-all send and receive buffers and their concatenation (4 × 3 × the tokens
+    that travel: the joint sequence when the text is sharded, else the image's), and, when the output's
+    all-to-all starts before they are released, its send and receive buffers (2 × one); under Ring the stacked
+    q/k/v (3a), the K/V block in use and the one in flight (4a), q/k/v joined with the text (3a), the
+    block's output (a) and four fp32 terms of the log-sum-exp merge (8a). Every rank keeps its tokens'
+    rotary tables in fp32 (cos and sin: 2·L·hd·4, and the image's own before the join, 2·s·hd·4).
+    """
+    s, t = _local(m, ulysses, ring, text_sharded)
+    a = (s + t) * m.dim * ACT
+    f = m.mlp / m.dim
+    rotary = 2 * (s + t) * m.head_dim * 4 + 2 * s * m.head_dim * 4
+    steps = {"single-block concat": (9 + 4 * f) * a + rotary}
+    if ulysses > 1:
+        travel = (s + t if text_sharded else s) * m.dim * ACT
+        steps["ulysses all-to-all"] = (7 + 2 * f) * a + (12 + 2) * travel + rotary
+    if ring > 1:
+        steps["ring merge"] = (7 + 2 * f) * a + (3 + 4 + 3 + 1 + 8) * a + rotary
+    return _peak(steps, s + t)
+
+
+def qwen_peak(m: Joint, ulysses: int, ring: int, text_sharded: bool = False) -> dict[str, float]:
+    """Bytes one rank holds at the steps of a Qwen-Image transformer call that can be its peak.
+
+    Its blocks keep the streams apart: s local image tokens (i = s·D·act), the text (t tokens, w = t·D·act)
+    replicated, as its plan says. The image MLP step holds the block input, its norm and modulated norm,
+    the attention output, the gated residual and the stream's other two living tensors (7i), the MLP's
+    up-projection and its GELU (2 × F/D · i), and five tensors of the text stream (5w). Under Ulysses,
+    the attention step holds the image q/k/v's all-to-all buffers (stacked, received, concatenated: 9i),
+    q/k/v joined with the text (3 × (i + w)), the same over the whole sequence with 1/ulysses of the heads
+    (3 × (S + t)·D·act / ulysses), six image tensors of the block (6i), three of the text (3w) and the
+    output all-to-all's send and receive buffers where it starts before the input's are released (2i). Under
+    Ring: the stacked q/k/v and the K/V block in use and in flight (7i), the joined and transposed q/k/v
+    and the block's output (7 × (i + w)), four fp32 merge terms (8 × (i + w)), five image tensors of the
+    block (5i) and three of the text (3w). The rotary tables are complex64 (8 bytes per pair): the cached
+    one of 4096 positions and the image's whole table twice (2·S·hd/2·8; its shards are views of it).
+    """
+    s, t = _local(m, ulysses, ring, False)
+    i, w = s * m.dim * ACT, t * m.dim * ACT
+    rotary = 4096 * m.head_dim // 2 * 8 + 2 * m.image_tokens * m.head_dim // 2 * 8
+    steps = {"image mlp": 7 * i + 2 * m.mlp / m.dim * i + 5 * w + rotary}
+    if ulysses > 1:
+        whole = (m.image_tokens + t) * m.dim * ACT / ulysses
+        steps["ulysses all-to-all"] = 9 * i + 3 * (i + w) + 3 * whole + 6 * i + 3 * w + 2 * i + rotary
+    if ring > 1:
+        steps["ring merge"] = 7 * i + 15 * (i + w) + 5 * i + 3 * w + rotary
+    return _peak(steps, s)
+
+
+def _peak(steps: dict[str, float], tokens: int) -> dict[str, float]:
+    peak = max(steps, key=steps.get)
+    return {**steps, "peak": steps[peak], "peak_step": peak, "tokens_per_rank": tokens}
+
+
+# -- measurement ------------------------------------------------------------------------------------------
+MINI = {
+    "flux2": Joint("flux2", dim=128, heads=4, head_dim=32, mlp=384, image_tokens=256, text_tokens=32),
+    "qwen": Joint("qwen", dim=128, heads=4, head_dim=32, mlp=512, image_tokens=256, text_tokens=32),
+}
+# name: (ulysses, ring, cfg)
+MEASURED = {"1 rank": (1, 1, 1), "ulysses2": (2, 1, 1), "ring2": (1, 2, 1), "cfg2": (1, 1, 2)}
+
+
+def mini_pipeline(family: str):
+    """The tiny pipeline of the family with a mini transformer of the real model's proportions, in bf16."""
+    import torch
+    from diffusers import Flux2Transformer2DModel, QwenImageTransformer2DModel
+
+    from parallel import tiny_models
+
+    m = MINI[family]
+    if family == "flux2":
+        pipe = tiny_models.build_tiny_pipeline("flux2-klein", seed=0)
+        transformer = tiny_models._seeded(0, Flux2Transformer2DModel, in_channels=128, num_layers=2, num_single_layers=2,
+                                          attention_head_dim=m.head_dim, num_attention_heads=m.heads, joint_attention_dim=48,
+                                          axes_dims_rope=(8, 8, 8, 8), guidance_embeds=False)
+    else:
+        pipe = tiny_models.build_tiny_pipeline("qwen-image", seed=0)
+        transformer = tiny_models._seeded(0, QwenImageTransformer2DModel, in_channels=64, out_channels=16, num_layers=2,
+                                          attention_head_dim=m.head_dim, num_attention_heads=m.heads,
+                                          joint_attention_dim=tiny_models.T5_DIM, axes_dims_rope=(8, 12, 12))
+    pipe = type(pipe)(**{**pipe.components, "transformer": transformer})
+    return pipe.to(torch.bfloat16)
+
+
+def mini_call(family: str, cfg: bool) -> dict:
+    import torch
+
+    from parallel import tiny_models
+
+    m = MINI[family]
+    side = math.isqrt(m.image_tokens) * 16  # 2×2-packed latent tokens of a side × side image
+    inputs = tiny_models.make_inputs("flux2-klein" if family == "flux2" else "qwen-image", height=side, width=side,
+                                     text_tokens=m.text_tokens, negative=cfg)
+    inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in inputs.items()}
+    guidance = 4.0 if cfg else 1.0  # without CFG no negative: the pipeline would encode an empty one at full length
+    scale = {"guidance_scale": guidance} if family == "flux2" else {"true_cfg_scale": guidance}
+    return {**inputs, **scale, "num_inference_steps": 1, "height": side, "width": side, "output_type": "latent",
+            "return_dict": False}
+
+
+def worker(spec_path: str) -> int:
+    """torchrun entry: the transformer call's peak per rank for every layout of this launch's world size."""
+    import torch
+
+    from parallel.config import ParallelConfig
+    from parallel.distributed import destroy_distributed_environment, init_distributed_environment
+    from parallel.model_executor.layout_scope import under_layout
+
+    spec = json.loads(Path(spec_path).read_text())
+    world = init_distributed_environment()
+    torch.set_num_threads(1)
+    results = {}
+    for family in MINI:
+        pipeline = mini_pipeline(family)
+        for name, (u, r, cfg) in MEASURED.items():
+            if u * r * cfg != world.world_size:
+                continue
+            inputs = mini_call(family, cfg > 1)
+            with under_layout(pipeline, ParallelConfig(ulysses_degree=u, ring_degree=r, cfg_degree=cfg)) as parallel:
+                with torch.no_grad():
+                    peak = wan_memory.transformer_peak(pipeline, lambda: parallel(**inputs), ignore=pipeline.transformer)
+            mine = torch.tensor([peak], dtype=torch.int64)
+            every = [torch.zeros_like(mine) for _ in range(world.world_size)]
+            torch.distributed.all_gather(every, mine)
+            results.setdefault(family, {})[name] = [int(x) for x in every]
+    if world.rank == 0:
+        Path(spec["output"]).write_text(json.dumps(results))
+    destroy_distributed_environment()
+    return 0
+
+
+def measure() -> dict:
+    results: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for nproc in sorted({math.prod(layout) for layout in MEASURED.values()}):
+            spec, output = Path(tmp) / f"spec{nproc}.json", Path(tmp) / f"out{nproc}.json"
+            spec.write_text(json.dumps({"output": str(output)}))
+            run = subprocess.run(torchrun_command(nproc, "-m", "bench.memory_table", "--worker", str(spec)),
+                                 cwd=ROOT, env=rank_environment(), capture_output=True, text=True, timeout=900)
+            if run.returncode != 0:
+                raise RuntimeError(run.stderr[-3000:])
+            for family, rows in json.loads(output.read_text()).items():
+                results.setdefault(family, {}).update(rows)
+    return results
+
+
+# -- the table for the released models ----------------------------------------------------------------------
+FLUX2_DEV = Joint("flux2", dim=6144, heads=48, head_dim=128, mlp=18432, image_tokens=(1024 // 16) ** 2, text_tokens=512)
+QWEN_IMAGE = Joint("qwen", dim=3072, heads=24, head_dim=128, mlp=12288, image_tokens=(1328 // 16) ** 2, text_tokens=512)
+WAN_A14B = wan_memory.MODELS["Wan 2.2 A14B (Wan 2.1 14B: one expert)"]
+WAN_VIDEO = (81, 720, 1280)
+# model: (what it is, its diffusers transformer class and released config, experts, whether it has CFG)
+RELEASED = {
+    "FLUX.2 [dev]": ("1024², text 512", "Flux2Transformer2DModel", {}, 1, False),
+    "Qwen-Image": ("1328², text 512", "QwenImageTransformer2DModel", {}, 1, True),
+    "Wan 2.2 A14B": ("81 frames 1280×720, text 512", "WanTransformer3DModel",
+                     {"num_attention_heads": 40, "attention_head_dim": 128, "ffn_dim": 13824, "num_layers": 40,
+                      "in_channels": 16, "out_channels": 16, "text_dim": 4096, "freq_dim": 256}, 2, True),
+}
+
+
+def weight_bytes(cls_name: str, config: dict, experts: int, ranks: int, act: int = ACT) -> dict[str, int]:
+    """Per-rank weight bytes with --shard-weights: the transformer built on the meta device (exact counts);
+    block parameters ÷ ranks, plus two whole blocks (the running one and the next, whose all-gather FSDP2
+    issues ahead), and the rest replicated; Wan 2.2 A14B holds two such experts."""
+    import diffusers
+    import torch
+
+    from parallel.weight_sharding import transformer_blocks
+
+    with torch.device("meta"):
+        model = getattr(diffusers, cls_name)(**config)
+    blocks = [sum(p.numel() for p in block.parameters()) for block in transformer_blocks(model)]
+    total = sum(p.numel() for p in model.parameters())
+    sharded = experts * sum(blocks) * act / ranks
+    return {"total": total * experts * act, "sharded": int(sharded), "gathered": 2 * max(blocks) * act,
+            "replicated": (total - sum(blocks)) * experts * act,
+            "per_rank": int(sharded) + 2 * max(blocks) * act + (total - sum(blocks)) * experts * act}
+
+
+def layouts(ranks: int, heads: int, cfg: bool) -> dict[str, tuple[int, int, int]]:
+    """(ulysses, ring, cfg) of every layout of `ranks` that splits the work of one sample."""
+    out = {}
+    for c in (1, 2) if cfg else (1,):
+        for u in (d for d in range(1, ranks // c + 1) if (ranks // c) % d == 0 and heads % d == 0):
+            r = ranks // c // u
+            if c * u * r == ranks:
+                name = "×".join(part for part in (f"cfg{c}" if c > 1 else "", f"ulysses{u}" if u > 1 else "",
+                                                  f"ring{r}" if r > 1 else "") if part)
+                out[name] = (u, r, c)
+    return out
+
+
+def activation(model: str, u: int, r: int) -> dict[str, float]:
+    if model == "Wan 2.2 A14B":
+        return wan_memory.analytic_peak(WAN_A14B, wan_memory.video_tokens(*WAN_VIDEO), u, r)
+    if model == "FLUX.2 [dev]":
+        return flux2_peak(FLUX2_DEV, u, r, text_sharded=True)
+    return qwen_peak(QWEN_IMAGE, u, r)
+
+
+def _gib(value: float) -> str:
+    return f"{value / 2**30:.1f}"
+
+
+def report(measured: dict | None) -> tuple[str, dict]:
+    fits = CARD * HEADROOM
+    lines = [f"Per-rank memory with `--shard-weights`, bf16 (GiB): transformer weights + the activations of one "
+             f"transformer call; ✓ fits a 24 GB card with 10% to spare ({_gib(fits)} GiB).", ""]
+    data: dict = {"real": {}, "mini": {}}
+    for model, (what, cls_name, config, experts, cfg) in RELEASED.items():
+        heads = WAN_A14B.heads if model == "Wan 2.2 A14B" else (FLUX2_DEV if model == "FLUX.2 [dev]" else QWEN_IMAGE).heads
+        lines += [f"**{model}** ({what}):", "", "| ranks | layout | weights | activations (peak step) | total | 24 GB |",
+                  "|---:|---|---:|---:|---:|:---:|"]
+        for ranks in RANKS:
+            weights = weight_bytes(cls_name, config, experts, ranks)
+            for name, (u, r, c) in layouts(ranks, heads, cfg).items():
+                act = activation(model, u, r)
+                total = weights["per_rank"] + act["peak"]
+                data["real"].setdefault(model, {})[f"{ranks}:{name}"] = {"weights": weights, "activations": act}
+                lines.append(f"| {ranks} | {name} | {_gib(weights['per_rank'])} | {_gib(act['peak'])} ({act['peak_step']}) | "
+                             f"{_gib(total)} | {'✓' if total <= fits else '✗'} |")
+        lines.append("")
+    lines += ["Measured on mini models of the same blocks (D 128, 4 heads of 32, 256 image + 32 text tokens, bf16, "
+              "real torchrun ranks), against the same analytic models at the mini shape:", "",
+              "| model | layout | measured per rank (bytes) | analytic | measured / analytic |", "|---|---|---:|---:|---:|"]
+    for family, peak in (("flux2", flux2_peak), ("qwen", qwen_peak)):
+        for name, (u, r, _) in MEASURED.items():
+            a = peak(MINI[family], u, r)["peak"]
+            if measured and name in measured.get(family, {}):
+                worst = max(measured[family][name])
+                data["mini"].setdefault(family, {})[name] = {"measured": measured[family][name], "analytic": a}
+                lines.append(f"| {family} | {name} | {worst:,} | {a:,.0f} | {worst / a:.3f} |")
+            else:
+                lines.append(f"| {family} | {name} | (not measured) | {a:,.0f} | |")
+    return "\n".join(lines), data
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.memory_table", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", default=None, help="also write the numbers here")
+    parser.add_argument("--no-measure", action="store_true", help="analytic tables only (no torchrun)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args.worker)
+    text, data = report(None if args.no_measure else measure())
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(data, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
