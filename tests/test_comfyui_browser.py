@@ -195,6 +195,11 @@ def test_panel_shows_one_cell_per_rank_of_every_pool(comfy, page):
         return rows === expected && rows;
     }""", expected, timeout_s=10)
     assert memory_rows == expected
+    calls = {p["id"]: p["status"]["model_calls"] for p in pools if p["status"].get("model_calls")}
+    assert calls, "the KSampler example (xDiT Model) made no model calls"
+    shown = page.eval("""(ids) => ids.map((id) => document.querySelector(
+        `.xdit-pool[data-pool-id="${id}"] .xdit-chip[data-fact="model calls"] b`)?.innerText)""", list(calls))
+    assert shown == [str(n) for n in calls.values()]
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.call("screenshot", path=str(ARTIFACTS / "xdit-page.png"))
 

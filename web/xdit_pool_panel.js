@@ -208,6 +208,7 @@ export class PoolPanel {
       ["restarts", status.restarts ?? 0],
       ["queue", status.queue ?? 0],
     ];
+    if (status.model_calls) chips.push(["model calls", status.model_calls]);  // xDiT Model: ComfyUI's samplers
     const cache = status.last_cache;
     if (cache) chips.push(["cache", `${cache.full} full / ${cache.cached} cached`]);
     return h("section", { className: "xdit-pool", dataset: { poolId: pool.id, state, endpoint: pool.endpoint } },
