@@ -64,6 +64,7 @@ class PoolClient:
         self.last_result: dict = {}  # the last sample's result params (sample returns its latents)
         self.last_call_bytes = 0  # tensor bytes the last model call sent (conditioning only when not held)
         self._held: set[str] = set()  # conditioning keys this client has sent to the pool
+        self._last_keys: dict[str, tuple[torch.Tensor, str]] = {}  # per conditioning name: its last tensor, key
         self._context = context or zmq.Context.instance()
         self.socket = self._context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, f"client-{uuid.uuid4().hex}".encode())
@@ -216,7 +217,7 @@ class PoolClient:
                  loras: list[dict] | tuple = (), should_cancel: Callable[[], bool] | None = None) -> torch.Tensor:
         """One model call (xDiT Model): `tensors` latents and sigma, `conditioning` by name. Conditioning
         travels once: later calls name it by key, and send it again only if the pool no longer holds it."""
-        keys = {name: key_of(tensor) for name, tensor in conditioning.items()}
+        keys = {name: self._key(name, tensor) for name, tensor in conditioning.items()}
         send = {name: tensor for name, tensor in conditioning.items() if keys[name] not in self._held}
         params = {"conditioning": keys, **({"loras": list(loras)} if loras else {})}
         while True:
@@ -235,6 +236,17 @@ class PoolClient:
             self._held.update(keys.values())
             self.last_call_bytes = sum(t.nbytes for t in sent.values())
             return reply.tensors["prediction"]
+
+    def _key(self, name: str, tensor: torch.Tensor) -> str:
+        """key_of(tensor), hashed only when it differs from this name's last tensor: a sampler sends the same
+        conditioning every step, and comparing is ~20× cheaper than hashing (10 MB: ~1 ms against ~20 ms)."""
+        last = self._last_keys.get(name)
+        same = last is not None and last[0].shape == tensor.shape and last[0].dtype == tensor.dtype
+        if same and torch.equal(last[0], tensor):
+            return last[1]
+        key = key_of(tensor)
+        self._last_keys[name] = (tensor.detach().clone(), key)
+        return key
 
     def encode(self, prompt: str, **job_inputs) -> dict[str, torch.Tensor]:
         """The pool pipeline's own text encoding of `prompt` (prompt_embeds, pooled / mask); with
