@@ -13,7 +13,6 @@ model's own weights excluded). A layout fits a 24 GB card when weights + activat
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import subprocess
@@ -299,11 +298,7 @@ def report(measured: dict | None) -> tuple[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.memory_table", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", default=None, help="also write the numbers here")
-    parser.add_argument("--no-measure", action="store_true", help="analytic tables only (no torchrun)")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = wan_memory.memory_arguments("bench.memory_table", __doc__).parse_args(argv)
     if args.worker:
         return worker(args.worker)
     text, data = report(None if args.no_measure else measure())

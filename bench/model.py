@@ -16,6 +16,8 @@ scheduler come from tiny_models and the VAE never runs (output_type="latent").
 from __future__ import annotations
 
 import argparse
+import contextlib
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,6 +155,39 @@ def timed_rounds(pipelines: dict, inputs: dict, kwargs: dict, runs: int) -> tupl
             else:
                 warmup[name] = elapsed
     return times, outputs, warmup
+
+
+def alternating(sides: dict, runs: int) -> tuple[dict, dict]:
+    """Time each callable `runs` times, round by round with the order alternating, after an untimed warm-up
+    round. Returns ({name: [seconds]}, {name: its warm-up result})."""
+    import time
+
+    results = {name: run() for name, run in sides.items()}
+    times = {name: [] for name in sides}
+    for round_ in range(runs):
+        for name in sides if round_ % 2 == 0 else list(sides)[::-1]:
+            start = time.perf_counter()
+            sides[name]()
+            times[name].append(time.perf_counter() - start)
+    return times, results
+
+
+@contextlib.contextmanager
+def one_rank_pool(pipeline):
+    """A pool of one rank (one thread) serving `pipeline` from a temporary folder, and a client of it."""
+    from workers.client import PoolClient
+    from workers.endpoints import free_endpoint
+    from workers.launcher import Pool, PoolSpec
+
+    with tempfile.TemporaryDirectory() as tmp:
+        pipeline.save_pretrained(tmp)
+        pool = Pool(PoolSpec(model=tmp, nproc=1, endpoint=free_endpoint(), threads_per_rank=1)).start()
+        client = PoolClient(pool.spec.endpoint)
+        try:
+            yield client
+        finally:
+            client.close()
+            pool.stop()
 
 
 def side_by_side_arguments(module: str, doc: str, runs: int, steps: int) -> argparse.ArgumentParser:

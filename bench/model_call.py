@@ -13,18 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from parallel.families.base import unpack_2x2
-from workers.client import PoolClient
-from workers.endpoints import free_endpoint
-from workers.launcher import Pool, PoolSpec
-
-from .model import MODELS
+from .model import MODELS, alternating, one_rank_pool
 
 OUT = Path(__file__).resolve().parent / "out"
 
@@ -58,23 +52,12 @@ def main(argv=None) -> int:
                 return_dict=False)[0]
         return unpack_2x2(out, model.height, model.width)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        pipeline.save_pretrained(tmp)
-        pool = Pool(PoolSpec(model=tmp, nproc=1, endpoint=free_endpoint(), threads_per_rank=1)).start()
-        client = PoolClient(pool.spec.endpoint)
+    with one_rank_pool(pipeline) as client:
         first = client.evaluate(call, conditioning)
         first_bytes = client.last_call_bytes
         sides = {"in-process": in_process, "pool": lambda: client.evaluate(call, conditioning)}
-        times = {name: [] for name in sides}
-        results = {name: run() for name, run in sides.items()}  # warm-up, not timed
-        for _ in range(args.runs):
-            for name, run in sides.items():
-                start = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - start)
+        times, results = alternating(sides, args.runs)
         later_bytes = client.last_call_bytes
-        client.close()
-        pool.stop()
 
     base, pooled = statistics.median(times["in-process"]), statistics.median(times["pool"])
     same = max((results["pool"] - results["in-process"]).abs().max().item(), (first - results["in-process"]).abs().max().item())

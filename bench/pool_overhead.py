@@ -13,17 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from workers.client import PoolClient
-from workers.launcher import Pool, PoolSpec
-from workers.endpoints import free_endpoint
-
-from .model import MODELS
+from .model import MODELS, alternating, one_rank_pool
 
 OUT = Path(__file__).resolve().parent / "out"
 
@@ -41,10 +35,7 @@ def main(argv=None) -> int:
     tensors = {k: v for k, v in model.inputs(pipeline).items() if not k.startswith("negative")}
     kwargs = {**model.call_kwargs(true_cfg=False), "num_inference_steps": args.steps}
 
-    with tempfile.TemporaryDirectory() as tmp:
-        pipeline.save_pretrained(tmp)
-        pool = Pool(PoolSpec(model=tmp, nproc=1, endpoint=free_endpoint(), threads_per_rank=1)).start()
-        client = PoolClient(pool.spec.endpoint)
+    with one_rank_pool(pipeline) as client:
         params = {"steps": args.steps, "guidance_scale": model.guidance_scale, "height": model.height, "width": model.width}
 
         def in_process():
@@ -56,17 +47,7 @@ def main(argv=None) -> int:
             "pool": lambda: client.sample(tensors, {**params, "preview": False}),
             "pool + previews": lambda: client.sample(tensors, {**params, "preview": True}),
         }
-        times = {name: [] for name in sides}
-        results = {}
-        for name, run in sides.items():  # warm-up round, not timed
-            results[name] = run()
-        for _ in range(args.runs):
-            for name, run in sides.items():
-                start = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - start)
-        client.close()
-        pool.stop()
+        times, results = alternating(sides, args.runs)
 
     base = statistics.median(times["in-process"])
     rows = {

@@ -314,12 +314,17 @@ def report(measured: dict[str, list[int]] | None, mini_video: tuple[int, int, in
     return "\n".join(lines), data
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.wan_memory", description=__doc__.split("\n\n")[0])
+def memory_arguments(module: str, doc: str) -> argparse.ArgumentParser:
+    """The options of the memory benches: --json, --no-measure, and the hidden --worker their ranks get."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
     parser.add_argument("--json", default=None, help="also write the numbers here")
     parser.add_argument("--no-measure", action="store_true", help="analytic tables only (no torchrun)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = memory_arguments("bench.wan_memory", __doc__).parse_args(argv)
     if args.worker:
         return worker(args.worker)
     mini_video = (33, 128, 128)  # 9 latent frames × 8 × 8 = 576 tokens
