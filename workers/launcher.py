@@ -50,7 +50,7 @@ JOIN_RELAUNCH_DELAY_S = 2.0  # lets node 0 notice the break first and host the f
 RENDEZVOUS_RETRY_S = 1.0
 DEATH_REPORT_S = 0.5  # a rank's peers can notice its death before /proc shows it
 WAITING = "waiting for nodes"
-STOP_GRACE_S = 5.0  # after a client's stop, ranks still busy this long are ended
+STOP_GRACE_S = 3.0  # after a client's stop, ranks still busy this long are ended
 
 
 class PoolError(RuntimeError):

@@ -22,6 +22,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -179,7 +180,8 @@ class Rank:
         reply = self.control.receive(timeout_s=30)
         if not reply or reply["type"] != "bind_ok":
             raise RuntimeError(f"the supervisor did not hand over {self.args.endpoint}")
-        self.server = ClientServer(self.context, self.args.endpoint, self.status, self.validate, self.args.curve_dir)
+        self.server = ClientServer(self.context, self.args.endpoint, self.status, self.validate, self.args.curve_dir,
+                                   on_stop=self.heartbeat.beat_now)
         self.server.start()
 
     def _gather_ints(self, values: list[int]) -> list[int]:
@@ -415,11 +417,24 @@ def short_error(error: Exception) -> str:
     return re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is typically")[0]
 
 
+def exit_at_sigterm() -> None:
+    """SIGTERM ends this rank at once, even inside a long tensor op, where a Python handler would wait for the op.
+
+    The signal is blocked in this thread (and so in every thread started after it) and one thread waits for
+    it; the Python handler stays for a thread started before (it runs once the main thread is back in Python).
+    """
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    waiter = threading.Thread(target=lambda: (signal.sigwait({signal.SIGTERM}), os._exit(0)), name="xdit-sigterm",
+                              daemon=True)
+    waiter.start()
+
+
 def main(argv=None) -> int:
     engine("launch").die_with_parent()
+    exit_at_sigterm()
     logging.basicConfig(level=logging.INFO, format=f"[rank {os.environ.get('RANK')}] %(levelname)s %(message)s")
     engine("launch").apply_threads_per_rank()
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     rank = Rank(parse_args(argv))
     try:
         rank.start()

@@ -50,7 +50,8 @@ class ClientServer(threading.Thread):
     """
 
     def __init__(self, context: zmq.Context, endpoint: str, status: Callable[[], dict[str, Any]],
-                 validate: Callable[[Message], Any], curve_dir: str | None = None):
+                 validate: Callable[[Message], Any], curve_dir: str | None = None,
+                 on_stop: Callable[[], None] = lambda: None):
         super().__init__(name="xdit-client-server", daemon=True)
         self.context, self.endpoint = context, endpoint
         self.status, self.validate = status, validate
@@ -58,7 +59,7 @@ class ClientServer(threading.Thread):
         self._queued: dict[str, Job] = {}
         self.cancelled: set[str] = set()
         self.running: Job | None = None
-        self.stop_requested = threading.Event()
+        self.stop_requested, self.on_stop = threading.Event(), on_stop
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._outbox_address = f"inproc://xdit-outbox-{id(self)}"
@@ -258,6 +259,7 @@ class ClientServer(threading.Thread):
     def _on_stop(self, client: bytes, message: Message) -> None:
         """Waiting jobs are refused, the running one cancelled; the supervisor ends ranks that do not exit in time."""
         self.stop_requested.set()
+        self.on_stop()
         with self._lock:
             queued, self._queued = list(self._queued.values()), {}
             if self.running is not None:
