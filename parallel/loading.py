@@ -15,6 +15,7 @@ from diffusers import (
 )
 
 from .checkpoints import CHECKPOINT_SUFFIXES
+from .checkpoints.fp8 import Fp8Linear
 
 SCHEDULERS = {
     "ddim": DDIMScheduler,
@@ -62,7 +63,7 @@ def _load_single_file(path: Path, text_encoders: bool, dtype: str | None, shard_
                          "pool without text encoders and encode prompts in ComfyUI (CLIPTextEncode)")
     from .checkpoints.load import load_single_file_pipeline
 
-    pipeline = load_single_file_pipeline(path, dtype=DTYPES[dtype] if dtype else None)
+    pipeline = load_single_file_pipeline(path, dtype=DTYPES[dtype] if dtype else None, keep_fp8=not shard_weights)
     return _place(pipeline, dtype, shard_weights, offload)
 
 
@@ -74,7 +75,7 @@ def _place(pipeline: DiffusionPipeline, dtype: str | None, shard_weights: bool, 
         from .weight_sharding import shard_weights as shard
 
         shard(pipeline, offload)
-    if dtype == "fp8":
+    if dtype == "fp8" and not any(isinstance(m, Fp8Linear) for m in pipeline.transformer.modules()):  # else fp8 already
         pipeline.transformer.enable_layerwise_casting(storage_dtype=FP8_STORAGE, compute_dtype=torch.bfloat16)
     return pipeline
 

@@ -3,6 +3,8 @@ Comfy-Org's), the inverse of diffusers' converters: how the tests make the files
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 PIXART_TOKENS = {"pixart-alpha": 120, "pixart-sigma": 300}
@@ -175,3 +177,28 @@ def original_layout(family: str, transformer) -> dict:
     if family.startswith("wan"):
         return wan_to_original(sd)
     return pixart_to_original(sd, config, PIXART_TOKENS[family], transformer.pos_embed.pos_embed)
+
+
+def fp8_scaled(weights: dict, per_layer: bool) -> tuple[dict, dict]:
+    """ComfyUI's scaled fp8 file of `weights` (its 2-D weights fp8 with a per-tensor scale: the `scaled_fp8`
+    marker with `scale_weight`, or per-layer `comfy_quant` JSON with `weight_scale`), and the weights it
+    means, stored · scale, as ComfyUI's loader computes them."""
+    stored, meant = {}, {}
+    for name, weight in weights.items():
+        if name.endswith(".weight") and weight.ndim == 2:
+            scale = weight.abs().max().float() / 448
+            fp8 = (weight.float() / scale).to(torch.float8_e4m3fn)
+            layer = name.removesuffix(".weight")
+            stored[name] = fp8
+            if per_layer:
+                stored[layer + ".comfy_quant"] = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()),
+                                                              dtype=torch.uint8)
+                stored[layer + ".weight_scale"], stored[layer + ".input_scale"] = scale, torch.tensor(1.0)
+            else:
+                stored[layer + ".scale_weight"], stored[layer + ".scale_input"] = scale, torch.tensor(1.0)
+            meant[name] = fp8.float() * scale
+        else:
+            stored[name] = meant[name] = weight
+    if not per_layer:
+        stored["scaled_fp8"] = torch.zeros(0, dtype=torch.float8_e4m3fn)
+    return stored, meant

@@ -3,9 +3,9 @@
 A tiny Flux.1 transformer in BFL's layout written as GGUF, its 2-D weights Q8_0 (rows of 32-value blocks),
 the rest F32, as city96's convert script keeps small tensors: detected from the file's tensor table, loaded
 with diffusers' GGUF support (GGUFParameter weights, layers that dequantize on the fly), and sampled under
-Ulysses 2 and Ring 2 through contract E: equal within 1e-4 to diffusers' single-process pipeline around the
-same GGUF transformer; its weights are the written Q8_0 values. Negative control: the unquantized weights
-give another result.
+Ulysses 2, Ring 2 and PipeFusion 2 (full warm-up) through contract E: equal within 1e-4 to diffusers'
+single-process pipeline around the same GGUF transformer; its weights are the written Q8_0 values.
+Negative control: the unquantized weights give another result.
 Refused in one line: GGUF with --shard-weights.
 """
 
@@ -89,7 +89,9 @@ def test_detected_and_kept_quantized_with_the_written_values(files):
         assert (value - expected).abs().max().item() <= 1e-4, name
 
 
-@pytest.mark.parametrize("layout", [("--ulysses-degree", "2"), ("--ring-degree", "2")], ids=["ulysses2", "ring2"])
+@pytest.mark.parametrize("layout", [("--ulysses-degree", "2"), ("--ring-degree", "2"),
+                                    ("--pipefusion-degree", "2", "--warmup-steps", "4")],
+                         ids=["ulysses2", "ring2", "pipefusion2"])
 def test_gguf_equals_diffusers_single_process(files, reference, tmp_path, layout):
     output = tmp_path / "out.safetensors"
     run = torchrun(2, "-m", "parallel.run", "--model", str(files["gguf"]), "--inputs", str(files["inputs"]),

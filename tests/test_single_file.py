@@ -24,7 +24,7 @@ from parallel import tiny_models
 from parallel.checkpoints import CheckpointFile, detect_checkpoint
 from parallel.checkpoints.detect import CONFIGS, supported_variants
 from parallel.loading import load_pipeline
-from original_layouts import original_layout
+from original_layouts import fp8_scaled, original_layout
 from xdit_test_helpers import TOLERANCE, import_node_module, torchrun
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # read at import by the torchrun ranks' huggingface_hub
@@ -271,53 +271,42 @@ def test_incomplete_or_mismatching_weights(checkpoints, tmp_path):
         detect_checkpoint(tmp_path / "c.safetensors")
 
 
-def _fp8_scaled(weights: dict, per_layer: bool) -> tuple[dict, dict]:
-    """ComfyUI's scaled fp8 file of `weights` (its 2-D weights fp8 with a per-tensor scale: the `scaled_fp8`
-    marker with `scale_weight`, or per-layer `comfy_quant` JSON with `weight_scale`), and the weights it
-    means, stored · scale, as ComfyUI's loader computes them."""
-    stored, meant = {}, {}
-    for name, weight in weights.items():
-        if name.endswith(".weight") and weight.ndim == 2:
-            scale = weight.abs().max().float() / 448
-            fp8 = (weight.float() / scale).to(torch.float8_e4m3fn)
-            layer = name.removesuffix(".weight")
-            stored[name] = fp8
-            if per_layer:
-                stored[layer + ".comfy_quant"] = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()),
-                                                              dtype=torch.uint8)
-                stored[layer + ".weight_scale"], stored[layer + ".input_scale"] = scale, torch.tensor(1.0)
-            else:
-                stored[layer + ".scale_weight"], stored[layer + ".scale_input"] = scale, torch.tensor(1.0)
-            meant[name] = fp8.float() * scale
-        else:
-            stored[name] = meant[name] = weight
-    if not per_layer:
-        stored["scaled_fp8"] = torch.zeros(0, dtype=torch.float8_e4m3fn)
-    return stored, meant
-
-
 @pytest.mark.parametrize("per_layer", [False, True], ids=["scaled_fp8", "comfy_quant"])
-def test_comfyui_scaled_fp8_reads_as_comfyui_does(checkpoints, tmp_path, per_layer):
-    """ComfyUI's fp8_scaled files: the weights are stored · scale, exactly as a plain file of those values."""
+def test_comfyui_scaled_fp8_reads_as_comfyui_does_and_stays_fp8(checkpoints, tmp_path, per_layer):
+    """ComfyUI's fp8_scaled files: the weights are stored · scale, exactly as a plain file of those values;
+    the linear layers keep the fp8 bytes (under half the bf16 load), other tensors load in the compute dtype."""
+    from parallel.checkpoints.fp8 import Fp8Linear, storage_of
+
     _, path = checkpoints["flux1-dev"]
-    stored, meant = _fp8_scaled(CheckpointFile(path).state_dict(), per_layer)
+    stored, meant = fp8_scaled(CheckpointFile(path).state_dict(), per_layer)
     save_file(stored, tmp_path / "flux1-dev-fp8-scaled.safetensors")
     save_file(meant, tmp_path / "flux1-dev-meant.safetensors")
     assert detect_checkpoint(tmp_path / "flux1-dev-fp8-scaled.safetensors").variant == "flux1-dev"
-    got = load_pipeline(tmp_path / "flux1-dev-fp8-scaled.safetensors", dtype="fp32").transformer.state_dict()
+    kept = load_pipeline(tmp_path / "flux1-dev-fp8-scaled.safetensors", dtype="fp32").transformer
     want = load_pipeline(tmp_path / "flux1-dev-meant.safetensors", dtype="fp32").transformer.state_dict()
+    got = {**kept.state_dict(), **{f"{name}.weight": layer.dequantized() for name, layer in kept.named_modules()
+                                   if isinstance(layer, Fp8Linear)}}
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert isinstance(kept.transformer_blocks[0].attn.to_q, Fp8Linear)  # split from BFL's fused qkv, scale kept
+    assert kept.dtype == torch.float32 and storage_of(kept).keys() == {"float8_e4m3fn", "float32"}
+    bf16 = load_pipeline(tmp_path / "flux1-dev-meant.safetensors", dtype="bf16").transformer
     unscaled = load_pipeline(tmp_path / "flux1-dev-fp8-scaled.safetensors").transformer  # bf16 compute by default
-    assert unscaled.dtype == torch.bfloat16
+    assert unscaled.dtype == torch.bfloat16 and storage_of(unscaled).keys() == {"float8_e4m3fn", "bfloat16"}
+    assert sum(storage_of(unscaled).values()) <= 0.55 * sum(storage_of(bf16).values())
 
 
 def test_quantized_formats_this_pack_does_not_read_are_refused(checkpoints, tmp_path):
     _, path = checkpoints["flux1-dev"]
-    stored, _ = _fp8_scaled(CheckpointFile(path).state_dict(), per_layer=True)
+    stored, _ = fp8_scaled(CheckpointFile(path).state_dict(), per_layer=True)
     stored["img_in.comfy_quant"] = torch.tensor(list(b'{"format": "nvfp4"}'), dtype=torch.uint8)
     save_file(stored, tmp_path / "flux1-dev-nvfp4.safetensors")
     with pytest.raises(ValueError, match="layer img_in is stored as 'nvfp4', a format this pack does not read"):
         load_pipeline(tmp_path / "flux1-dev-nvfp4.safetensors")
+    stored["img_in.comfy_quant"] = stored["txt_in.comfy_quant"].clone()
+    del stored["img_in.weight_scale"]
+    save_file(stored, tmp_path / "flux1-dev-no-scale.safetensors")
+    with pytest.raises(ValueError, match="layer img_in is float8_e4m3fn but has no img_in.weight_scale"):
+        load_pipeline(tmp_path / "flux1-dev-no-scale.safetensors")
     weights = dict(CheckpointFile(path).state_dict(), **{"img_in.weight.absmax": torch.ones(1)})
     save_file(weights, tmp_path / "flux1-dev-nf4.safetensors")
     with pytest.raises(ValueError, match="bitsandbytes-quantized checkpoint"):

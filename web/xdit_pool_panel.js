@@ -208,6 +208,8 @@ export class PoolPanel {
       ["restarts", status.restarts ?? 0],
       ["queue", status.queue ?? 0],
     ];
+    const storage = Object.keys(status.storage ?? {});  // the transformer's weight formats: fp8 / GGUF stay quantized
+    if (storage.length) chips.push(["weights", storage.join(" + ")]);
     if (status.model_calls) chips.push(["model calls", status.model_calls]);  // xDiT Model: ComfyUI's samplers
     const cache = status.last_cache;
     if (cache) chips.push(["cache", `${cache.full} full / ${cache.cached} cached`]);

@@ -87,6 +87,7 @@ class Rank:
         self.conditioning = ConditioningCache()  # rank 0: what model calls sent, by key
         self.last_cache: dict | None = None  # the last job's step cache: method, full and cached model calls
         self.memory: list[dict] = []
+        self.storage: dict[str, int] = {}  # rank 0's transformer parameter bytes per storage format
         self.pids: list[int] = []
         self.nodes: list[dict] = []
         self.state = "starting"
@@ -191,7 +192,9 @@ class Rank:
         return [int(x) for part in parts for x in part]
 
     def _update_memory(self) -> None:
-        own = memory_of_this_rank(self.pipeline.module.transformer.module)
+        transformer = self.pipeline.module.transformer.module
+        self.storage = engine("checkpoints.fp8").storage_of(transformer)  # e.g. float8_e4m3fn + bfloat16 bytes
+        own = memory_of_this_rank(transformer)
         flat = self._gather_ints([own["rss_bytes"], own["device_bytes"], own["parameter_bytes"]])
         self.memory = [
             {"rank": r, "rss_bytes": flat[3 * r], "device_bytes": flat[3 * r + 1], "parameter_bytes": flat[3 * r + 2]}
@@ -217,6 +220,7 @@ class Rank:
             "model_class": self.pipeline.comfy_model_class() if self.state != "starting" else "",
             "text_encoders": self.args.text_encoders,
             "dtype": self.args.dtype or "as saved",
+            "storage": self.storage,
             "loads": {"pipeline": 1, "lora": self.loras.loads if self.state != "starting" else 0},
             "loras": [vars(spec) for spec in self.loras.active] if self.state != "starting" else [],
             "mesh": [self.layout.coordinates(r) for r in range(self.world_size)],

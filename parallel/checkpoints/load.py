@@ -9,6 +9,10 @@ A GGUF file stays quantized in memory: its quantized tensors are diffusers' GGUF
 like any other (row splits and joins of their blocks), and diffusers' GGUF quantizer swaps the linear
 layers that hold them for ones that dequantize on the fly, in the compute dtype (--dtype; bf16 by
 default). Every parallel layout runs on such layers unchanged; weight sharding does not (see loading.py).
+
+An fp8 file (plain fp8, or ComfyUI's scaled fp8) stays fp8 in memory too: its linear layers keep the stored
+weight and its scale and dequantize when they run (fp8.py). With weight sharding (`keep_fp8=False`: FSDP
+shards plain tensors of one dtype) the weights are dequantized at load instead.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 from accelerate import init_empty_weights
 from diffusers.loaders.single_file_model import FromOriginalModelMixin
 
-from . import scaled
+from . import fp8, scaled
 from .detect import CheckpointFile, Detected, detect_checkpoint
 
 log = logging.getLogger(__name__)
@@ -63,14 +67,17 @@ def _check_fits(model: torch.nn.Module, state_dict: dict, detected: Detected) ->
                          f"{'; '.join(problems)}. The file is damaged or a variant this pack does not support")
 
 
-def load_transformer(detected: Detected, checkpoint: CheckpointFile, index: dict, dtype: torch.dtype | None):
+def load_transformer(detected: Detected, checkpoint: CheckpointFile, index: dict, dtype: torch.dtype | None,
+                     keep_fp8: bool = True):
     cls = getattr(diffusers, index["transformer"][1])
     config = {**cls.load_config(detected.config_dir, subfolder="transformer", local_files_only=True),
               **detected.overrides}
     original = checkpoint.state_dict()
     dtype = dtype or (torch.bfloat16 if checkpoint.is_gguf else _weights_dtype(original))
-    if scaled.is_scaled(original):
-        original = scaled.dequantize(original, detected.path)
+    original, scales = scaled.read(original, detected.path) if scaled.is_scaled(original) else (original, {})
+    keep_fp8 = keep_fp8 and any(fp8.is_fp8(tensor) for tensor in original.values())
+    if scales and not keep_fp8:
+        original = scaled.dequantize(original, scales)
     quantized = {}
     if checkpoint.is_gguf:
         if not issubclass(cls, FromOriginalModelMixin):
@@ -80,7 +87,7 @@ def load_transformer(detected: Detected, checkpoint: CheckpointFile, index: dict
 
         quantized = {"quantization_config": GGUFQuantizationConfig(compute_dtype=dtype)}
     try:
-        state_dict = detected.single_file.convert(original, config)
+        state_dict = detected.single_file.convert(dict(original), config)  # converters pop what they take
     except KeyError as error:
         raise ValueError(f"{detected.path} looks like {detected.describe()} but lacks tensor {error}: the file is "
                          "incomplete or a variant this pack does not support") from None
@@ -89,6 +96,9 @@ def load_transformer(detected: Detected, checkpoint: CheckpointFile, index: dict
     with init_empty_weights():
         model = cls.from_config(config)
     _check_fits(model, state_dict, detected)
+    if keep_fp8:
+        layer_scales = fp8.converted_scales(detected.single_file.convert, original, scales, config, state_dict)
+        return fp8.load_keeping_fp8(model, state_dict, layer_scales, dtype)
     if issubclass(cls, FromOriginalModelMixin):
         return cls.from_single_file(state_dict, config=str(detected.config_dir), subfolder="transformer",
                                     local_files_only=True, torch_dtype=dtype, **quantized, **detected.overrides)
@@ -97,13 +107,15 @@ def load_transformer(detected: Detected, checkpoint: CheckpointFile, index: dict
     return model.eval()
 
 
-def load_single_file_pipeline(path: str | Path, *, dtype: torch.dtype | None = None) -> diffusers.DiffusionPipeline:
-    """The detected family's diffusers pipeline around the file's transformer (dtype None: as stored)."""
+def load_single_file_pipeline(path: str | Path, *, dtype: torch.dtype | None = None,
+                              keep_fp8: bool = True) -> diffusers.DiffusionPipeline:
+    """The detected family's diffusers pipeline around the file's transformer (dtype None: as stored; fp8
+    files compute in bf16 then, from weights that stay fp8 unless `keep_fp8` is off)."""
     checkpoint = CheckpointFile(path)
     detected = detect_checkpoint(checkpoint)
     log.info("single-file checkpoint %s: %s", path, detected.describe())
     index = json.loads((detected.config_dir / "model_index.json").read_text())
-    transformer = load_transformer(detected, checkpoint, index, dtype)
+    transformer = load_transformer(detected, checkpoint, index, dtype, keep_fp8)
     scheduler = getattr(diffusers, index["scheduler"][1]).from_pretrained(
         detected.config_dir, subfolder="scheduler", local_files_only=True)
     pipeline_cls = getattr(diffusers, index["_class_name"])

@@ -6,9 +6,10 @@
 - ComfyUI's per-layer quantization metadata: `<layer>.comfy_quant` (UTF-8 JSON as uint8, e.g.
   {"format": "float8_e4m3fn"}) with `<layer>.weight_scale` (and `input_scale`), likewise stored · weight_scale.
 
-The weights are dequantized here, before the family's converter renames and splits them, and then load in
-the compute dtype (bf16 unless --dtype says otherwise): the pool holds them as bf16, not fp8. Block-scaled
-formats of the newer metadata (nvfp4, mxfp8, ...) are refused with their name.
+`read` separates the weights from their scales; the weights then stay fp8 in memory (fp8.py), or, where
+the layers must be plain tensors (--shard-weights), are dequantized here before the family's converter
+renames and splits them. Block-scaled formats of the newer metadata (nvfp4, mxfp8, ...) are refused with
+their name, and a `comfy_quant` layer without its `weight_scale` with the layer's name.
 """
 
 from __future__ import annotations
@@ -27,19 +28,29 @@ def is_scaled(names) -> bool:
     return MARKER in names or any(name.endswith(".comfy_quant") for name in names)
 
 
-def dequantize(state: dict[str, torch.Tensor], path) -> dict[str, torch.Tensor]:
-    """The state dict with every scaled weight as stored · scale (fp32) and the scale tensors gone."""
+def read(state: dict[str, torch.Tensor], path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The weights without the marker and scale tensors, and each scaled weight's scale."""
     for name in [n for n in state if n.endswith(".comfy_quant")]:
+        layer = name.removesuffix(".comfy_quant")
         layout = json.loads(bytes(state[name].to(torch.uint8).tolist()).decode())
         if layout.get("format") not in FP8_FORMATS:
-            raise ValueError(f"{path}: layer {name.removesuffix('.comfy_quant')} is stored as {layout.get('format')!r}, "
+            raise ValueError(f"{path}: layer {layer} is stored as {layout.get('format')!r}, "
                              f"a format this pack does not read (it reads {', '.join(FP8_FORMATS)}); use an fp8, "
                              "bf16 or GGUF file of the model")
-    out = {}
-    for name, tensor in state.items():
-        if name == MARKER or name.endswith(_SCALES + _DROPPED):
-            continue
-        scale = next((state[name.removesuffix(".weight") + s] for s in _SCALES
-                      if name.endswith(".weight") and name.removesuffix(".weight") + s in state), None)
-        out[name] = tensor if scale is None else tensor.to(torch.float32) * scale.to(torch.float32)
-    return out
+        if f"{layer}.weight_scale" not in state:
+            raise ValueError(f"{path}: layer {layer} is {layout['format']} but has no {layer}.weight_scale: the file "
+                             "is damaged or was written by a tool this pack does not know; use another copy")
+    weights = {name: tensor for name, tensor in state.items() if not (name == MARKER or name.endswith(_SCALES + _DROPPED))}
+    scales = {}
+    for name in weights:
+        layer = name.removesuffix(".weight")
+        scale = next((state[layer + s] for s in _SCALES if name.endswith(".weight") and layer + s in state), None)
+        if scale is not None:
+            scales[name] = scale.to(torch.float32)
+    return weights, scales
+
+
+def dequantize(weights: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every scaled weight as stored · scale (fp32)."""
+    return {name: tensor if name not in scales else tensor.to(torch.float32) * scales[name]
+            for name, tensor in weights.items()}

@@ -1,0 +1,105 @@
+"""fp8 checkpoints kept in fp8: each linear layer holds the file's fp8 weight and its scale, and computes
+with stored · scale in the input's dtype when it runs, as ComfyUI's own fp8 layers do (comfy/ops.py).
+
+A rank then holds about the file's size, not the bf16 size. The scales reach the converted layers by
+running the family's converter a second time over the scales expanded to each weight's shape (views of
+one number, no memory): renames, row splits and chunks carry them along; a converted weight whose scale
+is not one number (a join of layers with different scales) is dequantized instead, as is every fp8 tensor
+that is not a linear layer's weight.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def is_fp8(tensor: torch.Tensor) -> bool:
+    return tensor.dtype in FP8_DTYPES
+
+
+class Fp8Linear(torch.nn.Linear):
+    """nn.Linear whose weight stays fp8; `scale` (fp32, one number) turns it into the weight it means.
+
+    The fp8 bytes are held as uint8 (as diffusers' GGUF layers hold theirs), so diffusers and PEFT take the
+    model's dtype from its other tensors: the compute dtype, never fp8."""
+
+    fp8_dtype: torch.dtype
+
+    def dequantized(self) -> torch.Tensor:
+        """stored · scale in fp32: the weight a dequantizing load holds (before its cast to the compute dtype)."""
+        return self.weight.view(self.fp8_dtype).to(torch.float32) * self.scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    @classmethod
+    def replacing(cls, layer: torch.nn.Linear, fp8_dtype: torch.dtype) -> "Fp8Linear":
+        """An Fp8Linear in `layer`'s place, on the meta device like it: the weights are assigned at load."""
+        kept = cls(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+        kept.weight = torch.nn.Parameter(torch.empty_like(kept.weight, dtype=torch.uint8), requires_grad=False)
+        kept.register_buffer("scale", torch.ones((), dtype=torch.float32), persistent=False)
+        kept.fp8_dtype = fp8_dtype
+        return kept
+
+
+def converted_scales(convert: Callable[[dict, dict], dict], weights: dict[str, torch.Tensor],
+                     scales: dict[str, torch.Tensor], config: dict, converted: dict[str, torch.Tensor]
+                     ) -> dict[str, torch.Tensor | None]:
+    """The scale of each fp8 tensor of `converted` (= convert(weights)): one fp32 number, or None where
+    the converter joined tensors of different scales."""
+    expanded = {name: scales.get(name, torch.ones(())).float().reshape(()).expand(tensor.shape)
+                if is_fp8(tensor) else tensor for name, tensor in weights.items()}
+    out = {}
+    for name, scale in convert(expanded, config).items():
+        if is_fp8(converted[name]):
+            first = scale[(0,) * scale.ndim] if scale.numel() else torch.ones(())
+            one_number = all(stride == 0 for stride in scale.stride()) or bool((scale == first).all())
+            out[name] = first.clone() if one_number else None
+    return out
+
+
+def load_keeping_fp8(model: torch.nn.Module, state_dict: dict[str, torch.Tensor],
+                     scales: dict[str, torch.Tensor | None], dtype: torch.dtype) -> torch.nn.Module:
+    """`model` (on the meta device) with its fp8 linear weights kept as Fp8Linear and every other tensor in `dtype`."""
+    kept = {}
+    for name, layer in list(model.named_modules()):
+        weight = state_dict.get(f"{name}.weight")
+        if type(layer) is torch.nn.Linear and weight is not None and is_fp8(weight) and scales.get(f"{name}.weight") is not None:
+            parent, _, child = name.rpartition(".")
+            model.get_submodule(parent).register_module(child, Fp8Linear.replacing(layer, weight.dtype))
+            kept[name] = scales[f"{name}.weight"]
+    cast = {}
+    for name, tensor in state_dict.items():
+        if name.removesuffix(".weight") in kept and name.endswith(".weight"):
+            cast[name] = tensor.view(torch.uint8)
+        elif is_fp8(tensor):  # not a linear layer's weight, or its scale is not one number
+            scale = scales.get(name)
+            cast[name] = (tensor.to(torch.float32) * (1.0 if scale is None else scale)).to(dtype)
+        else:
+            cast[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    model.load_state_dict(cast, strict=True, assign=True)
+    for name, scale in kept.items():
+        model.get_submodule(name).scale = scale.clone()
+    return model.eval()
+
+
+def storage_of(module: torch.nn.Module) -> dict[str, int]:
+    """Parameter bytes per storage format ("float8_e4m3fn", "bfloat16", a GGUF type such as "Q8_0")."""
+    out: dict[str, int] = {}
+    for layer in module.modules():
+        for name, parameter in layer.named_parameters(recurse=False):
+            quant = getattr(parameter, "quant_type", None)
+            if quant is not None:
+                kind = getattr(quant, "name", str(quant))
+            elif isinstance(layer, Fp8Linear) and name == "weight":
+                kind = str(layer.fp8_dtype)
+            else:
+                kind = str(parameter.dtype)
+            kind = kind.removeprefix("torch.")
+            out[kind] = out.get(kind, 0) + parameter.numel() * parameter.element_size()
+    return out

@@ -1,0 +1,95 @@
+"""fp8 single files kept in fp8 on every rank (parallel/checkpoints/fp8.py).
+
+A tiny Flux.1 [dev] in BFL's layout written as ComfyUI writes its `*_fp8_scaled` files (2-D weights fp8 with a
+per-tensor scale): through contract E with `--dtype fp32` on Ulysses 2 and on PipeFusion 2 with full warm-up,
+and through a pool, the result equals diffusers' single-process pipeline on the dequantized weights (stored ·
+scale) within 1e-4, and misses the unquantized model's result by far more, so a loader that dropped the scales
+would fail (with --shard-weights the file is dequantized at load: FSDP shards plain tensors). The pool reports the storage format and ≤ 0.55× the bf16 parameter bytes per rank; a LoRA applies on
+top of the fp8 layers exactly as on the dequantized ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from parallel import tiny_models
+from parallel.checkpoints.fp8 import Fp8Linear, storage_of
+from parallel.loading import load_pipeline
+
+from original_layouts import fp8_scaled, original_layout
+from pool_helpers import serving
+from test_lora import peft_lora
+from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
+
+CALL = {"num_inference_steps": 4, "guidance_scale": 3.5, "height": 64, "width": 64}
+JOB = {"steps": 4, "guidance_scale": 3.5, "height": 64, "width": 64}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8")
+    weights = original_layout("flux", tiny_models.build_tiny_pipeline("flux", seed=3).transformer)
+    stored, meant = fp8_scaled(weights, per_layer=False)
+    paths = {"fp8": root / "flux1-dev-fp8_scaled.safetensors", "meant": root / "flux1-dev-meant.safetensors",
+             "plain": root / "flux1-dev.safetensors", "inputs": root / "in.safetensors"}
+    save_file(stored, paths["fp8"])
+    save_file({k: v.contiguous() for k, v in meant.items()}, paths["meant"])
+    save_file({k: v.contiguous() for k, v in weights.items()}, paths["plain"])
+    save_file(tiny_models.make_inputs("flux"), paths["inputs"])
+    return paths
+
+
+def _latents(path, **extra) -> torch.Tensor:
+    return diffusers_latents(load_pipeline(path, dtype="fp32"), "flux", **load_file(extra.pop("inputs")), **CALL)
+
+
+@pytest.fixture(scope="module")
+def reference(files):
+    """diffusers' pipeline, one process, on the weights the fp8 file means (stored · scale, as fp32)."""
+    return _latents(files["meant"], inputs=files["inputs"])
+
+
+@pytest.mark.parametrize("layout", [("--ulysses-degree", "2"), ("--pipefusion-degree", "2", "--warmup-steps", "4"),
+                                    ("--ulysses-degree", "2", "--shard-weights")],
+                         ids=["ulysses2", "pipefusion2", "ulysses2-shard-weights"])  # sharded: dequantized at load
+def test_fp8_file_equals_diffusers_on_its_dequantized_weights(files, reference, tmp_path, layout):
+    output = tmp_path / "out.safetensors"
+    run = torchrun(2, "-m", "parallel.run", "--model", str(files["fp8"]), "--inputs", str(files["inputs"]),
+                   "--output", str(output), "--dtype", "fp32", "--steps", "4", "--guidance-scale", "3.5",
+                   "--height", "64", "--width", "64", *layout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    parallel = load_file(output)["latents"]
+    assert (parallel - reference).abs().max().item() <= TOLERANCE
+    unquantized = _latents(files["plain"], inputs=files["inputs"])
+    assert (unquantized - parallel).abs().max().item() > 10 * TOLERANCE  # the scales are real
+
+
+def test_a_pool_keeps_fp8_and_reports_its_storage(files, reference, tmp_path):
+    bf16 = sum(storage_of(load_pipeline(files["meant"], dtype="bf16").transformer).values())
+    with serving(files["fp8"], tmp_path, "--nproc", "2", "--ulysses-degree", "2", "--dtype", "fp32") as client:
+        status = client.status()
+        got = client.sample(load_file(files["inputs"]), JOB)
+    assert set(status["storage"]) == {"float8_e4m3fn", "float32"}
+    assert all(row["parameter_bytes"] == sum(status["storage"].values()) for row in status["memory"])
+    assert (got - reference).abs().max().item() <= TOLERANCE
+    with serving(files["fp8"], tmp_path, "--nproc", "1") as client:  # bf16 compute, the default for fp8 files
+        default = client.status()
+    assert set(default["storage"]) == {"float8_e4m3fn", "bfloat16"}
+    assert default["memory"][0]["parameter_bytes"] <= 0.55 * bf16
+
+
+def test_lora_on_fp8_layers_equals_lora_on_the_dequantized_model(files, tmp_path):
+    lora = load_file(peft_lora(tmp_path / "lora.safetensors", seed=5))
+    weights = {k.removeprefix("transformer."): v for k, v in lora.items()}
+    outputs = []
+    for path in (files["fp8"], files["meant"]):
+        pipeline = load_pipeline(path, dtype="fp32")
+        pipeline.transformer.load_lora_adapter(dict(weights), adapter_name="style", prefix=None)
+        outputs.append(diffusers_latents(pipeline, "flux", **load_file(files["inputs"]), **CALL))
+    kept = load_pipeline(files["fp8"], dtype="fp32").transformer.transformer_blocks[0].attn.to_q
+    assert isinstance(kept, Fp8Linear)
+    assert (outputs[0] - outputs[1]).abs().max().item() <= TOLERANCE
+    without = _latents(files["meant"], inputs=files["inputs"])
+    assert (outputs[1] - without).abs().max().item() > 10 * TOLERANCE  # the LoRA changes the result
