@@ -202,3 +202,23 @@ def fp8_scaled(weights: dict, per_layer: bool) -> tuple[dict, dict]:
     if not per_layer:
         stored["scaled_fp8"] = torch.zeros(0, dtype=torch.float8_e4m3fn)
     return stored, meant
+
+
+def gguf_q8_0(weights: dict, path, arch: str) -> None:
+    """A GGUF file of `weights` as city96's convert script writes one: the original names, 2-D weights whose
+    rows divide into 32-value blocks as Q8_0, the rest F32."""
+    import gguf
+
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    writer = gguf.GGUFWriter(str(path), arch)
+    for name, tensor in weights.items():
+        array = tensor.float().numpy()
+        if array.ndim == 2 and array.shape[-1] % 32 == 0:
+            writer.add_tensor(name, gguf.quants.quantize(array, q8_0), raw_dtype=q8_0,
+                              raw_shape=gguf.quants.quant_shape_to_byte_shape(array.shape, q8_0))
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -49,3 +49,14 @@ def test_bench_model_call_tiny_prices_a_call_and_its_bytes(tmp_path):
     assert all(math.isfinite(result[key]) for key in ("in_process_ms", "pool_ms", "added_ms"))
     assert result["max_abs_diff"] < 1e-4
     assert 0 < result["later_call_bytes"] < result["first_call_bytes"]  # the conditioning travelled once
+
+
+def test_bench_quantized_storage_tiny_keeps_fp8_and_q8_0_under_055(tmp_path):
+    out = tmp_path / "quantized_storage.json"
+    run = subprocess.run([sys.executable, "-m", "bench.quantized_storage", "--tiny", "--runs", "1", "--json", str(out)],
+                         cwd=ROOT, env=rank_environment(threads_per_rank=None), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows["fp8_scaled"]["storage"]) == {"float8_e4m3fn", "bfloat16"} and "Q8_0" in rows["gguf_q8_0"]["storage"]
+    assert rows["fp8_scaled"]["ratio_to_bf16"] <= 0.55 and rows["gguf_q8_0"]["ratio_to_bf16"] <= 0.55
+    assert all(math.isfinite(r["step_s"]) for r in rows.values())

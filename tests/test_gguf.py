@@ -37,22 +37,11 @@ def _q8_0(tensor: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    from original_layouts import original_layout
+    from original_layouts import gguf_q8_0, original_layout
 
     root = tmp_path_factory.mktemp("gguf")
     pipeline = tiny_models.build_tiny_pipeline("flux", seed=3)
-    writer = gguf.GGUFWriter(str(root / "flux1-dev-Q8_0.gguf"), "flux")
-    for name, tensor in original_layout("flux", pipeline.transformer).items():
-        array = tensor.float().numpy()
-        if _quantizable(array):
-            writer.add_tensor(name, gguf.quants.quantize(array, Q8_0), raw_dtype=Q8_0,
-                              raw_shape=gguf.quants.quant_shape_to_byte_shape(array.shape, Q8_0))
-        else:
-            writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    gguf_q8_0(original_layout("flux", pipeline.transformer), root / "flux1-dev-Q8_0.gguf", "flux")
     save_file(tiny_models.make_inputs("flux"), root / "in.safetensors")
     return {"gguf": root / "flux1-dev-Q8_0.gguf", "inputs": root / "in.safetensors", "plain": pipeline}
 

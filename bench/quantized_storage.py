@@ -1,0 +1,86 @@
+"""Quantized checkpoints kept quantized: parameter bytes per rank and time per step, bf16 vs fp8 vs GGUF Q8_0.
+
+    python -m bench.quantized_storage [--tiny] [--runs 3]
+
+The medium Flux transformer written three ways, as users download it: a bf16 file in BFL's layout, ComfyUI's
+scaled fp8 of it (`scaled_fp8` marker, per-tensor `scale_weight`) and city96's GGUF Q8_0 of it. Each loads as
+a rank loads it (the default compute dtype, bf16), and the bench reports its transformer's parameter bytes by
+storage format (what every rank of a layout without weight sharding holds; PipeFusion stages hold their share)
+and the time of one step, the three alternating round by round after a warm-up, one thread. The files are
+written with the tests' writers of original layouts (tests/original_layouts.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from parallel.checkpoints.fp8 import storage_of
+from parallel.launch import ROOT
+from parallel.loading import load_pipeline
+
+from .model import MODELS, alternating
+
+OUT = Path(__file__).resolve().parent / "out"
+FORMATS = ("bf16", "fp8_scaled", "gguf_q8_0")
+
+
+def write_files(transformer: torch.nn.Module, root: Path) -> dict[str, Path]:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from original_layouts import fp8_scaled, gguf_q8_0, original_layout
+
+    weights = original_layout("flux", transformer)
+    paths = {name: root / f"flux1-dev-{name}.{'gguf' if name.startswith('gguf') else 'safetensors'}" for name in FORMATS}
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in weights.items()}, paths["bf16"])
+    save_file(fp8_scaled(weights, per_layer=False)[0], paths["fp8_scaled"])
+    gguf_q8_0(weights, paths["gguf_q8_0"], "flux")
+    return paths
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.quantized_storage", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="the tiny test model: checks the machinery only")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=OUT / "quantized_storage.json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    model = MODELS["tiny" if args.tiny else "medium"]
+    donor = model.pipeline()
+    inputs = {k: v.to(torch.bfloat16) for k, v in model.inputs(donor).items() if not k.startswith("negative_")}
+    call = {**model.call_kwargs(true_cfg=False), "num_inference_steps": 1}
+    with tempfile.TemporaryDirectory() as tmp:
+        pipelines = {}
+        for name, path in write_files(donor.transformer, Path(tmp)).items():
+            pipeline = load_pipeline(path)
+            pipeline.set_progress_bar_config(disable=True)
+            pipelines[name] = pipeline
+    storage = {name: storage_of(p.transformer) for name, p in pipelines.items()}
+    with torch.no_grad():
+        times, outputs = alternating({name: (lambda p=p: p(**inputs, **call)[0]) for name, p in pipelines.items()},
+                                     args.runs)
+    rows = {name: {"storage": storage[name], "parameter_bytes": sum(storage[name].values()),
+                   "ratio_to_bf16": sum(storage[name].values()) / sum(storage["bf16"].values()),
+                   "step_s": statistics.median(times[name]),
+                   "max_abs_diff_to_bf16": (outputs[name].float() - outputs["bf16"].float()).abs().max().item()}
+            for name in FORMATS}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"model": model.name, "runs": args.runs, "rows": rows}, indent=2))
+    print(f"| file ({model.name}, bf16 compute, median of {args.runs}) | parameter MiB per rank | by format | "
+          "÷ bf16 file | s per step | ÷ bf16 | max abs Δ to bf16 |")
+    print("|---|---:|---|---:|---:|---:|---:|")
+    for name, r in rows.items():
+        formats = ", ".join(f"{kind} {size / 2**20:.1f}" for kind, size in r["storage"].items())
+        print(f"| {name} | {r['parameter_bytes'] / 2**20:.1f} | {formats} | {r['ratio_to_bf16']:.3f} | "
+              f"{r['step_s']:.3f} | {r['step_s'] / rows['bf16']['step_s']:.2f} | {r['max_abs_diff_to_bf16']:.1e} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
