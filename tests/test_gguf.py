@@ -6,7 +6,8 @@ with diffusers' GGUF support (GGUFParameter weights, layers that dequantize on t
 Ulysses 2, Ring 2 and PipeFusion 2 (full warm-up) through contract E: equal within 1e-4 to diffusers'
 single-process pipeline around the same GGUF transformer; its weights are the written Q8_0 values.
 Negative control: the unquantized weights give another result.
-Refused in one line: GGUF with --shard-weights.
+A LoRA applies on top of the GGUF layers exactly as on the dequantized model. Refused in one line: GGUF with
+--shard-weights; named: a quantization type diffusers cannot dequantize, a truncated file.
 """
 
 from __future__ import annotations
@@ -114,3 +115,56 @@ def test_the_pool_node_lists_gguf_files_comfyui_itself_does_not(files, tmp_path,
     listed = [m for m in node.diffusers_models() if m.startswith(node.FILE_PREFIX)]
     assert listed == ["file: diffusion_models/flux/flux1-dev-Q8_0.gguf"]
     assert node.model_path(listed[0]) == str(folder / "flux1-dev-Q8_0.gguf")
+
+
+def test_lora_on_gguf_layers_equals_lora_on_the_dequantized_model(files, tmp_path):
+    """ComfyUI applies LoRAs on top of GGUF layers; so does the pack (PEFT around diffusers' GGUF linear)."""
+    from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
+
+    from parallel.checkpoints.load import load_single_file_pipeline
+
+    from test_lora import peft_lora
+
+    lora = {k.removeprefix("transformer."): v for k, v in load_file(peft_lora(tmp_path / "lora.safetensors", 5)).items()}
+    quantized = load_single_file_pipeline(files["gguf"], dtype=torch.float32)
+    plain = tiny_models.build_tiny_pipeline("flux", seed=3)
+    plain.transformer.load_state_dict({name: dequantize_gguf_tensor(weight).float().reshape(weight.quant_shape)
+                                       if hasattr(weight, "quant_type") else weight
+                                       for name, weight in quantized.transformer.state_dict().items()})
+    on_gguf = tiny_models.build_tiny_pipeline("flux", seed=3)
+    on_gguf.transformer = quantized.transformer
+    outputs = []
+    for pipeline in (plain, on_gguf):
+        pipeline.transformer.load_lora_adapter(dict(lora), adapter_name="style", prefix=None)
+        outputs.append(diffusers_latents(pipeline, "flux", **load_file(files["inputs"]), **CALL))
+    assert type(on_gguf.transformer.transformer_blocks[0].attn.to_q.base_layer).__name__ == "GGUFLinear"
+    assert (outputs[0] - outputs[1]).abs().max().item() <= TOLERANCE
+
+
+def test_unsupported_quantization_and_truncated_gguf_are_named(files, tmp_path):
+    import numpy as np
+
+    from original_layouts import original_layout
+
+    from parallel.loading import load_pipeline
+
+    kind = gguf.GGMLQuantizationType.IQ2_XXS  # no dequantizer in diffusers
+    writer = gguf.GGUFWriter(str(tmp_path / "flux1-dev-IQ2_XXS.gguf"), "flux")
+    for name, tensor in original_layout("flux", files["plain"].transformer).items():
+        array = tensor.float().numpy()
+        if array.ndim == 2 and array.shape[-1] % 256 == 0:
+            shape = gguf.quants.quant_shape_to_byte_shape(array.shape, kind)
+            writer.add_tensor(name, np.zeros(shape, dtype=np.uint8), raw_dtype=kind, raw_shape=shape)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"flux1-dev-IQ2_XXS.gguf: tensor \S+ is GGUF IQ2_XXS, a quantization type this "
+                                         r"pack cannot dequantize \(it reads F32, F16, BF16, .*Q8_0"):
+        load_pipeline(tmp_path / "flux1-dev-IQ2_XXS.gguf")
+    data = files["gguf"].read_bytes()
+    (tmp_path / "flux1-dev-Q8_0.gguf").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="flux1-dev-Q8_0.gguf cannot be read as a .gguf checkpoint.*truncated"):
+        load_pipeline(tmp_path / "flux1-dev-Q8_0.gguf")

@@ -146,6 +146,7 @@ class CheckpointFile:
         if self.is_gguf:  # quantized tensors stay quantized: diffusers' GGUFParameter
             from diffusers.models.model_loading_utils import load_gguf_checkpoint
 
+            self._check_gguf_types()
             tensors = load_gguf_checkpoint(str(self.path), return_tensors=True)
             return {k: tensors[self.prefix + k] for k in self.shapes}
         try:
@@ -153,6 +154,19 @@ class CheckpointFile:
                 return {k: handle.get_tensor(self.prefix + k) for k in self.shapes}
         except (SafetensorError, OSError) as error:
             raise self._broken(error) from None
+
+    def _check_gguf_types(self) -> None:
+        """One error naming a tensor whose GGUF type diffusers cannot dequantize, and the types it can."""
+        import gguf
+        from diffusers.quantizers.gguf.utils import SUPPORTED_GGUF_QUANT_TYPES
+
+        name, kind = next(((n, k) for n, k in self.quantization.items() if k not in SUPPORTED_GGUF_QUANT_TYPES),
+                          (None, None))
+        if name is not None:
+            supported = ", ".join(sorted(t.name for t in SUPPORTED_GGUF_QUANT_TYPES))
+            raise ValueError(f"{self.path}: tensor {name} is GGUF {gguf.GGMLQuantizationType(kind).name}, a quantization "
+                             f"type this pack cannot dequantize (it reads F32, F16, {supported}); use another "
+                             "quantization of the model, e.g. Q8_0, Q6_K, Q5_K_M or Q4_K_M")
 
 
 # bitsandbytes blocks would load without their state (ComfyUI's scaled fp8 is read: scaled.py).
