@@ -17,6 +17,7 @@ shards plain tensors of one dtype) the weights are dequantized at load instead.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections import Counter
@@ -68,9 +69,9 @@ def _check_fits(model: torch.nn.Module, state_dict: dict, detected: Detected) ->
 
 
 def load_transformer(detected: Detected, checkpoint: CheckpointFile, index: dict, dtype: torch.dtype | None,
-                     keep_fp8: bool = True):
-    cls = getattr(diffusers, index["transformer"][1])
-    config = {**cls.load_config(detected.config_dir, subfolder="transformer", local_files_only=True),
+                     keep_fp8: bool = True, subfolder: str = "transformer"):
+    cls = getattr(diffusers, index[subfolder][1])
+    config = {**cls.load_config(detected.config_dir, subfolder=subfolder, local_files_only=True),
               **detected.overrides}
     original = checkpoint.state_dict()
     dtype = dtype or (torch.bfloat16 if checkpoint.is_gguf else _weights_dtype(original))
@@ -100,28 +101,54 @@ def load_transformer(detected: Detected, checkpoint: CheckpointFile, index: dict
         layer_scales = fp8.converted_scales(detected.single_file.convert, original, scales, config, state_dict)
         return fp8.load_keeping_fp8(model, state_dict, layer_scales, dtype)
     if issubclass(cls, FromOriginalModelMixin):
-        return cls.from_single_file(state_dict, config=str(detected.config_dir), subfolder="transformer",
+        return cls.from_single_file(state_dict, config=str(detected.config_dir), subfolder=subfolder,
                                     local_files_only=True, torch_dtype=dtype, **quantized, **detected.overrides)
     state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     model.load_state_dict(state_dict, strict=True, assign=True)
     return model.eval()
 
 
+def expert_files(detected: Detected, checkpoint: CheckpointFile) -> dict[str, tuple[Detected, CheckpointFile]]:
+    """The transformers a file loads as: itself, or (Wan 2.2 A14B) both experts, the partner file found beside it."""
+    pair = detected.single_file.experts
+    files = pair.files(detected.path) if pair and detected.variant in pair.variants else None
+    if files is None:
+        return {"transformer": (detected, checkpoint)}
+    variant = pair.variants[detected.variant]
+    title = detected.single_file.variants[variant].title
+    if missing := next((f for f in files if not f.is_file()), None):
+        raise ValueError(f"{detected.path.name} is one expert of {title}, named so; its partner {missing.name} is not "
+                         f"beside it in {missing.parent}: put both expert files in one folder (or rename a file that "
+                         "is not an expert)")
+    experts = {}
+    for name, path in zip(("transformer", "transformer_2"), files):
+        one = checkpoint if path == detected.path else CheckpointFile(path)
+        found = detected if path == detected.path else detect_checkpoint(one)
+        if (found.single_file, found.variant, found.overrides) != (detected.single_file, detected.variant, detected.overrides):
+            raise ValueError(f"{files[0].name} and {files[1].name} are not the two experts of one {title}: "
+                             f"{detected.describe()} beside {found.describe()}")
+        experts[name] = (dataclasses.replace(found, variant=variant), one)
+    return experts
+
+
 def load_single_file_pipeline(path: str | Path, *, dtype: torch.dtype | None = None,
                               keep_fp8: bool = True) -> diffusers.DiffusionPipeline:
     """The detected family's diffusers pipeline around the file's transformer (dtype None: as stored; fp8
-    files compute in bf16 then, from weights that stay fp8 unless `keep_fp8` is off)."""
+    files compute in bf16 then, from weights that stay fp8 unless `keep_fp8` is off); a file that is one of
+    two experts brings its partner file (`expert_files`)."""
     checkpoint = CheckpointFile(path)
-    detected = detect_checkpoint(checkpoint)
+    experts = expert_files(detect_checkpoint(checkpoint), checkpoint)
+    detected = experts["transformer"][0]
     log.info("single-file checkpoint %s: %s", path, detected.describe())
     index = json.loads((detected.config_dir / "model_index.json").read_text())
-    transformer = load_transformer(detected, checkpoint, index, dtype, keep_fp8)
+    transformers = {name: load_transformer(found, file, index, dtype, keep_fp8, subfolder=name)
+                    for name, (found, file) in experts.items()}
     scheduler = getattr(diffusers, index["scheduler"][1]).from_pretrained(
         detected.config_dir, subfolder="scheduler", local_files_only=True)
     pipeline_cls = getattr(diffusers, index["_class_name"])
     modules, optional = pipeline_cls._get_signature_keys(pipeline_cls)
-    absent = {name: None for name in modules if name not in ("transformer", "scheduler")}
-    settings = {name: index[name] for name in optional if name in index}  # e.g. Wan 2.2 TI2V's expand_timesteps
-    pipeline = pipeline_cls(**absent, **settings, transformer=transformer, scheduler=scheduler)
+    absent = {name: None for name in modules if name not in transformers and name != "scheduler"}
+    settings = {name: index[name] for name in optional if name in index}  # e.g. Wan 2.2's boundary_ratio
+    pipeline = pipeline_cls(**absent, **settings, **transformers, scheduler=scheduler)
     pipeline.register_to_config(_name_or_path=str(path))
     return pipeline

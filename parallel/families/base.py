@@ -9,7 +9,10 @@ process does) never imports diffusers.
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -77,6 +80,32 @@ class Variant(NamedTuple):
 
 
 @dataclass(frozen=True)
+class ExpertPair:
+    """A model whose two experts are released as two files (Wan 2.2 A14B: high-noise and low-noise), told apart
+    by a word in their file names; either file loads the pair, the partner found beside it.
+
+    words:    (first expert's word, second's) in the order the pipeline names them `transformer`, `transformer_2`;
+              matched whole, between separators (`..._high_noise_14B...`, `..._HIGH_fp8...`).
+    variants: the variant one expert file is detected as → the variant the pair loads as (its shipped config
+              holds both transformers, the boundary between them and the scheduler).
+    """
+
+    words: tuple[tuple[str, str], ...]
+    variants: dict[str, str]
+
+    def files(self, path: str | Path) -> tuple[Path, Path] | None:
+        """(first expert's file, second's) when `path` is named as one of them; None when it is not."""
+        path = Path(path)
+        for first, second in self.words:
+            for mine, other, index in ((first, second, 0), (second, first, 1)):
+                pattern = rf"(?<![A-Za-z]){re.escape(mine)}(?![A-Za-z])"
+                if re.search(pattern, path.name):
+                    partner = path.with_name(re.sub(pattern, other, path.name, count=1))
+                    return (path, partner) if index == 0 else (partner, path)
+        return None
+
+
+@dataclass(frozen=True)
 class SingleFile:
     """How a family's original single-file layout is recognised and converted (parallel/checkpoints/).
 
@@ -85,6 +114,7 @@ class SingleFile:
     variants: variant (config folder name) → Variant.
     read:     Shapes → (variant, config values the shapes pin down); raises ValueError for what it cannot load.
     convert:  (original state dict, config) → diffusers' names (may import diffusers).
+    experts:  where a model's two experts come as two files, how they pair (ExpertPair).
     """
 
     marker: str
@@ -92,6 +122,7 @@ class SingleFile:
     variants: dict[str, Variant]
     read: Callable[[Any], tuple[str, dict]]
     convert: Callable[[dict, dict], dict]
+    experts: ExpertPair | None = None
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,10 @@ ComfyUI keeps Wan latents in its Wan21 (16 channels, ×8) and Wan22 (48 channels
 Single files: Wan's original layout (`blocks.N.self_attn.q`, `patch_embedding`, `head.head`), as Comfy-Org
 repackages it (`wan2.1_t2v_1.3B_fp16.safetensors`, `wan2.2_ti2v_5B_fp16.safetensors`; fp8, scaled fp8 and
 GGUF through the same path), converted by diffusers' own converter. The head size is 128 in every Wan (the
-weights cannot show it: q/k norms span all heads). Text-to-video 2.1 and TI2V 5B load; image-to-video files
-(Wan 2.1's CLIP image projection, or 36 input channels) and Wan 2.2 A14B's two experts (two files) do not yet.
+weights cannot show it: q/k norms span all heads). Text-to-video 2.1 and TI2V 5B load, and Wan 2.2 T2V A14B
+from its two expert files (`..._high_noise_...` / `..._low_noise_...`, either one chosen, the other beside it),
+with Wan 2.2's own settings for it (wan/configs/wan_t2v_A14B.py: boundary 0.875, sample_shift 12.0);
+image-to-video files (Wan 2.1's CLIP image projection, or 36 input channels) do not yet.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from ..config import LayoutError
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split, TokenRows
-from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant
+from .base import FAMILIES, ComfyData, ExpertPair, Family, SingleFile, TinyModel, Variant
 
 DEFAULT_FRAMES = 81  # WanPipeline.__call__'s default num_frames
 PROMPT_TOKENS = 512  # WanPipeline.__call__'s max_sequence_length: what a text prompt is padded to
@@ -355,9 +357,14 @@ WAN = FAMILIES.register(Family(
             "wan2.1-t2v-1.3b": Variant("wan", "Wan 2.1 T2V 1.3B", "Wan keys blocks.*.self_attn.*, 16 channels, width below 5120"),
             "wan2.1-t2v-14b": Variant("wan", "Wan 2.1 T2V 14B", "Wan keys blocks.*.self_attn.*, 16 channels, width 5120"),
             "wan2.2-ti2v-5b": Variant("wan22-5b", "Wan 2.2 TI2V 5B", "Wan keys blocks.*.self_attn.*, 48 channels"),
+            "wan2.2-t2v-a14b": Variant("wan22", "Wan 2.2 T2V A14B", "two Wan T2V files named high_noise / low_noise "
+                                       "(or HIGH / LOW), side by side"),
         },
         read=read_checkpoint,
         convert=convert_checkpoint,
+        # Comfy-Org's and city96's `wan2.2_t2v_{high,low}_noise_14B_*`, Kijai's `Wan2_2-T2V-A14B_{HIGH,LOW}_*`.
+        experts=ExpertPair(words=(("high_noise", "low_noise"), ("HIGH", "LOW")),
+                           variants={"wan2.1-t2v-14b": "wan2.2-t2v-a14b", "wan2.1-t2v-1.3b": "wan2.2-t2v-a14b"}),
     ),
     tiny={model: _tiny(model) for model in ("wan", "wan22", "wan22-5b", "wan22-i2v")},
     # Its cross-attention (attn2) is the same class but the plan never selects it.
