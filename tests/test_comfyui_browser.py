@@ -200,6 +200,11 @@ def test_panel_shows_one_cell_per_rank_of_every_pool(comfy, page):
     shown = page.eval("""(ids) => ids.map((id) => document.querySelector(
         `.xdit-pool[data-pool-id="${id}"] .xdit-chip[data-fact="model calls"] b`)?.innerText)""", list(calls))
     assert shown == [str(n) for n in calls.values()]
+    storage = {p["id"]: " + ".join(p["status"]["storage"]) for p in pools}  # the weights' storage formats
+    assert all(storage.values())
+    shown = page.eval("""(ids) => ids.map((id) => document.querySelector(
+        `.xdit-pool[data-pool-id="${id}"] .xdit-chip[data-fact="weights"] b`)?.innerText)""", list(storage))
+    assert shown == list(storage.values())
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.call("screenshot", path=str(ARTIFACTS / "xdit-page.png"))
 
