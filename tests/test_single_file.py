@@ -230,6 +230,16 @@ def test_unknown_checkpoint_lists_supported(tmp_path):
         assert name in message
 
 
+def test_flux2_files_are_recognised_and_refused_with_the_reason(tmp_path):
+    """BFL's FLUX.2 layout shares Flux.1's double-block names: it must not be read as a damaged Flux.1 file."""
+    path = tmp_path / "flux-2-klein-4b.safetensors"
+    save_file({"model.diffusion_model.double_blocks.0.img_attn.qkv.weight": torch.zeros(12, 4),
+               "model.diffusion_model.single_stream_modulation.lin.weight": torch.zeros(12, 4)}, path)
+    with pytest.raises(ValueError, match=r"flux-2-klein-4b.safetensors: a FLUX.2 \[klein\] transformer in BFL's layout. "
+                                         r"FLUX.2 single files do not load yet: .*batch-norm statistics.*diffusers folder"):
+        load_pipeline(path)
+
+
 def test_truncated_file(checkpoints, tmp_path):
     _, path = checkpoints["flux1-dev"]
     data = path.read_bytes()

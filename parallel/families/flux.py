@@ -328,7 +328,7 @@ FLUX = FAMILIES.register(Family(
     ),
     convert_lora=convert_lora,
     single_file=SingleFile(
-        marker="double_blocks.0.img_attn.qkv.weight",
+        marker="double_blocks.0.img_mod.lin.weight",  # FLUX.2's double blocks share one modulation: no img_mod
         title="Flux.1",
         variants={
             "flux1-dev": Variant("flux", "Flux.1 dev", "BFL keys double_blocks.*, with guidance_in.*"),

@@ -10,6 +10,9 @@ ones (`is_distilled`) take none. Latents go in as the pipeline takes them, [B, 4
 Its text embeddings are three hidden layers of Qwen3 stacked (`joint_attention_dim` = 3 × its width),
 padded to the pipeline's max_sequence_length with the padding tokens embedded and attended, as the
 pipeline does: no mask.
+
+Single files in BFL's layout (`single_stream_modulation.lin`, ...) are recognised and refused with the reason
+(read_checkpoint): the pipeline's latents need the FLUX.2 VAE's batch-norm statistics, which they lack.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..checkpoints.shapes import Shapes
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, Split
-from .base import FAMILIES, ComfyData, Family, TinyModel
+from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel
 
 TRANSFORMER_MODULE = "diffusers.models.transformers.transformer_flux2"
 
@@ -104,6 +108,14 @@ def tiny_inputs(*, batch: int, height: int, width: int, seed: int, negative: boo
     return out
 
 
+# -- single-file checkpoints: recognised, refused with the reason ------------------------------------------
+def read_checkpoint(shape: Shapes) -> tuple[str, dict]:
+    model = "FLUX.2 [dev]" if "guidance_in.in_layer.weight" in shape else "FLUX.2 [klein]"
+    raise shape.error(f"a {model} transformer in BFL's layout. FLUX.2 single files do not load yet: the pipeline "
+                      "returns latents denormalised with the FLUX.2 VAE's batch-norm statistics, which a transformer "
+                      "file does not hold; use the model's diffusers folder (models/diffusers)")
+
+
 FLUX2 = FAMILIES.register(Family(
     name="flux2",
     pipelines={"Flux2KleinPipeline": xFuserFlux2KleinPipeline},
@@ -122,6 +134,8 @@ FLUX2 = FAMILIES.register(Family(
         cfg_branches=("cond", "uncond"),
         uneven_tokens=True,
     ),
+    single_file=SingleFile(marker="single_stream_modulation.lin.weight", title="FLUX.2", variants={},
+                           read=read_checkpoint, convert=lambda state_dict, config: state_dict),
     tiny={"flux2-klein": TinyModel("Flux2KleinPipeline", build_tiny, tiny_inputs, guidance=4.0)},
     attention_layers={"Flux2Attention": TRANSFORMER_MODULE, "Flux2ParallelSelfAttention": TRANSFORMER_MODULE},
 ))
