@@ -199,26 +199,34 @@ def fp8_scaled(weights: dict, per_layer: bool) -> tuple[dict, dict]:
             meant[name] = fp8.float() * scale
         else:
             stored[name] = meant[name] = weight
-    if not per_layer:
-        stored["scaled_fp8"] = torch.zeros(0, dtype=torch.float8_e4m3fn)
+    if not per_layer:  # under the weights' whole-checkpoint prefix, where ComfyUI looks for it
+        prefix = "model.diffusion_model." if all(k.startswith("model.diffusion_model.") for k in weights) else ""
+        stored[prefix + "scaled_fp8"] = torch.zeros(0, dtype=torch.float8_e4m3fn)
     return stored, meant
 
 
-def gguf_q8_0(weights: dict, path, arch: str) -> None:
+def gguf_q8_0(weights: dict, path, arch: str) -> dict:
     """A GGUF file of `weights` as city96's convert script writes one: the original names, 2-D weights whose
-    rows divide into 32-value blocks as Q8_0, the rest F32."""
+    rows divide into 32-value blocks as Q8_0, the rest F32. Returns the weights the file means, as diffusers' GGUF
+    layers dequantize them: each block's fp16 scale times its int8 values, in fp16."""
     import gguf
 
     q8_0 = gguf.GGMLQuantizationType.Q8_0
     writer = gguf.GGUFWriter(str(path), arch)
+    meant = {}
     for name, tensor in weights.items():
         array = tensor.float().numpy()
         if array.ndim == 2 and array.shape[-1] % 32 == 0:
-            writer.add_tensor(name, gguf.quants.quantize(array, q8_0), raw_dtype=q8_0,
+            blocks = gguf.quants.quantize(array, q8_0)
+            writer.add_tensor(name, blocks, raw_dtype=q8_0,
                               raw_shape=gguf.quants.quant_shape_to_byte_shape(array.shape, q8_0))
+            exact = torch.from_numpy(gguf.quants.dequantize(blocks, q8_0).copy()).reshape(tensor.shape)
+            meant[name] = exact.to(torch.float16).float()  # the one rounding of diffusers' fp16 product
         else:
             writer.add_tensor(name, array)
+            meant[name] = tensor.float()
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return meant

@@ -305,6 +305,39 @@ def test_comfyui_scaled_fp8_reads_as_comfyui_does_and_stays_fp8(checkpoints, tmp
     assert sum(storage_of(unscaled).values()) <= 0.55 * sum(storage_of(bf16).values())
 
 
+QUANTIZED = [(variant, kind) for variant in VARIANTS for kind in ("fp8_scaled", "gguf_q8_0")
+             if not (kind == "gguf_q8_0" and variant.startswith("pixart"))]  # diffusers loads no PixArt GGUF
+
+
+@pytest.mark.parametrize("variant, kind", QUANTIZED, ids=[f"{v}-{k}" for v, k in QUANTIZED])
+def test_quantized_files_of_every_family_equal_their_dequantized_weights(checkpoints, tmp_path, variant, kind):
+    """Every family's file as ComfyUI's scaled fp8 and as city96's Q8_0 GGUF: kept quantized, and sampling equal
+    to a plain file of the weights it means; the quantization is real (the original weights differ)."""
+    from parallel.checkpoints.fp8 import storage_of
+
+    from original_layouts import gguf_q8_0
+
+    family, _ = VARIANTS[variant]
+    _, path = checkpoints[variant]
+    weights = CheckpointFile(path).state_dict()
+    quantized = tmp_path / (f"{variant}.gguf" if kind == "gguf_q8_0" else f"{variant}-fp8_scaled.safetensors")
+    if kind == "gguf_q8_0":
+        meant = gguf_q8_0(weights, quantized, family)
+    else:
+        stored, meant = fp8_scaled(weights, per_layer=False)
+        save_file(stored, quantized)
+    save_file({k: v.contiguous() for k, v in meant.items()}, tmp_path / "meant.safetensors")
+    pipe = load_pipeline(quantized, dtype="fp32")
+    assert {"Q8_0", "float8_e4m3fn"} & storage_of(pipe.transformer).keys()
+    plain = load_pipeline(tmp_path / "meant.safetensors", dtype="fp32")
+    _same_scheduler(pipe, plain, family)
+    got, want = _run(pipe, family), _run(plain, family)
+    assert (got - want).abs().max() < TOLERANCE
+    original = load_pipeline(path, dtype="fp32")
+    _same_scheduler(original, plain, family)
+    assert (_run(original, family) - got).abs().max() > TOLERANCE  # the quantization is real
+
+
 def test_quantized_formats_this_pack_does_not_read_are_refused(checkpoints, tmp_path):
     _, path = checkpoints["flux1-dev"]
     stored, _ = fp8_scaled(CheckpointFile(path).state_dict(), per_layer=True)

@@ -25,8 +25,9 @@ def is_fp8(tensor: torch.Tensor) -> bool:
 class Fp8Linear(torch.nn.Linear):
     """nn.Linear whose weight stays fp8; `scale` (fp32, one number) turns it into the weight it means.
 
-    The fp8 bytes are held as uint8 (as diffusers' GGUF layers hold theirs), so diffusers and PEFT take the
-    model's dtype from its other tensors: the compute dtype, never fp8."""
+    The fp8 bytes are held as int8, so diffusers and PEFT take the model's dtype from its other tensors (the
+    compute dtype, never fp8), and code that casts inputs to a layer's weight dtype skips it as it skips int8
+    quantized weights (Wan's time embedder)."""
 
     fp8_dtype: torch.dtype
 
@@ -39,7 +40,7 @@ class Fp8Linear(torch.nn.Linear):
         if (table := self._tables.get(key)) is None:
             codes = torch.arange(256, dtype=torch.int32, device=self.weight.device).to(torch.uint8)
             table = self._tables[key] = (codes.view(self.fp8_dtype).to(torch.float32) * self.scale).to(dtype)
-        return table.index_select(0, self.weight.reshape(-1).int()).view(self.weight.shape)
+        return table.index_select(0, self.weight.view(torch.uint8).reshape(-1).int()).view(self.weight.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
@@ -48,7 +49,7 @@ class Fp8Linear(torch.nn.Linear):
     def replacing(cls, layer: torch.nn.Linear, fp8_dtype: torch.dtype) -> "Fp8Linear":
         """An Fp8Linear in `layer`'s place, on the meta device like it: the weights are assigned at load."""
         kept = cls(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
-        kept.weight = torch.nn.Parameter(torch.empty_like(kept.weight, dtype=torch.uint8), requires_grad=False)
+        kept.weight = torch.nn.Parameter(torch.empty_like(kept.weight, dtype=torch.int8), requires_grad=False)
         kept.register_buffer("scale", torch.ones((), dtype=torch.float32), persistent=False)
         kept.fp8_dtype = fp8_dtype
         kept._tables = {}  # (dtype, device) → the 256 fp8 values dequantized
@@ -84,7 +85,7 @@ def load_keeping_fp8(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]
     cast = {}
     for name, tensor in state_dict.items():
         if name.removesuffix(".weight") in kept and name.endswith(".weight"):
-            cast[name] = tensor.view(torch.uint8)
+            cast[name] = tensor.view(torch.int8)
         elif is_fp8(tensor):  # not a linear layer's weight, or its scale is not one number
             scale = scales.get(name)
             cast[name] = (tensor.to(torch.float32) * (1.0 if scale is None else scale)).to(dtype)
