@@ -424,14 +424,21 @@ def short_error(error: Exception) -> str:
 def exit_at_sigterm() -> None:
     """SIGTERM ends this rank at once, even inside a long tensor op, where a Python handler would wait for the op.
 
-    The signal is blocked in this thread (and so in every thread started after it) and one thread waits for
-    it; the Python handler stays for a thread started before (it runs once the main thread is back in Python).
+    Python's C-level handler writes the signal's number to the wake-up pipe as it arrives (whatever the main
+    thread is doing); a thread reading it exits. Nothing is blocked, so processes this rank starts get the
+    default signal mask.
     """
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    waiter = threading.Thread(target=lambda: (signal.sigwait({signal.SIGTERM}), os._exit(0)), name="xdit-sigterm",
-                              daemon=True)
-    waiter.start()
+
+    def wait() -> None:
+        while os.read(read, 1)[0] != signal.SIGTERM:  # other signals keep their own handlers
+            pass
+        os._exit(0)
+
+    threading.Thread(target=wait, name="xdit-sigterm", daemon=True).start()
 
 
 def main(argv=None) -> int:
