@@ -22,7 +22,7 @@ from parallel.loading import load_pipeline
 from original_layouts import fp8_scaled, original_layout
 from pool_helpers import serving
 from test_lora import peft_lora
-from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
+from xdit_test_helpers import TOLERANCE, diffusers_latents, flux_file_on_two_ranks
 
 CALL = {"num_inference_steps": 4, "guidance_scale": 3.5, "height": 64, "width": 64}
 JOB = {"steps": 4, "guidance_scale": 3.5, "height": 64, "width": 64}
@@ -56,12 +56,7 @@ def reference(files):
                                     ("--ulysses-degree", "2", "--shard-weights")],
                          ids=["ulysses2", "pipefusion2", "ulysses2-shard-weights"])  # sharded: dequantized at load
 def test_fp8_file_equals_diffusers_on_its_dequantized_weights(files, reference, tmp_path, layout):
-    output = tmp_path / "out.safetensors"
-    run = torchrun(2, "-m", "parallel.run", "--model", str(files["fp8"]), "--inputs", str(files["inputs"]),
-                   "--output", str(output), "--dtype", "fp32", "--steps", "4", "--guidance-scale", "3.5",
-                   "--height", "64", "--width", "64", *layout)
-    assert run.returncode == 0, run.stderr[-3000:]
-    parallel = load_file(output)["latents"]
+    parallel = flux_file_on_two_ranks(files["fp8"], files["inputs"], tmp_path / "out.safetensors", *layout)
     assert (parallel - reference).abs().max().item() <= TOLERANCE
     unquantized = _latents(files["plain"], inputs=files["inputs"])
     assert (unquantized - parallel).abs().max().item() > 10 * TOLERANCE  # the scales are real

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from parallel import tiny_models
 
-from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
+from xdit_test_helpers import TOLERANCE, diffusers_latents, flux_file_on_two_ranks, torchrun
 
 gguf = pytest.importorskip("gguf")  # a pack requirement: always there where requirements.txt is installed
 
@@ -83,12 +83,7 @@ def test_detected_and_kept_quantized_with_the_written_values(files):
                                     ("--pipefusion-degree", "2", "--warmup-steps", "4")],
                          ids=["ulysses2", "ring2", "pipefusion2"])
 def test_gguf_equals_diffusers_single_process(files, reference, tmp_path, layout):
-    output = tmp_path / "out.safetensors"
-    run = torchrun(2, "-m", "parallel.run", "--model", str(files["gguf"]), "--inputs", str(files["inputs"]),
-                   "--output", str(output), "--dtype", "fp32", "--steps", "4", "--guidance-scale", "3.5",
-                   "--height", "64", "--width", "64", *layout)
-    assert run.returncode == 0, run.stderr[-3000:]
-    parallel = load_file(output)["latents"]
+    parallel = flux_file_on_two_ranks(files["gguf"], files["inputs"], tmp_path / "out.safetensors", *layout)
     assert (parallel - reference).abs().max().item() <= TOLERANCE
     unquantized = diffusers_latents(files["plain"], "flux", **load_file(files["inputs"]), **CALL)
     assert (unquantized - parallel).abs().max().item() > 10 * TOLERANCE  # the quantization is real

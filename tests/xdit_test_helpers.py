@@ -16,6 +16,18 @@ def torchrun(nproc: int, *args: str, timeout: float = 600) -> subprocess.Complet
                           text=True, timeout=timeout)
 
 
+def flux_file_on_two_ranks(model, inputs, output, *layout: str):
+    """Contract E on 2 ranks for the quantized tiny-Flux file tests: fp32 compute, 4 steps at 64², guidance 3.5,
+    the `layout` flags; the latents it wrote."""
+    from safetensors.torch import load_file
+
+    run = torchrun(2, "-m", "parallel.run", "--model", str(model), "--inputs", str(inputs), "--output", str(output),
+                   "--dtype", "fp32", "--steps", "4", "--guidance-scale", "3.5", "--height", "64", "--width", "64",
+                   *layout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return load_file(output)["latents"]
+
+
 def diffusers_latents(model, family: str | None = None, *, scheduler: str | None = None, **call):
     """The reference every test compares with: diffusers' own pipeline in this one process (`model`: a saved
     folder or a loaded pipeline), under no_grad as the pipeline runs itself, returning `output_type="latent"`,
