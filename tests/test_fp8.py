@@ -92,3 +92,25 @@ def test_lora_on_fp8_layers_equals_lora_on_the_dequantized_model(files, tmp_path
     assert (outputs[0] - outputs[1]).abs().max().item() <= TOLERANCE
     without = _latents(files["meant"], inputs=files["inputs"])
     assert (outputs[1] - without).abs().max().item() > 10 * TOLERANCE  # the LoRA changes the result
+
+
+def test_a_converter_joining_two_scales_dequantizes_that_weight_element_by_element():
+    """Where a family's converter joins fp8 tensors of different scales, that weight cannot keep one scale: it loads
+    dequantized, each part with its own; a weight renamed whole stays fp8 with its scale."""
+    from parallel.checkpoints.fp8 import converted_scales, load_keeping_fp8
+
+    parts = {name: torch.randn(4, 8, generator=torch.Generator().manual_seed(seed)) for seed, name in enumerate("ab")}
+    scales = {name: part.abs().max() / 448 for name, part in parts.items()}
+    weights = {name: (part / scales[name]).to(torch.float8_e4m3fn) for name, part in parts.items()}
+    weights["c"], scales["c"] = weights["a"], scales["a"]
+
+    def convert(state, config):
+        return {"joined.weight": torch.cat([state.pop("a"), state.pop("b")]), "single.weight": state.pop("c")}
+
+    converted = convert(dict(weights), {})
+    model = torch.nn.Module()
+    model.joined, model.single = (torch.nn.Linear(8, rows, bias=False, device="meta") for rows in (8, 4))
+    model = load_keeping_fp8(model, converted, converted_scales(convert, weights, scales, {}, converted), torch.float32)
+    meant = {name: weights[name].float() * scales[name] for name in "ab"}
+    assert type(model.joined) is torch.nn.Linear and torch.equal(model.joined.weight, torch.cat([meant["a"], meant["b"]]))
+    assert isinstance(model.single, Fp8Linear) and torch.equal(model.single.dequantized(), meant["a"])

@@ -4,8 +4,8 @@ with stored · scale in the input's dtype when it runs, as ComfyUI's own fp8 lay
 A rank then holds about the file's size, not the bf16 size. The scales reach the converted layers by
 running the family's converter a second time over the scales expanded to each weight's shape (views of
 one number, no memory): renames, row splits and chunks carry them along; a converted weight whose scale
-is not one number (a join of layers with different scales) is dequantized instead, as is every fp8 tensor
-that is not a linear layer's weight.
+is not one number (a join of layers with different scales) is dequantized instead, element by element with
+its own scale, as is every fp8 tensor that is not a linear layer's weight.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ class Fp8Linear(torch.nn.Linear):
 
 def converted_scales(convert: Callable[[dict, dict], dict], weights: dict[str, torch.Tensor],
                      scales: dict[str, torch.Tensor], config: dict, converted: dict[str, torch.Tensor]
-                     ) -> dict[str, torch.Tensor | None]:
-    """The scale of each fp8 tensor of `converted` (= convert(weights)): one fp32 number, or None where
-    the converter joined tensors of different scales."""
+                     ) -> dict[str, torch.Tensor]:
+    """The scale of each fp8 tensor of `converted` (= convert(weights)): one fp32 number (0-d), or, where the
+    converter joined tensors of different scales, each element's own (a tensor of the weight's shape)."""
     expanded = {name: scales.get(name, torch.ones(())).float().reshape(()).expand(tensor.shape)
                 if is_fp8(tensor) else tensor for name, tensor in weights.items()}
     out = {}
@@ -68,27 +68,27 @@ def converted_scales(convert: Callable[[dict, dict], dict], weights: dict[str, t
         if is_fp8(converted[name]):
             first = scale[(0,) * scale.ndim] if scale.numel() else torch.ones(())
             one_number = all(stride == 0 for stride in scale.stride()) or bool((scale == first).all())
-            out[name] = first.clone() if one_number else None
+            out[name] = first.clone() if one_number else scale.contiguous()
     return out
 
 
-def load_keeping_fp8(model: torch.nn.Module, state_dict: dict[str, torch.Tensor],
-                     scales: dict[str, torch.Tensor | None], dtype: torch.dtype) -> torch.nn.Module:
-    """`model` (on the meta device) with its fp8 linear weights kept as Fp8Linear and every other tensor in `dtype`."""
+def load_keeping_fp8(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], scales: dict[str, torch.Tensor],
+                     dtype: torch.dtype) -> torch.nn.Module:
+    """`model` (on the meta device) with its fp8 linear weights of one scale kept as Fp8Linear; every other tensor
+    (other fp8 ones dequantized, stored · scale) in `dtype`."""
     kept = {}
     for name, layer in list(model.named_modules()):
-        weight = state_dict.get(f"{name}.weight")
-        if type(layer) is torch.nn.Linear and weight is not None and is_fp8(weight) and scales.get(f"{name}.weight") is not None:
+        weight, scale = state_dict.get(f"{name}.weight"), scales.get(f"{name}.weight")
+        if type(layer) is torch.nn.Linear and weight is not None and scale is not None and scale.ndim == 0:
             parent, _, child = name.rpartition(".")
             model.get_submodule(parent).register_module(child, Fp8Linear.replacing(layer, weight.dtype))
-            kept[name] = scales[f"{name}.weight"]
+            kept[name] = scale
     cast = {}
     for name, tensor in state_dict.items():
-        if name.removesuffix(".weight") in kept and name.endswith(".weight"):
+        if name.endswith(".weight") and name.removesuffix(".weight") in kept:
             cast[name] = tensor.view(torch.int8)
-        elif is_fp8(tensor):  # not a linear layer's weight, or its scale is not one number
-            scale = scales.get(name)
-            cast[name] = (tensor.to(torch.float32) * (1.0 if scale is None else scale)).to(dtype)
+        elif is_fp8(tensor):  # not a linear layer's weight, or a join of several scales
+            cast[name] = (tensor.to(torch.float32) * scales[name]).to(dtype)
         else:
             cast[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     model.load_state_dict(cast, strict=True, assign=True)
