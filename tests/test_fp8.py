@@ -1,7 +1,8 @@
 """fp8 single files kept in fp8 on every rank (parallel/checkpoints/fp8.py).
 
-A tiny Flux.1 [dev] in BFL's layout written as ComfyUI writes its `*_fp8_scaled` files (2-D weights fp8 with a
-per-tensor scale): through contract E with `--dtype fp32` on Ulysses 2 and on PipeFusion 2 with full warm-up,
+A tiny Flux.1 [dev] in BFL's layout written the three ways fp8 files come (ComfyUI's `*_fp8_scaled` with the
+`scaled_fp8` marker, its per-layer `comfy_quant` metadata, and plain fp8 without scales; 2-D weights fp8, per-tensor
+scales): through contract E with `--dtype fp32` on Ulysses 2 and on PipeFusion 2 with full warm-up,
 and through a pool, the result equals diffusers' single-process pipeline on the dequantized weights (stored ·
 scale) within 1e-4, and misses the unquantized model's result by far more, so a loader that dropped the scales
 would fail (with --shard-weights the file is dequantized at load: FSDP shards plain tensors). The pool reports
@@ -28,38 +29,59 @@ CALL = {"num_inference_steps": 4, "guidance_scale": 3.5, "height": 64, "width": 
 JOB = {"steps": 4, "guidance_scale": 3.5, "height": 64, "width": 64}
 
 
+STYLES = ("scaled_fp8", "comfy_quant", "unscaled")  # ComfyUI's marker + scale_weight, per-layer metadata, plain fp8
+
+
+def fp8_plain(weights: dict) -> tuple[dict, dict]:
+    """A plain fp8 file (`flux1-dev-fp8.safetensors`): 2-D weights cast to float8_e4m3fn, no scales; and what it means."""
+    stored = {k: v.to(torch.float8_e4m3fn) if k.endswith(".weight") and v.ndim == 2 else v for k, v in weights.items()}
+    return stored, {k: v.float() for k, v in stored.items()}
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8")
     weights = original_layout("flux", tiny_models.build_tiny_pipeline("flux", seed=3).transformer)
-    stored, meant = fp8_scaled(weights, per_layer=False)
-    paths = {"fp8": root / "flux1-dev-fp8_scaled.safetensors", "meant": root / "flux1-dev-meant.safetensors",
-             "plain": root / "flux1-dev.safetensors", "inputs": root / "in.safetensors"}
-    save_file(stored, paths["fp8"])
-    save_file({k: v.contiguous() for k, v in meant.items()}, paths["meant"])
+    paths = {"plain": root / "flux1-dev.safetensors", "inputs": root / "in.safetensors"}
+    for style in STYLES:
+        stored, meant = fp8_plain(weights) if style == "unscaled" else fp8_scaled(weights, per_layer=style == "comfy_quant")
+        paths[style], paths[f"{style}-meant"] = root / f"flux1-dev-{style}.safetensors", root / f"{style}-meant.safetensors"
+        save_file(stored, paths[style])
+        save_file({k: v.contiguous() for k, v in meant.items()}, paths[f"{style}-meant"])
+    paths["fp8"], paths["meant"] = paths["scaled_fp8"], paths["scaled_fp8-meant"]
     save_file({k: v.contiguous() for k, v in weights.items()}, paths["plain"])
     save_file(tiny_models.make_inputs("flux"), paths["inputs"])
     return paths
 
 
-def _latents(path, **extra) -> torch.Tensor:
-    return diffusers_latents(load_pipeline(path, dtype="fp32"), "flux", **load_file(extra.pop("inputs")), **CALL)
+def _latents(path, inputs) -> torch.Tensor:
+    return diffusers_latents(load_pipeline(path, dtype="fp32"), "flux", **load_file(inputs), **CALL)
 
 
 @pytest.fixture(scope="module")
-def reference(files):
-    """diffusers' pipeline, one process, on the weights the fp8 file means (stored · scale, as fp32)."""
-    return _latents(files["meant"], inputs=files["inputs"])
+def references(files):
+    """diffusers' pipeline, one process, on the weights each fp8 file means (stored · scale, as fp32)."""
+    return {style: _latents(files[f"{style}-meant"], files["inputs"]) for style in STYLES}
 
 
-@pytest.mark.parametrize("layout", [("--ulysses-degree", "2"), ("--pipefusion-degree", "2", "--warmup-steps", "4"),
-                                    ("--ulysses-degree", "2", "--shard-weights")],
-                         ids=["ulysses2", "pipefusion2", "ulysses2-shard-weights"])  # sharded: dequantized at load
-def test_fp8_file_equals_diffusers_on_its_dequantized_weights(files, reference, tmp_path, layout):
-    parallel = flux_file_on_two_ranks(files["fp8"], files["inputs"], tmp_path / "out.safetensors", *layout)
-    assert (parallel - reference).abs().max().item() <= TOLERANCE
-    unquantized = _latents(files["plain"], inputs=files["inputs"])
-    assert (unquantized - parallel).abs().max().item() > 10 * TOLERANCE  # the scales are real
+@pytest.fixture(scope="module")
+def reference(references):
+    return references["scaled_fp8"]
+
+
+ULYSSES2, PIPEFUSION2 = ("--ulysses-degree", "2"), ("--pipefusion-degree", "2", "--warmup-steps", "4")
+CASES = {f"{style}-{name}": (style, layout) for style in STYLES for name, layout in
+         (("ulysses2", ULYSSES2), ("pipefusion2", PIPEFUSION2))}
+CASES["scaled_fp8-ulysses2-shard-weights"] = ("scaled_fp8", (*ULYSSES2, "--shard-weights"))  # dequantized at load
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fp8_file_equals_diffusers_on_its_dequantized_weights(files, references, tmp_path, case):
+    style, layout = CASES[case]
+    parallel = flux_file_on_two_ranks(files[style], files["inputs"], tmp_path / "out.safetensors", *layout)
+    assert (parallel - references[style]).abs().max().item() <= TOLERANCE
+    unquantized = _latents(files["plain"], files["inputs"])
+    assert (unquantized - parallel).abs().max().item() > 10 * TOLERANCE  # the fp8 (and its scales) are real
 
 
 def test_a_pool_keeps_fp8_and_reports_its_storage(files, reference, tmp_path):
@@ -90,7 +112,7 @@ def test_lora_on_fp8_layers_equals_lora_on_the_dequantized_model(files, tmp_path
     kept = load_pipeline(files["fp8"], dtype="fp32").transformer.transformer_blocks[0].attn.to_q
     assert isinstance(kept, Fp8Linear)
     assert (outputs[0] - outputs[1]).abs().max().item() <= TOLERANCE
-    without = _latents(files["meant"], inputs=files["inputs"])
+    without = _latents(files["meant"], files["inputs"])
     assert (outputs[1] - without).abs().max().item() > 10 * TOLERANCE  # the LoRA changes the result
 
 
