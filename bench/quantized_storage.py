@@ -34,13 +34,13 @@ FORMATS = ("bf16", "fp8_scaled", "gguf_q8_0")
 
 def write_files(transformer: torch.nn.Module, root: Path) -> dict[str, Path]:
     sys.path.insert(0, str(ROOT / "tests"))
-    from original_layouts import fp8_scaled, gguf_q8_0, original_layout
+    from original_layouts import fp8_scaled, gguf_file, original_layout
 
     weights = original_layout("flux", transformer)
     paths = {name: root / f"flux1-dev-{name}.{'gguf' if name.startswith('gguf') else 'safetensors'}" for name in FORMATS}
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in weights.items()}, paths["bf16"])
     save_file(fp8_scaled(weights, per_layer=False)[0], paths["fp8_scaled"])
-    gguf_q8_0(weights, paths["gguf_q8_0"], "flux")
+    gguf_file(weights, paths["gguf_q8_0"], "flux")
     return paths
 
 

@@ -6,7 +6,8 @@ with diffusers' GGUF support (GGUFParameter weights, layers that dequantize on t
 Ulysses 2, Ring 2 and PipeFusion 2 (full warm-up) through contract E: equal within 1e-4 to diffusers'
 single-process pipeline around the same GGUF transformer; its weights are the written Q8_0 values.
 Negative control: the unquantized weights give another result.
-A LoRA applies on top of the GGUF layers exactly as on the dequantized model. Refused in one line: GGUF with
+Every type city96's files use (F16, BF16, Q8_0, Q6_K, Q5_K, Q5_0, Q4_K, Q4_0) reads as written and runs exactly
+on Ulysses 2. A LoRA applies on top of the GGUF layers exactly as on the dequantized model. Refused in one line: GGUF with
 --shard-weights; named: a quantization type diffusers cannot dequantize, a truncated file.
 """
 
@@ -38,11 +39,11 @@ def _q8_0(tensor: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    from original_layouts import gguf_q8_0, original_layout
+    from original_layouts import gguf_file, original_layout
 
     root = tmp_path_factory.mktemp("gguf")
     pipeline = tiny_models.build_tiny_pipeline("flux", seed=3)
-    gguf_q8_0(original_layout("flux", pipeline.transformer), root / "flux1-dev-Q8_0.gguf", "flux")
+    gguf_file(original_layout("flux", pipeline.transformer), root / "flux1-dev-Q8_0.gguf", "flux")
     save_file(tiny_models.make_inputs("flux"), root / "in.safetensors")
     return {"gguf": root / "flux1-dev-Q8_0.gguf", "inputs": root / "in.safetensors", "plain": pipeline}
 
@@ -163,3 +164,36 @@ def test_unsupported_quantization_and_truncated_gguf_are_named(files, tmp_path):
     (tmp_path / "flux1-dev-Q8_0.gguf").write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="flux1-dev-Q8_0.gguf cannot be read as a .gguf checkpoint.*truncated"):
         load_pipeline(tmp_path / "flux1-dev-Q8_0.gguf")
+
+
+KINDS = ("F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_K", "Q4_0")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_quant_type_reads_as_written_and_runs_exactly_on_two_ranks(files, tmp_path, kind):
+    """Each GGUF type city96's files use: the layers hold what the gguf package reads from the file (within the
+    fp16 rounding of diffusers' dequantizers), stay in that type, and Ulysses 2 equals diffusers' single-process
+    pipeline around the same GGUF transformer."""
+    from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
+
+    from original_layouts import gguf_file, original_layout
+
+    from parallel.checkpoints.fp8 import storage_of
+    from parallel.checkpoints.load import load_single_file_pipeline
+
+    path = tmp_path / f"flux1-dev-{kind}.gguf"
+    meant = gguf_file(original_layout("flux", files["plain"].transformer), path, "flux", kind)
+    transformer = load_single_file_pipeline(path, dtype=torch.float32).transformer
+    assert ("float32" if kind == "F16" else kind) in storage_of(transformer)  # F16 is plain: cast like an fp16 file
+    checked = 0
+    for name, value in {"img_in.weight": transformer.x_embedder.weight,
+                        "double_blocks.0.img_mlp.2.weight": transformer.transformer_blocks[0].ff.net[2].weight}.items():
+        got = dequantize_gguf_tensor(value).float().reshape(meant[name].shape)
+        assert (got - meant[name]).abs().max().item() <= 1e-3 * meant[name].abs().max().item() + 1e-6, name
+        checked += 1
+    assert checked == 2
+    reference = tiny_models.build_tiny_pipeline("flux", seed=3)
+    reference.transformer = transformer
+    want = diffusers_latents(reference, "flux", **load_file(files["inputs"]), **CALL)
+    got = flux_file_on_two_ranks(path, files["inputs"], tmp_path / "out.safetensors", "--ulysses-degree", "2")
+    assert (got - want).abs().max().item() <= TOLERANCE

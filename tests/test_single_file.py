@@ -315,14 +315,14 @@ def test_quantized_files_of_every_family_equal_their_dequantized_weights(checkpo
     to a plain file of the weights it means; the quantization is real (the original weights differ)."""
     from parallel.checkpoints.fp8 import storage_of
 
-    from original_layouts import gguf_q8_0
+    from original_layouts import gguf_file
 
     family, _ = VARIANTS[variant]
     _, path = checkpoints[variant]
     weights = CheckpointFile(path).state_dict()
     quantized = tmp_path / (f"{variant}.gguf" if kind == "gguf_q8_0" else f"{variant}-fp8_scaled.safetensors")
     if kind == "gguf_q8_0":
-        meant = gguf_q8_0(weights, quantized, family)
+        meant = gguf_file(weights, quantized, family, as_diffusers=True)
     else:
         stored, meant = fp8_scaled(weights, per_layer=False)
         save_file(stored, quantized)
