@@ -6,9 +6,10 @@ with diffusers' GGUF support (GGUFParameter weights, layers that dequantize on t
 Ulysses 2, Ring 2 and PipeFusion 2 (full warm-up) through contract E: equal within 1e-4 to diffusers'
 single-process pipeline around the same GGUF transformer; its weights are the written Q8_0 values.
 Negative control: the unquantized weights give another result.
-Every type city96's files use (F16, BF16, Q8_0, Q6_K, Q5_K, Q5_0, Q4_K, Q4_0) reads as written and runs exactly
-on Ulysses 2. A LoRA applies on top of the GGUF layers exactly as on the dequantized model. Refused in one line: GGUF with
---shard-weights; named: a quantization type diffusers cannot dequantize, a truncated file.
+The same through a pool, whose status reports Q8_0 storage. Every type city96's files use (F16, BF16, Q8_0,
+Q6_K, Q5_K, Q5_0, Q4_K, Q4_0) reads as written and runs exactly on Ulysses 2. A LoRA applies on top of the
+GGUF layers exactly as on the dequantized model. Refused in one line: GGUF with --shard-weights; named: a
+quantization type diffusers cannot dequantize, a truncated file.
 """
 
 from __future__ import annotations
@@ -88,6 +89,17 @@ def test_gguf_equals_diffusers_single_process(files, reference, tmp_path, layout
     assert (parallel - reference).abs().max().item() <= TOLERANCE
     unquantized = diffusers_latents(files["plain"], "flux", **load_file(files["inputs"]), **CALL)
     assert (unquantized - parallel).abs().max().item() > 10 * TOLERANCE  # the quantization is real
+
+
+def test_a_gguf_pool_keeps_q8_0_and_equals_diffusers(files, reference, tmp_path):
+    from pool_helpers import serving
+
+    job = {"steps": 4, "guidance_scale": 3.5, "height": 64, "width": 64}
+    with serving(files["gguf"], tmp_path, "--nproc", "2", "--ulysses-degree", "2", "--dtype", "fp32") as client:
+        status = client.status()
+        got = client.sample(load_file(files["inputs"]), job)
+    assert "Q8_0" in status["storage"]
+    assert (got - reference).abs().max().item() <= TOLERANCE
 
 
 def test_gguf_with_shard_weights_is_refused_in_one_line(files, tmp_path):
