@@ -98,6 +98,11 @@ MODELS = {
     # only trustworthy between runs timed close together.
     "medium": BenchModel("medium-flux", MEDIUM_TRANSFORMER, height=512, width=512, text_tokens=128, steps=1),
     "tiny": BenchModel("tiny-flux", None, height=64, width=64, text_tokens=16, steps=2),
+    # FLUX.1-dev's width, heads and embeddings with 12 of its 57 blocks (1.8B parameters): for a GPU.
+    "large": BenchModel("large-flux", {**MEDIUM_TRANSFORMER, "num_layers": 4, "num_single_layers": 8,
+                                       "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
+                                       "pooled_projection_dim": 768, "axes_dims_rope": (16, 56, 56)},
+                        height=1024, width=1024, text_tokens=512, steps=1),
 }
 
 

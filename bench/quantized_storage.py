@@ -1,13 +1,14 @@
 """Quantized checkpoints kept quantized: parameter bytes per rank and time per step, bf16 vs fp8 vs GGUF Q8_0.
 
-    python -m bench.quantized_storage [--tiny] [--runs 3]
+    python -m bench.quantized_storage [--model medium|tiny|large] [--runs 3]
 
 The medium Flux transformer written three ways, as users download it: a bf16 file in BFL's layout, ComfyUI's
 scaled fp8 of it (`scaled_fp8` marker, per-tensor `scale_weight`) and city96's GGUF Q8_0 of it. Each loads as
 a rank loads it (the default compute dtype, bf16), and the bench reports its transformer's parameter bytes by
 storage format (what every rank of a layout without weight sharding holds; PipeFusion stages hold their share)
-and the time of one step, the three alternating round by round after a warm-up, one thread. The files are
-written with the tests' writers of original layouts (tests/original_layouts.py).
+and the time of one step, the three alternating round by round after a warm-up (one CPU thread; on a GPU when
+there is one, `large`: FLUX.1-dev's width with 12 of its blocks). The files are written with the tests'
+writers of original layouts (tests/original_layouts.py).
 """
 
 from __future__ import annotations
@@ -46,14 +47,16 @@ def write_files(transformer: torch.nn.Module, root: Path) -> dict[str, Path]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.quantized_storage", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="the tiny test model: checks the machinery only")
+    parser.add_argument("--model", choices=list(MODELS), default="medium", help="tiny: checks the machinery only")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--json", type=Path, default=OUT / "quantized_storage.json")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    model = MODELS["tiny" if args.tiny else "medium"]
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
+    model = MODELS[args.model]
     donor = model.pipeline()
-    inputs = {k: v.to(torch.bfloat16) for k, v in model.inputs(donor).items() if not k.startswith("negative_")}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    inputs = {k: v.to(device, torch.bfloat16) for k, v in model.inputs(donor).items() if not k.startswith("negative_")}
     call = {**model.call_kwargs(true_cfg=False), "num_inference_steps": 1}
     with tempfile.TemporaryDirectory() as tmp:
         pipelines = {}
@@ -63,8 +66,8 @@ def main(argv=None) -> int:
             pipelines[name] = pipeline
     storage = {name: storage_of(p.transformer) for name, p in pipelines.items()}
     with torch.no_grad():
-        times, outputs = alternating({name: (lambda p=p: p(**inputs, **call)[0]) for name, p in pipelines.items()},
-                                     args.runs)
+        times, outputs = alternating({name: (lambda p=p: p(**inputs, **call)[0].float().cpu())  # waits for a GPU
+                                      for name, p in pipelines.items()}, args.runs)
     rows = {name: {"storage": storage[name], "parameter_bytes": sum(storage[name].values()),
                    "ratio_to_bf16": sum(storage[name].values()) / sum(storage["bf16"].values()),
                    "step_s": statistics.median(times[name]),
@@ -72,7 +75,8 @@ def main(argv=None) -> int:
             for name in FORMATS}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"model": model.name, "runs": args.runs, "rows": rows}, indent=2))
-    print(f"| file ({model.name}, bf16 compute, median of {args.runs}) | parameter MiB per rank | by format | "
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU, 1 thread"
+    print(f"| file ({model.name}, bf16 compute, {device}, median of {args.runs}) | parameter MiB per rank | by format | "
           "÷ bf16 file | s per step | ÷ bf16 | max abs Δ to bf16 |")
     print("|---|---:|---|---:|---:|---:|---:|")
     for name, r in rows.items():

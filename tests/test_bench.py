@@ -53,7 +53,8 @@ def test_bench_model_call_tiny_prices_a_call_and_its_bytes(tmp_path):
 
 def test_bench_quantized_storage_tiny_keeps_fp8_and_q8_0_under_055(tmp_path):
     out = tmp_path / "quantized_storage.json"
-    run = subprocess.run([sys.executable, "-m", "bench.quantized_storage", "--tiny", "--runs", "1", "--json", str(out)],
+    run = subprocess.run([sys.executable, "-m", "bench.quantized_storage", "--model", "tiny", "--runs", "1",
+                          "--json", str(out)],
                          cwd=ROOT, env=rank_environment(threads_per_rank=None), capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
