@@ -1,6 +1,8 @@
 """The speed of `--compile` on the medium Flux model: compiled vs eager, 1 and 2 ranks (inductor on CPU).
 
-    python -m bench.compile [--tiny] [--runs 3] [--steps 2]
+    python -m bench.compile [--tiny | --large] [--runs 3] [--steps 2] [--ranks 1 2]
+
+On a GPU each rank runs on its own device in bf16 (`--large --ranks 1` where there is one GPU).
 
 One torchrun job per rank count (1 rank; Ulysses-2 on 2 ranks), one thread per rank. Each job loads the
 model twice under the same layout, once eager and once with every transformer block compiled
@@ -28,7 +30,8 @@ def drive(spec: dict) -> None:
 
     world, model, eager, inputs, kwargs = start_drive(spec)
     initialize_model_parallel(ParallelConfig(ulysses_degree=world.world_size))
-    pipelines = {"eager": wrap_pipeline(eager), "compiled": wrap_pipeline(model.pipeline())}
+    compiled = model.pipeline().to(eager.transformer.device, eager.transformer.dtype)
+    pipelines = {"eager": wrap_pipeline(eager), "compiled": wrap_pipeline(compiled)}
     compile_blocks(pipelines["compiled"].module)
     times, outputs, warmup = timed_rounds(pipelines, inputs, kwargs, spec["runs"])
     if world.rank == 0:
@@ -39,10 +42,13 @@ def drive(spec: dict) -> None:
 
 def main(argv=None) -> int:
     parser = side_by_side_arguments("bench.compile", __doc__, runs=3, steps=2)
+    parser.add_argument("--large", action="store_true", help="FLUX.1-dev's width with 12 of its blocks (for a GPU)")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="rank counts to run (one GPU: 1)")
     if (args := parse_or_drive(parser, argv, drive)) is None:
         return 0
-    model = "tiny" if args.tiny else "medium"
-    raws = launch_per_rank_count("bench.compile", {"model": model, "runs": args.runs, "steps": args.steps}, args.json)
+    model = "tiny" if args.tiny else "large" if args.large else "medium"
+    raws = launch_per_rank_count("bench.compile", {"model": model, "runs": args.runs, "steps": args.steps}, args.json,
+                                 nprocs=args.ranks)
     rows = {}
     for nproc, raw in raws.items():
         median = {name: statistics.median(t) for name, t in raw["times"].items()}

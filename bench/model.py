@@ -117,6 +117,9 @@ def start_drive(spec: dict):
     model = MODELS[spec["model"]]
     pipeline = model.pipeline()
     inputs = {k: v for k, v in model.inputs(pipeline).items() if not k.startswith("negative")}
+    if torch.cuda.is_available():  # a GPU: its own rank's device, in bf16 (model.pipeline() stays as built)
+        pipeline.to("cuda", torch.bfloat16)
+        inputs = {k: v.to("cuda", torch.bfloat16) for k, v in inputs.items()}
     return world, model, pipeline, inputs, {**model.call_kwargs(true_cfg=False), "num_inference_steps": spec["steps"]}
 
 
@@ -153,6 +156,8 @@ def timed_rounds(pipelines: dict, inputs: dict, kwargs: dict, runs: int) -> tupl
             start = time.perf_counter()
             with torch.no_grad():
                 outputs[name] = pipelines[name](**inputs, **kwargs)[0]
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
             dist.barrier()
             if round_:
