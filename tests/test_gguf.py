@@ -7,7 +7,7 @@ Ulysses 2, Ring 2 and PipeFusion 2 (full warm-up) through contract E: equal with
 single-process pipeline around the same GGUF transformer; its weights are the written Q8_0 values.
 Negative control: the unquantized weights give another result.
 The same through a pool, whose status reports Q8_0 storage. Every type city96's files use (F16, BF16, Q8_0,
-Q6_K, Q5_K, Q5_0, Q4_K, Q4_0) reads as written and runs exactly on Ulysses 2. A LoRA applies on top of the
+Q6_K, Q5_K, Q5_0, Q4_K, Q4_0) reads as written; Q4_K runs exactly on Ulysses 2 too. A LoRA applies on top of the
 GGUF layers exactly as on the dequantized model. Refused in one line: GGUF with --shard-weights; named: a
 quantization type diffusers cannot dequantize, a truncated file.
 """
@@ -182,10 +182,10 @@ KINDS = ("F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_K", "Q4_0")
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_every_quant_type_reads_as_written_and_runs_exactly_on_two_ranks(files, tmp_path, kind):
+def test_every_quant_type_reads_as_written_and_runs_exactly(files, tmp_path, kind):
     """Each GGUF type city96's files use: the layers hold what the gguf package reads from the file (within the
-    fp16 rounding of diffusers' dequantizers), stay in that type, and Ulysses 2 equals diffusers' single-process
-    pipeline around the same GGUF transformer."""
+    fp16 rounding of diffusers' dequantizers) and stay in that type; on Ulysses 2 (a K-quant here, Q8_0 above)
+    the result equals diffusers' single-process pipeline around the same GGUF transformer."""
     from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
 
     from original_layouts import gguf_file, original_layout
@@ -204,6 +204,8 @@ def test_every_quant_type_reads_as_written_and_runs_exactly_on_two_ranks(files, 
         assert (got - meant[name]).abs().max().item() <= 1e-3 * meant[name].abs().max().item() + 1e-6, name
         checked += 1
     assert checked == 2
+    if kind != "Q4_K":  # the layers are diffusers' GGUF layers whatever the type: one more type on ranks is enough
+        return
     reference = tiny_models.build_tiny_pipeline("flux", seed=3)
     reference.transformer = transformer
     want = diffusers_latents(reference, "flux", **load_file(files["inputs"]), **CALL)
