@@ -116,6 +116,8 @@ class FamilyAdapter:
                 tensors[self.data.reference_latents] = _repeat(self._reference(extras["reference_latents"]), batch)
             if not prefix and self.data.concat_latents:
                 tensors[self.data.concat_latents] = _repeat(self._start_image(extras), batch)
+            if not prefix and self.data.clip_vision in widths:
+                tensors[self.data.clip_vision] = self._clip_vision(extras, widths)
         return {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, guidance
 
     def guidance_parameters(self, cfg: float, conditioning_guidance: float | None, use_negative: bool) -> tuple[float, dict]:
@@ -149,6 +151,17 @@ class FamilyAdapter:
             raise ConditioningError(f"{self.name} takes one start image (the first frame); give WanImageToVideo a "
                                     "single start_image")
         return latents.float()
+
+    def _clip_vision(self, extras: dict, widths: dict[str, int]) -> torch.Tensor:
+        """The start image's CLIP vision features as the pipeline's image encoder gives them (penultimate layer)."""
+        output = extras.get("clip_vision_output")
+        if output is None:
+            raise ConditioningError(f"this {self.name} model (Wan 2.1 I2V) also attends to the start image's CLIP vision "
+                                    "features: load clip_vision_h with CLIPVisionLoader, encode the start image with "
+                                    "CLIPVisionEncode (crop: none) and connect it to WanImageToVideo's clip_vision_output")
+        features = output.penultimate_hidden_states
+        self._check_width(self.data.clip_vision, features.shape[-1], widths)
+        return features[:1]
 
     def _single(self, conditioning, which: str):
         if not isinstance(conditioning, list) or not conditioning:

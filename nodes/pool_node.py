@@ -16,6 +16,7 @@ XDiTPoolType = io.Custom("XDIT_POOL")
 FILE_PREFIX = "file: "
 # ComfyUI's model folders that hold single-file transformers; diffusion_models also covers models/unet.
 CHECKPOINT_FOLDERS = ("diffusion_models", "checkpoints")
+NO_VAE = "none"
 
 
 def diffusers_models() -> list[str]:
@@ -66,6 +67,25 @@ def model_path(choice: str) -> str:
     raise ValueError(f"model {choice!r} is not a diffusers folder under models/diffusers")
 
 
+def vae_files() -> list[str]:
+    """"none" and the VAE files in ComfyUI's models/vae, for a single-file model's VAE."""
+    return [NO_VAE] + [name for name in folder_paths.get_filename_list("vae") if name.lower().endswith(CHECKPOINT_SUFFIXES)]
+
+
+def vae_path(kwargs) -> str | None:
+    """The chosen VAE file's path, for a single-file model; None for "none"."""
+    choice = kwargs.get("vae") or NO_VAE
+    if choice == NO_VAE:
+        return None
+    if not kwargs["model"].startswith(FILE_PREFIX):
+        raise ValueError(f"vae {choice!r} goes with a single-file model (file: ...); {kwargs['model']} has its own "
+                         "VAE: set vae to none")
+    path = folder_paths.get_full_path("vae", choice)
+    if path is None:
+        raise ValueError(f"vae {choice!r}: no such file in ComfyUI's models/vae folders")
+    return path
+
+
 def _config(kwargs) -> ParallelConfig:
     return ParallelConfig(
         dp_degree=kwargs["dp_degree"], cfg_degree=2 if kwargs["cfg_parallel"] else 1,
@@ -80,6 +100,7 @@ def pool_key(kwargs, resolve_model: bool = True) -> PoolKey:
     endpoint = kwargs.get("endpoint", "").strip()
     return PoolKey(
         model=model_path(kwargs["model"]) if resolve_model and not endpoint else kwargs["model"],
+        vae=vae_path(kwargs) if resolve_model and not endpoint else None,
         nproc=kwargs["nproc"], parallel=_config(kwargs),
         # a single-file checkpoint is the transformer alone: prompts are encoded in ComfyUI
         text_encoders=kwargs["text_encoders"] and not kwargs["model"].startswith(FILE_PREFIX),
@@ -103,6 +124,10 @@ class XDiTPool(io.ComfyNode):
                                tooltip="A diffusers pipeline folder under models/diffusers, a single-file transformer "
                                        "checkpoint (file: Flux.1 dev/schnell, SD3 medium, SD3.5 medium/large, PixArt-α/Σ "
                                        "1024; its prompts are encoded with ComfyUI's CLIPTextEncode), or a built-in tiny model."),
+                io.Combo.Input("vae", options=vae_files(), default=NO_VAE, optional=True,
+                               tooltip="With a single-file model: its VAE file from models/vae (wan_2.1_vae.safetensors for "
+                                       "Wan image-to-video files, which need it); the pool then also decodes with it "
+                                       "(xDiT VAE Decode). none: no VAE on the pool."),
                 io.Int.Input("nproc", default=2, min=1, max=256, tooltip="Number of ranks (one per GPU)."),
                 io.Int.Input("ulysses_degree", default=2, min=1, max=256, tooltip=degree.format("Ulysses sequence parallelism")),
                 io.Int.Input("ring_degree", default=1, min=1, max=256, tooltip=degree.format("Ring attention")),

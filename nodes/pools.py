@@ -32,6 +32,7 @@ class PoolKey:
     model: str
     nproc: int
     parallel: ParallelConfig
+    vae: str | None = None  # the VAE file beside a single-file model
     text_encoders: bool = True
     dtype: str | None = None
     devices: str | None = None
@@ -84,9 +85,9 @@ class PoolRegistry:
                 pool = self._pools.get(key)
                 if pool is None or not pool.running:
                     endpoint = free_endpoint()
-                    spec = PoolSpec(model=key.model, nproc=key.nproc, endpoint=endpoint, parallel=key.parallel,
-                                    text_encoders=key.text_encoders, dtype=key.dtype, devices=key.devices,
-                                    threads_per_rank=key.threads_per_rank)
+                    spec = PoolSpec(model=key.model, vae=key.vae, nproc=key.nproc, endpoint=endpoint,
+                                    parallel=key.parallel, text_encoders=key.text_encoders, dtype=key.dtype,
+                                    devices=key.devices, threads_per_rank=key.threads_per_rank)
                     pool = self._pools[key] = Pool(spec)
                     self._endpoints[key] = endpoint
                     pool.start(timeout_s)

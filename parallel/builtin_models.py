@@ -66,9 +66,15 @@ def resolve_model(model: str | os.PathLike) -> str:
     return str(builtin_model_dir(str(model))) if is_builtin(model) else str(model)
 
 
-def check_model(model: str | os.PathLike) -> None:
-    """Raise ValueError naming the real cause, before any rank starts: no such path ≠ not a pipeline folder."""
+def check_model(model: str | os.PathLike, vae: str | os.PathLike | None = None) -> None:
+    """Raise ValueError naming the real cause, before any rank starts: no such path ≠ not a pipeline folder;
+    a VAE file (`--vae`) goes with a single-file checkpoint only."""
     model = str(model)
+    if vae is not None and not Path(vae).expanduser().is_file():
+        raise ValueError(f"--vae {vae}: no such file; give the VAE file (ComfyUI's models/vae) that goes with --model")
+    if vae is not None and (is_builtin(model) or Path(model).expanduser().is_dir()):
+        raise ValueError(f"--vae goes with a single-file checkpoint; --model {model} is a pipeline with its own VAE: "
+                         "drop --vae")
     if is_builtin(model):
         family_of(model)
         return

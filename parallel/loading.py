@@ -28,10 +28,11 @@ FP8_STORAGE = torch.float8_e4m3fn  # "fp8": weights stored in fp8, each layer co
 
 
 def load_pipeline(model_dir: str | Path, *, text_encoders: bool = False, dtype: str | None = None,
-                  shard_weights: bool = False, offload: bool = False) -> DiffusionPipeline:
+                  shard_weights: bool = False, offload: bool = False, vae: str | Path | None = None) -> DiffusionPipeline:
     """Load a `save_pretrained` folder (text encoders and tokenizers only when asked for), or a single-file
-    transformer checkpoint with the pack's shipped configs (parallel/checkpoints); `shard_weights` splits
-    the transformer blocks over the ranks of the world (weight_sharding.py), `offload` keeps the shards in CPU memory."""
+    transformer checkpoint with the pack's shipped configs (parallel/checkpoints) and, where given, the VAE
+    file beside it (`vae`); `shard_weights` splits the transformer blocks over the ranks of the world
+    (weight_sharding.py), `offload` keeps the shards in CPU memory."""
     if shard_weights and dtype == "fp8":
         raise ValueError("--shard-weights does not work with --dtype fp8 (its per-layer casting rewrites the weights "
                          "that FSDP holds in shards); use bf16 or fp16 with --shard-weights")
@@ -41,7 +42,10 @@ def load_pipeline(model_dir: str | Path, *, text_encoders: bool = False, dtype: 
                          + ("FSDP can shard; run it without --shard-weights" if shard_weights else
                             "fp8 storage can recast; drop --dtype fp8 (choose bf16, fp16 or fp32 compute)"))
     if model_dir.is_file() or model_dir.suffix.lower() in CHECKPOINT_SUFFIXES:
-        return _load_single_file(model_dir, text_encoders, dtype, shard_weights, offload)
+        return _load_single_file(model_dir, text_encoders, dtype, shard_weights, offload, vae)
+    if vae:
+        raise ValueError(f"--vae {Path(vae).name} goes with a single-file checkpoint; {model_dir.name} is a pipeline "
+                         "folder with its own VAE: drop --vae")
     index = model_dir / "model_index.json"
     if not model_dir.exists():
         raise FileNotFoundError(f"{model_dir} does not exist: give a diffusers pipeline folder or a single-file checkpoint")
@@ -57,13 +61,14 @@ def load_pipeline(model_dir: str | Path, *, text_encoders: bool = False, dtype: 
 
 
 def _load_single_file(path: Path, text_encoders: bool, dtype: str | None, shard_weights: bool,
-                      offload: bool) -> DiffusionPipeline:
+                      offload: bool, vae: str | Path | None) -> DiffusionPipeline:
     if text_encoders:
         raise ValueError(f"{path.name} is a single-file transformer checkpoint: it has no text encoders. Start the "
                          "pool without text encoders and encode prompts in ComfyUI (CLIPTextEncode)")
     from .checkpoints.load import load_single_file_pipeline
 
-    pipeline = load_single_file_pipeline(path, dtype=DTYPES[dtype] if dtype else None, keep_fp8=not shard_weights)
+    pipeline = load_single_file_pipeline(path, dtype=DTYPES[dtype] if dtype else None, keep_fp8=not shard_weights,
+                                         vae=vae)
     return _place(pipeline, dtype, shard_weights, offload)
 
 

@@ -51,6 +51,8 @@ class _Parser(ArgumentParser):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = _Parser(prog="python -m parallel.run", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="diffusers pipeline folder (save_pretrained layout)")
+    parser.add_argument("--vae", default=None, help="with a single-file --model: the VAE file that goes with it "
+                        "(ComfyUI's models/vae; image-to-video models need it)")
     parser.add_argument("--inputs", help="safetensors file with the pipeline's tensor arguments")
     parser.add_argument("--output", help="safetensors file to write (key: latents)")
     add_request_arguments(parser)
@@ -69,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_files(args: argparse.Namespace) -> None:
     """Mistakes in the paths, before any rank starts to work."""
-    builtin_models.check_model(args.model)
+    builtin_models.check_model(args.model, args.vae)
     if not os.path.isfile(args.inputs):
         raise ValueError(f"--inputs {args.inputs}: no such file; write one with "
                          f"`python -m parallel.make_inputs --model {args.model} --prompt ... --out {args.inputs}`")
@@ -110,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         initialize_model_parallel(config)
         inputs = read_inputs(args.inputs)
         model = builtin_models.resolve_model_on_ranks(args.model, int(os.environ.get("LOCAL_RANK", 0)), world.barrier)
-        pipeline = load_pipeline(model, dtype=args.dtype, shard_weights=config.shard_weights, offload=config.offload)
+        pipeline = load_pipeline(model, dtype=args.dtype, shard_weights=config.shard_weights, offload=config.offload,
+                                 vae=args.vae)
         set_scheduler(pipeline, args.scheduler)
         parallel = wrap_pipeline(pipeline, attention_kernel=args.attention_kernel)
         request = request_from_args(args, parallel.call_parameters, type(pipeline).__name__)

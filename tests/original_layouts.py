@@ -4,6 +4,7 @@ Comfy-Org's), the inverse of diffusers' converters: how the tests make the files
 from __future__ import annotations
 
 import json
+import re
 
 import torch
 
@@ -69,6 +70,87 @@ def flux_to_bfl(sd: dict, config) -> dict:
     inv.move("proj_out", "final_layer.linear")
     inv.move("norm_out.linear", "final_layer.adaLN_modulation.1", fn=_swap_halves)
     return inv.done()
+
+
+def flux2_to_bfl(sd: dict, config) -> dict:
+    """FLUX.2 in BFL's layout (flux2's model.py): shared modulations, fused qkv, fused qkv+MLP single blocks;
+    checked to convert back to exactly these tensors with diffusers' own converter."""
+    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+
+    inv = _Inverse(sd)
+    kinds = lambda name: tuple(k for k in ("weight", "bias") if f"{name}.{k}" in inv.src)  # noqa: E731
+    for src, dst in (("x_embedder", "img_in"), ("context_embedder", "txt_in"), ("proj_out", "final_layer.linear"),
+                     ("time_guidance_embed.timestep_embedder.linear_1", "time_in.in_layer"),
+                     ("time_guidance_embed.timestep_embedder.linear_2", "time_in.out_layer"),
+                     ("double_stream_modulation_img.linear", "double_stream_modulation_img.lin"),
+                     ("double_stream_modulation_txt.linear", "double_stream_modulation_txt.lin"),
+                     ("single_stream_modulation.linear", "single_stream_modulation.lin")):
+        inv.move(src, dst, kinds=kinds(src))
+    inv.move("norm_out.linear", "final_layer.adaLN_modulation.1", kinds=kinds("norm_out.linear"), fn=_swap_halves)
+    for i in range(config.num_layers):
+        d, b = f"transformer_blocks.{i}.", f"double_blocks.{i}."
+        for names, dst in ((("to_q", "to_k", "to_v"), "img_attn.qkv"), (("add_q_proj", "add_k_proj", "add_v_proj"), "txt_attn.qkv")):
+            for kind in kinds(d + "attn." + names[0]):
+                inv.out[f"{b}{dst}.{kind}"] = torch.cat([inv.src.pop(f"{d}attn.{n}.{kind}") for n in names])
+        for src, dst in (("norm_q", "img_attn.norm.query_norm"), ("norm_k", "img_attn.norm.key_norm"),
+                         ("norm_added_q", "txt_attn.norm.query_norm"), ("norm_added_k", "txt_attn.norm.key_norm")):
+            inv.out[b + dst + ".scale"] = inv.src.pop(d + f"attn.{src}.weight")
+        for src, dst in (("attn.to_out.0", "img_attn.proj"), ("attn.to_add_out", "txt_attn.proj"), ("ff.linear_in", "img_mlp.0"),
+                         ("ff.linear_out", "img_mlp.2"), ("ff_context.linear_in", "txt_mlp.0"),
+                         ("ff_context.linear_out", "txt_mlp.2")):
+            inv.move(d + src, b + dst, kinds=kinds(d + src))
+    for i in range(config.num_single_layers):
+        d, b = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
+        inv.out[b + "norm.query_norm.scale"] = inv.src.pop(d + "attn.norm_q.weight")
+        inv.out[b + "norm.key_norm.scale"] = inv.src.pop(d + "attn.norm_k.weight")
+        inv.move(d + "attn.to_qkv_mlp_proj", b + "linear1", kinds=kinds(d + "attn.to_qkv_mlp_proj"))
+        inv.move(d + "attn.to_out", b + "linear2", kinds=kinds(d + "attn.to_out"))
+    out = inv.done()
+    back = convert_flux2_transformer_checkpoint_to_diffusers(dict(out))
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd), "FLUX.2 names do not round-trip"
+    return out
+
+
+def _ldm_vae_name(key: str, levels: int) -> str:
+    """One diffusers AutoencoderKL-style name in the original (ldm) VAE layout, as BFL's autoencoders keep it."""
+    part, rest = key.split(".", 1)
+    resnet = lambda name: name.replace("conv_shortcut", "nin_shortcut")  # noqa: E731
+    attention = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
+    if m := re.fullmatch(r"down_blocks\.(\d+)\.resnets\.(\d+)\.(.*)", rest):
+        return f"{part}.down.{m[1]}.block.{m[2]}.{resnet(m[3])}"
+    if m := re.fullmatch(r"down_blocks\.(\d+)\.downsamplers\.0\.(.*)", rest):
+        return f"{part}.down.{m[1]}.downsample.{m[2]}"
+    if m := re.fullmatch(r"up_blocks\.(\d+)\.resnets\.(\d+)\.(.*)", rest):  # the decoder's levels reversed
+        return f"{part}.up.{levels - 1 - int(m[1])}.block.{m[2]}.{resnet(m[3])}"
+    if m := re.fullmatch(r"up_blocks\.(\d+)\.upsamplers\.0\.(.*)", rest):
+        return f"{part}.up.{levels - 1 - int(m[1])}.upsample.{m[2]}"
+    if m := re.fullmatch(r"mid_block\.resnets\.(\d)\.(.*)", rest):
+        return f"{part}.mid.block_{int(m[1]) + 1}.{resnet(m[2])}"
+    if m := re.fullmatch(r"mid_block\.attentions\.0\.(.*)\.(weight|bias)", rest):
+        return f"{part}.mid.attn_1.{attention[m[1]]}.{m[2]}"
+    return f"{part}.{rest.replace('conv_norm_out', 'norm_out')}"
+
+
+def flux2_vae_to_original(vae) -> dict:
+    """An AutoencoderKLFlux2's weights as BFL's FLUX.2 VAE file holds them (ldm names, quant convs inside the
+    encoder and decoder, 1×1 conv attention, the batch-norm statistics); checked to convert back exactly with
+    the pack's converter."""
+    from parallel.families.flux2 import convert_vae
+
+    sd = vae.state_dict()
+    levels = len(vae.config.block_out_channels)
+    out = {}
+    for key, value in sd.items():
+        if key.startswith(("quant_conv.", "post_quant_conv.")):
+            out[("encoder." if key.startswith("quant") else "decoder.") + key] = value
+        elif key.startswith("bn."):
+            out[key] = value
+        else:
+            name = _ldm_vae_name(key, levels)
+            out[name] = value[:, :, None, None] if ".mid.attn_1." in name and value.ndim == 2 else value
+    back = convert_vae(dict(out), vae.config)
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd), "FLUX.2 VAE names do not round-trip"
+    return {k: v.contiguous() for k, v in out.items()}
 
 
 def sd3_to_sai(sd: dict, config) -> dict:
@@ -145,6 +227,11 @@ def pixart_to_original(sd: dict, config, tokens: int, pos_embed: torch.Tensor) -
 
 
 _WAN_NAMES = [  # diffusers -> Wan's original names (the inverse of diffusers' rename table), in order
+    ("condition_embedder.image_embedder.norm1", "img_emb.proj.0"),  # Wan 2.1 I2V's CLIP vision projection
+    ("condition_embedder.image_embedder.ff.net.0.proj", "img_emb.proj.1"),
+    ("condition_embedder.image_embedder.ff.net.2", "img_emb.proj.3"),
+    ("condition_embedder.image_embedder.norm2", "img_emb.proj.4"),
+    (".add_k_proj.", ".k_img."), (".add_v_proj.", ".v_img."), (".norm_added_k.", ".norm_k_img."),
     ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
     ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
     ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
@@ -163,6 +250,48 @@ def wan_to_original(sd: dict) -> dict:
             key = key.replace(ours, theirs)
         key = "head.modulation" if key == "scale_shift_table" else key.replace(".scale_shift_table", ".modulation")
         out[key] = value
+    return out
+
+
+_WAN_VAE_RESIDUAL = (("norm1.", "residual.0."), ("conv1.", "residual.2."), ("norm2.", "residual.3."),
+                     ("conv2.", "residual.6."), ("conv_shortcut.", "shortcut."))
+
+
+def _wan_vae_residual(name: str) -> str:
+    return next((theirs + name[len(ours):] for ours, theirs in _WAN_VAE_RESIDUAL if name.startswith(ours)), name)
+
+
+def _wan_vae_name(key: str) -> str:
+    """One AutoencoderKLWan name in Wan's own VAE layout (wan/modules/vae.py: flat `downsamples`/`upsamples`
+    lists of residual blocks and resamples, `middle` = [residual, attention, residual], `head` = [norm, SiLU, conv])."""
+    for ours, theirs in (("quant_conv.", "conv1."), ("post_quant_conv.", "conv2.")):
+        if key.startswith(ours):
+            return theirs + key[len(ours):]
+    part, rest = key.split(".", 1)
+    for ours, theirs in (("conv_in.", "conv1."), ("norm_out.", "head.0."), ("conv_out.", "head.2.")):
+        if rest.startswith(ours):
+            return f"{part}.{theirs}{rest[len(ours):]}"
+    if m := re.fullmatch(r"mid_block\.resnets\.(\d)\.(.*)", rest):
+        return f"{part}.middle.{2 * int(m[1])}.{_wan_vae_residual(m[2])}"
+    if m := re.fullmatch(r"mid_block\.attentions\.0\.(.*)", rest):
+        return f"{part}.middle.1.{m[1]}"
+    if m := re.fullmatch(r"down_blocks\.(\d+)\.(.*)", rest):
+        return f"{part}.downsamples.{m[1]}.{_wan_vae_residual(m[2])}"
+    if m := re.fullmatch(r"up_blocks\.(\d+)\.resnets\.(\d+)\.(.*)", rest):  # 3 residual blocks + 1 resample a level
+        return f"{part}.upsamples.{4 * int(m[1]) + int(m[2])}.{_wan_vae_residual(m[3])}"
+    if m := re.fullmatch(r"up_blocks\.(\d+)\.upsamplers\.0\.(.*)", rest):
+        return f"{part}.upsamples.{4 * int(m[1]) + 3}.{m[2]}"
+    raise KeyError(f"no Wan VAE name for {key}")
+
+
+def wan_vae_to_original(vae) -> dict:
+    """A Wan 2.1-structured AutoencoderKLWan's weights as wan_2.1_vae.safetensors holds them; checked to convert
+    back to exactly these names with diffusers' own converter."""
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+
+    sd = vae.state_dict()
+    out = {_wan_vae_name(k): v.contiguous() for k, v in sd.items()}
+    assert convert_wan_vae_to_diffusers(dict(out)).keys() == sd.keys(), "the inverse Wan VAE names do not round-trip"
     return out
 
 

@@ -196,3 +196,23 @@ def test_reference_latents_become_the_declared_image_input(adapters):
     assert "image" not in flux.pipeline_inputs([[cond, extras]], None, 1, {})[0]
     with pytest.raises(adapters.ConditioningError, match="takes one reference image but the conditioning has 2"):
         kontext.pipeline_inputs([[cond, {**extras, "reference_latents": [reference, reference]}]], None, 1, {})
+
+
+def test_wan21_i2v_takes_the_clip_vision_features_where_the_pool_lists_them(adapters):
+    """WanImageToVideo's clip_vision_output becomes `image_embeds` (its penultimate hidden states) for a Wan 2.1
+    I2V pool, whose status lists that width; a Wan 2.2 I2V pool (no such width) gets none; missing, one error."""
+    import types
+
+    cond, start = torch.randn(1, 5, 32), torch.randn(1, 16, 2, 4, 4)
+    features = torch.randn(1, 257, 1280)
+    extras = {"concat_latent_image": start, "clip_vision_output": types.SimpleNamespace(penultimate_hidden_states=features)}
+    wan = adapters.adapter_for("WanImageToVideoPipeline")
+    widths = {"prompt_embeds": 32, "image_embeds": 1280}
+    tensors, _ = wan.pipeline_inputs([[cond, extras]], None, 2, widths)
+    assert torch.equal(tensors["image_embeds"], features) and tensors["image_latents"].shape == (2, 16, 2, 4, 4)
+    assert "image_embeds" not in wan.pipeline_inputs([[cond, extras]], None, 1, {"prompt_embeds": 32})[0]
+    with pytest.raises(adapters.ConditioningError, match="CLIPVisionEncode .* WanImageToVideo's clip_vision_output"):
+        wan.pipeline_inputs([[cond, {"concat_latent_image": start}]], None, 1, widths)
+    with pytest.raises(adapters.ConditioningError, match="image_embeds is 1024 wide but .* needs 1280"):
+        wan.pipeline_inputs([[cond, {**extras, "clip_vision_output": types.SimpleNamespace(
+            penultimate_hidden_states=torch.randn(1, 257, 1024))}]], None, 1, widths)

@@ -67,6 +67,13 @@ MISTAKES = {
     "cli-degree-product": (
         lambda w: ["-m", "workers", "sample", "--model", TINY, "--nproc", "2", "--ulysses-degree", "4", "--prompt", "x",
                    "--output", str(w / "o.png")], ["= 4, but there are 2 ranks", "--nproc)"]),
+    "cli-vae-beside-a-pipeline": (
+        lambda w: ["-m", "workers", "sample", "--model", TINY, "--vae", str(w / "in.safetensors"), "--prompt", "x",
+                   "--output", str(w / "o.png")], ["--vae goes with a single-file checkpoint", "drop --vae"]),
+    "engine-missing-vae-file": (
+        lambda w: ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "parallel.run", "--model", TINY,
+                   "--vae", str(w / "wan_2.1_vae.safetensors"), "--inputs", str(w / "in.safetensors"),
+                   "--output", str(w / "o.safetensors"), *SMALL], ["--vae", "no such file", "models/vae"]),
     "cli-missing-inputs-file": (
         lambda w: ["-m", "workers", "sample", "--model", TINY, "--inputs", str(w / "missing.safetensors"),
                    "--output", str(w / "o.safetensors")], ["no such file", "parallel.make_inputs"]),

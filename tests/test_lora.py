@@ -67,8 +67,8 @@ def bfl_and_peft_lora(bfl_path, peft_path, seed: int) -> tuple[str, str]:
 def pixart_lora(path) -> str:
     """A LoRA for PixArt's layer names (attn1 = self-attention), which Flux does not have."""
     g = torch.Generator().manual_seed(9)
-    weights = {f"transformer.transformer_blocks.0.attn1.to_q.lora_A.weight": torch.randn(RANK, 64, generator=g),
-               f"transformer.transformer_blocks.0.attn1.to_q.lora_B.weight": torch.randn(64, RANK, generator=g)}
+    weights = {"transformer.transformer_blocks.0.attn1.to_q.lora_A.weight": torch.randn(RANK, 64, generator=g),
+               "transformer.transformer_blocks.0.attn1.to_q.lora_B.weight": torch.randn(64, RANK, generator=g)}
     save_file(weights, path)
     return str(path)
 

@@ -390,14 +390,17 @@ def _pool_node_module(monkeypatch, folders: dict[str, list]):
 
 def test_pool_node_lists_single_files(checkpoints, tmp_path, monkeypatch):
     unet, diffusion_models, ckpts = tmp_path / "unet", tmp_path / "diffusion_models", tmp_path / "checkpoints"
-    for folder in (unet, diffusion_models / "flux", ckpts):
+    vaes = tmp_path / "vae"
+    for folder in (unet, diffusion_models / "flux", ckpts, vaes):
         folder.mkdir(parents=True)
+    save_file({"conv2.weight": torch.zeros(1)}, vaes / "wan_2.1_vae.safetensors")
     shutil.copy(checkpoints["flux1-dev"][1], diffusion_models / "flux" / "flux1-dev.safetensors")
     shutil.copy(checkpoints["pixart-sigma-1024"][1].parent / "PixArt-Sigma-XL-2-1024-MS.pth", unet)
     shutil.copy(checkpoints["sd3.5-large"][1], ckpts / "sd3.5_large.safetensors")
     save_file({"input_blocks.0.0.weight": torch.zeros(1)}, ckpts / "v1-5-pruned.safetensors")  # not a DiT: not listed
     (ckpts / "notes.txt").write_text("not a checkpoint")
-    node = _pool_node_module(monkeypatch, {"diffusion_models": [unet, diffusion_models], "checkpoints": [ckpts]})
+    node = _pool_node_module(monkeypatch, {"diffusion_models": [unet, diffusion_models], "checkpoints": [ckpts],
+                                           "vae": [vaes]})
     files = [m for m in node.diffusers_models() if m.startswith(node.FILE_PREFIX)]
     assert files == ["file: diffusion_models/PixArt-Sigma-XL-2-1024-MS.pth",
                      "file: diffusion_models/flux/flux1-dev.safetensors", "file: checkpoints/sd3.5_large.safetensors"]
@@ -410,6 +413,10 @@ def test_pool_node_lists_single_files(checkpoints, tmp_path, monkeypatch):
               "dtype": "auto", "devices": "", "threads_per_rank": 0, "endpoint": ""}
     key = node.pool_key(kwargs)
     assert key.model == node.model_path(files[1]) and not key.text_encoders  # a file has no text encoders
+    assert key.vae is None and node.vae_files() == ["none", "wan_2.1_vae.safetensors"]
+    assert node.pool_key({**kwargs, "vae": "wan_2.1_vae.safetensors"}).vae == str(vaes / "wan_2.1_vae.safetensors")
+    with pytest.raises(ValueError, match="goes with a single-file model .* set vae to none"):
+        node.pool_key({**kwargs, "model": "xdit-tiny-flux", "vae": "wan_2.1_vae.safetensors"})
 
 
 # --------------------------------------------------------------------------------------- engine (torchrun)

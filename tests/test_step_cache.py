@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from parallel import tiny_models

@@ -23,6 +23,8 @@ from .launcher import Pool, PoolError, PoolSpec
 def _pool_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument("--model", required=required,
                         help=f"diffusers pipeline folder, single-file checkpoint, or a built-in tiny model: {', '.join(builtin_models.NAMES)}")
+    parser.add_argument("--vae", default=None, help="with a single-file --model: the VAE file that goes with it "
+                        "(ComfyUI's models/vae), for image-to-video and decoding on the pool")
     parser.add_argument("--nproc", type=int, default=1, help="number of ranks")
     parser.add_argument("--text-encoders", action="store_true", help="also load the text encoders")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "fp8"], default=None, help="fp8: fp8 storage, bf16 compute")
@@ -95,9 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _spec(args, endpoint: str | None, curve_dir: str | None = None):
-    builtin_models.check_model(args.model)
+    builtin_models.check_model(args.model, args.vae)
     return PoolSpec(
-        model=args.model, nproc=args.nproc, endpoint=endpoint, parallel=config_from_args(args),
+        model=args.model, vae=args.vae, nproc=args.nproc, endpoint=endpoint, parallel=config_from_args(args),
         text_encoders=args.text_encoders, dtype=args.dtype, threads_per_rank=args.threads_per_rank,
         curve_dir=curve_dir, nnodes=getattr(args, "nnodes", 1), node_rank=getattr(args, "node_rank", 0),
         rdzv_endpoint=getattr(args, "rdzv_endpoint", None), rdzv_id=getattr(args, "rdzv_id", "xdit-pool"),

@@ -62,6 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--nnodes", type=int, default=1)
     parser.add_argument("--node-rank", type=int, default=0)
     parser.add_argument("--text-encoders", action="store_true")
+    parser.add_argument("--vae", default=None)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--jobs-done", type=int, default=0)
     parser.add_argument("--restarts", type=int, default=0)
@@ -132,7 +133,8 @@ class Rank:
         # Only rank 0 encodes text, so only rank 0 loads the text encoders.
         text_encoders = self.args.text_encoders and self.rank == 0
         self.pipeline = wrap_pipeline(load_pipeline(model, text_encoders=text_encoders, dtype=self.args.dtype,
-                                                    shard_weights=self.config.shard_weights, offload=self.config.offload))
+                                                    shard_weights=self.config.shard_weights, offload=self.config.offload,
+                                                    vae=self.args.vae))
         self.default_scheduler = self.pipeline.module.scheduler.module
         self.scheduler_name = "default"
         self.runner = JobRunner(self.pipeline, self.group, self.server,
@@ -215,6 +217,7 @@ class Rank:
             "last_cache": self.last_cache,
             "restarts": self.args.restarts,
             "model": self.args.model,
+            "vae": self.args.vae,
             "pipeline": type(self.pipeline.module).__name__ if self.state != "starting" else None,
             "inputs": self.pipeline.input_widths() if self.state != "starting" else {},
             "model_class": self.pipeline.comfy_model_class() if self.state != "starting" else "",

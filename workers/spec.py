@@ -20,6 +20,7 @@ class PoolSpec:
     nproc: int  # ranks on this machine
     endpoint: str | None  # None on a joining node: rank 0, on node 0, serves the clients
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    vae: str | None = None  # the VAE file beside a single-file model
     text_encoders: bool = False
     dtype: str | None = None
     threads_per_rank: int | None = None
@@ -96,6 +97,8 @@ class PoolSpec:
             args += ["--max-job-seconds", str(self.max_job_seconds)]
         if self.text_encoders:
             args.append("--text-encoders")
+        if self.vae:
+            args += ["--vae", str(self.vae)]
         if self.dtype:
             args += ["--dtype", self.dtype]
         return args

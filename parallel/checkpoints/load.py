@@ -30,6 +30,7 @@ from diffusers.loaders.single_file_model import FromOriginalModelMixin
 
 from . import fp8, scaled
 from .detect import CheckpointFile, Detected, detect_checkpoint
+from .vae import load_vae
 
 log = logging.getLogger(__name__)
 
@@ -131,24 +132,36 @@ def expert_files(detected: Detected, checkpoint: CheckpointFile) -> dict[str, tu
     return experts
 
 
-def load_single_file_pipeline(path: str | Path, *, dtype: torch.dtype | None = None,
-                              keep_fp8: bool = True) -> diffusers.DiffusionPipeline:
+def load_single_file_pipeline(path: str | Path, *, dtype: torch.dtype | None = None, keep_fp8: bool = True,
+                              vae: str | Path | None = None) -> diffusers.DiffusionPipeline:
     """The detected family's diffusers pipeline around the file's transformer (dtype None: as stored; fp8
     files compute in bf16 then, from weights that stay fp8 unless `keep_fp8` is off); a file that is one of
-    two experts brings its partner file (`expert_files`)."""
+    two experts brings its partner file (`expert_files`); `vae`: the VAE file that goes with it (vae.py),
+    which variants whose pipeline encodes a start image need."""
     checkpoint = CheckpointFile(path)
     experts = expert_files(detect_checkpoint(checkpoint), checkpoint)
     detected = experts["transformer"][0]
     log.info("single-file checkpoint %s: %s", path, detected.describe())
     index = json.loads((detected.config_dir / "model_index.json").read_text())
-    transformers = {name: load_transformer(found, file, index, dtype, keep_fp8, subfolder=name)
-                    for name, (found, file) in experts.items()}
+    title = detected.single_file.variants[detected.variant].title
+    if "transformer_2" in index and "transformer_2" not in experts:
+        words = " / ".join(f"{a} and {b}" for a, b in detected.single_file.experts.words)
+        raise ValueError(f"{Path(path).name} is one expert of {title}, but its name does not say which: keep the "
+                         f"two files as released, named {words}, side by side")
+    if vae is None and "vae" in index:
+        vae_title = detected.single_file.vae.title
+        raise ValueError(f"{Path(path).name} is {title}, whose pipeline encodes the start image with its VAE: choose "
+                         f"the {vae_title} as the pool's vae (--vae FILE, from ComfyUI's models/vae)")
+    components = {name: load_transformer(found, file, index, dtype, keep_fp8, subfolder=name)
+                  for name, (found, file) in experts.items()}
+    if vae is not None:
+        components["vae"] = load_vae(vae, detected, dtype or components["transformer"].dtype)
     scheduler = getattr(diffusers, index["scheduler"][1]).from_pretrained(
         detected.config_dir, subfolder="scheduler", local_files_only=True)
     pipeline_cls = getattr(diffusers, index["_class_name"])
     modules, optional = pipeline_cls._get_signature_keys(pipeline_cls)
-    absent = {name: None for name in modules if name not in transformers and name != "scheduler"}
+    absent = {name: None for name in modules if name not in components and name != "scheduler"}
     settings = {name: index[name] for name in optional if name in index}  # e.g. Wan 2.2's boundary_ratio
-    pipeline = pipeline_cls(**absent, **settings, **transformers, scheduler=scheduler)
+    pipeline = pipeline_cls(**absent, **settings, **components, scheduler=scheduler)
     pipeline.register_to_config(_name_or_path=str(path))
     return pipeline

@@ -46,6 +46,9 @@ class ComfyData:
     concat_latents: the tensor input that takes the positive conditioning's `concat_latent_image` (ComfyUI's
                     WanImageToVideo: its VAE's encoding of the start image and the frames after it), in the
                     VAE's own space; "": the model takes none.
+    clip_vision:    the tensor input that takes the positive conditioning's `clip_vision_output` (ComfyUI's
+                    CLIPVisionEncode, through WanImageToVideo) as its penultimate hidden states [1, tokens, width],
+                    where the pool's model lists it among its input widths; "": the model takes none.
     model_class:    the class in `comfy.supported_models` whose model sampling (flow shift, prediction type),
                     latent format and conditioning an xDiT Model carries (ComfyUI's samplers on the pool);
                     "": no xDiT Model for this family.
@@ -64,6 +67,7 @@ class ComfyData:
     empty_latent: str = "an empty latent node made for this model"
     reference_latents: str = ""
     concat_latents: str = ""
+    clip_vision: str = ""
     model_class: str = ""
     model_call_conds: dict[str, str] = field(default_factory=dict)
 
@@ -106,6 +110,23 @@ class ExpertPair:
 
 
 @dataclass(frozen=True)
+class VaeFile:
+    """The VAE file that goes beside a family's single-file transformers (ComfyUI's models/vae), for pipelines
+    that encode a start image and for decoding on the pool (`--vae`). Its diffusers class and config are the
+    shipped `vae/` of the detected variant (parallel/configs/<variant>/vae); diffusers' single-file loader
+    converts the original layout.
+
+    marker: a tensor name only this VAE layout has.
+    title:  the VAE as users call it, with the file ComfyUI users have ("Wan 2.1 VAE (wan_2.1_vae.safetensors)").
+    read:   Shapes → config values the shapes pin down; raises ValueError for a VAE it cannot load.
+    """
+
+    marker: str
+    title: str
+    read: Callable[[Any], dict]
+
+
+@dataclass(frozen=True)
 class SingleFile:
     """How a family's original single-file layout is recognised and converted (parallel/checkpoints/).
 
@@ -115,6 +136,8 @@ class SingleFile:
     read:     Shapes → (variant, config values the shapes pin down); raises ValueError for what it cannot load.
     convert:  (original state dict, config) → diffusers' names (may import diffusers).
     experts:  where a model's two experts come as two files, how they pair (ExpertPair).
+    vae:      the VAE file that may go beside them (VaeFile); variants whose shipped model_index.json lists a
+              `vae` need it.
     """
 
     marker: str
@@ -123,6 +146,7 @@ class SingleFile:
     read: Callable[[Any], tuple[str, dict]]
     convert: Callable[[dict, dict], dict]
     experts: ExpertPair | None = None
+    vae: VaeFile | None = None
 
 
 @dataclass(frozen=True)

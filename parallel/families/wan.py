@@ -19,8 +19,11 @@ repackages it (`wan2.1_t2v_1.3B_fp16.safetensors`, `wan2.2_ti2v_5B_fp16.safetens
 GGUF through the same path), converted by diffusers' own converter. The head size is 128 in every Wan (the
 weights cannot show it: q/k norms span all heads). Text-to-video 2.1 and TI2V 5B load, and Wan 2.2 T2V A14B
 from its two expert files (`..._high_noise_...` / `..._low_noise_...`, either one chosen, the other beside it),
-with Wan 2.2's own settings for it (wan/configs/wan_t2v_A14B.py: boundary 0.875, sample_shift 12.0);
-image-to-video files (Wan 2.1's CLIP image projection, or 36 input channels) do not yet.
+with Wan 2.2's own settings for it (wan/configs/wan_t2v_A14B.py: boundary 0.875, sample_shift 12.0).
+Image-to-video loads from files too, with the VAE file beside it (`--vae wan_2.1_vae.safetensors`, the one
+ComfyUI users keep in models/vae): Wan 2.2 I2V A14B from its two expert files (wan_i2v_A14B.py: boundary 0.9,
+sample_shift 5.0) and Wan 2.1 I2V 14B (wan_i2v_14B.py: sample_shift 5.0), whose CLIP vision features arrive as
+`image_embeds` (ComfyUI's CLIPVisionEncode output) since a file pool has no image encoder.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from ..config import LayoutError
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split, TokenRows
-from .base import FAMILIES, ComfyData, ExpertPair, Family, SingleFile, TinyModel, Variant
+from .base import FAMILIES, ComfyData, ExpertPair, Family, SingleFile, TinyModel, Variant, VaeFile
 
 DEFAULT_FRAMES = 81  # WanPipeline.__call__'s default num_frames
 PROMPT_TOKENS = 512  # WanPipeline.__call__'s max_sequence_length: what a text prompt is padded to
@@ -137,20 +140,33 @@ class xFuserWanImageToVideoPipeline(xFuserWanPipeline):
     """Wan image-to-video: the transformer also takes the first frame's VAE latents and a frame mask
     (36 input channels for 16 output channels); every rank encodes the image with its own VAE, or takes
     that encoding as given (`image_latents`: ComfyUI's WanImageToVideo encodes [start image, gray frames]
-    with ComfyUI's VAE), which the pipeline then normalises and masks as its own."""
+    with ComfyUI's VAE), which the pipeline then normalises and masks as its own. Wan 2.1 I2V also
+    cross-attends to the start image's CLIP vision features: its image encoder computes them, or they are
+    given (`image_embeds`, [1, 257, 1280]: ComfyUI's CLIPVisionEncode), as a single-file pool needs."""
 
-    tensor_inputs = ("image", "image_latents")
-    comfy = dataclasses.replace(xFuserWanPipeline.comfy, concat_latents="image_latents")
+    tensor_inputs = ("image", "image_latents", "image_embeds")
+    comfy = dataclasses.replace(xFuserWanPipeline.comfy, concat_latents="image_latents", clip_vision="image_embeds")
+
+    def input_widths(self) -> dict[str, int]:
+        image_dim = self.module.transformer.config.image_dim  # Wan 2.1 I2V only
+        return {**super().input_widths(), **({"image_embeds": int(image_dim)} if image_dim else {})}
 
     def check_inputs(self, kwargs: dict[str, Any], batch: int) -> None:
-        given = kwargs.get("image_latents")
+        given, embeds = kwargs.get("image_latents"), kwargs.get("image_embeds")
         if kwargs.get("image") is None and given is None:
             raise ValueError(f"{type(self.module).__name__} needs `image`, the first frame to animate, or `image_latents`, "
                              "its VAE encoding with the frames after it")
+        image_dim, encoder = self.module.transformer.config.image_dim, getattr(self.module, "image_encoder", None)
+        if image_dim is None and embeds is not None:
+            raise ValueError("`image_embeds` (CLIP vision features) go to Wan 2.1 I2V only; this model does not take them")
+        if image_dim is not None and embeds is None and (given is not None or encoder is None):
+            raise ValueError(f"this {type(self.module).__name__} (Wan 2.1 I2V) cross-attends to the start image's CLIP "
+                             "vision features: send `image_embeds` (ComfyUI's CLIPVisionEncode of the start image)"
+                             + ("" if encoder is None else ", or `image` alone"))
+        if embeds is not None and (embeds.ndim != 3 or embeds.shape[0] != 1 or embeds.shape[-1] != image_dim):
+            raise ValueError(f"image_embeds have shape {list(embeds.shape)}; Wan 2.1 I2V takes one image's CLIP vision "
+                             f"hidden states, [1, tokens, {image_dim}]")
         if given is not None:
-            if getattr(self.module, "image_encoder", None) is not None:
-                raise ValueError(f"this {type(self.module).__name__} (Wan 2.1) also encodes the start image with CLIP "
-                                 "vision: send `image` itself, not `image_latents`")
             scale = self.module.vae_scale_factor_spatial
             expected = (batch, self.module.vae.config.z_dim, self.latent_frames(kwargs),
                         kwargs["height"] // scale, kwargs["width"] // scale)
@@ -166,23 +182,32 @@ class xFuserWanImageToVideoPipeline(xFuserWanPipeline):
         return super().prepare(kwargs)
 
     def call_context(self, kwargs: dict[str, Any]):
-        """The pipeline's VAE encode of the condition video answers with the given encoding."""
-        given = kwargs.pop("image_latents", None)
-        if given is None:
-            return contextlib.nullcontext()
-        return _encoded_as(self.module.vae, given)
+        """The pipeline's VAE encode of the condition video answers with the given encoding, and its CLIP
+        vision encode of the start image with the given features."""
+        given, embeds = kwargs.pop("image_latents", None), kwargs.pop("image_embeds", None)
+        stack = contextlib.ExitStack()
+        if given is not None:
+            stack.enter_context(_encoded_as(self.module.vae, given))
+        if embeds is not None:
+            stack.enter_context(_answered(self.module, "encode_image", lambda *args, **kwargs: embeds))
+        return stack
 
 
 @contextlib.contextmanager
-def _encoded_as(vae, latents: torch.Tensor):
-    def encode(video, *args, **kwargs):
-        return types.SimpleNamespace(latent_dist=types.SimpleNamespace(mode=lambda: latents.to(video.device, video.dtype)))
-
-    vae.encode = encode
+def _answered(owner, name: str, answer):
+    setattr(owner, name, answer)
     try:
         yield
     finally:
-        del vae.encode
+        delattr(owner, name)
+
+
+def _encoded_as(vae, latents: torch.Tensor):
+    """The VAE's encode answers with `latents` (on their own device: the pipeline moves them on)."""
+    def encode(video, *args, **kwargs):
+        return types.SimpleNamespace(latent_dist=types.SimpleNamespace(mode=lambda: latents.to(dtype=video.dtype)))
+
+    return _answered(vae, "encode", encode)
 
 
 # -- tiny built-in models --------------------------------------------------------------------------------
@@ -313,16 +338,31 @@ def read_checkpoint(shape: Shapes) -> tuple[str, dict]:
     dim, in_channels = shape("patch_embedding.weight")[:2]
     patch = list(shape("patch_embedding.weight")[2:])
     out_channels = shape("head.head.weight")[0] // (patch[0] * patch[1] * patch[2])
-    if "img_emb.proj.1.weight" in shape or in_channels != out_channels:
-        raise shape.error("a Wan image-to-video transformer: only text-to-video (Wan 2.1) and TI2V 5B (Wan 2.2) "
-                          "single files load; use a diffusers folder of the image-to-video model")
-    variant = "wan2.2-ti2v-5b" if in_channels == TINY_CHANNELS_5B else "wan2.1-t2v-14b" if dim >= 5120 else "wan2.1-t2v-1.3b"
-    return variant, {
+    if "img_emb.emb_pos" in shape:
+        raise shape.error("a Wan 2.1 first-last-frame (FLF2V) transformer, which does not load yet: use Wan 2.1 I2V, "
+                          "or Wan 2.2 I2V A14B")
+    overrides = {
         "in_channels": in_channels, "out_channels": out_channels, "patch_size": patch,
         "num_attention_heads": shape.heads(dim, WAN_HEAD_DIM), "attention_head_dim": WAN_HEAD_DIM,
         "ffn_dim": shape("blocks.0.ffn.0.weight")[0], "num_layers": shape.blocks(r"blocks\.(\d+)\."),
         "text_dim": shape("text_embedding.0.weight")[1], "freq_dim": shape("time_embedding.0.weight")[1],
     }
+    if "img_emb.proj.0.weight" in shape:  # Wan 2.1 I2V: CLIP vision features, cross-attended through k_img/v_img
+        return "wan2.1-i2v-14b", {**overrides, "image_dim": shape("img_emb.proj.0.weight")[0],
+                                  "added_kv_proj_dim": shape("blocks.0.cross_attn.k_img.weight")[1]}
+    if in_channels != out_channels:  # noise, frame mask and start-image latents in: Wan 2.2 I2V A14B's experts
+        return "wan2.2-i2v-a14b", overrides
+    variant = "wan2.2-ti2v-5b" if in_channels == TINY_CHANNELS_5B else "wan2.1-t2v-14b" if dim >= 5120 else "wan2.1-t2v-1.3b"
+    return variant, overrides
+
+
+def read_vae(shape: Shapes) -> dict:
+    """Wan 2.1's VAE (16 latent channels; Wan 2.2 A14B uses it too): its width and latent channels."""
+    z_dim = shape("conv2.weight")[0]
+    if z_dim != TINY_CHANNELS:
+        raise shape.error(f"a Wan VAE with {z_dim} latent channels (the Wan 2.2 VAE of TI2V 5B?): only the Wan 2.1 VAE "
+                          "(16 channels, wan_2.1_vae.safetensors) loads from a file; use a diffusers folder for TI2V 5B")
+    return {"base_dim": shape("encoder.conv1.weight")[0], "z_dim": z_dim}
 
 
 def convert_checkpoint(state_dict: dict, config: dict) -> dict:
@@ -359,12 +399,19 @@ WAN = FAMILIES.register(Family(
             "wan2.2-ti2v-5b": Variant("wan22-5b", "Wan 2.2 TI2V 5B", "Wan keys blocks.*.self_attn.*, 48 channels"),
             "wan2.2-t2v-a14b": Variant("wan22", "Wan 2.2 T2V A14B", "two Wan T2V files named high_noise / low_noise "
                                        "(or HIGH / LOW), side by side"),
+            "wan2.2-i2v-a14b": Variant("wan22-i2v", "Wan 2.2 I2V A14B", "two Wan files of 36 input channels named "
+                                       "high_noise / low_noise (or HIGH / LOW), side by side, and --vae"),
+            "wan2.1-i2v-14b": Variant("wan21-i2v", "Wan 2.1 I2V 14B", "Wan keys with img_emb.* (CLIP vision), and --vae"),
         },
         read=read_checkpoint,
         convert=convert_checkpoint,
         # Comfy-Org's and city96's `wan2.2_t2v_{high,low}_noise_14B_*`, Kijai's `Wan2_2-T2V-A14B_{HIGH,LOW}_*`.
         experts=ExpertPair(words=(("high_noise", "low_noise"), ("HIGH", "LOW")),
-                           variants={"wan2.1-t2v-14b": "wan2.2-t2v-a14b", "wan2.1-t2v-1.3b": "wan2.2-t2v-a14b"}),
+                           variants={"wan2.1-t2v-14b": "wan2.2-t2v-a14b", "wan2.1-t2v-1.3b": "wan2.2-t2v-a14b",
+                                     "wan2.2-i2v-a14b": "wan2.2-i2v-a14b"}),
+        # ComfyUI's wan_2.1_vae.safetensors (Wan's own layout), for image-to-video and decoding on the pool
+        vae=VaeFile(marker="decoder.upsamples.0.residual.0.gamma", title="Wan 2.1 VAE (wan_2.1_vae.safetensors)",
+                    read=read_vae),
     ),
     tiny={model: _tiny(model) for model in ("wan", "wan22", "wan22-5b", "wan22-i2v")},
     # Its cross-attention (attn2) is the same class but the plan never selects it.
