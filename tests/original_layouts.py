@@ -137,7 +137,7 @@ def flux2_vae_to_original(vae) -> dict:
     the pack's converter."""
     from parallel.families.flux2 import convert_vae
 
-    sd = vae.state_dict()
+    sd = {k: v for k, v in vae.state_dict().items() if k != "bn.num_batches_tracked"}  # torch's BatchNorm adds it
     levels = len(vae.config.block_out_channels)
     out = {}
     for key, value in sd.items():
@@ -297,7 +297,7 @@ def wan_vae_to_original(vae) -> dict:
 
 def original_layout(family: str, transformer) -> dict:
     sd, config = transformer.state_dict(), transformer.config
-    if family == "flux":
+    if family in ("flux", "flux-kontext"):
         return flux_to_bfl(sd, config)
     if family == "sd3":
         return sd3_to_sai(sd, config)

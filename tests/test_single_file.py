@@ -25,7 +25,7 @@ from parallel.checkpoints import CheckpointFile, detect_checkpoint
 from parallel.checkpoints.detect import CONFIGS, supported_variants
 from parallel.loading import load_pipeline
 from original_layouts import fp8_scaled, original_layout
-from xdit_test_helpers import TOLERANCE, import_node_module, torchrun
+from xdit_test_helpers import TOLERANCE, at_requested_size, import_node_module, torchrun
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # read at import by the torchrun ranks' huggingface_hub
 
@@ -45,6 +45,7 @@ def _offline(monkeypatch):
 VARIANTS = {
     "flux1-dev": ("flux", {}),
     "flux1-schnell": ("flux", {"guidance_embeds": False}),
+    "flux1-kontext-dev": ("flux-kontext", {}),  # FLUX.1 dev's shapes: told apart by the file's name
     "sd3-medium": ("sd3", {"num_attention_heads": 2, "attention_head_dim": 64, "caption_projection_dim": 128}),
     "sd3.5-medium": ("sd3", {"qk_norm": "rms_norm", "dual_attention_layers": (0, 1)}),
     "sd3.5-large": ("sd3", {"qk_norm": "rms_norm"}),
@@ -97,10 +98,10 @@ def checkpoints(tmp_path_factory):
 
 def _run(pipe, family: str) -> torch.Tensor:
     video = {"num_frames": 5} if family in tiny_models.VIDEO_FAMILIES else {}
+    call = {**tiny_models.make_inputs(family, **video), **video, **tiny_models.PIPELINE_CALL_DEFAULTS[family],
+            "guidance_scale": tiny_models.MODELS[family].guidance, "height": 64, "width": 64, "num_inference_steps": 4}
     with torch.no_grad():
-        return pipe(**tiny_models.make_inputs(family, **video), **video, **tiny_models.PIPELINE_CALL_DEFAULTS[family],
-                    guidance_scale=tiny_models.MODELS[family].guidance, height=64, width=64, num_inference_steps=4,
-                    output_type="latent", return_dict=False)[0]
+        return pipe(**at_requested_size(pipe, call), output_type="latent", return_dict=False)[0]
 
 
 def _same_scheduler(file_pipe, folder_pipe, family: str) -> None:
@@ -230,13 +231,15 @@ def test_unknown_checkpoint_lists_supported(tmp_path):
         assert name in message
 
 
-def test_flux2_files_are_recognised_and_refused_with_the_reason(tmp_path):
-    """BFL's FLUX.2 layout shares Flux.1's double-block names: it must not be read as a damaged Flux.1 file."""
-    path = tmp_path / "flux-2-klein-4b.safetensors"
+def test_flux2_dev_files_are_recognised_and_refused_with_the_reason(tmp_path):
+    """BFL's FLUX.2 layout shares Flux.1's double-block names: it must not be read as a damaged Flux.1 file
+    ([klein] files load: test_flux2_files.py)."""
+    path = tmp_path / "flux2-dev.safetensors"
     save_file({"model.diffusion_model.double_blocks.0.img_attn.qkv.weight": torch.zeros(12, 4),
+               "model.diffusion_model.guidance_in.in_layer.weight": torch.zeros(12, 4),
                "model.diffusion_model.single_stream_modulation.lin.weight": torch.zeros(12, 4)}, path)
-    with pytest.raises(ValueError, match=r"flux-2-klein-4b.safetensors: a FLUX.2 \[klein\] transformer in BFL's layout. "
-                                         r"FLUX.2 single files do not load yet: .*batch-norm statistics.*diffusers folder"):
+    with pytest.raises(ValueError, match=r"flux2-dev.safetensors: a FLUX.2 \[dev\] transformer, which does not load "
+                                         r"yet .*FLUX.2 \[klein\] files do"):
         load_pipeline(path)
 
 
@@ -326,10 +329,10 @@ def test_quantized_files_of_every_family_equal_their_dequantized_weights(checkpo
     else:
         stored, meant = fp8_scaled(weights, per_layer=False)
         save_file(stored, quantized)
-    save_file({k: v.contiguous() for k, v in meant.items()}, tmp_path / "meant.safetensors")
+    save_file({k: v.contiguous() for k, v in meant.items()}, tmp_path / f"{variant}-meant.safetensors")
     pipe = load_pipeline(quantized, dtype="fp32")
     assert {"Q8_0", "float8_e4m3fn"} & storage_of(pipe.transformer).keys()
-    plain = load_pipeline(tmp_path / "meant.safetensors", dtype="fp32")
+    plain = load_pipeline(tmp_path / f"{variant}-meant.safetensors", dtype="fp32")
     _same_scheduler(pipe, plain, family)
     got, want = _run(pipe, family), _run(plain, family)
     assert (got - want).abs().max() < TOLERANCE

@@ -163,8 +163,8 @@ def test_wan21_i2v_file_takes_the_clip_vision_features(files, tmp_path):
 
 
 def test_each_wrong_combination_is_one_error_naming_the_fix(files, tmp_path):
-    with pytest.raises(ValueError, match=r"encodes the start image with its VAE: choose the Wan 2\.1 VAE "
-                                         r"\(wan_2\.1_vae\.safetensors\) as the pool's vae \(--vae FILE"):
+    with pytest.raises(ValueError, match=r"needs its VAE file beside it \(its pipeline encodes the start image with it\): "
+                                         r"choose the Wan 2\.1 VAE \(wan_2\.1_vae\.safetensors\) as the pool's vae \(--vae FILE"):
         load_pipeline(files["high"])
     with pytest.raises(ValueError, match="is not a Wan 2.1 VAE .* file .* takes the Wan 2.1 VAE"):
         load_pipeline(files["high"], vae=files["wan21"])

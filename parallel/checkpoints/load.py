@@ -149,9 +149,9 @@ def load_single_file_pipeline(path: str | Path, *, dtype: torch.dtype | None = N
         raise ValueError(f"{Path(path).name} is one expert of {title}, but its name does not say which: keep the "
                          f"two files as released, named {words}, side by side")
     if vae is None and "vae" in index:
-        vae_title = detected.single_file.vae.title
-        raise ValueError(f"{Path(path).name} is {title}, whose pipeline encodes the start image with its VAE: choose "
-                         f"the {vae_title} as the pool's vae (--vae FILE, from ComfyUI's models/vae)")
+        layout = detected.single_file.vae
+        raise ValueError(f"{Path(path).name} is {title}, which needs its VAE file beside it ({layout.needed}): choose "
+                         f"the {layout.title} as the pool's vae (--vae FILE, from ComfyUI's models/vae)")
     components = {name: load_transformer(found, file, index, dtype, keep_fp8, subfolder=name)
                   for name, (found, file) in experts.items()}
     if vae is not None:

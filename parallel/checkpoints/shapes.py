@@ -27,6 +27,11 @@ class Shapes:
             raise ValueError(f"{self.path} looks like a {self.family} checkpoint but has no tensor {key!r}: "
                              "the file is incomplete or a variant this pack does not support") from None
 
+    def named(self, word: str) -> bool:
+        """Whether the file's name holds `word` whole (between non-letters, any case): for what the weights cannot
+        show and the released files' names do (FLUX.1 Kontext, FLUX.2 [klein] base)."""
+        return re.search(rf"(?<![A-Za-z]){re.escape(word)}(?![A-Za-z])", self.path.name, re.IGNORECASE) is not None
+
     def error(self, text: str) -> ValueError:
         return ValueError(f"{self.path}: {text}")
 

@@ -2,8 +2,9 @@
 start image (image-to-video) and for decoding on the pool (xDiT VAE Decode, `sample --output x.png`).
 
 The family declares the VAE's layout (`SingleFile.vae`: a marker tensor and a reader for the config values
-the shapes pin down); the detected variant ships the rest of its config (parallel/configs/<variant>/vae), and
-diffusers' single-file loader converts the original layout, from this config only: nothing from a hub.
+the shapes pin down, and a converter where diffusers has none); the detected variant ships the rest of its
+config (parallel/configs/<variant>/vae), and diffusers' single-file loader (or the family's converter)
+converts the original layout, from this config only: nothing from a hub.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import diffusers
 import torch
+from accelerate import init_empty_weights
 
 from .detect import CheckpointFile, Detected
 from .shapes import Shapes
@@ -39,9 +41,16 @@ def load_vae(path: str | Path, detected: Detected, dtype: torch.dtype | None):
     config = json.loads((detected.config_dir / "vae" / "config.json").read_text())
     cls = getattr(diffusers, config["_class_name"])
     state_dict = checkpoint.state_dict()
+    dtype = dtype or next(iter(state_dict.values())).dtype
     try:
-        vae = cls.from_single_file(state_dict, config=str(detected.config_dir), subfolder="vae", local_files_only=True,
-                                   torch_dtype=dtype or next(iter(state_dict.values())).dtype, **overrides)
+        if layout.convert is None:
+            vae = cls.from_single_file(state_dict, config=str(detected.config_dir), subfolder="vae",
+                                       local_files_only=True, torch_dtype=dtype, **overrides)
+        else:
+            with init_empty_weights():
+                vae = cls.from_config({**config, **overrides})
+            converted = layout.convert(state_dict, vae.config)
+            vae.load_state_dict({k: v.to(dtype) for k, v in converted.items()}, strict=True, assign=True)
     except (ValueError, RuntimeError, KeyError) as error:  # tensors that do not fit the layout's config
         raise ValueError(f"{checkpoint.path} does not load as the {layout.title}: {str(error)[:300]}. The file is "
                          "damaged or another VAE") from None

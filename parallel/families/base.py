@@ -113,17 +113,21 @@ class ExpertPair:
 class VaeFile:
     """The VAE file that goes beside a family's single-file transformers (ComfyUI's models/vae), for pipelines
     that encode a start image and for decoding on the pool (`--vae`). Its diffusers class and config are the
-    shipped `vae/` of the detected variant (parallel/configs/<variant>/vae); diffusers' single-file loader
-    converts the original layout.
+    shipped `vae/` of the detected variant (parallel/configs/<variant>/vae).
 
-    marker: a tensor name only this VAE layout has.
-    title:  the VAE as users call it, with the file ComfyUI users have ("Wan 2.1 VAE (wan_2.1_vae.safetensors)").
-    read:   Shapes → config values the shapes pin down; raises ValueError for a VAE it cannot load.
+    marker:  a tensor name only this VAE layout has.
+    title:   the VAE as users call it, with the file ComfyUI users have ("Wan 2.1 VAE (wan_2.1_vae.safetensors)").
+    read:    Shapes → config values the shapes pin down; raises ValueError for a VAE it cannot load.
+    needed:  why the variants that list a `vae` in their shipped model_index.json need it (said when it is missing).
+    convert: (original state dict, config) → diffusers' names, where diffusers' single-file loader has no
+             converter for this VAE; None: diffusers' own.
     """
 
     marker: str
     title: str
     read: Callable[[Any], dict]
+    needed: str
+    convert: Callable[[dict, dict], dict] | None = None
 
 
 @dataclass(frozen=True)

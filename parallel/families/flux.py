@@ -213,7 +213,9 @@ def read_checkpoint(shape: Shapes) -> tuple[str, dict]:
                           "Depth / Canny); only text-to-image Flux.1 dev and schnell are supported")
     head_dim = shape("double_blocks.0.img_attn.norm.query_norm.scale")[0]
     guidance = "guidance_in.in_layer.weight" in shape
-    return "flux1-dev" if guidance else "flux1-schnell", {
+    # FLUX.1 Kontext [dev] has FLUX.1 [dev]'s weights' shapes: its file's name tells it (flux1-kontext-dev.safetensors)
+    variant = ("flux1-kontext-dev" if shape.named("kontext") else "flux1-dev") if guidance else "flux1-schnell"
+    return variant, {
         "in_channels": in_channels, "attention_head_dim": head_dim,
         "num_attention_heads": shape.heads(hidden, head_dim),
         "num_layers": shape.blocks(r"double_blocks\.(\d+)\."),
@@ -333,6 +335,7 @@ FLUX = FAMILIES.register(Family(
         variants={
             "flux1-dev": Variant("flux", "Flux.1 dev", "BFL keys double_blocks.*, with guidance_in.*"),
             "flux1-schnell": Variant("flux", "Flux.1 schnell", "BFL keys double_blocks.*, no guidance_in.*"),
+            "flux1-kontext-dev": Variant("flux-kontext", "FLUX.1 Kontext dev", "as Flux.1 dev, `kontext` in the file name"),
         },
         read=read_checkpoint,
         convert=convert_checkpoint,

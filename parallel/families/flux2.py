@@ -11,8 +11,11 @@ Its text embeddings are three hidden layers of Qwen3 stacked (`joint_attention_d
 padded to the pipeline's max_sequence_length with the padding tokens embedded and attended, as the
 pipeline does: no mask.
 
-Single files in BFL's layout (`single_stream_modulation.lin`, ...) are recognised and refused with the reason
-(read_checkpoint): the pipeline's latents need the FLUX.2 VAE's batch-norm statistics, which they lack.
+Single files in BFL's layout (`single_stream_modulation.lin`, ...; fp8, scaled fp8 and GGUF alike) load with the
+FLUX.2 VAE file beside them (`--vae flux2-vae.safetensors`): the pipeline returns its latents denormalised
+with that VAE's batch-norm statistics. Every size reads from the shapes (4B, 9B); whether the model is
+guidance-distilled does not show in the weights, so it comes from the name, as BFL names the undistilled
+ones (`flux-2-klein-base-4b`). FLUX.2 [dev] files are recognised and refused (no Mistral pipeline here yet).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from ..checkpoints.shapes import Shapes
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, Split
-from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel
+from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant, VaeFile
 
 TRANSFORMER_MODULE = "diffusers.models.transformers.transformer_flux2"
 
@@ -108,12 +111,60 @@ def tiny_inputs(*, batch: int, height: int, width: int, seed: int, negative: boo
     return out
 
 
-# -- single-file checkpoints: recognised, refused with the reason ------------------------------------------
+# -- single-file checkpoints: BFL's layout, with the FLUX.2 VAE file beside them -----------------------------
+HEAD_DIM_AXES = 4  # FLUX.2's rotary embedding: four equal axes (t, h, w, l) over each head
+
+
 def read_checkpoint(shape: Shapes) -> tuple[str, dict]:
-    model = "FLUX.2 [dev]" if "guidance_in.in_layer.weight" in shape else "FLUX.2 [klein]"
-    raise shape.error(f"a {model} transformer in BFL's layout. FLUX.2 single files do not load yet: the pipeline "
-                      "returns latents denormalised with the FLUX.2 VAE's batch-norm statistics, which a transformer "
-                      "file does not hold; use the model's diffusers folder (models/diffusers)")
+    """FLUX.2 [klein] (4B, 9B; distilled, or `base` in the file name as BFL names the undistilled ones)."""
+    if "guidance_in.in_layer.weight" in shape:
+        raise shape.error("a FLUX.2 [dev] transformer, which does not load yet (its Mistral text encoder's pipeline "
+                          "is not a family here); FLUX.2 [klein] files do")
+    hidden, in_channels = shape("img_in.weight")
+    head_dim = shape("double_blocks.0.img_attn.norm.query_norm.scale")[0]
+    variant = "flux2-klein-base" if shape.named("base") else "flux2-klein"
+    return variant, {
+        "in_channels": in_channels, "num_attention_heads": shape.heads(hidden, head_dim), "attention_head_dim": head_dim,
+        "joint_attention_dim": shape("txt_in.weight")[1], "num_layers": shape.blocks(r"double_blocks\.(\d+)\."),
+        "num_single_layers": shape.blocks(r"single_blocks\.(\d+)\."),
+        "mlp_ratio": shape("double_blocks.0.img_mlp.2.weight")[1] / hidden,
+        "timestep_guidance_channels": shape("time_in.in_layer.weight")[1],
+        "axes_dims_rope": [head_dim // HEAD_DIM_AXES] * HEAD_DIM_AXES,
+    }
+
+
+def convert_checkpoint(state_dict: dict, config: dict) -> dict:
+    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+
+    return convert_flux2_transformer_checkpoint_to_diffusers(state_dict)
+
+
+def read_vae(shape: Shapes) -> dict:
+    """The FLUX.2 VAE (flux2-vae.safetensors): its widths, blocks per level and latent channels."""
+    levels = shape.blocks(r"encoder\.down\.(\d+)\.")
+    return {"block_out_channels": [shape(f"encoder.down.{i}.block.0.conv2.weight")[0] for i in range(levels)],
+            "layers_per_block": shape.blocks(r"encoder\.down\.0\.block\.(\d+)\."),
+            "latent_channels": shape("decoder.conv_in.weight")[1],
+            "down_block_types": ["DownEncoderBlock2D"] * levels, "up_block_types": ["UpDecoderBlock2D"] * levels}
+
+
+def convert_vae(state_dict: dict, config) -> dict:
+    """BFL's FLUX.2 VAE layout → AutoencoderKLFlux2: an ldm VAE (diffusers' own converter) whose quant convs sit
+    inside the encoder and decoder, plus the batch-norm statistics the pipeline normalises latents with
+    (diffusers' scripts/convert_flux2_to_diffusers.py)."""
+    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
+
+    moved = {"encoder.quant_conv.": "quant_conv.", "decoder.post_quant_conv.": "post_quant_conv."}
+    ldm, statistics = {}, {}
+    for key, value in state_dict.items():
+        prefix = next((p for p in moved if key.startswith(p)), None)
+        if key in ("bn.running_mean", "bn.running_var"):
+            statistics[key] = value
+        elif prefix:
+            ldm[moved[prefix] + key[len(prefix):]] = value
+        else:
+            ldm[key] = value
+    return {**convert_ldm_vae_checkpoint(ldm, config), **statistics}
 
 
 FLUX2 = FAMILIES.register(Family(
@@ -134,8 +185,20 @@ FLUX2 = FAMILIES.register(Family(
         cfg_branches=("cond", "uncond"),
         uneven_tokens=True,
     ),
-    single_file=SingleFile(marker="single_stream_modulation.lin.weight", title="FLUX.2", variants={},
-                           read=read_checkpoint, convert=lambda state_dict, config: state_dict),
+    single_file=SingleFile(
+        marker="single_stream_modulation.lin.weight",
+        title="FLUX.2",
+        variants={
+            "flux2-klein": Variant("flux2-klein", "FLUX.2 [klein]", "BFL keys single_stream_modulation.*, no guidance_in"),
+            "flux2-klein-base": Variant("flux2-klein", "FLUX.2 [klein] base", "the same, `base` in the file name"),
+        },
+        read=read_checkpoint,
+        convert=convert_checkpoint,
+        # BFL's / Comfy-Org's flux2-vae.safetensors: the pipeline's latents are denormalised with its batch norm
+        vae=VaeFile(marker="bn.running_var", title="FLUX.2 VAE (flux2-vae.safetensors)", read=read_vae,
+                    needed="its pipeline denormalises the latents it returns with that VAE's batch-norm statistics",
+                    convert=convert_vae),
+    ),
     tiny={"flux2-klein": TinyModel("Flux2KleinPipeline", build_tiny, tiny_inputs, guidance=4.0)},
     attention_layers={"Flux2Attention": TRANSFORMER_MODULE, "Flux2ParallelSelfAttention": TRANSFORMER_MODULE},
 ))

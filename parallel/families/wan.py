@@ -411,7 +411,7 @@ WAN = FAMILIES.register(Family(
                                      "wan2.2-i2v-a14b": "wan2.2-i2v-a14b"}),
         # ComfyUI's wan_2.1_vae.safetensors (Wan's own layout), for image-to-video and decoding on the pool
         vae=VaeFile(marker="decoder.upsamples.0.residual.0.gamma", title="Wan 2.1 VAE (wan_2.1_vae.safetensors)",
-                    read=read_vae),
+                    read=read_vae, needed="its pipeline encodes the start image with it"),
     ),
     tiny={model: _tiny(model) for model in ("wan", "wan22", "wan22-5b", "wan22-i2v")},
     # Its cross-attention (attn2) is the same class but the plan never selects it.
