@@ -82,10 +82,13 @@ def flux2_to_bfl(sd: dict, config) -> dict:
     for src, dst in (("x_embedder", "img_in"), ("context_embedder", "txt_in"), ("proj_out", "final_layer.linear"),
                      ("time_guidance_embed.timestep_embedder.linear_1", "time_in.in_layer"),
                      ("time_guidance_embed.timestep_embedder.linear_2", "time_in.out_layer"),
+                     ("time_guidance_embed.guidance_embedder.linear_1", "guidance_in.in_layer"),  # [dev]
+                     ("time_guidance_embed.guidance_embedder.linear_2", "guidance_in.out_layer"),
                      ("double_stream_modulation_img.linear", "double_stream_modulation_img.lin"),
                      ("double_stream_modulation_txt.linear", "double_stream_modulation_txt.lin"),
                      ("single_stream_modulation.linear", "single_stream_modulation.lin")):
-        inv.move(src, dst, kinds=kinds(src))
+        if kinds(src):
+            inv.move(src, dst, kinds=kinds(src))
     inv.move("norm_out.linear", "final_layer.adaLN_modulation.1", kinds=kinds("norm_out.linear"), fn=_swap_halves)
     for i in range(config.num_layers):
         d, b = f"transformer_blocks.{i}.", f"double_blocks.{i}."

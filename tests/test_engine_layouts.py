@@ -35,7 +35,8 @@ LAYOUTS = {
 EXTRA = {  # (family, layout, scheduler): further cases on top of the matrix
     2: [("pixart-alpha", "ulysses2", "ddim"), ("pixart-sigma", "ring2", "euler"), ("flux", "ulysses2", "truecfg")],
 }
-CASES = [(n, f, l, "default") for n, layouts in LAYOUTS.items() for f in tiny_models.FAMILIES for l in layouts]
+CASES = [(n, f, l, "default") for n, layouts in LAYOUTS.items() for f in tiny_models.FAMILIES for l in layouts
+         if tiny_models.MODELS[f].cfg or "cfg" not in l]  # FLUX.2 [dev] has no CFG to split
 CASES += [(n, f, l, s) for n, extra in EXTRA.items() for f, l, s in extra]
 
 

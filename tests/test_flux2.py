@@ -1,10 +1,12 @@
-"""FLUX.2 [klein]: uneven image tokens with 4-axis rotary ids, and its Qwen3 text encoder on a pool.
+"""FLUX.2 [klein] and [dev]: uneven image tokens with 4-axis rotary ids, and the Qwen3 text encoder on a pool.
 
 test_engine_layouts runs the tiny [klein] base model through every layout (real CFG as two calls). Here:
 contract E on 48 × 80 pixels (15 image tokens: uneven over 2 ranks) under Ulysses 2 and Ring 2 equals
 diffusers' single-process Flux2KleinPipeline within 1e-4; the pool's text encoding (three stacked Qwen3
 layers, padded to 512 tokens as the pipeline pads them) equals diffusers' encode_prompt, and a job with it
-equals diffusers; a guidance-distilled [klein] refuses CFG parallel in one line.
+equals diffusers; a guidance-distilled [klein] refuses CFG parallel in one line. FLUX.2 [dev] (distilled
+guidance embedded, Mistral 3 text, packed latents out) on the same uneven tokens under Ulysses 2 equals
+diffusers' Flux2Pipeline, its guidance_scale reaching the guidance embedder; it refuses CFG parallel in one line.
 """
 
 from __future__ import annotations
@@ -42,6 +44,26 @@ def test_uneven_tokens_equal_diffusers(tiny_model_dirs, tmp_path, flags):
     assert (load_file(output)["latents"] - expected).abs().max().item() <= TOLERANCE
 
 
+def test_flux2_dev_uneven_tokens_and_its_distilled_guidance(tiny_model_dirs, tmp_path):
+    inputs, output = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_file(tiny_models.make_inputs("flux2-dev", height=HEIGHT, width=WIDTH), inputs)
+    model = tiny_model_dirs["flux2-dev"]
+    run = torchrun(2, "-m", "parallel.run", "--model", str(model), "--inputs", str(inputs), "--output", str(output),
+                   "--steps", str(STEPS), "--guidance-scale", "2.5", "--height", str(HEIGHT), "--width", str(WIDTH),
+                   "--ulysses-degree", "2")
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = load_file(output)["latents"]
+    expected = diffusers_latents(model, "flux2-dev", **load_file(inputs), **{**CALL, "guidance_scale": 2.5})
+    assert got.shape == expected.shape == (1, HEIGHT // 16 * WIDTH // 16, 128)  # packed, as Flux2Pipeline returns it
+    assert (got - expected).abs().max().item() <= TOLERANCE
+    other = diffusers_latents(model, "flux2-dev", **load_file(inputs), **CALL)  # guidance 4
+    assert (got - other).abs().max().item() > 10 * TOLERANCE
+    refused = torchrun(2, "-m", "parallel.run", "--model", str(model), "--inputs", str(inputs), "--output", str(output),
+                       "--steps", "2", "--height", str(HEIGHT), "--width", str(WIDTH), "--cfg-parallel")
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
+    assert refused.returncode != 0 and len(errors) == 1 and "FLUX.2 [dev] is guidance-distilled" in errors[0]
+
+
 def test_a_distilled_klein_refuses_cfg_parallel(tiny_model_dirs, tmp_path):
     distilled = tmp_path / "distilled"
     from diffusers import DiffusionPipeline
@@ -58,17 +80,20 @@ def test_a_distilled_klein_refuses_cfg_parallel(tiny_model_dirs, tmp_path):
     assert run.returncode != 0 and len(errors) == 1 and "guidance-distilled" in errors[0], run.stderr[-3000:]
 
 
-def test_the_pools_text_encoder_matches_diffusers(tiny_model_dirs, tmp_path):
+@pytest.mark.parametrize("family", ["flux2-klein", "flux2-dev"])
+def test_the_pools_text_encoder_matches_diffusers(tiny_model_dirs, tmp_path, family):
+    """Qwen3 ([klein]) and Mistral 3 ([dev]) encodings on a pool equal the pipeline's own encode_prompt."""
     from diffusers import DiffusionPipeline
 
-    with serving(tiny_model_dirs[FAMILY], tmp_path, "--nproc", "2", "--ulysses-degree", "2", "--text-encoders") as client:
-        pipeline = DiffusionPipeline.from_pretrained(tiny_model_dirs[FAMILY])
+    with serving(tiny_model_dirs[family], tmp_path, "--nproc", "2", "--ulysses-degree", "2", "--text-encoders") as client:
+        pipeline = DiffusionPipeline.from_pretrained(tiny_model_dirs[family])
         encoded = {text: client.encode(text)["prompt_embeds"] for text in ("a red fox in the snow", "")}
         for text, embeds in encoded.items():
             assert torch.equal(embeds, pipeline.encode_prompt(text, device="cpu")[0]), text
-        inputs = {"latents": tiny_models.make_inputs(FAMILY)["latents"], "prompt_embeds": encoded["a red fox in the snow"],
-                  "negative_prompt_embeds": encoded[""]}
+        inputs = {"latents": tiny_models.make_inputs(family)["latents"], "prompt_embeds": encoded["a red fox in the snow"]}
+        if family == "flux2-klein":
+            inputs["negative_prompt_embeds"] = encoded[""]
         latents = client.sample(inputs, {"steps": STEPS, "guidance_scale": GUIDANCE, "height": 64, "width": 64})
-        expected = diffusers_latents(pipeline, FAMILY, **inputs, num_inference_steps=STEPS, guidance_scale=GUIDANCE,
+        expected = diffusers_latents(pipeline, family, **inputs, num_inference_steps=STEPS, guidance_scale=GUIDANCE,
                                      height=64, width=64)
         assert (latents - expected).abs().max().item() <= TOLERANCE

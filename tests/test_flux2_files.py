@@ -121,6 +121,31 @@ def test_contract_e_with_cfg_parallel_equals_diffusers(files, tmp_path):
     assert (load_file(output)["latents"] - _reference(files, shipped)).abs().max().item() <= TOLERANCE
 
 
+def test_a_flux2_dev_file_needs_no_vae(tmp_path):
+    """FLUX.2 [dev] (told by its guidance embedder) returns packed latents, no VAE involved: its file alone loads
+    and equals the pipeline it came from."""
+    pipe = tiny_models.build_tiny_pipeline("flux2-dev", seed=3)
+    config = {k: v for k, v in pipe.transformer.config.items() if not k.startswith("_")}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        transformer = Flux2Transformer2DModel.from_config({**config, "num_attention_heads": 2, "attention_head_dim": 128,
+                                                           "axes_dims_rope": (32, 32, 32, 32)}).eval()
+    tiny_models._peak_attention(transformer, tiny_models.QK_SCALE)
+    path = tmp_path / "flux2-dev.safetensors"
+    save_file({k: v.contiguous() for k, v in flux2_to_bfl(transformer.state_dict(), transformer.config).items()}, path)
+    assert detect_checkpoint(path).variant == "flux2-dev"
+    loaded = load_pipeline(path, dtype="fp32")
+    assert type(loaded).__name__ == "Flux2Pipeline" and loaded.vae is None
+    written = type(pipe)(**{**pipe.components, "transformer": transformer, "scheduler": loaded.scheduler})
+    inputs = tiny_models.make_inputs("flux2-dev", height=SIZE, width=SIZE)
+    call = {**CALL, "guidance_scale": 2.5}
+    got = diffusers_latents(loaded, "flux2-dev", **inputs, **call)
+    assert got.shape == (1, (SIZE // 16) ** 2, 128)
+    assert (got - diffusers_latents(written, "flux2-dev", **inputs, **call)).abs().max().item() <= TOLERANCE
+    other_guidance = diffusers_latents(loaded, "flux2-dev", **inputs, **{**call, "guidance_scale": 4.0})
+    assert (got - other_guidance).abs().max().item() > 10 * TOLERANCE  # the guidance embedder is loaded and used
+
+
 def test_without_its_vae_one_error_names_it(files, tmp_path):
     with pytest.raises(ValueError, match=r"is FLUX.2 \[klein\] base, which needs its VAE file beside it \(.*batch-norm "
                                          r"statistics\): choose the FLUX.2 VAE \(flux2-vae.safetensors\) as the pool's vae"):

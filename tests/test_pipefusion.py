@@ -25,7 +25,7 @@ EXACT = {  # name: (nproc, layout); warm-up covers every step, so the pipeline i
     },
 }
 STALE = {"pp2_warmup1": 1, "pp2_warmup2": 2, "pp2_warmup3": 3}  # asynchronous after warm-up, 2 patches
-FAMILIES = ("pixart-alpha", "sd3", "flux", "qwen-image")
+FAMILIES = ("pixart-alpha", "sd3", "flux", "qwen-image", "flux2-klein")
 
 
 def call(family: str, layout: str) -> dict:

@@ -29,7 +29,8 @@ LAYOUTS = {
 }
 FAMILIES = (*tiny_models.FAMILIES, "wan", "wan22")  # Wan 2.2 A14B: both experts sharded
 FRAMES = {"wan": 5, "wan22": 5}
-CASES = [(n, f, l) for n, layouts in LAYOUTS.items() for f in FAMILIES for l in layouts]
+CASES = [(n, f, l) for n, layouts in LAYOUTS.items() for f in FAMILIES for l in layouts
+         if tiny_models.MODELS[f].cfg or "cfg" not in l]  # FLUX.2 [dev] has no CFG to split
 FAULT = (2, "sd3", "shard2-ulysses2-stale")
 CACHED = (2, "flux", "shard2-ulysses2-cached")  # diffusers' first-block cache hooks on sharded blocks
 CACHE = {"method": "first-block", "threshold": 0.5}

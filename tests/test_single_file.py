@@ -231,18 +231,6 @@ def test_unknown_checkpoint_lists_supported(tmp_path):
         assert name in message
 
 
-def test_flux2_dev_files_are_recognised_and_refused_with_the_reason(tmp_path):
-    """BFL's FLUX.2 layout shares Flux.1's double-block names: it must not be read as a damaged Flux.1 file
-    ([klein] files load: test_flux2_files.py)."""
-    path = tmp_path / "flux2-dev.safetensors"
-    save_file({"model.diffusion_model.double_blocks.0.img_attn.qkv.weight": torch.zeros(12, 4),
-               "model.diffusion_model.guidance_in.in_layer.weight": torch.zeros(12, 4),
-               "model.diffusion_model.single_stream_modulation.lin.weight": torch.zeros(12, 4)}, path)
-    with pytest.raises(ValueError, match=r"flux2-dev.safetensors: a FLUX.2 \[dev\] transformer, which does not load "
-                                         r"yet .*FLUX.2 \[klein\] files do"):
-        load_pipeline(path)
-
-
 def test_truncated_file(checkpoints, tmp_path):
     _, path = checkpoints["flux1-dev"]
     data = path.read_bytes()

@@ -16,7 +16,8 @@ torch.set_num_threads(1)  # tiny models: threading overhead only slows them down
 
 LATENT_SHAPE = {  # expected output latents of a 64x64 run, batch 1
     "pixart-alpha": (1, 4, 8, 8), "pixart-sigma": (1, 4, 8, 8), "sd3": (1, 16, 8, 8), "flux": (1, 16, 64),
-    "flux-kontext": (1, 16, 64), "qwen-image": (1, 16, 64), "flux2-klein": (1, 32, 8, 8)}
+    "flux-kontext": (1, 16, 64), "qwen-image": (1, 16, 64), "flux2-klein": (1, 32, 8, 8),
+    "flux2-dev": (1, 16, 128)}  # FLUX.2 [dev] returns its latents packed
 
 pytestmark = pytest.mark.parametrize("family", FAMILIES)
 
@@ -133,7 +134,7 @@ def test_prompt_string_end_to_end(family):
     handle = pipe.transformer.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         with torch.no_grad():
-            negative = {} if family == "flux2-klein" else {"negative_prompt": "blurry"}  # klein: always the empty prompt
+            negative = {} if family.startswith("flux2") else {"negative_prompt": "blurry"}  # no negative prompt to give
             out = pipe(prompt="a cat", **negative, guidance_scale=tiny_models.MODELS[family].guidance,
                        **at_requested_size(pipe, {"height": 64, "width": 64}), num_inference_steps=2,
                        output_type="latent", max_sequence_length=32,

@@ -170,6 +170,7 @@ class TinyModel:
     inputs: Callable[..., dict]
     guidance: float = 4.5
     true_cfg: dict[str, float] = field(default_factory=dict)
+    cfg: bool = True
 
 
 def pack_2x2(latents: torch.Tensor) -> torch.Tensor:

@@ -1,21 +1,23 @@
-"""FLUX.2 [klein]: Flux's double- and single-stream design with 4-axis rotary ids and Qwen3 text.
+"""FLUX.2 [klein] and [dev]: Flux's double- and single-stream design with 4-axis rotary ids; Qwen3 text
+([klein]) or Mistral Small 3.1 text ([dev]).
 
 As for FLUX.1, the packed image tokens and their rotary ids (`img_ids`, [B, S, 4]) are split at the
 transformer's input; the text is replicated in front of every image shard, in the double blocks'
 joint attention and in the single blocks' joint sequence. [klein] base models use real
 classifier-free guidance (two calls per step, `guidance_scale` with negative embeddings); distilled
-ones (`is_distilled`) take none. Latents go in as the pipeline takes them, [B, 4·C, H/16, W/16]
-(2×2 patches in channels), and come out as it returns them, unpatchified: [B, C, H/8, W/8].
+ones (`is_distilled`) take none, nor does [dev] (distilled guidance, embedded). Latents go in as the
+pipelines take them, [B, 4·C, H/16, W/16] (2×2 patches in channels), and come out as each returns them:
+[klein] unpatchified, [B, C, H/8, W/8]; [dev] packed, [B, H/16·W/16, 4·C].
 
-Its text embeddings are three hidden layers of Qwen3 stacked (`joint_attention_dim` = 3 × its width),
+Its text embeddings are three hidden layers of the text model stacked (`joint_attention_dim` = 3 × its width),
 padded to the pipeline's max_sequence_length with the padding tokens embedded and attended, as the
-pipeline does: no mask.
+pipelines do: no mask.
 
-Single files in BFL's layout (`single_stream_modulation.lin`, ...; fp8, scaled fp8 and GGUF alike) load with the
-FLUX.2 VAE file beside them (`--vae flux2-vae.safetensors`): the pipeline returns its latents denormalised
-with that VAE's batch-norm statistics. Every size reads from the shapes (4B, 9B); whether the model is
-guidance-distilled does not show in the weights, so it comes from the name, as BFL names the undistilled
-ones (`flux-2-klein-base-4b`). FLUX.2 [dev] files are recognised and refused (no Mistral pipeline here yet).
+Single files in BFL's layout (`single_stream_modulation.lin`, ...; fp8, scaled fp8 and GGUF alike) load;
+[klein] ones with the FLUX.2 VAE file beside them (`--vae flux2-vae.safetensors`): that pipeline returns its
+latents denormalised with the VAE's batch-norm statistics. Every size reads from the shapes (4B, 9B, [dev]'s
+32B); whether a [klein] is guidance-distilled does not show in the weights, so it comes from the name, as
+BFL names the undistilled ones (`flux-2-klein-base-4b`). [dev] is told by its guidance embedder.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from ..checkpoints.shapes import Shapes
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
-from ..model_executor.plans import CfgMode, Gather, ParallelPlan, Split
+from ..model_executor.plans import CfgMode, Gather, JoinedStream, ParallelPlan, PipeFusionPlan, Split, TokenRows
 from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant, VaeFile
 
 TRANSFORMER_MODULE = "diffusers.models.transformers.transformer_flux2"
@@ -63,7 +65,20 @@ class xFuserFlux2KleinPipeline(xFuserPipelineBaseWrapper):
         return {"prompt_embeds": embeds}
 
 
-# -- tiny built-in model ----------------------------------------------------------------------------------
+class xFuserFlux2Pipeline(xFuserFlux2KleinPipeline):
+    """FLUX.2 [dev]: the same transformer with a guidance embedder (`guidance_scale` is distilled guidance: one
+    branch, no CFG) and Mistral Small 3.1's hidden layers 10, 20 and 30 stacked as its text. It returns its
+    latents packed, [B, H/16·W/16, 128], as the pipeline keeps them (no VAE involved), where [klein] unpacks
+    and denormalises them."""
+
+    def uses_cfg(self, kwargs: dict[str, Any]) -> bool:
+        return False
+
+    def cfg_parallel_hint(self, kwargs: dict[str, Any]) -> str:
+        return "FLUX.2 [dev] is guidance-distilled: it runs one branch (guidance_scale is embedded); turn CFG parallel off."
+
+
+# -- tiny built-in models ---------------------------------------------------------------------------------
 QWEN3_LAYERS = 28  # the pipeline reads hidden states 9, 18 and 27
 CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -83,22 +98,59 @@ def _tiny_text_encoder(seed: int, width: int):
     return tokenizer, tm._seeded(seed, Qwen3ForCausalLM, config)
 
 
-def build_tiny(seed: int):
-    from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Transformer2DModel, FlowMatchEulerDiscreteScheduler
+MISTRAL_LAYERS = 30  # FLUX.2 [dev] reads hidden states 10, 20 and 30
+MISTRAL_CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% for part in message['content'] %}"
+                         "{{ part['text'] }}{% endfor %}<|im_end|>\n{% endfor %}")
+
+
+def _tiny_mistral3(seed: int, width: int):
+    """Mistral 3 (Pixtral vision tower + Mistral text model) with a byte-level vocabulary and a chat template for
+    the pipeline's [{"type": "text", ...}] messages; 30 narrow text layers (hidden states 10, 20, 30 used)."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
 
     from .. import tiny_models as tm
 
-    text_width = 16
+    tokenizer = tm._qwen_tokenizer()
+    tokenizer.chat_template = MISTRAL_CHAT_TEMPLATE
+    text = MistralConfig(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=MISTRAL_LAYERS,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=len(tokenizer),
+                         pad_token_id=tokenizer.pad_token_id)
+    vision = PixtralVisionConfig(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=1, num_attention_heads=2,
+                                 head_dim=8, image_size=32, patch_size=8)
+    config = Mistral3Config(text_config=text, vision_config=vision, image_token_index=len(tokenizer) - 1)
+    return tokenizer, tm._seeded(seed, Mistral3ForConditionalGeneration, config)
+
+
+def _build_tiny(seed: int, pipeline: str):
+    import diffusers
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel, FlowMatchEulerDiscreteScheduler
+
+    from .. import tiny_models as tm
+
+    text_width, dev = 16, pipeline == "Flux2Pipeline"
     transformer = tm._transformer(seed, Flux2Transformer2DModel, in_channels=128, num_layers=tm.BLOCKS // 2,
                                   num_single_layers=tm.BLOCKS // 2, joint_attention_dim=3 * text_width,
-                                  axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False)
+                                  axes_dims_rope=(4, 4, 4, 4), guidance_embeds=dev)
     vae = tm._seeded(seed + 3, AutoencoderKLFlux2, block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4,
                      latent_channels=32, sample_size=64)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_image_seq_len=256,
                                                 max_image_seq_len=4096, base_shift=0.5, max_shift=1.15)
-    tokenizer, text_encoder = _tiny_text_encoder(seed + 1, text_width)
-    return Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-                              transformer=transformer)
+    tokenizer, text_encoder = (_tiny_mistral3 if dev else _tiny_text_encoder)(seed + 1, text_width)
+    return getattr(diffusers, pipeline)(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                                        transformer=transformer)
+
+
+def build_tiny(seed: int):
+    return _build_tiny(seed, "Flux2KleinPipeline")
+
+
+def build_tiny_dev(seed: int):
+    return _build_tiny(seed, "Flux2Pipeline")
+
+
+def tiny_dev_inputs(**kwargs) -> dict:
+    """[klein]'s inputs without negatives: FLUX.2 [dev] takes none."""
+    return tiny_inputs(**{**kwargs, "negative": False})
 
 
 def tiny_inputs(*, batch: int, height: int, width: int, seed: int, negative: bool, text_tokens: int | None,
@@ -116,14 +168,14 @@ HEAD_DIM_AXES = 4  # FLUX.2's rotary embedding: four equal axes (t, h, w, l) ove
 
 
 def read_checkpoint(shape: Shapes) -> tuple[str, dict]:
-    """FLUX.2 [klein] (4B, 9B; distilled, or `base` in the file name as BFL names the undistilled ones)."""
-    if "guidance_in.in_layer.weight" in shape:
-        raise shape.error("a FLUX.2 [dev] transformer, which does not load yet (its Mistral text encoder's pipeline "
-                          "is not a family here); FLUX.2 [klein] files do")
+    """FLUX.2 [dev] (a guidance embedder) or [klein] (4B, 9B; distilled, or `base` in the file name as BFL names
+    the undistilled ones)."""
     hidden, in_channels = shape("img_in.weight")
     head_dim = shape("double_blocks.0.img_attn.norm.query_norm.scale")[0]
-    variant = "flux2-klein-base" if shape.named("base") else "flux2-klein"
+    dev = "guidance_in.in_layer.weight" in shape
+    variant = "flux2-dev" if dev else "flux2-klein-base" if shape.named("base") else "flux2-klein"
     return variant, {
+        "guidance_embeds": dev,
         "in_channels": in_channels, "num_attention_heads": shape.heads(hidden, head_dim), "attention_head_dim": head_dim,
         "joint_attention_dim": shape("txt_in.weight")[1], "num_layers": shape.blocks(r"double_blocks\.(\d+)\."),
         "num_single_layers": shape.blocks(r"single_blocks\.(\d+)\."),
@@ -169,7 +221,7 @@ def convert_vae(state_dict: dict, config) -> dict:
 
 FLUX2 = FAMILIES.register(Family(
     name="flux2",
-    pipelines={"Flux2KleinPipeline": xFuserFlux2KleinPipeline},
+    pipelines={"Flux2KleinPipeline": xFuserFlux2KleinPipeline, "Flux2Pipeline": xFuserFlux2Pipeline},
     transformer="Flux2Transformer2DModel",
     plan=ParallelPlan(
         inputs={"": {"hidden_states": Split(dim=1, expected_dims=3), "img_ids": Split(dim=1, expected_dims=3),
@@ -184,6 +236,16 @@ FLUX2 = FAMILIES.register(Family(
         cfg=CfgMode.SEQUENTIAL,
         cfg_branches=("cond", "uncond"),
         uneven_tokens=True,
+        # As Flux.1's, except that the single blocks take [text; image] joined (the transformer concatenates
+        # them between the two lists), with their own modulation computed once per call.
+        pipefusion=PipeFusionPlan(
+            blocks=("transformer_blocks", "single_transformer_blocks"),
+            carried=("hidden_states", "encoder_hidden_states"),
+            returns=("encoder_hidden_states", "hidden_states"),
+            token_inputs={"image_rotary_emb": TokenRows(text=TextLayout.PREFIX)},
+            joined={"single_transformer_blocks": JoinedStream(text="encoder_hidden_states",
+                                                              inputs={"temb_mod": "single_stream_modulation"})},
+        ),
     ),
     single_file=SingleFile(
         marker="single_stream_modulation.lin.weight",
@@ -191,6 +253,7 @@ FLUX2 = FAMILIES.register(Family(
         variants={
             "flux2-klein": Variant("flux2-klein", "FLUX.2 [klein]", "BFL keys single_stream_modulation.*, no guidance_in"),
             "flux2-klein-base": Variant("flux2-klein", "FLUX.2 [klein] base", "the same, `base` in the file name"),
+            "flux2-dev": Variant("flux2-dev", "FLUX.2 [dev]", "BFL keys single_stream_modulation.*, with guidance_in"),
         },
         read=read_checkpoint,
         convert=convert_checkpoint,
@@ -199,6 +262,7 @@ FLUX2 = FAMILIES.register(Family(
                     needed="its pipeline denormalises the latents it returns with that VAE's batch-norm statistics",
                     convert=convert_vae),
     ),
-    tiny={"flux2-klein": TinyModel("Flux2KleinPipeline", build_tiny, tiny_inputs, guidance=4.0)},
+    tiny={"flux2-klein": TinyModel("Flux2KleinPipeline", build_tiny, tiny_inputs, guidance=4.0),
+          "flux2-dev": TinyModel("Flux2Pipeline", build_tiny_dev, tiny_dev_inputs, guidance=4.0, cfg=False)},
     attention_layers={"Flux2Attention": TRANSFORMER_MODULE, "Flux2ParallelSelfAttention": TRANSFORMER_MODULE},
 ))

@@ -25,7 +25,7 @@ from ..config import LayoutError
 from ..distributed import GroupCoordinator, get_runtime_state
 from .attention import TextLayout
 from .hooks import as_keyword_arguments
-from .plans import PipeFusionPlan, TokenRows
+from .plans import JoinedStream, PipeFusionPlan, TokenRows
 
 
 @dataclass(frozen=True)
@@ -109,27 +109,41 @@ class PipeFusionStage:
         self.block_range = (start, end)
         self._run, self._first_step = -1, {}
         self.local = [block for _, _, block in blocks[start:end]]
+        self._joined = [plan.joined.get(name) for name, _, _ in blocks[start:end]]
         self._forwards = [type(block).forward.__get__(block) for block in self.local]
         for index, (name, i, block) in enumerate(blocks):
             if not start <= index < end:  # another stage's block: drop its weights
-                transformer.get_submodule(name)[i] = _Passthrough(plan, type(block).forward.__get__(block))
+                transformer.get_submodule(name)[i] = _Passthrough(plan, type(block).forward.__get__(block),
+                                                                  plan.joined.get(name))
         for offset, block in enumerate(self.local):
-            run = self._run_stage if offset == 0 else functools.partial(self._pass, self._forwards[offset])
+            run = self._run_stage if offset == 0 else functools.partial(self._pass, self._forwards[offset],
+                                                                        self._joined[offset])
             block.forward = _signed(run, self._forwards[offset])
+        # what joined blocks take from the transformer's own submodules, as this call computes it
+        self._captured: dict[str, torch.Tensor] = {}
+        self._hooks = [transformer.get_submodule(path).register_forward_hook(functools.partial(_capture, self._captured, arg))
+                       for joined in plan.joined.values() for arg, path in joined.inputs.items()]
 
     def remove(self) -> None:
         for block in self.local:
             del block.forward
+        for hook in self._hooks:
+            hook.remove()
 
     # -- the stage ----------------------------------------------------------------------------------
-    def _pass(self, forward, *args, **kwargs):
-        return _returns(self.plan, as_keyword_arguments(forward, args, kwargs))
+    def _pass(self, forward, joined, *args, **kwargs):
+        named = as_keyword_arguments(forward, args, kwargs)
+        return named[self.plan.carried[0]] if joined else _returns(self.plan, named)
 
     def _run_stage(self, *args, **kwargs):
         named = as_keyword_arguments(self._forwards[0], args, kwargs)
         image_name, *text_names = self.plan.carried
         image = named[image_name]
         runtime = get_runtime_state()
+        entry = self._joined[0]
+        if entry is not None:  # the stage starts inside joined blocks: their input is [text; image]
+            named = {**named, entry.text: image[:, : runtime.text_tokens]}
+            image = image[:, runtime.text_tokens :]
         if self._run != runtime.run:
             self._run, self._first_step = runtime.run, {}
         # Warm-up counts from this stage's first step of the job in this branch: an expert that takes
@@ -147,7 +161,10 @@ class PipeFusionStage:
             tokens = {n: _rows(named[n], rows, runtime.text_tokens, window)
                       for n, rows in self.plan.token_inputs.items() if named.get(n) is not None}
             with _patch(PatchContext(p, self.num_patches, asynchronous, self.branch())):
-                for forward in self._forwards:
+                for forward, joined in zip(self._forwards, self._joined):
+                    if joined is not None:
+                        state = self._run_joined(forward, joined, {**named, **tokens}, state)
+                        continue
                     out = forward(**{**named, **tokens, **state})
                     state = dict(zip(self.plan.returns, out if isinstance(out, tuple) else (out,)))
             if self.pp.is_last_rank:
@@ -156,11 +173,26 @@ class PipeFusionStage:
                 sends += [self.pp.isend_next(state[n]) for n in self.plan.carried]
         for work in sends:
             work.wait()
-        if not self.pp.is_last_rank:
-            return _returns(self.plan, named)  # a stand-in; the last stage's result is broadcast later
+        if not self.pp.is_last_rank:  # a stand-in; the last stage's result is broadcast later
+            return named[image_name] if entry is not None else _returns(self.plan, named)
         result = dict(outputs[-1])
         result[image_name] = torch.cat([o[image_name] for o in outputs], dim=1)
+        if entry is not None:  # as the first block returns it: the joined stream
+            return torch.cat([result[entry.text], result[image_name]], dim=1)
         return _returns(self.plan, result)
+
+    def _run_joined(self, forward, joined, named: dict[str, Any], state: dict[str, torch.Tensor]) -> dict:
+        """One joined block on [text; this patch], from the arguments it shares with the stage's first block,
+        the patch's token rows and what the transformer computed for it; the result split into the two streams."""
+        image_name = self.plan.carried[0]
+        text = state[joined.text]
+        parameters = inspect.signature(forward).parameters
+        kwargs = {k: v for k, v in named.items() if k in parameters}
+        kwargs.update({arg: self._captured[arg] for arg in joined.inputs})
+        kwargs.update({image_name: torch.cat([text, state[image_name]], dim=1), joined.text: None})
+        out = forward(**kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        return {**state, image_name: out[:, text.shape[1] :], joined.text: out[:, : text.shape[1]]}
 
     def _receive(self, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         buffers = {name: torch.empty_like(template[name], memory_format=torch.contiguous_format) for name in self.plan.carried}
@@ -185,6 +217,10 @@ def _patch(context: PatchContext):
         yield
     finally:
         _PATCH.reset(token)
+
+
+def _capture(store: dict, name: str, module, args, output) -> None:
+    store[name] = output
 
 
 def _returns(plan: PipeFusionPlan, named: dict[str, Any]):
@@ -217,11 +253,12 @@ class _Passthrough(torch.nn.Module):
     It keeps only the block's argument names, not the block, so the block's weights are freed.
     """
 
-    def __init__(self, plan: PipeFusionPlan, forward: Callable):
+    def __init__(self, plan: PipeFusionPlan, forward: Callable, joined: JoinedStream | None):
         super().__init__()
-        self._plan = plan
+        self._plan, self._joined = plan, joined
         self._names = [p.name for p in inspect.signature(forward).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
         self.forward = _signed(self._hand_on, forward)  # a plan's hook on this block still names its arguments
 
     def _hand_on(self, *args, **kwargs):
-        return _returns(self._plan, {**dict(zip(self._names, args)), **kwargs})
+        named = {**dict(zip(self._names, args)), **kwargs}
+        return named[self._plan.carried[0]] if self._joined else _returns(self._plan, named)

@@ -86,6 +86,23 @@ class TokenRows:
 
 
 @dataclass(frozen=True)
+class JoinedStream:
+    """Blocks that take the text and image streams as one sequence, [text; image] on dim 1, in the first carried
+    argument and return it so (FLUX.2's single blocks, after the transformer concatenates the two streams):
+    the stage joins the text and each patch before them and splits them after, so patches still flow between
+    stages as (image patch, text).
+
+    text:   the carried argument of the other blocks that holds the text stream (None for these blocks).
+    inputs: arguments of these blocks that the transformer computes once per call from a submodule (FLUX.2:
+            `temb_mod` is the output of `single_stream_modulation`), captured when that submodule runs, since a
+            stage may run them from the call of an earlier block.
+    """
+
+    text: str = "encoder_hidden_states"
+    inputs: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class PipeFusionPlan:
     """How the repeated blocks run as a patch pipeline (PipeFusion).
 
@@ -95,12 +112,14 @@ class PipeFusionPlan:
     returns:      the block's outputs in order, named like `carried` (a single name: a bare tensor).
     token_inputs: other block arguments holding one entry per token (tuples of such tensors too),
                   sliced to each patch (rotary tables, per-token modulation); see TokenRows.
+    joined:       block lists (of `blocks`) that take the two streams joined; see JoinedStream.
     """
 
     blocks: tuple[str, ...]
     carried: tuple[str, ...] = ("hidden_states",)
     returns: tuple[str, ...] = ("hidden_states",)
     token_inputs: dict[str, TokenRows] = field(default_factory=dict)
+    joined: dict[str, JoinedStream] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
