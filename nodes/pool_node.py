@@ -124,10 +124,6 @@ class XDiTPool(io.ComfyNode):
                                tooltip="A diffusers pipeline folder under models/diffusers, a single-file transformer "
                                        "checkpoint (file: Flux.1 dev/schnell, SD3 medium, SD3.5 medium/large, PixArt-α/Σ "
                                        "1024; its prompts are encoded with ComfyUI's CLIPTextEncode), or a built-in tiny model."),
-                io.Combo.Input("vae", options=vae_files(), default=NO_VAE, optional=True,
-                               tooltip="With a single-file model: its VAE file from models/vae (wan_2.1_vae.safetensors for "
-                                       "Wan image-to-video files, which need it); the pool then also decodes with it "
-                                       "(xDiT VAE Decode). none: no VAE on the pool."),
                 io.Int.Input("nproc", default=2, min=1, max=256, tooltip="Number of ranks (one per GPU)."),
                 io.Int.Input("ulysses_degree", default=2, min=1, max=256, tooltip=degree.format("Ulysses sequence parallelism")),
                 io.Int.Input("ring_degree", default=1, min=1, max=256, tooltip=degree.format("Ring attention")),
@@ -154,6 +150,11 @@ class XDiTPool(io.ComfyNode):
                 io.Boolean.Input("compile", default=False, optional=True,
                                  tooltip="torch.compile every transformer block: faster steps once the first job of each "
                                          "size has paid the compilation."),
+                # last, as every later input: saved workflows keep their widget values by position
+                io.Combo.Input("vae", options=vae_files(), default=NO_VAE, optional=True,
+                               tooltip="With a single-file model: its VAE file from models/vae (wan_2.1_vae.safetensors for "
+                                       "Wan image-to-video files, flux2-vae.safetensors for FLUX.2 [klein] files: they need "
+                                       "it); the pool then also decodes with it (xDiT VAE Decode). none: no VAE on the pool."),
             ],
             outputs=[XDiTPoolType.Output(display_name="pool")],
         )

@@ -38,16 +38,21 @@ def _vae(seed: int) -> AutoencoderKLFlux2:
     return vae.eval()
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("flux2_files")
-    pipe = tiny_models.build_tiny_pipeline(FAMILY, seed=3)
+def _real_heads(pipe) -> Flux2Transformer2DModel:
+    """The tiny transformer with FLUX.2's head size, 128 over four rotary axes of 32 (the reader assumes it)."""
     config = {k: v for k, v in pipe.transformer.config.items() if not k.startswith("_")}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(3)
         transformer = Flux2Transformer2DModel.from_config({**config, "num_attention_heads": 2, "attention_head_dim": 128,
                                                            "axes_dims_rope": (32, 32, 32, 32)}).eval()
-    tiny_models._peak_attention(transformer, tiny_models.QK_SCALE)
+    return tiny_models._peak_attention(transformer, tiny_models.QK_SCALE)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("flux2_files")
+    pipe = tiny_models.build_tiny_pipeline(FAMILY, seed=3)
+    transformer = _real_heads(pipe)
     out = {"vae": root / "vae" / "flux2-vae.safetensors", "base": root / "flux-2-klein-base-4b.safetensors",
            "distilled": root / "flux-2-klein-4b.safetensors", "other_vae": _vae(8)}
     out["vae"].parent.mkdir()
@@ -125,12 +130,7 @@ def test_a_flux2_dev_file_needs_no_vae(tmp_path):
     """FLUX.2 [dev] (told by its guidance embedder) returns packed latents, no VAE involved: its file alone loads
     and equals the pipeline it came from."""
     pipe = tiny_models.build_tiny_pipeline("flux2-dev", seed=3)
-    config = {k: v for k, v in pipe.transformer.config.items() if not k.startswith("_")}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(3)
-        transformer = Flux2Transformer2DModel.from_config({**config, "num_attention_heads": 2, "attention_head_dim": 128,
-                                                           "axes_dims_rope": (32, 32, 32, 32)}).eval()
-    tiny_models._peak_attention(transformer, tiny_models.QK_SCALE)
+    transformer = _real_heads(pipe)
     path = tmp_path / "flux2-dev.safetensors"
     save_file({k: v.contiguous() for k, v in flux2_to_bfl(transformer.state_dict(), transformer.config).items()}, path)
     assert detect_checkpoint(path).variant == "flux2-dev"
