@@ -4,7 +4,8 @@ test_engine_layouts runs the tiny [klein] base model through every layout (real 
 contract E on 48 × 80 pixels (15 image tokens: uneven over 2 ranks) under Ulysses 2 and Ring 2 equals
 diffusers' single-process Flux2KleinPipeline within 1e-4; the pool's text encoding (three stacked Qwen3
 layers, padded to 512 tokens as the pipeline pads them) equals diffusers' encode_prompt, and a job with it
-equals diffusers; a guidance-distilled [klein] refuses CFG parallel in one line. FLUX.2 [dev] (distilled
+equals diffusers; two reference images (`image`, their tokens split with the image's) equal diffusers given the
+same images; a guidance-distilled [klein] refuses CFG parallel in one line. FLUX.2 [dev] (distilled
 guidance embedded, Mistral 3 text, packed latents out) on the same uneven tokens under Ulysses 2 equals
 diffusers' Flux2Pipeline, its guidance_scale reaching the guidance embedder; it refuses CFG parallel in one line.
 """
@@ -42,6 +43,34 @@ def test_uneven_tokens_equal_diffusers(tiny_model_dirs, tmp_path, flags):
     expected = diffusers_latents(tiny_model_dirs[FAMILY], FAMILY, **load_file(inputs), **CALL)
     assert expected.shape == (1, 32, HEIGHT // 8, WIDTH // 8)  # what the pipeline returns: unpatchified
     assert (load_file(output)["latents"] - expected).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("flags", [("--ulysses-degree", "2"), ("--ring-degree", "2")], ids=["ulysses2", "ring2"])
+def test_reference_images_are_split_with_the_image(tiny_model_dirs, tmp_path, flags):
+    """Two 64×64 references (16 tokens each; FLUX.2 takes none under 64 px) after the 15 image tokens: 47 tokens,
+    uneven over 2 ranks; equal to
+    diffusers given the same references as PIL images, and different from the run without them."""
+    from parallel.families.flux2 import reference_images
+
+    references = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(4))
+    plain = tiny_models.make_inputs(FAMILY, height=HEIGHT, width=WIDTH)
+    inputs, output = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_file({**plain, "image": references}, inputs)
+    run = _engine(tiny_model_dirs[FAMILY], inputs, output, *flags)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = load_file(output)["latents"]
+    expected = diffusers_latents(tiny_model_dirs[FAMILY], FAMILY, **plain, image=reference_images(references), **CALL)
+    assert (got - expected).abs().max().item() <= TOLERANCE
+    without = diffusers_latents(tiny_model_dirs[FAMILY], FAMILY, **plain, **CALL)
+    assert (got - without).abs().max().item() > 10 * TOLERANCE  # the references take part
+
+
+def test_pipefusion_refuses_reference_images_in_one_line(tiny_model_dirs, tmp_path):
+    inputs, output = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_file({**tiny_models.make_inputs(FAMILY, height=HEIGHT, width=WIDTH), "image": torch.rand(1, 3, 64, 64)}, inputs)
+    run = _engine(tiny_model_dirs[FAMILY], inputs, output, "--pipefusion-degree", "2", "--warmup-steps", str(STEPS))
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert run.returncode != 0 and len(errors) == 1 and "PipeFusion does not take FLUX.2 reference images" in errors[0]
 
 
 def test_flux2_dev_uneven_tokens_and_its_distilled_guidance(tiny_model_dirs, tmp_path):

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ..checkpoints.shapes import Shapes
+from ..config import LayoutError
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
 from ..model_executor.plans import CfgMode, Gather, JoinedStream, ParallelPlan, PipeFusionPlan, Split, TokenRows
@@ -37,10 +38,39 @@ TRANSFORMER_MODULE = "diffusers.models.transformers.transformer_flux2"
 
 
 class xFuserFlux2KleinPipeline(xFuserPipelineBaseWrapper):
+    """Reference images (`image`, [N, 3, H, W] in [0, 1]: N references of one size) reach the pipeline as the PIL
+    images it takes, each sized by its own rules (at most 1 MP, cropped to whole 16-pixel tokens); their tokens
+    follow the image's in the sequence, split with them."""
+
     # ComfyUI 0.3.64 has no FLUX.2 model, so no latent format to convert with: LATENTs of it are not taken yet.
     comfy = ComfyData(latent_formats={}, expects="FLUX.2 needs a ComfyUI with FLUX.2 support (not 0.3.64)")
     latent_patch = 2
     embedding_sizes = {"prompt_embeds": "joint_attention_dim", "negative_prompt_embeds": "joint_attention_dim"}
+    tensor_inputs = ("image",)
+
+    def prepare(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], int, int]:
+        if isinstance(kwargs.get("image"), torch.Tensor):
+            kwargs = {**kwargs, "image": reference_images(kwargs["image"])}
+        return super().prepare(kwargs)
+
+    def reference_tokens(self, images: list | None) -> int:
+        """Tokens the references add, each sized as the pipeline sizes it."""
+        multiple = self.module.vae_scale_factor * 2
+        tokens = 0
+        for image in images or ():
+            if image.width * image.height > 1024 * 1024:
+                image = self.module.image_processor._resize_to_target_area(image, 1024 * 1024)
+            tokens += (image.width // multiple) * (image.height // multiple)
+        return tokens
+
+    def sequence_tokens(self, kwargs: dict[str, Any]) -> int:
+        return super().sequence_tokens(kwargs) + self.reference_tokens(kwargs.get("image"))
+
+    def check_layout(self, kwargs: dict[str, Any], batch: int) -> int:
+        if kwargs.get("image") and self.parallel_config.pipefusion_degree > 1:
+            raise LayoutError("PipeFusion does not take FLUX.2 reference images yet (their tokens follow the image's "
+                              "patches in the sequence); use Ulysses, Ring, CFG or data parallel for them")
+        return super().check_layout(kwargs, batch)
 
     def flow_sigmas(self, total: int) -> np.ndarray:
         return np.linspace(1.0, 1 / total, total)  # Flux2KleinPipeline's own default
@@ -63,6 +93,15 @@ class xFuserFlux2KleinPipeline(xFuserPipelineBaseWrapper):
     def encode_text(self, prompt: str) -> dict[str, torch.Tensor]:
         embeds, _ = self.module.encode_prompt(prompt, device=self.module.transformer.device)
         return {"prompt_embeds": embeds}
+
+
+def reference_images(pixels: torch.Tensor) -> list:
+    """[N, 3, H, W] in [0, 1] → N PIL images, as diffusers' image processor converts them (rounded to 8 bits)."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    if pixels.ndim != 4 or pixels.shape[1] != 3:
+        raise ValueError(f"image has shape {list(pixels.shape)}; FLUX.2 takes reference images as [N, 3, H, W] in [0, 1]")
+    return VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(pixels.float().clamp(0, 1).cpu()))
 
 
 class xFuserFlux2Pipeline(xFuserFlux2KleinPipeline):
