@@ -137,7 +137,7 @@ def load_single_file_pipeline(path: str | Path, *, dtype: torch.dtype | None = N
     """The detected family's diffusers pipeline around the file's transformer (dtype None: as stored; fp8
     files compute in bf16 then, from weights that stay fp8 unless `keep_fp8` is off); a file that is one of
     two experts brings its partner file (`expert_files`); `vae`: the VAE file that goes with it (vae.py),
-    which variants whose pipeline encodes a start image need."""
+    which the variants whose shipped model_index.json lists a `vae` need."""
     checkpoint = CheckpointFile(path)
     experts = expert_files(detect_checkpoint(checkpoint), checkpoint)
     detected = experts["transformer"][0]

@@ -1,5 +1,6 @@
 """A VAE file beside a single-file transformer (`--vae`, ComfyUI's models/vae): for pipelines that encode a
-start image (image-to-video) and for decoding on the pool (xDiT VAE Decode, `sample --output x.png`).
+start image (image-to-video) or denormalise its latents (FLUX.2 [klein]), and for decoding on the pool
+(xDiT VAE Decode).
 
 The family declares the VAE's layout (`SingleFile.vae`: a marker tensor and a reader for the config values
 the shapes pin down, and a converter where diffusers has none); the detected variant ships the rest of its
