@@ -111,6 +111,7 @@ class PipeFusionStage:
         self.local = [block for _, _, block in blocks[start:end]]
         self._joined = [plan.joined.get(name) for name, _, _ in blocks[start:end]]
         self._forwards = [type(block).forward.__get__(block) for block in self.local]
+        self._parameters = [set(inspect.signature(forward).parameters) for forward in self._forwards]  # joined blocks get only these
         for index, (name, i, block) in enumerate(blocks):
             if not start <= index < end:  # another stage's block: drop its weights
                 transformer.get_submodule(name)[i] = _Passthrough(plan, type(block).forward.__get__(block),
@@ -161,9 +162,9 @@ class PipeFusionStage:
             tokens = {n: _rows(named[n], rows, runtime.text_tokens, window)
                       for n, rows in self.plan.token_inputs.items() if named.get(n) is not None}
             with _patch(PatchContext(p, self.num_patches, asynchronous, self.branch())):
-                for forward, joined in zip(self._forwards, self._joined):
+                for forward, joined, parameters in zip(self._forwards, self._joined, self._parameters):
                     if joined is not None:
-                        state = self._run_joined(forward, joined, {**named, **tokens}, state)
+                        state = self._run_joined(forward, joined, parameters, {**named, **tokens}, state)
                         continue
                     out = forward(**{**named, **tokens, **state})
                     state = dict(zip(self.plan.returns, out if isinstance(out, tuple) else (out,)))
@@ -181,12 +182,12 @@ class PipeFusionStage:
             return torch.cat([result[entry.text], result[image_name]], dim=1)
         return _returns(self.plan, result)
 
-    def _run_joined(self, forward, joined, named: dict[str, Any], state: dict[str, torch.Tensor]) -> dict:
+    def _run_joined(self, forward, joined, parameters: set[str], named: dict[str, Any],
+                    state: dict[str, torch.Tensor]) -> dict:
         """One joined block on [text; this patch], from the arguments it shares with the stage's first block,
         the patch's token rows and what the transformer computed for it; the result split into the two streams."""
         image_name = self.plan.carried[0]
         text = state[joined.text]
-        parameters = inspect.signature(forward).parameters
         kwargs = {k: v for k, v in named.items() if k in parameters}
         kwargs.update({arg: self._captured[arg] for arg in joined.inputs})
         kwargs.update({image_name: torch.cat([text, state[image_name]], dim=1), joined.text: None})
