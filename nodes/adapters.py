@@ -123,7 +123,10 @@ class FamilyAdapter:
     def guidance_parameters(self, cfg: float, conditioning_guidance: float | None, use_negative: bool) -> tuple[float, dict]:
         """The job's guidance_scale and the family call parameters guidance adds: ComfyUI's cfg, or where the
         family distills guidance (its value comes with the conditioning), that as guidance_scale and cfg as
-        true CFG; where cfg is another call parameter (`cfg_call`), that, 1 (off) without a negative."""
+        true CFG; where cfg is another call parameter (`cfg_call`), that, 1 (off) without a negative; where the
+        pipeline's guidance is offset from ComfyUI's (`cfg_offset`), cfg less it, 0 (off) without a negative."""
+        if self.data.cfg_offset:
+            return (cfg - self.data.cfg_offset if use_negative else 0.0), {}
         if self.data.cfg_call:
             return cfg, {self.data.cfg_call: cfg if use_negative else 1.0}
         if not self.data.guidance_in_conditioning:

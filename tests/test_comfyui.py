@@ -24,6 +24,7 @@ FAMILIES = {  # family: (empty latent node, cfg, scale, shift)
     "flux": ("EmptySD3LatentImage", 1.0, 0.3611, 0.1159),
     "flux-kontext": ("EmptySD3LatentImage", 1.0, 0.3611, 0.1159),  # with ReferenceLatent: tests/test_flux_kontext.py
     "qwen-image": ("EmptySD3LatentImage", 4.0, None, None),  # Wan21 format: the VAE's per-channel mean and std
+    "z-image": ("EmptySD3LatentImage", 2.0, 0.3611, 0.1159),  # FLUX.1's VAE; cfg 2 is Z-Image's guidance_scale 1
 }
 TEXT_TO_IMAGE = [family for family in FAMILIES if family != "flux-kontext"]
 
@@ -77,6 +78,11 @@ def reference(model_dir, family, *, steps=4, size=64, seed=7, positive="a cat on
             negative_embeds, _ = pipeline.encode_prompt(negative, device="cpu")
             kwargs = {"prompt_embeds": embeds, "negative_prompt_embeds": negative_embeds, "true_cfg_scale": cfg,
                       "latents": pipeline._pack_latents(noise, 1, channels, size // 8, size // 8)}
+        elif family == "z-image":  # lists of [tokens, width]; guidance pos + g·(pos − neg): g = cfg − 1
+            (embeds,), _ = pipeline.encode_prompt(positive, do_classifier_free_guidance=False)
+            (negative_embeds,), _ = pipeline.encode_prompt(negative, do_classifier_free_guidance=False)
+            kwargs = {"prompt_embeds": [embeds], "negative_prompt_embeds": [negative_embeds], "guidance_scale": cfg - 1,
+                      "latents": noise}
         elif family == "sd3":
             pe, _, pp, _ = pipeline.encode_prompt(positive, None, None, do_classifier_free_guidance=False)
             ne, _, np_, _ = pipeline.encode_prompt(negative, None, None, do_classifier_free_guidance=False)

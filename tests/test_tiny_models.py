@@ -8,6 +8,7 @@ import torch
 from diffusers import DiffusionPipeline
 
 from parallel import tiny_models
+from parallel.model_executor.hooks import as_keyword_arguments
 from parallel.tiny_models import FAMILIES, PIPELINE_CALL_DEFAULTS, build_tiny_pipeline, make_inputs, save_tiny_pipeline
 
 from xdit_test_helpers import at_requested_size
@@ -17,7 +18,7 @@ torch.set_num_threads(1)  # tiny models: threading overhead only slows them down
 LATENT_SHAPE = {  # expected output latents of a 64x64 run, batch 1
     "pixart-alpha": (1, 4, 8, 8), "pixart-sigma": (1, 4, 8, 8), "sd3": (1, 16, 8, 8), "flux": (1, 16, 64),
     "flux-kontext": (1, 16, 64), "qwen-image": (1, 16, 64), "flux2-klein": (1, 32, 8, 8),
-    "flux2-dev": (1, 16, 128)}  # FLUX.2 [dev] returns its latents packed
+    "flux2-dev": (1, 16, 128), "z-image": (1, 16, 8, 8)}  # FLUX.2 [dev] returns its latents packed
 
 pytestmark = pytest.mark.parametrize("family", FAMILIES)
 
@@ -30,8 +31,8 @@ def _pipe(family):
 def _run(pipe, family, inputs, height=64, width=64, steps=4, guidance=None):
     guidance = tiny_models.MODELS[family].guidance if guidance is None else guidance
     with torch.no_grad():
-        out = pipe(**inputs, **PIPELINE_CALL_DEFAULTS[family], guidance_scale=guidance, num_inference_steps=steps,
-                   **at_requested_size(pipe, {"height": height, "width": width}), output_type="latent")
+        out = pipe(**PIPELINE_CALL_DEFAULTS[family], guidance_scale=guidance, num_inference_steps=steps,
+                   **at_requested_size(pipe, {**inputs, "height": height, "width": width}), output_type="latent")
     return out.images
 
 
@@ -95,7 +96,7 @@ def test_batch_and_non_square(family):
     assert not torch.allclose(out[0], out[1])
     # without negatives: a run without classifier-free guidance
     single = _run(pipe, family, make_inputs(family, height=128, width=96, negative=False), height=128, width=96,
-                  steps=2, guidance=1.0)
+                  steps=2, guidance=tiny_models.MODELS[family].unguided)
     assert torch.isfinite(single).all() and single.abs().max() < 20
 
 
@@ -128,7 +129,11 @@ def test_prompt_string_end_to_end(family):
     seen = {}
 
     def hook(module, args, kwargs):
-        seen.update({k: v.shape for k, v in kwargs.items() if k in ("encoder_hidden_states", "pooled_projections")})
+        named = as_keyword_arguments(module.forward, args, kwargs)
+        text = named.get("encoder_hidden_states", named.get("cap_feats"))  # Z-Image: a list of samples
+        seen["encoder_hidden_states"] = (text[0] if isinstance(text, list) else text).shape
+        if "pooled_projections" in named:
+            seen["pooled_projections"] = named["pooled_projections"].shape
 
     extra = {"use_resolution_binning": False, "clean_caption": False} if family.startswith("pixart") else {}
     handle = pipe.transformer.register_forward_pre_hook(hook, with_kwargs=True)

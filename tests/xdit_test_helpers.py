@@ -48,10 +48,15 @@ def diffusers_latents(model, family: str | None = None, *, scheduler: str | None
 
 def at_requested_size(pipeline, call: dict) -> dict:
     """`call` with max_area = height·width for pipelines that resize to an area (FLUX.1 Kontext: 1024² by
-    default), so diffusers samples at the size the engine honours exactly."""
+    default), so diffusers samples at the size the engine honours exactly; embeddings [B, tokens, width] as
+    lists of samples where the pipeline takes lists (Z-Image)."""
     import inspect
 
-    if "max_area" in inspect.signature(pipeline.__call__).parameters and call.get("height") and call.get("width"):
+    parameters = inspect.signature(pipeline.__call__).parameters
+    for name in ("prompt_embeds", "negative_prompt_embeds"):
+        if name in parameters and str(parameters[name].annotation).startswith("list") and hasattr(call.get(name), "unbind"):
+            call = {**call, name: list(call[name].unbind(0))}
+    if "max_area" in parameters and call.get("height") and call.get("width"):
         return {"max_area": call["height"] * call["width"], **call}
     return call
 

@@ -37,6 +37,8 @@ class ComfyData:
                     becomes `true_cfg_scale`.
     cfg_call:       the call parameter ComfyUI's cfg sets where it is not `guidance_scale` (Qwen-Image's
                     classifier-free guidance is `true_cfg_scale`); "": guidance_scale.
+    cfg_offset:     the pipeline's guidance_scale is ComfyUI's cfg minus this (Z-Image guides `pos + g·(pos − neg)`,
+                    ComfyUI `neg + cfg·(pos − neg)`: g = cfg − 1), 0 without a negative.
     temporal:       frames per latent frame after the first (video: latents [B, C, T', H, W]); 0: images.
     expects:        how to make a conditioning this model takes (said when one does not fit).
     empty_latent:   which ComfyUI node makes a latent this model takes (said when one does not fit).
@@ -62,6 +64,7 @@ class ComfyData:
     guidance_in_conditioning: bool = False
     default_guidance: float = 3.5
     cfg_call: str = ""
+    cfg_offset: float = 0.0
     temporal: int = 0
     expects: str = ""
     empty_latent: str = "an empty latent node made for this model"
@@ -163,6 +166,8 @@ class TinyModel:
     guidance: the guidance_scale the tests sample it with (the pipeline's own meaning).
     true_cfg: the call arguments that turn on classifier-free guidance where guidance_scale is distilled
               guidance (Flux: true_cfg_scale); tests add them for CFG parallel.
+    cfg:      whether the model has classifier-free guidance at all (FLUX.2 [dev]: no).
+    unguided: the guidance_scale of a run without classifier-free guidance (Z-Image: 0).
     """
 
     pipeline: str
@@ -171,6 +176,7 @@ class TinyModel:
     guidance: float = 4.5
     true_cfg: dict[str, float] = field(default_factory=dict)
     cfg: bool = True
+    unguided: float = 1.0
 
 
 def pack_2x2(latents: torch.Tensor) -> torch.Tensor:

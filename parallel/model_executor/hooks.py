@@ -58,12 +58,13 @@ def apply_sequence_plan(
 
     if sp.world_size > 1:
         for path, specs in plan.inputs.items():
-            module = transformer.get_submodule(path)
-            where = path or type(transformer).__name__
             specs = {name: spec for name, spec in specs.items() if kv_cache is None or not spec.text}
-            handles.append(module.register_forward_pre_hook(_split_inputs(module, where, specs, sp, plan.uneven_tokens), with_kwargs=True))
+            for where, module in modules_at(transformer, path):
+                handles.append(module.register_forward_pre_hook(
+                    _split_inputs(module, where or type(transformer).__name__, specs, sp, plan.uneven_tokens), with_kwargs=True))
         for path, op in plan.outputs.items():
-            handles.append(transformer.get_submodule(path).register_forward_hook(_output_op(path, op, sp, plan.uneven_tokens)))
+            for where, module in modules_at(transformer, path):
+                handles.append(module.register_forward_hook(_output_op(where, op, sp, plan.uneven_tokens)))
 
     layers: list[xFuserLayerBaseWrapper] = []
     for name, module in transformer.named_modules():
@@ -78,9 +79,29 @@ def apply_sequence_plan(
     return handles, layers
 
 
-def _record_text_tokens(text_input: str):
+def modules_at(root: torch.nn.Module, path: str) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) for every submodule a plan path names ("*": each child at that level, "-1": the last)."""
+    found = [("", root)]
+    for part in path.split(".") if path else ():
+        step = []
+        for name, module in found:
+            children = list(module.named_children())
+            if part == "*":
+                chosen = children
+            elif part == "-1":
+                chosen = children[-1:]
+            else:
+                chosen = [(part, module.get_submodule(part))]
+            step += [(f"{name}.{child}" if name else child, sub) for child, sub in chosen]
+        found = step
+    if not found:
+        raise ValueError(f"the parallel plan's path {path!r} names no module of {type(root).__name__}")
+    return found
+
+
+def _record_text_tokens(text_input: str | None):
     def hook(module, args, kwargs):
-        text = as_keyword_arguments(module.forward, args, kwargs).get(text_input)
+        text = as_keyword_arguments(module.forward, args, kwargs).get(text_input) if text_input else None
         get_runtime_state().text_tokens = 0 if text is None else text.shape[1]
 
     return hook

@@ -126,11 +126,16 @@ class PipeFusionPlan:
 class ParallelPlan:
     """How a transformer class is parallelised.
 
-    inputs:    module path ("" = the transformer) → {forward argument: Split}, applied before it runs.
+    inputs:    module path ("" = the transformer) → {forward argument: Split}, applied before it runs. A path
+               part "*" names every child at that level, "-1" the last one (Z-Image's per-block rotary tables:
+               "layers.*"; the tokens entering the first block: "layers.0").
     outputs:   module path → Split or Gather, applied to the module's output (first element of a tuple).
     attention: glob over module paths → where that attention keeps replicated text tokens; every
                matching attention runs USP. Attention not listed (e.g. cross-attention) stays local.
-    text_input: the forward argument whose token count is the text length for joint attention.
+    text_input: the forward argument whose token count is the text length for joint attention; None: the
+               attention sees one sequence, split alike (Z-Image's unified image + text sequence).
+    image_input: the forward argument holding the latents (a tensor, or one tensor per sample in a list, as
+               Z-Image takes them: CFG parallel splits either along the batch).
     cfg:       how guidance branches arrive (see CfgMode).
     pipefusion: how the blocks form a patch pipeline, if the family supports PipeFusion.
     output_channels: the config entry giving the output's channels (dim 1) when they differ from the
@@ -140,7 +145,8 @@ class ParallelPlan:
     inputs: dict[str, dict[str, Split]] = field(default_factory=dict)
     outputs: dict[str, Split | Gather] = field(default_factory=dict)
     attention: dict[str, TextLayout] = field(default_factory=dict)
-    text_input: str = "encoder_hidden_states"
+    text_input: str | None = "encoder_hidden_states"
+    image_input: str = "hidden_states"
     cfg: CfgMode = CfgMode.BATCHED
     cfg_branches: tuple[str, str] = ("uncond", "cond")
     uneven_tokens: bool = False

@@ -28,6 +28,8 @@ EXAMPLES = {  # file stem: (family, empty latent node, cfg, what the example say
     "xdit_flux": ("flux", "EmptySD3LatentImage", 1.0, "Flux (cfg 1: distilled guidance only)"),
     "xdit_wan": ("wan22", "EmptyHunyuanLatentVideo", 5.0, "Wan 2.2 text-to-video"),
     "xdit_qwen_image": ("qwen-image", "EmptySD3LatentImage", 4.0, "Qwen-Image (cfg: true CFG with the negative prompt)"),
+    "xdit_z_image": ("z-image", "EmptySD3LatentImage", 1.0,
+                     "Z-Image (cfg 1 as Z-Image-Turbo samples; above 1: classifier-free guidance)"),
     "xdit_flux_kontext": ("flux-kontext", "EmptySD3LatentImage", 1.0,
                           "FLUX.1 Kontext editing a first sampler's image (your own: LoadImage → VAEEncode)"),
     "xdit_model_ksampler": ("sd3", "EmptySD3LatentImage", 4.5, "ComfyUI's KSampler on the pool through xDiT Model (SD3)"),

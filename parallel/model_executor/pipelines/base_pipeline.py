@@ -146,6 +146,9 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
         return self.comfy.model_class
 
     # -- checks -------------------------------------------------------------------------------------
+    def attention_heads(self) -> int:
+        return self.module.transformer.config.num_attention_heads
+
     def uses_cfg(self, kwargs: dict[str, Any]) -> bool:
         return kwargs.get("guidance_scale", 1.0) > 1.0
 
@@ -206,7 +209,7 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
     def check_layout(self, kwargs: dict[str, Any], batch: int) -> int:
         """Raise LayoutError, before any compute, if this input cannot run on this layout."""
         c = self.parallel_config
-        heads = self.module.transformer.config.num_attention_heads
+        heads = self.attention_heads()
         if heads % c.ulysses_degree:
             divisors = [d for d in range(1, heads + 1) if heads % d == 0]
             raise LayoutError(

@@ -23,6 +23,17 @@ def _first(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output.sample
 
 
+def _batch_part(value: Any, batch: int, start: int, stop: int) -> Any:
+    """Samples start:stop of a per-sample argument (a batched tensor, a list of samples, a dict of them)."""
+    if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == batch:
+        return value[start:stop]
+    if isinstance(value, list) and len(value) == batch:
+        return value[start:stop]
+    if isinstance(value, dict):
+        return {k: _batch_part(v, batch, start, stop) for k, v in value.items()}
+    return value
+
+
 class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
     """One class for every family: the family's `plan` (parallel/families/) says what differs."""
 
@@ -86,32 +97,41 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
     def evaluate(self, **named):
         """One call outside a pipeline's loop (model_call.py): its batch split over the cfg ranks where it
         divides, whatever the plan's CfgMode (a ComfyUI sampler batches cond and uncond in one call)."""
-        if self._cfg.world_size > 1 and named["hidden_states"].shape[0] % self._cfg.world_size == 0:
+        if self._cfg.world_size > 1 and len(named[self.plan.image_input]) % self._cfg.world_size == 0:
             return self._forward_batched_cfg((), named)
         return self._run(**named)
 
     def _run(self, *args, **kwargs):
         """The diffusers forward; with PipeFusion, every stage then takes the last stage's output."""
+        named = as_keyword_arguments(self.module.forward, args, kwargs)
+        samples = named.get(self.plan.image_input)
+        if isinstance(samples, list) and len(samples) > 1 and (self._layers or self._stage is not None):
+            return self._run_per_sample(named, len(samples))
         output = self.module(*args, **kwargs)
         if self._pp.world_size > 1:
             output = map_first(output, lambda t: self._pp.broadcast(t.contiguous(), src=self._pp.world_size - 1))
         return output
 
+    def _run_per_sample(self, named: dict, batch: int):
+        """Samples given as a list (Z-Image) may differ in length, which the model pads and masks; sequence-
+        parallel attention takes no mask, so each sample runs alone (the same result: padding is masked out)."""
+        outputs = [self._run(**{k: _batch_part(v, batch, i, i + 1) for k, v in named.items()}) for i in range(batch)]
+        return map_first(outputs[0], lambda _: [sample for output in outputs for sample in _first(output)])
+
     def _forward_batched_cfg(self, args: tuple, kwargs: dict):
         """The pipeline sends cat([uncond, cond]); each cfg rank runs its half, then both halves are gathered."""
         named = as_keyword_arguments(self.module.forward, args, kwargs)
-        batch = named["hidden_states"].shape[0]
+        batch = len(named[self.plan.image_input])
         rank, size = self._cfg.rank_in_group, self._cfg.world_size
+        part = batch // size
+        output = self._run(**{k: _batch_part(v, batch, rank * part, (rank + 1) * part) for k, v in named.items()})
+        return map_first(output, lambda t: self._gather_batch(t))
 
-        def half(value):
-            if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == batch:
-                return value.chunk(size)[rank]
-            if isinstance(value, dict):
-                return {k: half(v) for k, v in value.items()}
-            return value
-
-        output = self._run(**{k: half(v) for k, v in named.items()})
-        return map_first(output, lambda t: self._cfg.all_gather(t, dim=0))
+    def _gather_batch(self, mine):
+        """Every cfg rank's part of the batch, in rank order (a list of samples stays a list)."""
+        if isinstance(mine, list):
+            return list(self._cfg.all_gather(torch.stack(mine), dim=0).unbind(0))
+        return self._cfg.all_gather(mine, dim=0)
 
     def empty_output(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """A buffer shaped like the output for `hidden_states` (Wan I2V takes 36 channels, returns 16)."""
@@ -138,7 +158,7 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
             result = _first(output)
         else:
             named = as_keyword_arguments(self.module.forward, args, kwargs)
-            result = self.empty_output(named["hidden_states"])
+            result = self.empty_output(named[self.plan.image_input])
             output = Transformer2DModelOutput(sample=result) if named.get("return_dict", True) else (result,)
         self._step_results[index] = result
         if index == len(branches) - 1:
