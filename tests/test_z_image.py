@@ -5,7 +5,10 @@ through contract E on 2 ranks: 48 × 80 pixels (15 image tokens, which the model
 prompt and a 17-token negative (padded to 64 and 32: the model would mask them, so each sample runs alone)
 under Ulysses 2, Ring 2 and CFG 2 equals diffusers' single-process ZImagePipeline within 1e-4, and misses it
 by far more with another guidance scale; guidance 0 (no CFG, as Z-Image-Turbo samples) equals diffusers
-and refuses CFG parallel in one line. The plan's paths ("*", "-1") name the modules they should.
+and refuses CFG parallel in one line. On a Ulysses-2 pool, the Qwen3 encodings equal the pipeline's own
+encode_prompt (one [1, tokens, width] per prompt, unpadded), a job with them equals diffusers, and a PEFT LoRA
+on the main and refiner blocks equals diffusers with the LoRA fused (and is removed exactly). The plan's
+paths ("*", "-1") name the modules they should.
 """
 
 from __future__ import annotations
@@ -14,9 +17,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from diffusers import DiffusionPipeline
+
 from parallel import tiny_models
 from parallel.model_executor.hooks import modules_at
 
+from pool_helpers import serving
 from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
 
 FAMILY, STEPS, GUIDANCE = "z-image", 4, 1.0
@@ -74,3 +80,41 @@ def test_plan_paths_name_every_child_and_the_last():
     assert modules_at(blocks, "") == [("", blocks)]
     with pytest.raises(AttributeError):
         modules_at(blocks, "blocks.0")
+
+
+def _peft_lora(path, blocks=("layers.1", "noise_refiner.0"), rank=4) -> str:
+    g = torch.Generator().manual_seed(3)
+    weights = {}
+    for block in blocks:
+        for layer in ("attention.to_q", "attention.to_v", "feed_forward.w1"):
+            out = 170 if layer == "feed_forward.w1" else 64  # Z-Image's FFN: int(64 / 3 * 8)
+            weights[f"transformer.{block}.{layer}.lora_A.weight"] = torch.randn(rank, 64, generator=g) * 0.3
+            weights[f"transformer.{block}.{layer}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.3
+    save_file(weights, path)
+    return str(path)
+
+
+def test_pool_text_encoding_lora_and_jobs_equal_diffusers(tiny_model_dirs, tmp_path):
+    model = tiny_model_dirs[FAMILY]
+    params = {"steps": STEPS, "guidance_scale": GUIDANCE, "height": HEIGHT, "width": WIDTH}
+    lora = _peft_lora(tmp_path / "lora.safetensors")
+    with serving(model, tmp_path, "--nproc", "2", "--ulysses-degree", "2", "--text-encoders") as client:
+        pipeline = DiffusionPipeline.from_pretrained(model)
+        encoded = {text: client.encode(text)["prompt_embeds"] for text in ("a red fox in the snow", "blurry")}
+        for text, embeds in encoded.items():
+            (own,), _ = pipeline.encode_prompt(text, device="cpu", do_classifier_free_guidance=False)
+            assert torch.equal(embeds, own[None]), text
+        inputs = {"latents": tiny_models.make_inputs(FAMILY, height=HEIGHT, width=WIDTH)["latents"],
+                  "prompt_embeds": encoded["a red fox in the snow"], "negative_prompt_embeds": encoded["blurry"]}
+        base = client.sample(inputs, params)
+        call = {**inputs, "guidance_scale": GUIDANCE, **CALL}
+        assert (base - diffusers_latents(pipeline, FAMILY, **call)).abs().max().item() <= TOLERANCE
+
+        with_lora = client.sample(inputs, {**params, "loras": [{"path": lora, "strength": 0.8}]})
+        pipeline.load_lora_weights(lora, adapter_name="l")
+        pipeline.set_adapters(["l"], adapter_weights=[0.8])
+        pipeline.fuse_lora(adapter_names=["l"], lora_scale=1.0)
+        pipeline.unload_lora_weights()
+        assert (with_lora - diffusers_latents(pipeline, FAMILY, **call)).abs().max().item() <= TOLERANCE
+        assert (with_lora - base).abs().max().item() > 100 * TOLERANCE  # the LoRA takes part
+        assert torch.equal(client.sample(inputs, params), base)  # and is removed exactly
