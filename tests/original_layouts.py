@@ -298,6 +298,24 @@ def wan_vae_to_original(vae) -> dict:
     return out
 
 
+def z_image_to_original(sd: dict) -> dict:
+    """Tongyi-MAI's layout under ComfyUI's prefix: q, k, v fused, the embedder and final layer of patch 2-1 without
+    diffusers' per-patch dicts (the inverse of diffusers' convert_z_image_transformer_checkpoint_to_diffusers)."""
+    renames = {"all_x_embedder.2-1.": "x_embedder.", "all_final_layer.2-1.": "final_layer.", ".attention.norm_q.": ".attention.q_norm.",
+               ".attention.norm_k.": ".attention.k_norm.", ".attention.to_out.0.": ".attention.out."}
+    out = {}
+    for key, value in sd.items():
+        if ".attention.to_k." in key or ".attention.to_v." in key:
+            continue
+        if ".attention.to_q." in key:
+            parts = [sd[key.replace("to_q", name)] for name in ("to_q", "to_k", "to_v")]
+            key, value = key.replace(".attention.to_q.", ".attention.qkv."), torch.cat(parts, dim=0)
+        for old, new in renames.items():
+            key = key.replace(old, new)
+        out[f"model.diffusion_model.{key}"] = value.clone()
+    return out
+
+
 def original_layout(family: str, transformer) -> dict:
     sd, config = transformer.state_dict(), transformer.config
     if family in ("flux", "flux-kontext"):
@@ -308,6 +326,8 @@ def original_layout(family: str, transformer) -> dict:
         return {f"model.diffusion_model.{k}": v for k, v in sd.items()}
     if family.startswith("wan"):
         return wan_to_original(sd)
+    if family == "z-image":
+        return z_image_to_original(sd)
     return pixart_to_original(sd, config, PIXART_TOKENS[family], transformer.pos_embed.pos_embed)
 
 

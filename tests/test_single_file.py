@@ -56,6 +56,7 @@ VARIANTS = {
     "pixart-sigma-1024": ("pixart-sigma", {"num_attention_heads": 2, "attention_head_dim": 72,
                                            "cross_attention_dim": 144}),
     "qwen-image": ("qwen-image", {}),
+    "z-image": ("z-image", {}),
     # Wan's head size is 128 in every released model (the single-file reader assumes it)
     "wan2.1-t2v-1.3b": ("wan", {"num_attention_heads": 2, "attention_head_dim": 128}),
     "wan2.2-ti2v-5b": ("wan22-5b", {"num_attention_heads": 2, "attention_head_dim": 128}),
@@ -411,7 +412,7 @@ def test_pool_node_lists_single_files(checkpoints, tmp_path, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------- engine (torchrun)
-@pytest.mark.parametrize("variant", ["flux1-dev", "wan2.1-t2v-1.3b"])
+@pytest.mark.parametrize("variant", ["flux1-dev", "wan2.1-t2v-1.3b", "z-image"])
 def test_engine_takes_a_file(checkpoints, tmp_path, variant):
     """Contract E with --model FILE on 2 ranks (Ulysses 2) equals the single-process file pipeline."""
     family, _ = VARIANTS[variant]

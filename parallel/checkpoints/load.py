@@ -69,6 +69,16 @@ def _check_fits(model: torch.nn.Module, state_dict: dict, detected: Detected) ->
                          f"{'; '.join(problems)}. The file is damaged or a variant this pack does not support")
 
 
+def _dequantized_outside_linears(model: torch.nn.Module, state_dict: dict) -> dict:
+    """diffusers' GGUF quantizer swaps the linear layers for ones that dequantize as they run; a quantized tensor
+    anywhere else (Z-Image's pad tokens, [1, dim]) is dequantized at load, to the values those layers compute."""
+    from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
+
+    linear = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    return {name: dequantize_gguf_tensor(tensor) if getattr(tensor, "quant_type", None) is not None and name not in linear
+            else tensor for name, tensor in state_dict.items()}
+
+
 def load_transformer(detected: Detected, checkpoint: CheckpointFile, index: dict, dtype: torch.dtype | None,
                      keep_fp8: bool = True, subfolder: str = "transformer"):
     cls = getattr(diffusers, index[subfolder][1])
@@ -97,6 +107,8 @@ def load_transformer(detected: Detected, checkpoint: CheckpointFile, index: dict
         raise ValueError(f"{detected.path} does not convert as {detected.describe()}: {error}") from None
     with init_empty_weights():
         model = cls.from_config(config)
+    if checkpoint.is_gguf:
+        state_dict = _dequantized_outside_linears(model, state_dict)
     _check_fits(model, state_dict, detected)
     if keep_fp8:
         layer_scales = fp8.converted_scales(detected.single_file.convert, original, scales, config, state_dict)

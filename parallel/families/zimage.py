@@ -13,6 +13,11 @@ Classifier-free guidance is Z-Image's own, `pos + guidance_scale · (pos − neg
 [positives; negatives] (guidance_scale 0: off, as Z-Image-Turbo samples): CFG parallel splits that batch.
 The pipeline takes its embeddings as lists of [tokens, width] tensors; jobs send them as [B, tokens, width]
 tensors (one text length per batch) and the wrapper hands them over as lists.
+
+Single files (Tongyi-MAI's and Comfy-Org's `z_image_turbo_bf16.safetensors`, also fp8 and GGUF) hold the
+original layout (fused `attention.qkv`, `x_embedder`, `final_layer`), converted by diffusers' own converter;
+every size reads from the shapes, the rotary axes in Z-Image's proportions of the head (32 + 48 + 48 of 128).
+They hold the transformer only: a file pool takes Qwen3 embeddings and returns latents.
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..checkpoints.shapes import Shapes
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, Split
-from .base import FAMILIES, ComfyData, Family, TinyModel
+from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant
 
 TOKEN_MULTIPLE = 32  # the transformer pads the image tokens and the text tokens of each sample to this
 EMBEDDINGS = ("prompt_embeds", "negative_prompt_embeds")
@@ -74,6 +80,28 @@ class xFuserZImagePipeline(xFuserPipelineBaseWrapper):
         return {"prompt_embeds": embeds[0][None]}
 
 
+# -- single-file checkpoints: the original layout, diffusers' converter ------------------------------------
+def read_checkpoint(shape: Shapes) -> tuple[str, dict]:
+    if "siglip_embedder.1.weight" in shape:
+        raise shape.error("Z-Image Omni (SigLIP image conditioning), which this pack does not support (only Z-Image "
+                          "text-to-image: Z-Image, Z-Image-Turbo)")
+    dim, patch_values = shape("x_embedder.weight")
+    head_dim = shape("layers.0.attention.q_norm.weight")[0]
+    heads = shape.heads(dim, head_dim)
+    spatial = head_dim * 3 // 8
+    return "z-image", {
+        "dim": dim, "in_channels": patch_values // 4, "n_heads": heads, "n_kv_heads": heads,
+        "n_layers": shape.blocks(r"layers\.(\d+)\."), "n_refiner_layers": shape.blocks(r"noise_refiner\.(\d+)\."),
+        "cap_feat_dim": shape("cap_embedder.1.weight")[1], "axes_dims": [head_dim - 2 * spatial, spatial, spatial],
+    }
+
+
+def convert_checkpoint(state_dict: dict, config: dict) -> dict:
+    from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
+
+    return convert_z_image_transformer_checkpoint_to_diffusers(state_dict)
+
+
 # -- tiny built-in model ----------------------------------------------------------------------------------
 CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -89,7 +117,7 @@ def build_tiny(seed: int):
     transformer = tm._peak_attention(tm._seeded(
         seed, ZImageTransformer2DModel, all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=tm.HEADS * tm.HEAD_DIM,
         n_layers=tm.BLOCKS, n_refiner_layers=1, n_heads=tm.HEADS, n_kv_heads=tm.HEADS, cap_feat_dim=TEXT_WIDTH,
-        axes_dims=[4, 6, 6], axes_lens=[256, 64, 64]), tm.QK_SCALE)
+        axes_dims=[4, 6, 6]), tm.QK_SCALE)
     vae = tm._vae(seed + 3, latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159)  # FLUX.1's VAE values
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)  # Z-Image-Turbo's
     tokenizer = tm._qwen_tokenizer()
@@ -130,6 +158,13 @@ Z_IMAGE = FAMILIES.register(Family(
         text_input=None,
         image_input="x",
         cfg=CfgMode.BATCHED,
+    ),
+    single_file=SingleFile(
+        marker="cap_pad_token",
+        title="Z-Image",
+        variants={"z-image": Variant("z-image", "Z-Image (Turbo)", "original keys x_embedder.*, cap_pad_token, layers.*.attention.qkv")},
+        read=read_checkpoint,
+        convert=convert_checkpoint,
     ),
     tiny={"z-image": TinyModel("ZImagePipeline", build_tiny, tiny_inputs, guidance=1.0, unguided=0.0)},
     attention_layers={"ZSingleStreamAttnProcessor": "diffusers.models.transformers.transformer_z_image"},
