@@ -252,7 +252,7 @@ def test_text_encoding_on_the_pool_equals_the_pipelines_encode_prompt(tiny_model
 
 
 @pytest.mark.parametrize("family, layout", [("sd3", ("--ring-degree", "2")), ("flux", ("--ulysses-degree", "2")),
-                                            ("pixart-sigma", ("--cfg-parallel",))])
+                                            ("pixart-sigma", ("--cfg-parallel",)), ("z-image", ("--ulysses-degree", "2"))])
 def test_img2img_on_the_pool_equals_the_same_schedule_in_one_process(tiny_model_dirs, tmp_path, family, layout):
     """denoise < 1: the last `steps` of a steps/denoise schedule from noised init latents, computed in
     one process with the unwrapped pipeline (same sigmas/timesteps and start) as the reference."""
@@ -266,7 +266,7 @@ def test_img2img_on_the_pool_equals_the_same_schedule_in_one_process(tiny_model_
         client, _ = idle_client(endpoint)
         inputs = tiny_models.make_inputs(family)
         init = tiny_models.make_inputs(family, seed=5)["latents"]
-        guidance = 3.5 if family == "flux" else 4.5
+        guidance = {"flux": 3.5, "z-image": tiny_models.MODELS["z-image"].guidance}.get(family, 4.5)
         params = {**PARAMS, "guidance_scale": guidance, "denoise": 0.5}
         parallel = client.sample({**inputs, "init_latents": init}, params)
         full = client.sample(inputs, {**params, "denoise": 1.0})
@@ -287,7 +287,9 @@ def test_img2img_on_the_pool_equals_the_same_schedule_in_one_process(tiny_model_
         import numpy as np
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
-        if family == "flux":
+        if family == "z-image":  # its own sigmas, the scheduler's static shift
+            sigmas, shift = np.linspace(1.0, 1 / total, total)[total - steps:], {}
+        elif family == "flux":
             sigmas = np.linspace(1.0, 1 / total, total)[total - steps:]
             c = scheduler.config
             shift = {"mu": calculate_shift(16, c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)}
