@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node N -m parallel.run --model DIR --inputs IN.safetensors \
         --output OUT.safetensors --steps S --guidance-scale G --height H --width W [--call NAME=VALUE]
-        [layout flags]
+        [layout flags | --layout auto [--link LINK]]
 
 IN holds the tensor keyword arguments of the pipeline's `__call__` (latents, prompt_embeds, ...; write
 one from a prompt with `python -m parallel.make_inputs`); OUT gets `latents`: what the same pipeline
@@ -63,9 +63,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="sample this many times and report the last (warm) run's time; the output is the same")
     parser.add_argument("--list-supported", action="store_true", help="print the capability table and exit")
     add_parallel_arguments(parser)
+    parser.add_argument("--layout", choices=["auto"], default=None,
+                        help="auto: measure the link and the compute, predict each layout's step time, run the fastest "
+                             "(instead of the degrees)")
+    parser.add_argument("--link", default=None, metavar="LINK",
+                        help="with --layout auto: predict for this link instead of the measured one: nvlink, pcie4, "
+                             "25gbe, 10gbe or GBYTES_PER_S,LATENCY_US")
     args = parser.parse_args(argv)
     if not args.list_supported and not (args.model and args.inputs and args.output):
         parser.error("--model, --inputs and --output are required")
+    degrees = ("ulysses_degree", "ring_degree", "pipefusion_degree", "dp_degree")
+    if args.layout == "auto" and (any(getattr(args, d) != 1 for d in degrees) or args.cfg_parallel or args.num_patches):
+        parser.error("--layout auto chooses the degrees itself: drop --ulysses/--ring/--pipefusion/--dp-degree, "
+                     "--cfg-parallel and --num-patches")
+    if args.link and args.layout != "auto":
+        parser.error("--link is for --layout auto")
     return args
 
 
@@ -93,6 +105,23 @@ def read_inputs(path: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _auto_layout(pipeline, base, args: argparse.Namespace, inputs: dict[str, torch.Tensor], world):
+    """--layout auto: the fastest predicted layout for this job; rank 0 prints the prediction table."""
+    from .layout_choice import Link, auto_layout, describe
+
+    link = Link.parse(args.link) if args.link else None
+    request = request_from_args(args, None, type(pipeline).__name__)  # checked against the family after
+    device, dtype = pipeline.transformer.device, pipeline.transformer.dtype
+    tensors = {k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
+    chosen, predictions, links = auto_layout(pipeline, base, request.pipeline_kwargs(tensors), world.world_size, link,
+                                             args.attention_kernel)
+    if world.rank == 0:
+        print(f"xdit: layout auto on {world.world_size} ranks chose [{chosen.describe()}]; predicted per step:", flush=True)
+        for line in describe(predictions, links, measured=link is None):
+            print(f"xdit:   {line}", flush=True)
+    return chosen
+
+
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     args = parse_args(argv)
@@ -109,12 +138,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_files(args)
         config = config_from_args(args)
-        initialize_model_parallel(config)
+        if args.layout != "auto":
+            initialize_model_parallel(config)
         inputs = read_inputs(args.inputs)
         model = builtin_models.resolve_model_on_ranks(args.model, int(os.environ.get("LOCAL_RANK", 0)), world.barrier)
         pipeline = load_pipeline(model, dtype=args.dtype, shard_weights=config.shard_weights, offload=config.offload,
                                  vae=args.vae)
         set_scheduler(pipeline, args.scheduler)
+        if args.layout == "auto":
+            config = _auto_layout(pipeline, config, args, inputs, world)
+            initialize_model_parallel(config)
         parallel = wrap_pipeline(pipeline, attention_kernel=args.attention_kernel)
         request = request_from_args(args, parallel.call_parameters, type(pipeline).__name__)
         device, dtype = pipeline.transformer.device, pipeline.transformer.dtype

@@ -44,7 +44,7 @@ def _join_text(text: torch.Tensor, image: torch.Tensor, layout: TextLayout) -> t
     return image
 
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor):
+def merge_partial(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor):
     """Combine two softmax-normalised partial results by their log-sum-exp (fp32 accumulation)."""
     new_lse = torch.logaddexp(lse, block_lse)
     out = out * torch.exp(lse - new_lse).unsqueeze(-1) + block_out.float() * torch.exp(block_lse - new_lse).unsqueeze(-1)
@@ -86,7 +86,7 @@ def ring_attention(
         if keep is not None:
             k_block, v_block = _real_keys(k_block, v_block, keep[(ring.rank_in_group - step) % ring.world_size])
         block_out, block_lse = kernel(q, k_block, v_block, scale)
-        out, lse = _merge(out, lse, block_out, block_lse)
+        out, lse = merge_partial(out, lse, block_out, block_lse)
     return out.to(q.dtype)
 
 
