@@ -107,7 +107,7 @@ BlockShape = tuple[int, int, int, int, int]
 
 def block_shapes(config: ParallelConfig, job: Job) -> list[BlockShape]:
     """The synthetic block shapes a layout's compute is priced with (PipeFusion: a patch, then the whole)."""
-    u, r, n = config.ulysses_degree, config.ring_degree, config.sp_degree
+    r, n = config.ring_degree, config.sp_degree
     i, t, h = job.image_tokens, job.text_tokens, job.heads // config.ulysses_degree
     if config.pipefusion_degree > 1:
         m = config.patches
