@@ -13,7 +13,8 @@ The prediction prices what each method does per denoising step on one rank (as b
 Each message costs the measured latency plus bytes over the measured bandwidth (all-to-all for collectives,
 a pairwise exchange for point-to-point). One step of the job itself, run as diffusers runs it on every rank at
 once, calibrates the synthetic block against the model's real blocks (their ratio scales every synthetic
-time) and gives the time outside the blocks (embedders, the scheduler, Python), which every layout pays.
+time) and gives the time outside the blocks (embedders, norms, the scheduler) per sample, which a rank pays
+for its samples on its share of the tokens.
 
 Every rank measures at once (the contention of a real run) and the slowest rank's numbers are shared, so all
 ranks choose the same layout. `--link` replaces the measured link with a named or given one (to plan for
@@ -85,7 +86,7 @@ class Job:
     steps: int
     branches: int  # 2 with classifier-free guidance
     block_scale: float = 1.0  # the model's real block time over the synthetic block's, on one sample
-    step_overhead_s: float = 0.0  # time per step outside the blocks
+    outside_s: float = 0.0  # time per step and sample outside the blocks (embedders, norms, the scheduler)
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,8 @@ def predict(config: ParallelConfig, job: Job, blocks: dict[BlockShape, float], c
                             + collective.seconds(broadcast) + (collective.seconds(gather) if gather else 0.0))
         comm_bytes = samples * (m * stage_blocks * patch_bytes + m * hand_over + broadcast + gather)
     comm_s += collective.seconds(cfg) if cfg else 0.0
-    compute += job.step_overhead_s
+    # outside the blocks: the rank's samples, on its share of the tokens (PipeFusion's stages each embed them all)
+    compute += job.outside_s * samples / (n if p == 1 else 1)
     return Prediction(config, compute + comm_s, compute, comm_s, comm_bytes + cfg)
 
 
@@ -296,7 +298,7 @@ def choose(world: int, base: ParallelConfig, job: Job, valid, device, dtype, lin
     if serial_step is not None:
         in_blocks, outside = seconds[-2:]
         real = in_blocks / (job.batch * job.branches * job.blocks)  # one block on one sample
-        job = replace(job, block_scale=real / blocks[serial], step_overhead_s=outside)
+        job = replace(job, block_scale=real / blocks[serial], outside_s=outside / (job.batch * job.branches))
     if link is not None:
         collective = p2p = link
     predictions = sorted((predict(c, job, blocks, collective, p2p) for c in layouts),
