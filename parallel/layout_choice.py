@@ -262,7 +262,7 @@ def measure_links(device) -> tuple[Link, Link]:
 
     links = []
     for make in (all_to_all, exchange):
-        small, large = (_median_seconds(make(b), barrier=True) for b in PROBE_BYTES)
+        small, large = (_median_seconds(make(b), repeats=5, barrier=True) for b in PROBE_BYTES)
         rate = (PROBE_BYTES[1] - PROBE_BYTES[0]) / max(large - small, 1e-9)
         links.append(Link(rate, max(small - PROBE_BYTES[0] / rate, 0.0)))
     return links[0], links[1]
@@ -308,13 +308,14 @@ def choose(world: int, base: ParallelConfig, job: Job, valid, device, dtype, lin
 
 # -- the job, from a pipeline and a call ----------------------------------------------------------------------
 def measure_serial_step(wrapped, kwargs: dict, blocks: list[torch.nn.Module]) -> tuple[float, float]:
-    """(seconds inside the transformer's blocks, seconds outside them) of one step of this job on this rank,
-    the pipeline's own loop without any parallel hook (after one untimed step)."""
+    """(seconds inside the transformer's blocks, seconds outside them) of one step of this job on this rank, the
+    pipeline's own loop without any parallel hook: the second of a two-step run (the first pays the warm-up;
+    some pipelines take another path for a single step)."""
     from .model_executor.pipelines.base_pipeline import SCHEDULE_TAIL_OF
     from .request import STEP_CACHE
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    inside, started = [0.0], {}
+    inside, started, marks = [0.0], {}, []
 
     def enter(module, args):
         sync()
@@ -324,23 +325,22 @@ def measure_serial_step(wrapped, kwargs: dict, blocks: list[torch.nn.Module]) ->
         sync()
         inside[0] += time.perf_counter() - started[id(module)]
 
+    def step_done(index, latents):
+        sync()
+        marks.append((time.perf_counter(), inside[0]))
+
     handles = [h for b in blocks for h in (b.register_forward_pre_hook(enter), b.register_forward_hook(leave))]
-    local = {k: v for k, v in kwargs.items() if k not in (STEP_CACHE, SCHEDULE_TAIL_OF)}
-    local.update(num_inference_steps=1, output_type="latent", return_dict=False)
+    arguments = {k: v for k, v in kwargs.items() if k not in (STEP_CACHE, SCHEDULE_TAIL_OF)}
+    arguments.update(num_inference_steps=2, output_type="latent", return_dict=False,
+                     **wrapped.step_callback_arguments(step_done))
     try:
-        for _ in range(2):
-            inside[0] = 0.0
-            sync()
-            start = time.perf_counter()
-            arguments = dict(local)  # a family's call_context may take some out or convert them
-            with torch.no_grad(), wrapped.call_context(arguments):
-                wrapped.module(**arguments)
-            sync()
-            total = time.perf_counter() - start
+        with torch.no_grad(), wrapped.call_context(arguments):  # a family's may take inputs out or convert them
+            wrapped.module(**arguments)
     finally:
         for handle in handles:
             handle.remove()
-    return inside[0], total - inside[0]
+    (first, first_inside), (last, last_inside) = marks[-2:]
+    return last_inside - first_inside, (last - first) - (last_inside - first_inside)
 
 
 def auto_layout(pipeline, base: ParallelConfig, call: dict, world: int, link: Link | None = None,

@@ -315,7 +315,7 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
         batch = _batch_size(kwargs)
         return kwargs, batch, self.check_layout(kwargs, batch)
 
-    def _step_callback_arguments(self, step_callback: Callable[[int, torch.Tensor], None]) -> dict[str, Any]:
+    def step_callback_arguments(self, step_callback: Callable[[int, torch.Tensor], None]) -> dict[str, Any]:
         """Adapt `step_callback(step_index, latents)` to the pipeline's own callback style."""
         if "callback_on_step_end" in inspect.signature(self.module.__call__).parameters:
             def on_step_end(pipeline, index, timestep, tensors):
@@ -340,7 +340,7 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
             checked, batch, tokens = prepared
             kwargs = {**checked, **kwargs}
         if step_callback is not None:
-            kwargs.update(self._step_callback_arguments(step_callback))
+            kwargs.update(self.step_callback_arguments(step_callback))
         total = kwargs.pop(SCHEDULE_TAIL_OF, None)
         schedule = self.module.scheduler.tail_of(total) if total else contextlib.nullcontext()
         caching = self._step_cache(kwargs.pop(STEP_CACHE, None))
