@@ -240,31 +240,35 @@ def measure_blocks(shapes: list[BlockShape], job: Job, device, dtype,
 
 
 def measure_links(device) -> tuple[Link, Link]:
-    """The world's all-to-all and pairwise-exchange links: latency and bandwidth from a small and a large message."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    peer = rank ^ 1 if (rank ^ 1) < world else rank
+    """The world's all-to-all and ring-exchange links as the engine's own collectives run them (their copies and
+    allocations included): Q/K/V-shaped tensors scattered over heads and gathered over tokens, and K/V blocks
+    passed to the next rank; latency and bandwidth from a small and a large message."""
+    from .distributed import get_world_group
+
+    world = get_world_group()
+
+    def tensor(parts: int, nbytes: int) -> torch.Tensor:  # [parts, 1, heads, tokens, 64] in fp32
+        heads = 2 * world.world_size
+        return torch.zeros(parts, 1, heads, max(1, nbytes // (parts * heads * 64 * 4)), 64, device=device)
 
     def all_to_all(nbytes: int):
-        send = torch.empty(nbytes // 4 // world * world, dtype=torch.float32, device=device)
-        receive = torch.empty_like(send)
-        return lambda: dist.all_to_all_single(receive, send)
+        x = tensor(3, nbytes)
+        return lambda: world.all_to_all(x, scatter_dim=2, gather_dim=3), x.nbytes * (world.world_size - 1) / world.world_size
 
     def exchange(nbytes: int):
-        send = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
-        receive = torch.empty_like(send)
+        x = tensor(2, nbytes)
 
         def run():
-            if peer != rank:
-                for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer),
-                                                    dist.P2POp(dist.irecv, receive, peer)]):
-                    work.wait()
-        return run
+            for work in world.ring_exchange(x)[1]:
+                work.wait()
+        return run, x.nbytes
 
     links = []
     for make in (all_to_all, exchange):
-        small, large = (_median_seconds(make(b), repeats=5, barrier=True) for b in PROBE_BYTES)
-        rate = (PROBE_BYTES[1] - PROBE_BYTES[0]) / max(large - small, 1e-9)
-        links.append(Link(rate, max(small - PROBE_BYTES[0] / rate, 0.0)))
+        (small, small_bytes), (large, large_bytes) = [
+            (_median_seconds(run, repeats=5, barrier=True), sent) for run, sent in (make(b) for b in PROBE_BYTES)]
+        rate = (large_bytes - small_bytes) / max(large - small, 1e-9)
+        links.append(Link(rate, max(small - small_bytes / rate, 0.0)))
     return links[0], links[1]
 
 
