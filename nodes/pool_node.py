@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import folder_paths
 from comfy_api.latest import io
@@ -17,6 +18,7 @@ FILE_PREFIX = "file: "
 # ComfyUI's model folders that hold single-file transformers; diffusion_models also covers models/unet.
 CHECKPOINT_FOLDERS = ("diffusion_models", "checkpoints")
 NO_VAE = "none"
+MANUAL, AUTO = "degrees", "auto"
 
 
 def diffusers_models() -> list[str]:
@@ -86,14 +88,18 @@ def vae_path(kwargs) -> str | None:
     return path
 
 
+def _auto(kwargs) -> bool:
+    return kwargs.get("layout", MANUAL) == AUTO
+
+
 def _config(kwargs) -> ParallelConfig:
-    return ParallelConfig(
+    """The degrees as set, or with layout auto all 1 (the pool chooses them per job size)."""
+    degrees = {} if _auto(kwargs) else dict(
         dp_degree=kwargs["dp_degree"], cfg_degree=2 if kwargs["cfg_parallel"] else 1,
         pipefusion_degree=kwargs["pipefusion_degree"], ring_degree=kwargs["ring_degree"],
-        ulysses_degree=kwargs["ulysses_degree"], num_patches=kwargs["num_patches"] or None,
-        warmup_steps=kwargs["warmup_steps"], shard_weights=kwargs.get("shard_weights", False),
-        offload=kwargs.get("offload", False), compile=kwargs.get("compile", False),
-    )
+        ulysses_degree=kwargs["ulysses_degree"], num_patches=kwargs["num_patches"] or None)
+    return ParallelConfig(**degrees, warmup_steps=kwargs["warmup_steps"], shard_weights=kwargs.get("shard_weights", False),
+                          offload=kwargs.get("offload", False), compile=kwargs.get("compile", False))
 
 
 def pool_key(kwargs, resolve_model: bool = True) -> PoolKey:
@@ -107,6 +113,7 @@ def pool_key(kwargs, resolve_model: bool = True) -> PoolKey:
         dtype=None if kwargs["dtype"] == "auto" else kwargs["dtype"],
         devices=kwargs["devices"].strip() or None, threads_per_rank=kwargs["threads_per_rank"] or None,
         endpoint=endpoint, curve_dir=(kwargs.get("curve_dir") or "").strip() if endpoint else "",
+        auto=_auto(kwargs) and not endpoint,
     )
 
 
@@ -155,6 +162,10 @@ class XDiTPool(io.ComfyNode):
                                tooltip="With a single-file model: its VAE file from models/vae (wan_2.1_vae.safetensors for "
                                        "Wan image-to-video files, flux2-vae.safetensors for FLUX.2 [klein] files: they need "
                                        "it); the pool then also decodes with it (xDiT VAE Decode). none: no VAE on the pool."),
+                io.Combo.Input("layout", options=[MANUAL, AUTO], default=MANUAL, optional=True,
+                               tooltip="degrees: the degrees above. auto: ignore them; at the first job of each size the "
+                                       "pool measures its link and compute, predicts every layout's step time and runs "
+                                       "the fastest (the prediction table is in the xDiT panel)."),
             ],
             outputs=[XDiTPoolType.Output(display_name="pool")],
         )
@@ -164,7 +175,8 @@ class XDiTPool(io.ComfyNode):
         if kwargs.get("endpoint", "").strip():
             return True
         try:
-            _config(kwargs).check(kwargs["nproc"], ranks_flag="nproc")
+            config = _config(kwargs)
+            (replace(config, dp_degree=kwargs["nproc"]) if _auto(kwargs) else config).check(kwargs["nproc"], ranks_flag="nproc")
         except LayoutError as error:
             return str(error)
         return True

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..parallel import builtin_models
-from ..parallel.config import ParallelConfig
+from ..parallel.config import AutoLayout, ParallelConfig
 from ..workers.auth import ENV as CURVE_ENV
 from ..workers.client import PoolClient, PoolUnreachable
 from ..workers.endpoints import free_endpoint
@@ -39,11 +39,13 @@ class PoolKey:
     threads_per_rank: int | None = None
     endpoint: str = ""  # set: a pool started elsewhere (python -m workers serve)
     curve_dir: str = ""  # with endpoint: folder with the pool's server.key and a client.key_secret
+    auto: bool = False  # the layout chosen per job size from measurements (degrees in `parallel` all 1)
 
     @property
     def label(self) -> str:
         where = self.endpoint or f"{self.nproc} rank(s)"
-        return f"{Path(self.model).name or self.model} · {self.parallel.describe()} · {where}"
+        layout = "layout auto" if self.auto else self.parallel.describe()
+        return f"{Path(self.model).name or self.model} · {layout} · {where}"
 
 
 @dataclass
@@ -87,7 +89,8 @@ class PoolRegistry:
                     endpoint = free_endpoint()
                     spec = PoolSpec(model=key.model, vae=key.vae, nproc=key.nproc, endpoint=endpoint,
                                     parallel=key.parallel, text_encoders=key.text_encoders, dtype=key.dtype,
-                                    devices=key.devices, threads_per_rank=key.threads_per_rank)
+                                    devices=key.devices, threads_per_rank=key.threads_per_rank,
+                                    auto=AutoLayout() if key.auto else None)
                     pool = self._pools[key] = Pool(spec)
                     self._endpoints[key] = endpoint
                     pool.start(timeout_s)

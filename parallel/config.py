@@ -1,4 +1,5 @@
-"""The parallel layout a job runs under, and the checks that need nothing but the numbers."""
+"""The parallel layout a job runs under, the checks that need nothing but the numbers, and `--layout auto`'s flags
+(the choice itself, which measures, is layout_choice.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,49 @@ from dataclasses import asdict, dataclass
 
 class LayoutError(ValueError):
     """A layout that cannot work. The message is one line naming the numbers and the fix."""
+
+
+# Published per-direction bandwidths and typical latencies (bytes/s, seconds).
+LINKS = {
+    "nvlink": (450e9, 5e-6),  # NVLink 4 (H100 SXM), per GPU
+    "pcie4": (25e9, 10e-6),  # PCIe 4.0 ×16, achievable
+    "25gbe": (3.1e9, 30e-6),
+    "10gbe": (1.25e9, 30e-6),
+}
+
+
+@dataclass(frozen=True)
+class Link:
+    bytes_per_s: float
+    latency_s: float
+
+    def seconds(self, nbytes: float, messages: int = 1) -> float:
+        return messages * self.latency_s + nbytes / self.bytes_per_s
+
+    @classmethod
+    def parse(cls, spec: str) -> "Link":
+        """A named link (nvlink, pcie4, 25gbe, 10gbe) or "GBYTES_PER_S,LATENCY_US"."""
+        if spec in LINKS:
+            return cls(*LINKS[spec])
+        try:
+            rate, latency = (float(part) for part in spec.split(","))
+        except ValueError:
+            raise ValueError(f"--link {spec!r}: give one of {', '.join(LINKS)} or GBYTES_PER_S,LATENCY_US "
+                             "(e.g. 1.25,30 for 10 GbE)") from None
+        if rate <= 0 or latency < 0:
+            raise ValueError(f"--link {spec!r}: the bandwidth must be above 0 and the latency 0 or more")
+        return cls(rate * 1e9, latency * 1e-6)
+
+
+@dataclass(frozen=True)
+class AutoLayout:
+    """`--layout auto`: the degrees are chosen for each job size from this machine's measured link and compute
+    (layout_choice.py); `link` (a Link.parse spec) predicts for another link instead of the measured one."""
+
+    link: str | None = None
+
+    def rank_arguments(self) -> list[str]:
+        return ["--layout", "auto", *(["--link", self.link] if self.link else [])]
 
 
 @dataclass(frozen=True)
@@ -106,6 +150,27 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                        help="With --shard-weights: keep the shards in CPU memory, on the GPU only while their block runs.")
     group.add_argument("--compile", action="store_true",
                        help="torch.compile every transformer block (the first job of each size pays the compilation).")
+    group.add_argument("--layout", choices=["auto"], default=None,
+                       help="auto: measure the link and the compute, predict each layout's step time, run the fastest "
+                            "(instead of the degrees; a pool chooses again for each new job size)")
+    group.add_argument("--link", default=None, metavar="LINK",
+                       help="with --layout auto: predict for this link instead of the measured one: nvlink, pcie4, "
+                            "25gbe, 10gbe or GBYTES_PER_S,LATENCY_US")
+
+
+def auto_layout_from_args(args: argparse.Namespace) -> AutoLayout | None:
+    """`--layout auto [--link LINK]`, checked: None when the degrees are given."""
+    if args.layout != "auto":
+        if args.link:
+            raise LayoutError("--link is for --layout auto")
+        return None
+    degrees = ("ulysses_degree", "ring_degree", "pipefusion_degree", "dp_degree")
+    if any(getattr(args, d) != 1 for d in degrees) or args.cfg_parallel or args.num_patches:
+        raise LayoutError("--layout auto chooses the degrees itself: drop --ulysses/--ring/--pipefusion/--dp-degree, "
+                          "--cfg-parallel and --num-patches")
+    if args.link:
+        Link.parse(args.link)
+    return AutoLayout(args.link)
 
 
 def config_from_args(args: argparse.Namespace) -> ParallelConfig:

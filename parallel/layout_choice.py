@@ -32,41 +32,11 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from .config import LayoutError, ParallelConfig
+from .config import LayoutError, Link, ParallelConfig
 from .model_executor.attention.kernels import default_scale, pick_kernel
 from .model_executor.attention.usp import merge_partial
 
-# Published per-direction bandwidths and typical latencies (bytes/s, seconds).
-LINKS = {
-    "nvlink": (450e9, 5e-6),  # NVLink 4 (H100 SXM), per GPU
-    "pcie4": (25e9, 10e-6),  # PCIe 4.0 ×16, achievable
-    "25gbe": (3.1e9, 30e-6),
-    "10gbe": (1.25e9, 30e-6),
-}
 PROBE_BYTES = (1 << 14, 1 << 23)  # a small message (latency) and a large one (bandwidth)
-
-
-@dataclass(frozen=True)
-class Link:
-    bytes_per_s: float
-    latency_s: float
-
-    def seconds(self, nbytes: float, messages: int = 1) -> float:
-        return messages * self.latency_s + nbytes / self.bytes_per_s
-
-    @classmethod
-    def parse(cls, spec: str) -> "Link":
-        """A named link (nvlink, pcie4, 25gbe, 10gbe) or "GBYTES_PER_S,LATENCY_US"."""
-        if spec in LINKS:
-            return cls(*LINKS[spec])
-        try:
-            rate, latency = (float(part) for part in spec.split(","))
-        except ValueError:
-            raise ValueError(f"--link {spec!r}: give one of {', '.join(LINKS)} or GBYTES_PER_S,LATENCY_US "
-                             "(e.g. 1.25,30 for 10 GbE)") from None
-        if rate <= 0 or latency < 0:
-            raise ValueError(f"--link {spec!r}: the bandwidth must be above 0 and the latency 0 or more")
-        return cls(rate * 1e9, latency * 1e-6)
 
 
 @dataclass(frozen=True)
@@ -347,6 +317,11 @@ def measure_serial_step(wrapped, kwargs: dict, blocks: list[torch.nn.Module]) ->
     return last_inside - first_inside, (last - first) - (last_inside - first_inside)
 
 
+def attention_module(transformer: torch.nn.Module) -> torch.nn.Module:
+    """The transformer's first attention layer (its heads and widths stand for every layer's)."""
+    return next(m for m in transformer.modules() if isinstance(getattr(m, "to_q", None), torch.nn.Linear) and hasattr(m, "heads"))
+
+
 def auto_layout(pipeline, base: ParallelConfig, call: dict, world: int, link: Link | None = None,
                 attention_kernel: str | None = None):
     """(the chosen layout, every prediction fastest first, the links used) for `call` on `pipeline`, the pipeline
@@ -376,8 +351,7 @@ def auto_layout(pipeline, base: ParallelConfig, call: dict, world: int, link: Li
             finally:
                 wrapped.parallel_config = provisional
 
-        attention = next(m for m in transformer.modules()
-                         if isinstance(getattr(m, "to_q", None), torch.nn.Linear) and hasattr(m, "heads"))
+        attention = attention_module(transformer)
         text = kwargs.get("prompt_embeds")
         config = transformer.config
         job = Job(

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from . import builtin_models
 from .arguments import ArgumentParser
-from .config import LayoutError, add_parallel_arguments, config_from_args
+from .config import LayoutError, Link, add_parallel_arguments, auto_layout_from_args, config_from_args
 from .families import FAMILIES
 from .launch import apply_threads_per_rank, die_with_parent
 from .loading import DTYPES, SCHEDULERS, load_pipeline, set_scheduler
@@ -63,21 +63,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="sample this many times and report the last (warm) run's time; the output is the same")
     parser.add_argument("--list-supported", action="store_true", help="print the capability table and exit")
     add_parallel_arguments(parser)
-    parser.add_argument("--layout", choices=["auto"], default=None,
-                        help="auto: measure the link and the compute, predict each layout's step time, run the fastest "
-                             "(instead of the degrees)")
-    parser.add_argument("--link", default=None, metavar="LINK",
-                        help="with --layout auto: predict for this link instead of the measured one: nvlink, pcie4, "
-                             "25gbe, 10gbe or GBYTES_PER_S,LATENCY_US")
     args = parser.parse_args(argv)
     if not args.list_supported and not (args.model and args.inputs and args.output):
         parser.error("--model, --inputs and --output are required")
-    degrees = ("ulysses_degree", "ring_degree", "pipefusion_degree", "dp_degree")
-    if args.layout == "auto" and (any(getattr(args, d) != 1 for d in degrees) or args.cfg_parallel or args.num_patches):
-        parser.error("--layout auto chooses the degrees itself: drop --ulysses/--ring/--pipefusion/--dp-degree, "
-                     "--cfg-parallel and --num-patches")
-    if args.link and args.layout != "auto":
-        parser.error("--link is for --layout auto")
+    try:
+        args.auto = auto_layout_from_args(args)
+    except ValueError as error:
+        parser.error(str(error))
     return args
 
 
@@ -107,9 +99,9 @@ def read_inputs(path: str) -> dict[str, torch.Tensor]:
 
 def _auto_layout(pipeline, base, args: argparse.Namespace, inputs: dict[str, torch.Tensor], world):
     """--layout auto: the fastest predicted layout for this job; rank 0 prints the prediction table."""
-    from .layout_choice import Link, auto_layout, describe
+    from .layout_choice import auto_layout, describe
 
-    link = Link.parse(args.link) if args.link else None
+    link = Link.parse(args.auto.link) if args.auto.link else None
     request = request_from_args(args, None, type(pipeline).__name__)  # checked against the family after
     device, dtype = pipeline.transformer.device, pipeline.transformer.dtype
     tensors = {k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
@@ -138,14 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_files(args)
         config = config_from_args(args)
-        if args.layout != "auto":
+        if args.auto is None:
             initialize_model_parallel(config)
         inputs = read_inputs(args.inputs)
         model = builtin_models.resolve_model_on_ranks(args.model, int(os.environ.get("LOCAL_RANK", 0)), world.barrier)
         pipeline = load_pipeline(model, dtype=args.dtype, shard_weights=config.shard_weights, offload=config.offload,
                                  vae=args.vae)
         set_scheduler(pipeline, args.scheduler)
-        if args.layout == "auto":
+        if args.auto is not None:
             config = _auto_layout(pipeline, config, args, inputs, world)
             initialize_model_parallel(config)
         parallel = wrap_pipeline(pipeline, attention_kernel=args.attention_kernel)

@@ -209,6 +209,35 @@ def test_panel_shows_one_cell_per_rank_of_every_pool(comfy, page):
     page.call("screenshot", path=str(ARTIFACTS / "xdit-page.png"))
 
 
+def test_layout_auto_ignores_the_degrees_and_the_panel_shows_its_prediction_table(comfy, page):
+    """The Flux example with xDiT Pool's layout set to auto (and degrees that would not multiply to nproc): the
+    node is not flagged, the workflow runs, and the pool's card lists each layout's predicted step time, fastest
+    (the one that ran) first, as the pool's status has them."""
+    workflow = json.loads((ROOT / "example_workflows" / "xdit_flux.json").read_text())
+    for node in workflow["nodes"]:
+        if node["type"] == "XDiTPool":  # model, nproc, ulysses, …, vae, layout (the 20th)
+            node["widgets_values"][2] = 3
+            node["widgets_values"][19:] = ["auto"]
+    _open_panel(page)
+    queued = page.eval(LOAD_CONVERT_QUEUE, workflow)
+    assert page.eval(POOL_ERROR) == ""
+    status = page.wait(HISTORY, queued["response"]["prompt_id"], timeout_s=240)
+    assert status["status_str"] == "success", status
+    pool = next(p for p in comfy.get("/xdit/pools")["pools"] if p["key"]["auto"])
+    last = pool["status"]["layout_auto"]["last"]
+    assert last["layout"] == pool["status"]["parallel"]["description"]
+    rows = page.wait("""(id) => {
+        const rows = [...document.querySelectorAll(`.xdit-pool[data-pool-id="${id}"] .xdit-layout-auto tr[data-layout]`)];
+        return rows.length && rows.map((r) => [r.dataset.layout, r.dataset.chosen]);
+    }""", pool["id"], timeout_s=20)
+    assert rows == [[row["layout"], "true" if i == 0 else "false"] for i, row in enumerate(last["predictions"])]
+    assert rows[0][0] == last["layout"]
+    page.eval(f"() => document.querySelector('.xdit-pool[data-pool-id=\"{pool['id']}\"] .xdit-layout-auto')"
+              ".scrollIntoView({ block: 'center' })")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.call("screenshot", path=str(ARTIFACTS / "xdit-layout-auto.png"), selector=".sidebar-content-container")
+
+
 def test_stop_and_restart_buttons(comfy, page):
     pool = next(p for p in comfy.get("/xdit/pools")["pools"] if "sd3" in p["label"])
     card = f'.xdit-pool[data-pool-id="{pool["id"]}"]'

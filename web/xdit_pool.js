@@ -16,6 +16,7 @@ function widgetValue(node, name) {
 /** The problem with this XDiTPool node's layout, as one sentence with the numbers and the fix; "" if none. */
 function layoutError(node) {
   if (String(widgetValue(node, "endpoint") ?? "").trim()) return ""; // the remote pool owns its layout
+  if (widgetValue(node, "layout") === "auto") return ""; // the pool chooses the degrees per job size
   const nproc = Number(widgetValue(node, "nproc"));
   const degrees = {
     ulysses: Number(widgetValue(node, "ulysses_degree")),

@@ -40,11 +40,14 @@ const PANEL_CSS = `
 .xdit-rank-id { font-weight: 700; font-size: 12px; }
 .xdit-rank-step { font-size: 11px; font-variant-numeric: tabular-nums; }
 .xdit-axes { font-size: 11px; color: var(--descrip-text, #999); }
-.xdit-memory { border-collapse: collapse; font-size: 12px; width: 100%; font-variant-numeric: tabular-nums; }
-.xdit-memory caption { text-align: left; font-size: 11px; color: var(--descrip-text, #999); padding-bottom: 2px; }
-.xdit-memory th { color: var(--descrip-text, #999); font-weight: 500; text-align: right; padding: 1px 6px; }
-.xdit-memory td { text-align: right; padding: 1px 6px; border-top: 1px solid var(--border-color, #333); }
-.xdit-memory th:first-child, .xdit-memory td:first-child { text-align: left; }
+.xdit-memory, .xdit-layout-auto { border-collapse: collapse; font-size: 12px; width: 100%; font-variant-numeric: tabular-nums; }
+.xdit-memory caption, .xdit-layout-auto caption { text-align: left; font-size: 11px; color: var(--descrip-text, #999); padding-bottom: 2px; }
+.xdit-memory th, .xdit-layout-auto th { color: var(--descrip-text, #999); font-weight: 500; text-align: right; padding: 1px 6px; }
+.xdit-memory td, .xdit-layout-auto td { text-align: right; padding: 1px 6px; border-top: 1px solid var(--border-color, #333); }
+.xdit-memory th:first-child, .xdit-memory td:first-child,
+.xdit-layout-auto th:first-child, .xdit-layout-auto td:first-child { text-align: left; }
+.xdit-layout-auto { margin-bottom: 6px; }
+.xdit-layout-auto tr[data-chosen="true"] td { font-weight: 600; }
 .xdit-actions { display: flex; gap: 6px; }
 .xdit-actions button { flex: 1; padding: 4px 8px; border-radius: 5px; cursor: pointer; font-size: 12px;
   border: 1px solid var(--border-color, #555); background: var(--comfy-menu-bg, #333); color: var(--fg-color, #ddd); }
@@ -224,6 +227,7 @@ export class PoolPanel {
         h("span", { className: "xdit-chip", dataset: { fact: name } }, h("b", {}, String(value)), ` ${name}`))),
       status.error ? h("div", { className: "xdit-pool-error" }, status.error) : null,
       this.meshView(pool, state),
+      this.layoutAutoView(status.layout_auto),
       this.memoryView(status.memory),
       h("div", { className: "xdit-actions" },
         h("button", {
@@ -264,6 +268,24 @@ export class PoolPanel {
     const progress = this.progress.get(pool.endpoint);
     if (state !== "busy" && !(progress && state === "idle")) return state;
     return progress?.total ? `${progress.step}/${progress.total}` : `step ${pool.status?.step ?? progress?.step ?? 0}`;
+  }
+
+  /** --layout auto: the last job size's predicted step time per layout, fastest (the one running) first. */
+  layoutAutoView(auto) {
+    if (!auto) return null;
+    const last = auto.last;
+    const caption = last
+      ? `layout auto (${auto.link} link, ${auto.choices.length} size(s) seen): ${last.job}`
+      : `layout auto (${auto.link} link): ${auto.current} until the first job`;
+    return h("table", { className: "xdit-layout-auto" },
+      h("caption", {}, caption),
+      last ? h("tr", {}, ["layout", "ms/step", "traffic"].map((title) => h("th", {}, title))) : null,
+      (last?.predictions ?? []).map((row, index) => h("tr", {
+        dataset: { layout: row.layout, chosen: index === 0 },
+        title: `compute ${(row.compute_s * 1e3).toFixed(1)} ms, traffic ${(row.comm_s * 1e3).toFixed(1)} ms `
+          + `(${(row.bytes_per_step / 2 ** 20).toFixed(2)} MiB) per step`,
+      },
+      h("td", {}, row.layout), h("td", {}, (row.step_s * 1e3).toFixed(1)), h("td", {}, (row.comm_s * 1e3).toFixed(1)))));
   }
 
   memoryView(memory) {

@@ -12,7 +12,8 @@ import tempfile
 import threading
 import time
 
-from .engine import ArgumentParser, LayoutError, add_parallel_arguments, builtin_models, config_from_args, engine, request
+from .engine import (ArgumentParser, LayoutError, add_parallel_arguments, auto_layout_from_args, builtin_models,
+                     config_from_args, engine, request)
 
 from . import auth
 from .client import JobCancelledError, JobFailed, PoolClient, PoolUnreachable
@@ -100,6 +101,7 @@ def _spec(args, endpoint: str | None, curve_dir: str | None = None):
     builtin_models.check_model(args.model, args.vae)
     return PoolSpec(
         model=args.model, vae=args.vae, nproc=args.nproc, endpoint=endpoint, parallel=config_from_args(args),
+        auto=auto_layout_from_args(args),
         text_encoders=args.text_encoders, dtype=args.dtype, threads_per_rank=args.threads_per_rank,
         curve_dir=curve_dir, nnodes=getattr(args, "nnodes", 1), node_rank=getattr(args, "node_rank", 0),
         rdzv_endpoint=getattr(args, "rdzv_endpoint", None), rdzv_id=getattr(args, "rdzv_id", "xdit-pool"),
@@ -131,13 +133,13 @@ def serve(args) -> int:
     pool = Pool(_spec(args, args.endpoint, args.curve_dir))
     nodes = f" over {args.nnodes} nodes" if args.nnodes > 1 else ""
     return _run_in_foreground(pool, f"xdit pool serving {args.model} on {args.endpoint} with {pool.spec.world_size} "
-                                    f"rank(s){nodes} [{pool.spec.parallel.describe()}]")
+                                    f"rank(s){nodes} [{pool.spec.describe_layout()}]")
 
 
 def join(args) -> int:
     pool = Pool(_spec(args, None))
     return _run_in_foreground(pool, f"xdit node {args.node_rank} joined the pool at {args.rdzv_endpoint} with "
-                                    f"{args.nproc} rank(s) [{pool.spec.parallel.describe()}]")
+                                    f"{args.nproc} rank(s) [{pool.spec.describe_layout()}]")
 
 
 def keys(args) -> int:
@@ -240,7 +242,13 @@ def status(args) -> int:
         print(json.dumps(info, indent=2))
     else:
         for key, value in info.items():
-            print(f"{key}: {value}")
+            if key == "layout_auto" and value:
+                print(f"{key}: link {value['link']}, now {value['current']}")
+                last = value["last"]
+                for line in [f"chose [{last['layout']}] for {last['job']}; predicted per step:", *last["table"]] if last else []:
+                    print(f"  {line}")
+            else:
+                print(f"{key}: {value}")
     return 0 if info["state"] != "unreachable" else 1
 
 

@@ -27,9 +27,11 @@ ArgumentParser = engine("arguments").ArgumentParser
 
 LayoutError = config.LayoutError
 ParallelConfig = config.ParallelConfig
+AutoLayout = config.AutoLayout
 PIPELINE_TENSOR_INPUTS = engine("families").FAMILIES.tensor_inputs()  # every registered pipeline's
 MODEL_CALL_TENSORS = engine("families").FAMILIES.model_call_tensors()  # single model calls (xDiT Model)
 add_parallel_arguments = config.add_parallel_arguments
 config_from_args = config.config_from_args
+auto_layout_from_args = config.auto_layout_from_args
 
 request = engine("request")  # the one request type: SampleRequest, its fields, flags and checks

@@ -136,11 +136,14 @@ class JobRunner:
         return {"cache": {"method": report.settings.method, "full": report.full, "cached": report.cached,
                           "text": report.describe()}}
 
-    def prepare(self, params: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any], int, int]:
-        """Rank 0, at submit: the request and the pipeline's own checks, once; `run` reuses the result."""
+    def prepare(self, params: dict[str, Any], tensors: dict[str, torch.Tensor],
+                check_layout: bool = True) -> tuple[dict[str, Any], int, int] | None:
+        """Rank 0, at submit: the request and the pipeline's own checks, once; `run` reuses the result.
+        Without `check_layout` (the layout is chosen when the job runs): the checks of the inputs alone, and None."""
         kwargs = self.request(params).pipeline_kwargs(tensors)
         kwargs.pop("init_latents", None)
-        return self.pipeline.prepare(kwargs)
+        prepared = self.pipeline.prepare(kwargs, check_layout)
+        return prepared if check_layout else None
 
     def run(self, work: Work, client: bytes | None, prepared: tuple[dict[str, Any], int, int] | None = None) -> torch.Tensor:
         """Sample `work`; `prepared`: what `prepare` returned for it on this rank, if it ran here."""

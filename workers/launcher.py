@@ -398,7 +398,7 @@ class Pool:
             "jobs_done": self.jobs_done,
             "restarts": self.restarts,
             "model": str(self.spec.model),
-            "parallel": {**vars(self.spec.parallel), "description": self.spec.parallel.describe()},
+            "parallel": {**vars(self.spec.parallel), "description": self.spec.describe_layout()},
             "nodes": self.node_table(),
             "error": self.error,
             "restart_reason": self.restart_reason,

@@ -35,7 +35,7 @@ import zmq
 from .admission import Admission, megapixels
 from .conditioning import ConditioningCache
 from .control import Heartbeat, RankChannel
-from .engine import add_parallel_arguments, config_from_args, engine
+from .engine import add_parallel_arguments, auto_layout_from_args, config_from_args, engine
 from .jobs import JobCancelled, JobRunner, Work, broadcast_work
 from .memory import PeakMemory, memory_of_this_rank
 from .processes import is_alive
@@ -120,11 +120,15 @@ class Rank:
         world = distributed.init_distributed_environment()
         self.world_size = world.world_size
         self.config = config_from_args(self.args)
+        self.auto = auto_layout_from_args(self.args)  # None: the degrees as given
+        self.layouts = None  # with --layout auto: auto_layouts.AutoLayouts
+        self.layout = None  # the RankLayout (mesh coordinates), once the layout is known
         # Job metadata, step decisions and probes travel on gloo (CPU) even when the model uses NCCL.
         self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
         self.health = dist.new_group(backend="gloo", timeout=timedelta(seconds=HEALTH_TIMEOUT_S))
         self.nodes, self.pids = self._census()
-        self.layout = distributed.initialize_model_parallel(self.config)
+        if self.auto is None:
+            self.layout = distributed.initialize_model_parallel(self.config)
         model = engine("builtin_models").resolve_model_on_ranks(
             self.args.model, int(os.environ.get("LOCAL_RANK", 0)), distributed.get_world_group().barrier)
         self.phase = "load"
@@ -132,9 +136,14 @@ class Rank:
             self._serve()
         # Only rank 0 encodes text, so only rank 0 loads the text encoders.
         text_encoders = self.args.text_encoders and self.rank == 0
-        self.pipeline = wrap_pipeline(load_pipeline(model, text_encoders=text_encoders, dtype=self.args.dtype,
-                                                    shard_weights=self.config.shard_weights, offload=self.config.offload,
-                                                    vae=self.args.vae))
+        pipeline = load_pipeline(model, text_encoders=text_encoders, dtype=self.args.dtype,
+                                 shard_weights=self.config.shard_weights, offload=self.config.offload, vae=self.args.vae)
+        if self.auto is None:
+            self.pipeline = wrap_pipeline(pipeline)
+        else:  # the start layout now (collective: the world phase); a layout per job size from the first job on
+            self.phase = "world"
+            self.layouts = engine("auto_layouts").AutoLayouts(pipeline, self.config, self.world_size, self.auto)
+            self.pipeline, self.config, self.layout = self.layouts.wrapped, self.layouts.config, self.layouts.rank_layout
         self.default_scheduler = self.pipeline.module.scheduler.module
         self.scheduler_name = "default"
         self.runner = JobRunner(self.pipeline, self.group, self.server,
@@ -151,14 +160,14 @@ class Rank:
     def _census(self) -> tuple[list[dict], list[int]]:
         """Every rank's node, host and pid (for status), and one layout for the whole world."""
         c = self.config
-        layout = [c.dp_degree, c.cfg_degree, c.pipefusion_degree, c.ring_degree, c.ulysses_degree, c.num_patches or 0, c.warmup_steps, int(c.shard_weights), int(c.offload), int(c.compile)]
+        layout = [c.dp_degree, c.cfg_degree, c.pipefusion_degree, c.ring_degree, c.ulysses_degree, c.num_patches or 0, c.warmup_steps, int(c.shard_weights), int(c.offload), int(c.compile), int(self.auto is not None)]
         width = 2 + len(layout)
         flat = self._gather_ints([self.args.node_rank, os.getpid(), *layout])
         rows = [flat[r * width:(r + 1) * width] for r in range(self.world_size)]
         hosts = self._gather_text(socket.gethostname())
         for r, row in enumerate(rows):
             if row[2:] != layout:
-                names = "dp, cfg, pipefusion, ring, ulysses, patches, warmup, shard, offload, compile"
+                names = "dp, cfg, pipefusion, ring, ulysses, patches, warmup, shard, offload, compile, auto"
                 raise StartRefused(f"node {row[0]} runs the layout ({names}) = {tuple(row[2:])} but node "
                                    f"{self.args.node_rank} runs {tuple(layout)}: start every node with the same layout flags")
         nodes: dict[int, dict] = {}
@@ -226,8 +235,9 @@ class Rank:
             "storage": self.storage,
             "loads": {"pipeline": 1, "lora": self.loras.loads if self.state != "starting" else 0},
             "loras": [vars(spec) for spec in self.loras.active] if self.state != "starting" else [],
-            "mesh": [self.layout.coordinates(r) for r in range(self.world_size)],
+            "mesh": [self.layout.coordinates(r) for r in range(self.world_size)] if self.layout else [],
             "parallel": {**vars(self.config), "description": self.config.describe()},
+            "layout_auto": self.layouts.report() if self.layouts is not None and self.state != "starting" else None,
             "memory": self.memory,
             "queue": self.server.queue_length() if self.server else 0,
             "step": self.runner.step if self.state == "busy" else 0,
@@ -254,7 +264,8 @@ class Rank:
             raise ValueError("submit needs a 'latents' tensor (the initial noise)")
         request = self.runner.request(message.params)
         self.admission.check(self._size(request, message.tensors["latents"]), request.steps)
-        prepared = self.runner.prepare(message.params, message.tensors)
+        # with --layout auto the layout is chosen when the job runs: here only what every layout checks
+        prepared = self.runner.prepare(message.params, message.tensors, check_layout=self.layouts is None)
         init = message.tensors.get("init_latents")
         if init is not None and init.shape != message.tensors["latents"].shape:
             latents = message.tensors["latents"]
@@ -359,6 +370,8 @@ class Rank:
                 reply = Message("result", work.job, {}, {"prediction": self.runner.evaluate(work)})
                 self.model_calls += 1
             else:
+                if self.layouts is not None:
+                    self._choose_layout(work)
                 name = work.params.get("scheduler", "default")
                 if name != self.scheduler_name:
                     self.pipeline.use_scheduler(engine("loading").make_scheduler(self.default_scheduler, name))
@@ -390,6 +403,20 @@ class Rank:
             self._update_memory()
         except Exception as error:  # noqa: BLE001 - a peer is gone
             self._lost_world(error)
+
+    def _choose_layout(self, work: Work) -> None:
+        """--layout auto: the layout chosen for this job's size (measured now if the size is new), wrapped."""
+        call = self.runner.request(work.params).pipeline_kwargs(work.tensors)
+        call.pop("init_latents", None)
+        pipeline, made = self.layouts.for_call(call)
+        if made is not None and self.rank == 0:
+            log.info("layout auto for %s chose [%s]; predicted per step:\n  %s", made.job, made.config.describe(),
+                     "\n  ".join(made.table))
+        if pipeline is not self.pipeline:
+            self.pipeline = self.runner.pipeline = pipeline
+            self.config, self.layout = self.layouts.config, self.layouts.rank_layout
+            self.runner.cancel_inside_steps = self.config.pipefusion_degree == 1
+            self.scheduler_name = "default"  # the rewrapped pipeline samples with its own scheduler again
 
     def _apply_loras(self, work: Work) -> None:
         self.loras.apply([engine("lora").LoraSpec(lora["path"], float(lora["strength"]), lora.get("expert", ""))

@@ -7,9 +7,9 @@ before anything starts; `rank_arguments()` is the rank command line the supervis
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from .engine import LayoutError, ParallelConfig
+from .engine import AutoLayout, LayoutError, ParallelConfig
 
 from .auth import ServerKeys, check_endpoint
 
@@ -20,6 +20,7 @@ class PoolSpec:
     nproc: int  # ranks on this machine
     endpoint: str | None  # None on a joining node: rank 0, on node 0, serves the clients
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    auto: AutoLayout | None = None  # --layout auto: the degrees (all 1 in `parallel`) are chosen per job size
     vae: str | None = None  # the VAE file beside a single-file model
     text_encoders: bool = False
     dtype: str | None = None
@@ -46,9 +47,16 @@ class PoolSpec:
     def ranks_of(self, node: int) -> list[int]:
         return list(range(node * self.nproc, (node + 1) * self.nproc))
 
+    def describe_layout(self) -> str:
+        if self.auto is None:
+            return self.parallel.describe()
+        return "layout auto" + (f" for {self.auto.link}" if self.auto.link else "") + " (chosen per job size)"
+
     def check(self) -> None:
         try:
-            self.parallel.check(self.world_size, ranks_flag="--nproc")
+            # auto: the settings beside the degrees, as data parallel over the world would run them
+            parallel = replace(self.parallel, dp_degree=self.world_size) if self.auto else self.parallel
+            parallel.check(self.world_size, ranks_flag="--nproc")
         except LayoutError as error:
             if self.nnodes == 1:
                 raise
@@ -77,6 +85,8 @@ class PoolSpec:
             "--pipefusion-degree", str(p.pipefusion_degree), "--warmup-steps", str(p.warmup_steps),
             "--dp-degree", str(p.dp_degree),
         ]
+        if self.auto is not None:
+            args += self.auto.rank_arguments()
         if self.endpoint is not None:
             args += ["--endpoint", self.endpoint]
         if self.curve_dir and self.endpoint is not None:

@@ -103,8 +103,8 @@ class xFuserFluxKontextPipeline(xFuserFluxPipeline):
     comfy = dataclasses.replace(xFuserFluxPipeline.comfy, reference_latents="image")  # ComfyUI's ReferenceLatent
     tensor_inputs = (*xFuserFluxPipeline.tensor_inputs, "image")
 
-    def prepare(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], int, int]:
-        kwargs, batch, tokens = super().prepare(kwargs)
+    def prepare(self, kwargs: dict[str, Any], check_layout: bool = True) -> tuple[dict[str, Any], int, int]:
+        kwargs, batch, tokens = super().prepare(kwargs, check_layout)
         return {**kwargs, "max_area": kwargs["height"] * kwargs["width"], "_auto_resize": False}, batch, tokens
 
     def reference_tokens(self, image: Any) -> int:

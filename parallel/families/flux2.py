@@ -48,10 +48,10 @@ class xFuserFlux2KleinPipeline(xFuserPipelineBaseWrapper):
     embedding_sizes = {"prompt_embeds": "joint_attention_dim", "negative_prompt_embeds": "joint_attention_dim"}
     tensor_inputs = ("image",)
 
-    def prepare(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], int, int]:
+    def prepare(self, kwargs: dict[str, Any], check_layout: bool = True) -> tuple[dict[str, Any], int, int]:
         if isinstance(kwargs.get("image"), torch.Tensor):
             kwargs = {**kwargs, "image": reference_images(kwargs["image"])}
-        return super().prepare(kwargs)
+        return super().prepare(kwargs, check_layout)
 
     def reference_tokens(self, images: list | None) -> int:
         """Tokens the references add, each sized as the pipeline sizes it."""

@@ -74,8 +74,8 @@ class xFuserQwenImagePipeline(xFuserPipelineBaseWrapper):
         return ("CFG parallel on Qwen-Image needs true_cfg_scale above 1 (got "
                 f"{kwargs.get('true_cfg_scale', 4.0)}) and negative prompt embeddings; add both or turn CFG parallel off.")
 
-    def prepare(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], int, int]:
-        kwargs, batch, tokens = super().prepare(kwargs)
+    def prepare(self, kwargs: dict[str, Any], check_layout: bool = True) -> tuple[dict[str, Any], int, int]:
+        kwargs, batch, tokens = super().prepare(kwargs, check_layout)
         if not self.module.transformer.config.guidance_embeds:  # no distilled guidance: diffusers ignores it, noisily
             kwargs.pop("guidance_scale", None)
         for embeds, mask in MASKS.items():

@@ -69,12 +69,12 @@ class xFuserWanPipeline(xFuserPipelineBaseWrapper):
         embeds, _ = self.module.encode_prompt(prompt, do_classifier_free_guidance=False, max_sequence_length=PROMPT_TOKENS)
         return {"prompt_embeds": embeds}
 
-    def prepare(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], int, int]:
+    def prepare(self, kwargs: dict[str, Any], check_layout: bool = True) -> tuple[dict[str, Any], int, int]:
         """Given latents define the frames: image-to-video builds its condition for num_frames frames."""
         latents = kwargs.get("latents")
         if kwargs.get("num_frames") is None and isinstance(latents, torch.Tensor) and latents.ndim == 5:
             kwargs = {**kwargs, "num_frames": (latents.shape[2] - 1) * self.module.vae_scale_factor_temporal + 1}
-        return super().prepare(kwargs)
+        return super().prepare(kwargs, check_layout)
 
     # -- shapes -------------------------------------------------------------------------------------
     def latent_frames(self, kwargs: dict[str, Any]) -> int:
@@ -175,11 +175,11 @@ class xFuserWanImageToVideoPipeline(xFuserWanPipeline):
                                  "(the VAE encoding of the start image and the frames after it)")
         super().check_inputs(kwargs, batch)
 
-    def prepare(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], int, int]:
+    def prepare(self, kwargs: dict[str, Any], check_layout: bool = True) -> tuple[dict[str, Any], int, int]:
         if kwargs.get("image_latents") is not None and kwargs.get("image") is None:  # stands in for the encoded image
             latents = kwargs["image_latents"]
             kwargs = {**kwargs, "image": latents.new_zeros(latents.shape[0], 3, kwargs["height"], kwargs["width"])}
-        return super().prepare(kwargs)
+        return super().prepare(kwargs, check_layout)
 
     def call_context(self, kwargs: dict[str, Any]):
         """The pipeline's VAE encode of the condition video answers with the given encoding, and its CLIP

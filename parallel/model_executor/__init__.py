@@ -7,10 +7,10 @@ Importing this package imports no diffusers: the ComfyUI process reads the famil
 """
 
 
-def wrap_pipeline(pipeline, attention_kernel: str | None = None):
+def wrap_pipeline(pipeline, attention_kernel: str | None = None, reversible: bool = False):
     from .pipelines import xFuserPipelineBaseWrapper
 
-    return xFuserPipelineBaseWrapper.wrap(pipeline, attention_kernel)
+    return xFuserPipelineBaseWrapper.wrap(pipeline, attention_kernel, reversible)
 
 
 def capability_table() -> str:

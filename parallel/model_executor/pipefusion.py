@@ -96,7 +96,7 @@ class PipeFusionStage:
     """This rank's stage of `transformer`, installed in place; see the module docstring."""
 
     def __init__(self, transformer: torch.nn.Module, plan: PipeFusionPlan, pp: GroupCoordinator, num_patches: int,
-                 warmup_steps: int, branch: Callable[[], str]):
+                 warmup_steps: int, branch: Callable[[], str], keep_other_stages: bool = False):
         self.plan, self.pp, self.num_patches, self.warmup_steps, self.branch = plan, pp, num_patches, warmup_steps, branch
         blocks = [(name, i, block) for name in plan.blocks for i, block in enumerate(transformer.get_submodule(name))]
         if pp.world_size > len(blocks):
@@ -112,8 +112,11 @@ class PipeFusionStage:
         self._joined = [plan.joined.get(name) for name, _, _ in blocks[start:end]]
         self._forwards = [type(block).forward.__get__(block) for block in self.local]
         self._parameters = [set(inspect.signature(forward).parameters) for forward in self._forwards]  # joined blocks get only these
+        # another stage's block: drop its weights, or keep it aside for `remove` to put back
+        self._transformer, self._keep = transformer, keep_other_stages
+        self._others = [(name, i, block) for name, i, block in blocks[:start] + blocks[end:]] if keep_other_stages else []
         for index, (name, i, block) in enumerate(blocks):
-            if not start <= index < end:  # another stage's block: drop its weights
+            if not start <= index < end:
                 transformer.get_submodule(name)[i] = _Passthrough(plan, type(block).forward.__get__(block),
                                                                   plan.joined.get(name))
         for offset, block in enumerate(self.local):
@@ -125,11 +128,15 @@ class PipeFusionStage:
         self._hooks = [transformer.get_submodule(path).register_forward_hook(functools.partial(_capture, self._captured, arg))
                        for joined in plan.joined.values() for arg, path in joined.inputs.items()]
 
-    def remove(self) -> None:
+    def remove(self) -> bool:
+        """Uninstall the stage; True when the transformer is whole again (the other stages' blocks were kept)."""
         for block in self.local:
             del block.forward
         for hook in self._hooks:
             hook.remove()
+        for name, i, block in self._others:
+            self._transformer.get_submodule(name)[i] = block
+        return self._keep
 
     # -- the stage ----------------------------------------------------------------------------------
     def _pass(self, forward, joined, *args, **kwargs):

@@ -58,21 +58,25 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
     model_call_inputs: ClassVar[tuple[str, ...]] = ()
     model_call_required: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, pipeline: DiffusionPipeline, attention_kernel: str | None = None):
+    def __init__(self, pipeline: DiffusionPipeline, attention_kernel: str | None = None, reversible: bool = False):
         from ...families import FAMILIES
         from ..models.transformers import xFuserTransformerBaseWrapper
 
         super().__init__(pipeline)
         self.parallel_config: ParallelConfig = get_layout().config
         self.cache_report = None  # the last call's step_cache.CacheReport, when it asked for a cache
-        self._original = {"transformer": pipeline.transformer, "scheduler": pipeline.scheduler}
+        self._original = {"scheduler": pipeline.scheduler}
         pipeline.scheduler = xFuserSchedulerWrappersRegister.get_wrapper(pipeline.scheduler)(pipeline.scheduler)
-        for name in ("transformer", "transformer_2"):  # Wan 2.2's low-noise expert is wrapped like the first
-            transformer = getattr(pipeline, name, None)
-            if transformer is not None:
-                self._original[name] = transformer
-                plan = FAMILIES.for_transformer(transformer).plan
-                setattr(pipeline, name, xFuserTransformerBaseWrapper(transformer, plan, attention_kernel))
+        try:
+            for name in ("transformer", "transformer_2"):  # Wan 2.2's low-noise expert is wrapped like the first
+                transformer = getattr(pipeline, name, None)
+                if transformer is not None:
+                    plan = FAMILIES.for_transformer(transformer).plan
+                    setattr(pipeline, name, xFuserTransformerBaseWrapper(transformer, plan, attention_kernel, reversible))
+                    self._original[name] = transformer
+        except Exception:
+            self.unwrap()  # the pipeline as it was, wrapped nowhere
+            raise
         if self.parallel_config.compile:  # after the wrappers, so their attention seam is compiled in
             from ...compile import compile_blocks
 
@@ -83,12 +87,14 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
         return BASE_TENSOR_INPUTS + cls.tensor_inputs
 
     @staticmethod
-    def wrap(pipeline: DiffusionPipeline, attention_kernel: str | None = None) -> "xFuserPipelineBaseWrapper":
-        """Wrap any supported diffusers pipeline for the current parallel layout."""
+    def wrap(pipeline: DiffusionPipeline, attention_kernel: str | None = None,
+             reversible: bool = False) -> "xFuserPipelineBaseWrapper":
+        """Wrap any supported diffusers pipeline for the current parallel layout (`reversible`: PipeFusion stages
+        keep the other stages' blocks aside, so that `unwrap` gives back the whole model for another layout)."""
         from ...families import FAMILIES
         from .. import schedulers  # noqa: F401 - registers the scheduler wrappers
 
-        return FAMILIES.pipeline_wrapper(pipeline)(pipeline, attention_kernel)
+        return FAMILIES.pipeline_wrapper(pipeline)(pipeline, attention_kernel, reversible)
 
     @classmethod
     def from_pretrained(cls, path, **kwargs) -> "xFuserPipelineBaseWrapper":
@@ -307,12 +313,16 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
         does not know and stand in for what they replace (Wan image-to-video's given image encoding)."""
         return contextlib.nullcontext()
 
-    def prepare(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], int, int]:
-        """The call's full keyword arguments, its batch size and image tokens; raises if it can't run."""
+    def prepare(self, kwargs: dict[str, Any], check_layout: bool = True) -> tuple[dict[str, Any], int, int]:
+        """The call's full keyword arguments, its batch size and image tokens; raises if it can't run (without
+        `check_layout`: if its inputs do not fit the model, whatever the layout)."""
         kwargs = {**self.call_defaults, **kwargs}
         if not kwargs.get("height") or not kwargs.get("width"):
             raise ValueError("pass height and width: the layout is checked against the token count they give")
         batch = _batch_size(kwargs)
+        if not check_layout:
+            self.check_inputs(kwargs, batch)
+            return kwargs, batch, self.sequence_tokens(kwargs)
         return kwargs, batch, self.check_layout(kwargs, batch)
 
     def step_callback_arguments(self, step_callback: Callable[[int, torch.Tensor], None]) -> dict[str, Any]:

@@ -37,7 +37,8 @@ def _batch_part(value: Any, batch: int, start: int, stop: int) -> Any:
 class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
     """One class for every family: the family's `plan` (parallel/families/) says what differs."""
 
-    def __init__(self, transformer: torch.nn.Module, plan: ParallelPlan, attention_kernel: str | None = None):
+    def __init__(self, transformer: torch.nn.Module, plan: ParallelPlan, attention_kernel: str | None = None,
+                 reversible: bool = False):
         super().__init__(transformer)
         self.plan = plan
         self._cfg, self._pp = get_cfg_group(), get_pp_group()
@@ -58,7 +59,7 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
             cache = StaleKVCache(config.ulysses_degree)
             self._stage = PipeFusionStage(
                 transformer, self.plan.pipefusion, self._pp, config.num_patches or self._pp.world_size,
-                config.warmup_steps, lambda: self._branch or "default",
+                config.warmup_steps, lambda: self._branch or "default", keep_other_stages=reversible,
             )
         if sp.world_size > 1 or cache is not None:
             self._handles, self._layers = apply_sequence_plan(transformer, self.plan, sp, attention_kernel, cache)
@@ -69,9 +70,8 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
             handle.remove()
         for layer in self._layers:
             layer.remove()
-        if self._stage is not None:  # the other stages' blocks are gone: reload to use another layout
-            self._stage.remove()
-            self.module._xdit_partial = True
+        if self._stage is not None:  # unless kept aside, the other stages' blocks are gone: reload for another layout
+            self.module._xdit_partial = not self._stage.remove()
         self._handles, self._layers, self._stage = [], [], None
         return self.module
 
