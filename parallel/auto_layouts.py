@@ -93,6 +93,8 @@ class AutoLayouts:
         return self.wrapped, made
 
     def report(self) -> dict:
-        """For a pool's status: the link used, the start layout and every remembered choice, the latest last."""
+        """For a pool's status (asked from rank 0's server thread): the link used, the current layout and every
+        remembered choice, the latest last."""
+        choices = list(self.choices.values())  # one C-level copy: the job loop may add a choice meanwhile
         return {"link": self.link_name, "current": self.config.describe(), "last": self.last.report() if self.last else None,
-                "choices": [{"job": c.job, "layout": c.config.describe()} for c in self.choices.values()]}
+                "choices": [{"job": c.job, "layout": c.config.describe()} for c in choices]}
