@@ -9,6 +9,8 @@ own noise for the seed, and turns a native CONDITIONING into the pipeline's tens
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..parallel.families import FAMILIES, ComfyData
@@ -22,8 +24,8 @@ class ConditioningError(ValueError):
 class FamilyAdapter:
     """ComfyUI ↔ one diffusers pipeline class."""
 
-    def __init__(self, pipeline: str, data: ComfyData, tensor_inputs: tuple[str, ...]):
-        self.name, self.data, self.tensor_inputs = pipeline, data, tensor_inputs
+    def __init__(self, pipeline: str, data: ComfyData, tensor_inputs: tuple[str, ...], call_parameters: tuple[str, ...] = ()):
+        self.name, self.data, self.tensor_inputs, self.call_parameters = pipeline, data, tensor_inputs, call_parameters
 
     # -- latents ------------------------------------------------------------------------------------
     def format_name(self, channels: int) -> str:
@@ -37,10 +39,23 @@ class FamilyAdapter:
         return self.data.latent_formats[channels]
 
     def latent_format(self, channels: int):
-        """ComfyUI's latent format object (process_in/out, preview factors) for `channels` channels."""
+        """ComfyUI's latent format object (process_in/out, preview factors) for `channels` channels: ComfyUI's own
+        class, or where this ComfyUI has none, one made from the family's declaration."""
         import comfy.latent_formats
 
-        return getattr(comfy.latent_formats, self.format_name(channels))()
+        name = self.format_name(channels)
+        if hasattr(comfy.latent_formats, name):
+            return getattr(comfy.latent_formats, name)()
+        if name not in self.data.declared_formats:
+            raise ConditioningError(f"this ComfyUI has no {name} latent format for {self.name}; update ComfyUI")
+        declared = self.data.declared_formats[name]
+        latent_format = comfy.latent_formats.LatentFormat()  # process_in/out: the identity (scale 1)
+        latent_format.latent_channels, latent_format.spacial_downscale_ratio = declared.channels, declared.spatial
+        latent_format.latent_rgb_factors = [list(row) for row in declared.rgb_factors]
+        latent_format.latent_rgb_factors_bias = list(declared.rgb_bias) if declared.rgb_bias else None
+        if declared.preview_unfold > 1:
+            latent_format.latent_rgb_factors_reshape = functools.partial(_unfold, patch=declared.preview_unfold)
+        return latent_format
 
     def comfy_latent(self, samples: torch.Tensor) -> torch.Tensor:
         """A LATENT's samples as this pipeline's family takes them: an image model whose latent format is a
@@ -76,9 +91,17 @@ class FamilyAdapter:
     def noise_to_model(self, noise: torch.Tensor) -> torch.Tensor:
         return pack_2x2(noise) if self.data.packed else noise
 
-    def to_comfy(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    def _from_loop(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """The pipeline's loop latents (its results with `model_latents`, its previews) image-shaped."""
         if self.data.packed:
-            latents = unpack_2x2(latents, height, width)
+            return unpack_2x2(latents, height, width)
+        if self.data.loop_tokens and latents.ndim == 3:
+            scale = self.data.scale(latents.shape[2])
+            return latents.transpose(1, 2).reshape(latents.shape[0], latents.shape[2], height // scale, width // scale)
+        return latents
+
+    def to_comfy(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        latents = self._from_loop(latents, height, width)
         if self._one_frame(latents.shape[1]):  # as ComfyUI's own sampling returns it
             latents = latents[:, :, None]
         return self.latent_format(latents.shape[1]).process_out(latents)
@@ -86,8 +109,7 @@ class FamilyAdapter:
     def preview_latents(self, preview: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """Model-space latents of the first sample as an image latent [1, C, H, W] for ComfyUI's previewer
         (a video's middle latent frame)."""
-        if self.data.packed:
-            return unpack_2x2(preview, height, width)
+        preview = self._from_loop(preview, height, width)
         return preview[:, :, preview.shape[2] // 2] if preview.ndim == 5 else preview
 
     # -- conditioning -------------------------------------------------------------------------------
@@ -132,6 +154,9 @@ class FamilyAdapter:
         if not self.data.guidance_in_conditioning:
             return cfg, {}
         guidance = self.data.default_guidance if conditioning_guidance is None else conditioning_guidance
+        if use_negative and "true_cfg_scale" not in self.call_parameters:
+            raise ConditioningError(f"{self.name} is guidance-distilled and has no classifier-free guidance: set cfg to 1 "
+                                    "and its guidance with FluxGuidance on the positive conditioning")
         return guidance, ({"true_cfg_scale": cfg} if use_negative else {})
 
     def _reference(self, latents: list[torch.Tensor]) -> torch.Tensor:
@@ -184,6 +209,13 @@ class FamilyAdapter:
             )
 
 
+def _unfold(latents: torch.Tensor, patch: int) -> torch.Tensor:
+    """[B, C·p·p, h, w] with (c, p, p) patches in channels → [B, C, h·p, w·p] (FLUX.2's preview)."""
+    b, channels, h, w = latents.shape
+    c = channels // (patch * patch)
+    return latents.view(b, c, patch, patch, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c, h * patch, w * patch)
+
+
 def _repeat(tensor: torch.Tensor, batch: int) -> torch.Tensor:
     if tensor.shape[0] == batch:
         return tensor
@@ -198,4 +230,4 @@ def adapter_for(pipeline: str) -> FamilyAdapter:
         wrapper = FAMILIES.pipeline_wrapper(pipeline)
     except ValueError as error:
         raise ValueError(f"xDiT Sampler has no adapter for {pipeline}: {error}") from None
-    return FamilyAdapter(pipeline, wrapper.comfy, wrapper.all_tensor_inputs())
+    return FamilyAdapter(pipeline, wrapper.comfy, wrapper.all_tensor_inputs(), tuple(wrapper.call_parameters))

@@ -23,10 +23,16 @@ SCHEDULERS = ["default", "dpmsolver", "ddim", "euler", "flow-euler"]
 
 
 def _previewer(latent_format):
+    """ComfyUI's previewer for the latent format, and what its latents go through first: latent-to-RGB previews
+    of patch-channel latents (FLUX.2) unfold them here, once, whether or not this ComfyUI's previewer can."""
     previewer = latent_preview.get_previewer("cpu", latent_format)
     if previewer is None:  # --preview-method none still gets the cheap latent-to-RGB preview
         previewer = latent_preview.Latent2RGBPreviewer(latent_format.latent_rgb_factors, latent_format.latent_rgb_factors_bias)
-    return previewer
+    unfold = getattr(latent_format, "latent_rgb_factors_reshape", None)
+    if unfold is None or not isinstance(previewer, latent_preview.Latent2RGBPreviewer):
+        return previewer, lambda x: x
+    previewer.latent_rgb_factors_reshape = None
+    return previewer, unfold
 
 
 class XDiTSampler(io.ComfyNode):
@@ -73,6 +79,7 @@ class XDiTSampler(io.ComfyNode):
                                                                  pool.status.get("inputs", {}))
         tensors["latents"] = adapter.noise_to_model(noise).float()
         params = {"steps": steps, "height": height, "width": width, "preview": preview, "scheduler": sampler,
+                  "model_latents": True,
                   "loras": [{"path": path, "strength": strength, **({"expert": expert} if expert else {})}
                             for path, strength, expert in pool.loras]}
         if denoise < 1.0:  # img2img: start from the given latent, noised to the schedule's point
@@ -86,7 +93,7 @@ class XDiTSampler(io.ComfyNode):
             params["cache"] = pool.cache
 
         latent_format = adapter.latent_format(samples.shape[1])
-        previewer = _previewer(latent_format) if preview else None
+        previewer, preview_input = _previewer(latent_format) if preview else (None, None)
         progress = comfy.utils.ProgressBar(steps)
         interrupted = []
 
@@ -95,7 +102,7 @@ class XDiTSampler(io.ComfyNode):
             image = None
             if previewer is not None and "preview" in message.tensors:
                 x = adapter.preview_latents(message.tensors["preview"], height, width)
-                image = previewer.decode_latent_to_preview_image("JPEG", x)
+                image = previewer.decode_latent_to_preview_image("JPEG", preview_input(x))
             try:
                 progress.update_absolute(step, steps, image)
             except comfy.model_management.InterruptProcessingException:

@@ -25,6 +25,9 @@ FAMILIES = {  # family: (empty latent node, cfg, scale, shift)
     "flux-kontext": ("EmptySD3LatentImage", 1.0, 0.3611, 0.1159),  # with ReferenceLatent: tests/test_flux_kontext.py
     "qwen-image": ("EmptySD3LatentImage", 4.0, None, None),  # Wan21 format: the VAE's per-channel mean and std
     "z-image": ("EmptySD3LatentImage", 2.0, 0.3611, 0.1159),  # FLUX.1's VAE; cfg 2 is Z-Image's guidance_scale 1
+    # ComfyUI 0.3.64 has neither FLUX.2's latent format (the family declares it) nor an empty-latent node for it
+    "flux2-klein": ("XDiTEmptyLatent", 4.0, None, None),  # the base model: real CFG
+    "flux2-dev": ("XDiTEmptyLatent", 1.0, None, None),  # guidance-distilled: cfg 1, FluxGuidance's default 4
 }
 TEXT_TO_IMAGE = [family for family in FAMILIES if family != "flux-kontext"]
 
@@ -40,7 +43,8 @@ def workflow(family: str, *, steps=4, size=64, seed=7, positive="a cat on a mat"
             "dp_degree": 1, "text_encoders": True, "dtype": "auto", "devices": "", "threads_per_rank": 1, "endpoint": ""}},
         "2": {"class_type": "XDiTTextEncode", "inputs": {"pool": ["1", 0], "text": positive}},
         "3": {"class_type": "XDiTTextEncode", "inputs": {"pool": ["1", 0], "text": negative}},
-        "4": {"class_type": empty, "inputs": {"width": size, "height": size, "batch_size": 1}},
+        "4": {"class_type": empty, "inputs": {"width": size, "height": size, "batch_size": 1,
+                                              **({"pool": ["1", 0]} if empty.startswith("XDiT") else {})}},
         "5": {"class_type": "XDiTSampler", "inputs": {
             "pool": ["1", 0], "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0], "seed": seed,
             "steps": steps, "cfg": default_cfg if cfg is None else cfg, "sampler": "default", "denoise": 1.0, "preview": True}},
@@ -62,10 +66,15 @@ def reference(model_dir, family, *, steps=4, size=64, seed=7, positive="a cat on
     pipeline = DiffusionPipeline.from_pretrained(model_dir)
     if cache is not None:
         pipeline.transformer.enable_cache(cache)
-    channels = 4 if family.startswith("pixart") else 16
-    noise = torch.randn((1, channels, size // 8, size // 8), generator=torch.manual_seed(seed))
+    channels, scale_down = (4, 8) if family.startswith("pixart") else (128, 16) if family.startswith("flux2") else (16, 8)
+    noise = torch.randn((1, channels, size // scale_down, size // scale_down), generator=torch.manual_seed(seed))
     with torch.no_grad():
-        if family.startswith("flux"):
+        if family.startswith("flux2"):  # ComfyUI's FLUX.2 LATENT is what the pipelines take, [B, 128, H/16, W/16]
+            embeds, _ = pipeline.encode_prompt(positive, device="cpu")
+            kwargs = {"prompt_embeds": embeds, "latents": noise, "guidance_scale": 4.0 if family == "flux2-dev" else cfg}
+            if family == "flux2-klein":
+                kwargs["negative_prompt_embeds"] = pipeline.encode_prompt(negative, device="cpu")[0]
+        elif family.startswith("flux"):
             embeds, pooled, _ = pipeline.encode_prompt(positive, None)
             kwargs = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled, "guidance_scale": 3.5,
                       "latents": pipeline._pack_latents(noise, 1, channels, size // 8, size // 8)}
@@ -94,6 +103,12 @@ def reference(model_dir, family, *, steps=4, size=64, seed=7, positive="a cat on
             kwargs = {"prompt_embeds": pe, "prompt_attention_mask": pm, "negative_prompt_embeds": ne,
                       "negative_prompt_attention_mask": nm, "guidance_scale": cfg, "latents": noise}
     latents = diffusers_latents(pipeline, family, **kwargs, **call, num_inference_steps=steps, height=size, width=size)
+    if family.startswith("flux2"):  # [klein] returns its latents unpatchified and denormalised; [dev] packed
+        if family == "flux2-klein":
+            bn = pipeline.vae.bn
+            std = torch.sqrt(bn.running_var + pipeline.vae.config.batch_norm_eps).view(1, -1, 1, 1)
+            return (pipeline._patchify_latents(latents) - bn.running_mean.view(1, -1, 1, 1)) / std
+        return latents.transpose(1, 2).reshape(noise.shape)
     if family.startswith("flux"):
         latents = pipeline._unpack_latents(latents, size, size, 8)
     if family == "qwen-image":  # [B, C, 1, H, W] in the VAE's space, as ComfyUI's own Qwen-Image sampling returns
@@ -150,8 +165,9 @@ def test_flux_cfg_reaches_the_pool_as_its_true_cfg_scale(comfy, tiny_model_dirs)
     assert (latent - reference(tiny_model_dirs["flux"], "flux")).abs().max().item() > 100 * TOLERANCE
 
 
-def test_progress_and_preview_frames_arrive_over_the_websocket(comfy):
-    _, progress, previews, outcome = comfy.run_watching(workflow("sd3", steps=6, seed=11))
+@pytest.mark.parametrize("family", ["sd3", "flux2-klein"])  # FLUX.2: its declared format's previews, unfolded
+def test_progress_and_preview_frames_arrive_over_the_websocket(comfy, family):
+    _, progress, previews, outcome = comfy.run_watching(workflow(family, steps=6, seed=11))
     assert outcome == "execution_success"
     assert progress[-6:] == [1, 2, 3, 4, 5, 6]
     assert previews >= 1

@@ -137,10 +137,32 @@ def test_qwen_image_latents_keep_comfyuis_one_frame_and_its_cfg_is_true_cfg(adap
     assert qwen.guidance_parameters(1.0, None, False) == (1.0, {"true_cfg_scale": 1.0})
 
 
-def test_a_model_comfyui_cannot_sample_says_so(adapters):
-    flux2 = adapters.adapter_for("Flux2KleinPipeline")
-    with pytest.raises(adapters.ConditioningError, match="Flux2KleinPipeline: FLUX.2 needs a ComfyUI with FLUX.2 support"):
-        flux2.job_size(torch.zeros(1, 128, 4, 4))
+def test_flux2_latents_take_the_declared_format_where_comfyui_064_has_none(adapters, latent_formats):
+    """ComfyUI 0.3.64 has no FLUX.2 latent format: the family's declaration stands in (128 channels at 1/16, the
+    identity, ComfyUI's preview factors over the 32 unfolded channels). The pipelines take ComfyUI's LATENT as it
+    is and keep (and, with model_latents, return) it as one token per latent pixel."""
+    from diffusers import Flux2KleinPipeline
+
+    assert not hasattr(latent_formats, "Flux2")
+    for pipeline in ("Flux2KleinPipeline", "Flux2Pipeline"):
+        flux2 = adapters.adapter_for(pipeline)
+        x = torch.randn(2, 128, 3, 5, generator=torch.Generator().manual_seed(0))
+        fmt = flux2.latent_format(128)
+        assert (fmt.latent_channels, fmt.spacial_downscale_ratio, len(fmt.latent_rgb_factors)) == (128, 16, 32)
+        assert flux2.job_size(x) == {"height": 48, "width": 80}
+        assert torch.equal(flux2.to_model(x), x) and torch.equal(flux2.noise_to_model(x), x)
+        tokens = Flux2KleinPipeline._pack_latents(x)
+        assert torch.equal(flux2.to_comfy(tokens, 48, 80), x)
+        assert not torch.equal(flux2.to_comfy(tokens.flip(1), 48, 80), x)
+        # the preview unfolds the (c, 2, 2) patches as diffusers' own unpatchify does
+        unfolded = fmt.latent_rgb_factors_reshape(flux2.preview_latents(tokens[:1], 48, 80))
+        assert torch.equal(unfolded, Flux2KleinPipeline._unpatchify_latents(x[:1]))
+        with pytest.raises(adapters.ConditioningError, match="has 16 channels; expected 128"):
+            flux2.job_size(torch.zeros(1, 16, 4, 4))
+    dev = adapters.adapter_for("Flux2Pipeline")
+    assert dev.guidance_parameters(1.0, 2.5, False) == (2.5, {})
+    with pytest.raises(adapters.ConditioningError, match="guidance-distilled .* set cfg to 1"):
+        dev.guidance_parameters(3.0, None, True)
 
 
 def test_wan_latents_use_comfyuis_wan21_and_wan22_formats(adapters, latent_formats):

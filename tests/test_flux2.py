@@ -126,3 +126,30 @@ def test_the_pools_text_encoder_matches_diffusers(tiny_model_dirs, tmp_path, fam
         expected = diffusers_latents(pipeline, family, **inputs, num_inference_steps=STEPS, guidance_scale=GUIDANCE,
                                      height=64, width=64)
         assert (latents - expected).abs().max().item() <= TOLERANCE
+
+
+def test_klein_model_latents_are_its_loop_latents(tiny_model_dirs):
+    """[klein] returns its latents unpatchified and denormalised; asked for `model_latents` (as xDiT Sampler asks) the
+    pool returns them as the pipeline's loop kept them at the last step: ComfyUI's FLUX.2 LATENT, packed."""
+    from types import SimpleNamespace
+
+    from diffusers import DiffusionPipeline
+
+    from parallel.families.flux2 import xFuserFlux2KleinPipeline
+
+    pipeline = DiffusionPipeline.from_pretrained(tiny_model_dirs[FAMILY])
+    seen = {}
+
+    def on_step_end(pipe, index, timestep, tensors):
+        seen["latents"] = tensors["latents"]
+        return {}
+
+    inputs = tiny_models.make_inputs(FAMILY, height=HEIGHT, width=WIDTH)
+    with torch.no_grad():
+        out = pipeline(**inputs, **{**CALL, "num_inference_steps": 2}, output_type="latent", return_dict=False,
+                       callback_on_step_end=on_step_end, callback_on_step_end_tensor_inputs=["latents"])[0]
+    model = xFuserFlux2KleinPipeline.model_latents(SimpleNamespace(module=pipeline), out)
+    assert model.shape == seen["latents"].shape == (1, (HEIGHT // 16) * (WIDTH // 16), 128)
+    assert (model - seen["latents"]).abs().max().item() <= TOLERANCE
+    unnormalised = pipeline._pack_latents(pipeline._patchify_latents(out))  # the negative control
+    assert (unnormalised - seen["latents"]).abs().max().item() > 100 * TOLERANCE

@@ -174,8 +174,9 @@ class JobRunner:
         if init_latents is not None:
             kwargs = self.pipeline.partial_denoise(kwargs, init_latents, request.denoise)
         try:
-            return self.pipeline(**kwargs, output_type="latent", return_dict=False, step_callback=on_step,
-                                 prepared=prepared)[0]
+            latents = self.pipeline(**kwargs, output_type="latent", return_dict=False, step_callback=on_step,
+                                    prepared=prepared)[0]
+            return self.pipeline.model_latents(latents) if work.params.get("model_latents") else latents
         except JobCancelled as cancelled:
             raise JobCancelled(self.step if cancelled.step < 0 else cancelled.step) from None
         finally:

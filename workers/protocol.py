@@ -50,6 +50,7 @@ _NUMBER = (int, float)
 POOL_PARAMS: dict[str, tuple[tuple[type, ...], bool]] = {
     "scheduler": ((str,), False),
     "preview": ((bool,), False),
+    "model_latents": ((bool,), False),  # the result as the pipeline's loop keeps latents (xDiT Sampler's conversion)
     "loras": ((list,), False),
 }
 CLIENT_MESSAGES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {

@@ -6,10 +6,10 @@ the families; it imports no diffusers.
 import importlib
 import pkgutil
 
-from .base import FAMILIES, ComfyData, Family, FamilyRegistry, SingleFile, TinyModel, Variant, VaeFile
+from .base import FAMILIES, ComfyData, DeclaredLatentFormat, Family, FamilyRegistry, SingleFile, TinyModel, Variant, VaeFile
 
 for _module in pkgutil.iter_modules(__path__):
     if _module.name != "base":
         importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["FAMILIES", "ComfyData", "Family", "FamilyRegistry", "SingleFile", "TinyModel", "Variant", "VaeFile"]
+__all__ = ["FAMILIES", "ComfyData", "DeclaredLatentFormat", "Family", "FamilyRegistry", "SingleFile", "TinyModel", "Variant", "VaeFile"]

@@ -25,6 +25,27 @@ MODEL_CALL_TENSORS = ("latents", "sigma")
 
 
 @dataclass(frozen=True)
+class DeclaredLatentFormat:
+    """A ComfyUI latent format the family declares for the ComfyUIs whose `comfy.latent_formats` lacks it (FLUX.2's
+    before ComfyUI 0.4); the nodes use ComfyUI's own class wherever it exists. Only formats whose process_in/out
+    are the identity (the VAE normalises inside ComfyUI's encode) are declared this way.
+
+    channels, spatial: the latent's channels and pixels per latent pixel.
+    rgb_factors, rgb_bias: the latent-to-RGB preview factors, one row per channel of the unfolded latent.
+    preview_unfold: the channels are (c, p, p) patches: previews unfold them to c channels at p× the resolution
+                    before the RGB factors apply (ComfyUI's `latent_rgb_factors_reshape`); 1: none.
+    source: where the values come from.
+    """
+
+    channels: int
+    spatial: int
+    rgb_factors: tuple[tuple[float, float, float], ...]
+    rgb_bias: tuple[float, float, float] | None
+    source: str
+    preview_unfold: int = 1
+
+
+@dataclass(frozen=True)
 class ComfyData:
     """What the ComfyUI side needs to turn its LATENT and CONDITIONING into this pipeline's inputs.
 
@@ -32,6 +53,10 @@ class ComfyData:
                     between ComfyUI's VAE space and the pipeline's model space).
     spatial:        latent channels → pixels per latent pixel (VAE factor).
     packed:         the pipeline takes latents packed 2×2 into tokens [B, H/2·W/2, 4C] (Flux; see pack_2x2).
+    loop_tokens:    the pipeline takes image-shaped latents [B, C, h, w] but keeps them in its loop (previews,
+                    and results asked for with `model_latents`) as one token per latent pixel, [B, h·w, C] (FLUX.2).
+    declared_formats: latent format name → DeclaredLatentFormat, for the names of `latent_formats` that not every
+                    ComfyUI has.
     guidance_in_conditioning: the conditioning's "guidance" (FluxGuidance) is the pipeline's
                     distilled `guidance_scale` (`default_guidance` without one); ComfyUI's cfg then
                     becomes `true_cfg_scale`.
@@ -61,6 +86,8 @@ class ComfyData:
     latent_formats: dict[int, str]
     spatial: dict[int, int] = field(default_factory=dict)
     packed: bool = False
+    loop_tokens: bool = False
+    declared_formats: dict[str, DeclaredLatentFormat] = field(default_factory=dict)
     guidance_in_conditioning: bool = False
     default_guidance: float = 3.5
     cfg_call: str = ""

@@ -22,6 +22,7 @@ BFL names the undistilled ones (`flux-2-klein-base-4b`). [dev] is told by its gu
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -32,9 +33,29 @@ from ..config import LayoutError
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
 from ..model_executor.plans import CfgMode, Gather, JoinedStream, ParallelPlan, PipeFusionPlan, Split, TokenRows
-from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant, VaeFile
+from .base import FAMILIES, ComfyData, DeclaredLatentFormat, Family, SingleFile, TinyModel, Variant, VaeFile
 
 TRANSFORMER_MODULE = "diffusers.models.transformers.transformer_flux2"
+
+
+# ComfyUI's FLUX.2 latent (`comfy.latent_formats.Flux2` in the ComfyUIs with FLUX.2; 0.3.64 has none): the VAE's latents 2×2-patchified
+# and normalised with its batch norm inside ComfyUI's VAE encode, so process_in/out are the identity, exactly the
+# latents diffusers' Flux2 pipelines normalise and patchify themselves (tests/test_comfyui.py checks it against them).
+# The preview factors are ComfyUI's, for the 32 unfolded channels.
+COMFY_FLUX2 = DeclaredLatentFormat(
+    channels=128, spatial=16, preview_unfold=2, rgb_bias=(-0.0329, -0.0718, -0.0851),
+    source="ComfyUI comfy/latent_formats.py, class Flux2 (the releases with FLUX.2 support, from late 2025)",
+    rgb_factors=(
+        (0.0058, 0.0113, 0.0073), (0.0495, 0.0443, 0.0836), (-0.0099, 0.0096, 0.0644), (0.2144, 0.3009, 0.3652),
+        (0.0166, -0.0039, -0.0054), (0.0157, 0.0103, -0.0160), (-0.0398, 0.0902, -0.0235), (-0.0052, 0.0095, 0.0109),
+        (-0.3527, -0.2712, -0.1666), (-0.0301, -0.0356, -0.0180), (-0.0107, 0.0078, 0.0013), (0.0746, 0.0090, -0.0941),
+        (0.0156, 0.0169, 0.0070), (-0.0034, -0.0040, -0.0114), (0.0032, 0.0181, 0.0080), (-0.0939, -0.0008, 0.0186),
+        (0.0018, 0.0043, 0.0104), (0.0284, 0.0056, -0.0127), (-0.0024, -0.0022, -0.0030), (0.1207, -0.0026, 0.0065),
+        (0.0128, 0.0101, 0.0142), (0.0137, -0.0072, -0.0007), (0.0095, 0.0092, -0.0059), (0.0000, -0.0077, -0.0049),
+        (-0.0465, -0.0204, -0.0312), (0.0095, 0.0012, -0.0066), (0.0290, -0.0034, 0.0025), (0.0220, 0.0169, -0.0048),
+        (-0.0332, -0.0457, -0.0468), (-0.0085, 0.0389, 0.0609), (-0.0076, 0.0003, -0.0043), (-0.0111, -0.0460, -0.0614),
+    ),
+)
 
 
 class xFuserFlux2KleinPipeline(xFuserPipelineBaseWrapper):
@@ -42,8 +63,11 @@ class xFuserFlux2KleinPipeline(xFuserPipelineBaseWrapper):
     images it takes, each sized by its own rules (at most 1 MP, cropped to whole 16-pixel tokens); their tokens
     follow the image's in the sequence, split with them."""
 
-    # ComfyUI 0.3.64 has no FLUX.2 model, so no latent format to convert with: LATENTs of it are not taken yet.
-    comfy = ComfyData(latent_formats={}, expects="FLUX.2 needs a ComfyUI with FLUX.2 support (not 0.3.64)")
+    comfy = ComfyData(
+        latent_formats={128: "Flux2"}, spatial={128: 16}, loop_tokens=True, declared_formats={"Flux2": COMFY_FLUX2},
+        expects="encode with xDiT Text Encode on this pool (FLUX.2 [klein]: Qwen3, three hidden layers stacked)",
+        empty_latent="xDiT Empty Latent (or EmptyFlux2LatentImage on a ComfyUI with FLUX.2): 128 channels at 1/16 size",
+    )
     latent_patch = 2
     embedding_sizes = {"prompt_embeds": "joint_attention_dim", "negative_prompt_embeds": "joint_attention_dim"}
     tensor_inputs = ("image",)
@@ -94,6 +118,14 @@ class xFuserFlux2KleinPipeline(xFuserPipelineBaseWrapper):
         embeds, _ = self.module.encode_prompt(prompt, device=self.module.transformer.device)
         return {"prompt_embeds": embeds}
 
+    def model_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """[klein] returns its latents unpatchified and denormalised with the VAE's batch-norm statistics; its loop
+        keeps them 2×2-patchified, normalised and packed, [B, H/16·W/16, 128] (ComfyUI's FLUX.2 LATENT, unpacked)."""
+        pipeline, bn = self.module, self.module.vae.bn
+        mean = bn.running_mean.view(1, -1, 1, 1).to(latents)
+        std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + pipeline.vae.config.batch_norm_eps).to(latents)
+        return pipeline._pack_latents((pipeline._patchify_latents(latents) - mean) / std)
+
 
 def reference_images(pixels: torch.Tensor) -> list:
     """[N, 3, H, W] in [0, 1] → N PIL images, as diffusers' image processor converts them (rounded to 8 bits)."""
@@ -110,8 +142,15 @@ class xFuserFlux2Pipeline(xFuserFlux2KleinPipeline):
     latents packed, [B, H/16·W/16, 128], as the pipeline keeps them (no VAE involved), where [klein] unpacks
     and denormalises them."""
 
+    comfy = dataclasses.replace(xFuserFlux2KleinPipeline.comfy, guidance_in_conditioning=True, default_guidance=4.0,
+                                expects="encode with xDiT Text Encode on this pool (FLUX.2 [dev]: Mistral Small 3.1, "
+                                        "three hidden layers stacked)")
+
     def uses_cfg(self, kwargs: dict[str, Any]) -> bool:
         return False
+
+    def model_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        return latents  # already as its loop keeps them
 
     def cfg_parallel_hint(self, kwargs: dict[str, Any]) -> str:
         return "FLUX.2 [dev] is guidance-distilled: it runs one branch (guidance_scale is embedded); turn CFG parallel off."
@@ -172,6 +211,10 @@ def _build_tiny(seed: int, pipeline: str):
                                   axes_dims_rope=(4, 4, 4, 4), guidance_embeds=dev)
     vae = tm._seeded(seed + 3, AutoencoderKLFlux2, block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4,
                      latent_channels=32, sample_size=64)
+    with torch.random.fork_rng(devices=[]):  # batch-norm statistics that are not the identity, as a trained VAE's
+        torch.manual_seed(seed + 4)
+        vae.bn.running_mean.copy_(0.5 * torch.randn(vae.bn.num_features))
+        vae.bn.running_var.copy_(0.5 + torch.rand(vae.bn.num_features) ** 2 * 3)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_image_seq_len=256,
                                                 max_image_seq_len=4096, base_shift=0.5, max_shift=1.15)
     tokenizer, text_encoder = (_tiny_mistral3 if dev else _tiny_text_encoder)(seed + 1, text_width)

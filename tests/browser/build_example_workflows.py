@@ -30,6 +30,9 @@ EXAMPLES = {  # file stem: (family, empty latent node, cfg, what the example say
     "xdit_qwen_image": ("qwen-image", "EmptySD3LatentImage", 4.0, "Qwen-Image (cfg: true CFG with the negative prompt)"),
     "xdit_z_image": ("z-image", "EmptySD3LatentImage", 1.0,
                      "Z-Image (cfg 1 as Z-Image-Turbo samples; above 1: classifier-free guidance)"),
+    "xdit_flux2_klein": ("flux2-klein", "XDiTEmptyLatent", 4.0,
+                         "FLUX.2 [klein] (cfg: classifier-free guidance of the base model; xDiT Empty Latent: "
+                         "128 channels at 1/16 size, as ComfyUI's own FLUX.2 latents)"),
     "xdit_flux_kontext": ("flux-kontext", "EmptySD3LatentImage", 1.0,
                           "FLUX.1 Kontext editing a first sampler's image (your own: LoadImage → VAEEncode)"),
     "xdit_model_ksampler": ("sd3", "EmptySD3LatentImage", 4.5, "ComfyUI's KSampler on the pool through xDiT Model (SD3)"),
@@ -71,6 +74,7 @@ BUILD = """async ({ family, empty, cfg, name, stem, id, reference, ksampler }) =
     const save = add('SaveLatent', [1130, 120], { filename_prefix: `latents/${stem}` });
     pool.connect(0, positive, 0);
     pool.connect(0, negative, 0);
+    if (empty === 'XDiTEmptyLatent') pool.connect(0, latent, 0);
     if (ksampler) {
         const model = add('XDiTModel', [40, 560]);
         pool.connect(0, model, 0);

@@ -147,6 +147,11 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
         """The transformer's output as a prediction shaped like `latents`."""
         return output
 
+    def model_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """The pipeline's `output_type="latent"` result as its denoising loop keeps latents (what a step callback
+        sees): the same for most pipelines; a family overrides it where its pipeline returns them otherwise."""
+        return latents
+
     def comfy_model_class(self) -> str:
         """comfy.supported_models' class for this model (ComfyData.model_class; a family may tell variants apart)."""
         return self.comfy.model_class
