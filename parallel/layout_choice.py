@@ -305,10 +305,10 @@ def measure_serial_step(wrapped, kwargs: dict, blocks: list[torch.nn.Module]) ->
 
     handles = [h for b in blocks for h in (b.register_forward_pre_hook(enter), b.register_forward_hook(leave))]
     arguments = {k: v for k, v in kwargs.items() if k not in (STEP_CACHE, SCHEDULE_TAIL_OF)}
-    arguments.update(num_inference_steps=2, output_type="latent", return_dict=False,
-                     **wrapped.step_callback_arguments(step_done))
+    callback_arguments, after_step = wrapped.step_callbacks(step_done)
+    arguments.update(num_inference_steps=2, output_type="latent", return_dict=False, **callback_arguments)
     try:
-        with torch.no_grad(), wrapped.call_context(arguments):  # a family's may take inputs out or convert them
+        with torch.no_grad(), after_step, wrapped.call_context(arguments):  # a family's may take inputs out or convert them
             wrapped.module(**arguments)
     finally:
         for handle in handles:

@@ -11,7 +11,7 @@ import torch
 from ..config import LayoutError
 from ..distributed import GroupCoordinator, get_runtime_state, get_ulysses_group
 from .layers import xFuserAttentionBaseWrapper, xFuserLayerBaseWrapper
-from .plans import Gather, ParallelPlan, Split, check_dims
+from .plans import Gather, ParallelPlan, Split, TextPadding, check_dims
 from .register import xFuserLayerWrappersRegister
 from .token_split import UnevenSplit
 
@@ -55,6 +55,9 @@ def apply_sequence_plan(
     """Shard tokens where the plan says, gather them back, and make the selected attention USP
     (with `kv_cache`, PipeFusion's stale K/V, when the blocks run as a patch pipeline)."""
     handles = [transformer.register_forward_pre_hook(_record_text_tokens(plan.text_input), with_kwargs=True)]
+    for path, padding in plan.text_padding.items():
+        for where, module in modules_at(transformer, path):
+            handles.append(module.register_forward_pre_hook(_trim_text_padding(module, where, padding, sp), with_kwargs=True))
 
     if sp.world_size > 1:
         for path, specs in plan.inputs.items():
@@ -103,6 +106,29 @@ def _record_text_tokens(text_input: str | None):
     def hook(module, args, kwargs):
         text = as_keyword_arguments(module.forward, args, kwargs).get(text_input) if text_input else None
         get_runtime_state().text_tokens = 0 if text is None else text.shape[1]
+
+    return hook
+
+
+def _trim_text_padding(module: torch.nn.Module, where: str, padding: TextPadding, sp: GroupCoordinator):
+    """See TextPadding. The blocks after the first get the trimmed text from the one before and the transformer's
+    whole mask: both are cut to the same valid length."""
+
+    def hook(module_, args, kwargs):
+        named = as_keyword_arguments(module.forward, args, kwargs)
+        text, mask = named.get(padding.text), named.get(padding.mask)
+        if text is None or mask is None:
+            return None
+        valid = mask[:, : text.shape[1]].bool()
+        used = valid.any(dim=0).nonzero()
+        length = int(used.max()) + 1 if len(used) else 1
+        if sp.world_size > 1 and not valid[:, :length].all():
+            raise LayoutError(f"the samples of this batch have texts of different lengths, which {where} masks; "
+                              "sequence-parallel attention takes no mask: send one prompt per job, or prompts of one "
+                              "token length")
+        named[padding.text], named[padding.mask] = text[:, :length], mask[:, :length]
+        get_runtime_state().text_tokens = length
+        return (), named
 
     return hook
 

@@ -103,6 +103,21 @@ class JoinedStream:
 
 
 @dataclass(frozen=True)
+class TextPadding:
+    """Text padding a transformer keeps (HunyuanVideo 1.5 orders each sample's text valid tokens first and masks
+    the rest): before the blocks at the plan path, the text tokens past every sample's last valid one are dropped
+    with their mask columns. Exact: masked keys take no weight and the dropped tokens' own outputs are never
+    read. Sequence-parallel attention takes no mask, so there a batch whose samples still differ in valid length
+    is refused; with none left masked, the mask is all true and the attention drops it.
+
+    text: the block argument holding the text stream; mask: its [B, tokens] mask (true or 1: valid).
+    """
+
+    text: str = "encoder_hidden_states"
+    mask: str = "attention_mask"
+
+
+@dataclass(frozen=True)
 class PipeFusionPlan:
     """How the repeated blocks run as a patch pipeline (PipeFusion).
 
@@ -137,6 +152,7 @@ class ParallelPlan:
     image_input: the forward argument holding the latents (a tensor, or one tensor per sample in a list, as
                Z-Image takes them: CFG parallel splits either along the batch).
     cfg:       how guidance branches arrive (see CfgMode).
+    text_padding: module path (each block) → TextPadding, for transformers that carry masked text padding.
     pipefusion: how the blocks form a patch pipeline, if the family supports PipeFusion.
     output_channels: the config entry giving the output's channels (dim 1) when they differ from the
                input's (Wan image-to-video takes 36, returns 16); None: the output is shaped like the input.
@@ -150,6 +166,7 @@ class ParallelPlan:
     cfg: CfgMode = CfgMode.BATCHED
     cfg_branches: tuple[str, str] = ("uncond", "cond")
     uneven_tokens: bool = False
+    text_padding: dict[str, TextPadding] = field(default_factory=dict)
     pipefusion: PipeFusionPlan | None = None
     output_channels: str | None = None
 

@@ -330,15 +330,22 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
             return kwargs, batch, self.sequence_tokens(kwargs)
         return kwargs, batch, self.check_layout(kwargs, batch)
 
-    def step_callback_arguments(self, step_callback: Callable[[int, torch.Tensor], None]) -> dict[str, Any]:
-        """Adapt `step_callback(step_index, latents)` to the pipeline's own callback style."""
-        if "callback_on_step_end" in inspect.signature(self.module.__call__).parameters:
+    def step_callbacks(self, step_callback: Callable[[int, torch.Tensor], None]
+                       ) -> tuple[dict[str, Any], contextlib.AbstractContextManager]:
+        """`step_callback(step_index, latents)` in the pipeline's own callback style: the call's arguments, and a
+        context to call it in (where the pipeline takes no callback, the scheduler calls it after each step)."""
+        parameters = inspect.signature(self.module.__call__).parameters
+        if "callback_on_step_end" in parameters:
             def on_step_end(pipeline, index, timestep, tensors):
                 step_callback(index, tensors["latents"])
                 return {}
 
-            return {"callback_on_step_end": on_step_end, "callback_on_step_end_tensor_inputs": ["latents"]}
-        return {"callback": lambda index, timestep, latents: step_callback(index, latents), "callback_steps": 1}
+            arguments = {"callback_on_step_end": on_step_end, "callback_on_step_end_tensor_inputs": ["latents"]}
+            return arguments, contextlib.nullcontext()
+        if "callback" in parameters:
+            arguments = {"callback": lambda index, timestep, latents: step_callback(index, latents), "callback_steps": 1}
+            return arguments, contextlib.nullcontext()
+        return {}, self.module.scheduler.calling_after_each_step(step_callback)
 
     @torch.no_grad()
     @xFuserBaseWrapper.check_parallel_state
@@ -354,8 +361,10 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
         else:
             checked, batch, tokens = prepared
             kwargs = {**checked, **kwargs}
+        after_step = contextlib.nullcontext()
         if step_callback is not None:
-            kwargs.update(self.step_callback_arguments(step_callback))
+            arguments, after_step = self.step_callbacks(step_callback)
+            kwargs.update(arguments)
         total = kwargs.pop(SCHEDULE_TAIL_OF, None)
         schedule = self.module.scheduler.tail_of(total) if total else contextlib.nullcontext()
         caching = self._step_cache(kwargs.pop(STEP_CACHE, None))
@@ -370,7 +379,7 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
             num_inference_steps=kwargs.get("num_inference_steps", 0),
             image_tokens=tokens,
         )
-        with schedule, caching as self.cache_report, self.call_context(local):
+        with schedule, after_step, caching as self.cache_report, self.call_context(local):
             output = self.module(**local)
         if dp.world_size == 1:
             return output

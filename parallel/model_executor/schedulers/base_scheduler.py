@@ -7,6 +7,10 @@ scheduler's own step is exact; the wrapper counts steps in the runtime state (pr
 from __future__ import annotations
 
 import contextlib
+import itertools
+from typing import Callable
+
+import torch
 
 from diffusers import (
     DDIMScheduler,
@@ -22,10 +26,25 @@ from ..register import xFuserSchedulerWrappersRegister
 
 
 class xFuserSchedulerBaseWrapper(xFuserBaseWrapper):
+    _after_step: Callable[[torch.Tensor], None] | None = None
+
     def step(self, *args, **kwargs):
         result = self.module.step(*args, **kwargs)
         get_runtime_state().step_index += 1
+        if self._after_step is not None:
+            self._after_step(result[0] if isinstance(result, tuple) else result.prev_sample)
         return result
+
+    @contextlib.contextmanager
+    def calling_after_each_step(self, callback: Callable[[int, torch.Tensor], None]):
+        """Inside: `callback(step index, latents)` after each step, for pipelines that take no step callback of their
+        own (HunyuanVideo 1.5); the latents as the pipeline's loop keeps them."""
+        steps = itertools.count()
+        self._after_step = lambda latents: callback(next(steps), latents)
+        try:
+            yield
+        finally:
+            self._after_step = None
 
     @contextlib.contextmanager
     def tail_of(self, total: int):

@@ -1,0 +1,206 @@
+"""HunyuanVideo 1.5 text-to-video (`HunyuanVideo15Pipeline`): 5-D latents [B, 32, T', H/16, W/16], one token per
+latent pixel of each latent frame, Qwen2.5-VL text (an LLM hidden layer) and byT5 glyph text, CFG in the pipeline's
+guider.
+
+The transformer joins three text streams (LLM tokens, byT5 glyph tokens, and 729 vision tokens that text-to-video
+zeroes and masks) and orders each sample's valid tokens first, padding last; its joint attention then runs
+[video; text] under a query-and-key mask. The plan splits the patch-embedded video tokens and their rotary table
+(cos, sin) where they are made, gathers at proj_out, and trims the text padding before every block (TextPadding:
+exact, the padding is masked as keys and never read), so the mask left is all true and USP runs without one. The
+text is replicated after the video shard (suffix). Token counts rarely divide by the degree: the split is uneven.
+
+CFG: the guider calls the transformer once per branch, in cache_context("pred_cond") and ("pred_uncond"); its
+guidance scale is the guider's, set from the call's `guidance_scale` for that call (1: one branch).
+The pipeline takes no step callback: progress, previews and cancel come from the scheduler's steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from ..call_parameters import CallParameter
+from ..config import LayoutError
+from ..model_executor.attention import TextLayout
+from ..model_executor.plans import CfgMode, Gather, ParallelPlan, Split, TextPadding
+from .base import FAMILIES, ComfyData, Family, TinyModel
+from .wan import xFuserWanPipeline
+
+DEFAULT_FRAMES = 121  # HunyuanVideo15Pipeline.__call__'s default num_frames
+MASKS = {"prompt_embeds": "prompt_embeds_mask", "negative_prompt_embeds": "negative_prompt_embeds_mask",
+         "prompt_embeds_2": "prompt_embeds_mask_2", "negative_prompt_embeds_2": "negative_prompt_embeds_mask_2"}
+
+
+class xFuserHunyuanVideo15Pipeline(xFuserWanPipeline):
+    """Wan's video shapes (latent frames from the latents or num_frames, 4k + 1), with this model's patches, text
+    streams and guider."""
+
+    comfy = ComfyData(latent_formats={}, temporal=4,
+                      expects="HunyuanVideo 1.5 runs on the engine and the pool; xDiT Sampler in ComfyUI does not take it yet")
+    tensor_inputs = tuple(MASKS.values()) + ("prompt_embeds_2", "negative_prompt_embeds_2")
+    embedding_sizes = {"prompt_embeds": "text_embed_dim", "negative_prompt_embeds": "text_embed_dim",
+                       "prompt_embeds_2": "text_embed_2_dim", "negative_prompt_embeds_2": "text_embed_2_dim"}
+    call_parameters = {
+        "num_frames": CallParameter(int, "video frames, 4k+1 (default: as many as the latents hold)", 1, 10_000),
+    }
+
+    def encode_text(self, prompt: str) -> dict[str, torch.Tensor]:
+        embeds, mask, embeds_2, mask_2 = self.module.encode_prompt(prompt, device=self.module.transformer.device)
+        return {"prompt_embeds": embeds, "prompt_embeds_mask": mask, "prompt_embeds_2": embeds_2,
+                "prompt_embeds_mask_2": mask_2}
+
+    # -- shapes: one token per latent pixel (patch 1 × 1 × 1 in the released models) ----------------------
+    def _patches(self) -> tuple[int, int]:
+        config = self.module.transformer.config
+        return config.patch_size_t, config.patch_size
+
+    def image_tokens(self, height: int, width: int) -> int:
+        patch = self._patches()[1]
+        return self.grid_tokens(height, width, self.module.vae_scale_factor_spatial, patch, patch)
+
+    def token_rows(self, kwargs: dict[str, Any]) -> int:
+        patch_t, patch = self._patches()
+        return self.latent_frames(kwargs) // patch_t * (kwargs["height"] // (self.module.vae_scale_factor_spatial * patch))
+
+    def sequence_tokens(self, kwargs: dict[str, Any]) -> int:
+        return self.latent_frames(kwargs) // self._patches()[0] * self.image_tokens(kwargs["height"], kwargs["width"])
+
+    def latent_frames(self, kwargs: dict[str, Any]) -> int:
+        if kwargs.get("num_frames") is None and not isinstance(kwargs.get("latents"), torch.Tensor):
+            kwargs = {**kwargs, "num_frames": DEFAULT_FRAMES}
+        return super().latent_frames(kwargs)
+
+    def expected_latents_shape(self, batch: int, height: int, width: int, frames: int = 1) -> tuple[int, ...]:
+        scale = self.module.vae_scale_factor_spatial
+        return (batch, self.module.transformer.config.out_channels, frames, height // scale, width // scale)
+
+    # -- guidance: the guider's ------------------------------------------------------------------------
+    def uses_cfg(self, kwargs: dict[str, Any]) -> bool:
+        return self._guidance(kwargs) > 1.0
+
+    def _guidance(self, kwargs: dict[str, Any]) -> float:
+        return float(kwargs.get("guidance_scale", self.module.guider.guidance_scale))
+
+    def cfg_parallel_hint(self, kwargs: dict[str, Any]) -> str:
+        return (f"CFG parallel on HunyuanVideo 1.5 needs guidance_scale above 1 (got {self._guidance(kwargs)}) and "
+                "negative prompt embeddings; add both or turn CFG parallel off.")
+
+    def check_inputs(self, kwargs: dict[str, Any], batch: int) -> None:
+        if self.uses_cfg(kwargs) and kwargs.get("negative_prompt_embeds") is None and kwargs.get("prompt_embeds") is not None:
+            raise ValueError(f"guidance_scale {self._guidance(kwargs)} guides with a negative prompt: send "
+                             "negative_prompt_embeds (and their masks), or set guidance_scale to 1")
+        for embeds, mask in MASKS.items():
+            if kwargs.get(embeds) is not None and kwargs.get(mask) is None:
+                raise ValueError(f"{embeds} needs {mask} ([batch, tokens], 1 for each valid token)")
+        super().check_inputs(kwargs, batch)
+
+    def check_layout(self, kwargs: dict[str, Any], batch: int) -> int:
+        c = self.parallel_config
+        if c.pipefusion_degree > 1:
+            raise LayoutError("HunyuanVideo 1.5 has no PipeFusion plan yet; use Ulysses, Ring, CFG or data parallel")
+        if c.sp_degree > 1:
+            for prefix in ("", "negative_"):
+                lengths = self._text_lengths(kwargs, prefix)
+                parts = torch.arange(batch).tensor_split(c.dp_degree)  # each data-parallel rank's samples
+                if lengths is not None and any(len({lengths[i] for i in part.tolist()}) > 1 for part in parts):
+                    raise LayoutError("the samples of this batch have texts of different lengths, which HunyuanVideo 1.5 "
+                                      "masks; sequence-parallel attention takes no mask: send one prompt per job, or "
+                                      "prompts of one token length")
+        return super().check_layout(kwargs, batch)
+
+    @staticmethod
+    def _text_lengths(kwargs: dict[str, Any], prefix: str) -> list[int] | None:
+        """Each sample's valid text tokens (LLM and glyph; text-to-video's vision tokens are all masked)."""
+        masks = [kwargs.get(f"{prefix}{name}") for name in ("prompt_embeds_mask", "prompt_embeds_mask_2")]
+        if any(not isinstance(mask, torch.Tensor) for mask in masks):
+            return None
+        return (masks[0].bool().sum(1) + masks[1].bool().sum(1)).tolist()
+
+    @contextlib.contextmanager
+    def call_context(self, kwargs: dict[str, Any]):
+        """The call's guidance_scale, which the pipeline does not take, set on its guider for the call."""
+        guider = self.module.guider
+        before = guider.guidance_scale
+        guider.guidance_scale = self._guidance(kwargs)
+        kwargs.pop("guidance_scale", None)
+        try:
+            yield
+        finally:
+            guider.guidance_scale = before
+
+
+# -- tiny built-in model ----------------------------------------------------------------------------------
+TEXT_WIDTH, GLYPH_WIDTH, VISION_WIDTH = 32, 16, 16
+
+
+def build_tiny(seed: int):
+    from diffusers import (AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler,
+                           HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel)
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+
+    from .. import tiny_models as tm
+
+    transformer = tm._transformer(seed, HunyuanVideo15Transformer3DModel, in_channels=2 * 8 + 1, out_channels=8,
+                                  num_layers=tm.BLOCKS, num_refiner_layers=1, mlp_ratio=2.0,
+                                  text_embed_dim=TEXT_WIDTH, text_embed_2_dim=GLYPH_WIDTH, image_embed_dim=VISION_WIDTH,
+                                  rope_axes_dim=(4, 6, 6), target_size=64, task_type="t2v")
+    vae = tm._seeded(seed + 3, AutoencoderKLHunyuanVideo15, latent_channels=8, block_out_channels=(8, 8, 8, 8, 8),
+                     layers_per_block=1)
+    tokenizer = tm._qwen_tokenizer()
+    tokenizer.chat_template = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+                               "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    half = TEXT_WIDTH // 2 // 2
+    text_encoder = tm._seeded(seed + 1, Qwen2_5_VLTextModel, Qwen2_5_VLTextConfig(
+        hidden_size=TEXT_WIDTH, intermediate_size=2 * TEXT_WIDTH, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [half // 4, 3 * half // 8, 3 * half // 8]}))
+    tokenizer_2 = ByT5Tokenizer()
+    text_encoder_2 = tm._seeded(seed + 2, T5EncoderModel, T5Config(
+        vocab_size=len(tokenizer_2), d_model=GLYPH_WIDTH, d_kv=8, d_ff=GLYPH_WIDTH, num_layers=1, num_heads=2,
+        relative_attention_num_buckets=8, relative_attention_max_distance=32, feed_forward_proj="gated-gelu",
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0)
+    return HunyuanVideo15Pipeline(text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
+                                  scheduler=scheduler, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+                                  guider=ClassifierFreeGuidance(guidance_scale=6.0))
+
+
+def tiny_inputs(*, batch: int, height: int, width: int, seed: int, negative: bool, text_tokens: int | None,
+                num_frames: int) -> dict:
+    """Latents [B, 8, T', H/16, W/16] and both text streams with their masks, padded at the end as the pipeline's
+    encoders pad them: the LLM text valid for all but a few tokens, the glyph text for a few (the negative's for
+    none, as a prompt without quoted text gets), each sample of a batch a different length."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = text_tokens or 20
+    frames = (num_frames - 1) // 4 + 1
+    out = {"latents": torch.randn(batch, 8, frames, height // 16, width // 16, generator=gen)}
+    for offset, prefix in enumerate(("", "negative_") if negative else ("",)):
+        valid = tokens - 3 - 2 * offset - torch.arange(batch)
+        out[prefix + "prompt_embeds"] = torch.randn(batch, tokens, TEXT_WIDTH, generator=gen)
+        out[prefix + "prompt_embeds_mask"] = (torch.arange(tokens) < valid[:, None]).long()
+        glyphs = torch.full((batch,), 0 if offset else 5) + 3 * torch.arange(batch)
+        out[prefix + "prompt_embeds_2"] = torch.randn(batch, 12, GLYPH_WIDTH, generator=gen)
+        out[prefix + "prompt_embeds_mask_2"] = (torch.arange(12) < glyphs[:, None]).long()
+    return out
+
+
+HUNYUAN_VIDEO_15 = FAMILIES.register(Family(
+    name="hunyuanvideo15",
+    pipelines={"HunyuanVideo15Pipeline": xFuserHunyuanVideo15Pipeline},
+    transformer="HunyuanVideo15Transformer3DModel",
+    plan=ParallelPlan(
+        outputs={"x_embedder": Split(dim=1, expected_dims=3), "rope": Split(dim=0, items=(0, 1), expected_dims=2),
+                 "proj_out": Gather(dim=1, expected_dims=3)},
+        attention={"transformer_blocks.*.attn": TextLayout.SUFFIX},
+        text_padding={"transformer_blocks.*": TextPadding(text="encoder_hidden_states", mask="attention_mask")},
+        cfg=CfgMode.SEQUENTIAL,
+        cfg_branches=("pred_cond", "pred_uncond"),
+        uneven_tokens=True,
+        output_channels="out_channels",  # it takes the latents, a condition and a mask (65 channels), returns 32
+    ),
+    tiny={"hunyuanvideo15": TinyModel("HunyuanVideo15Pipeline", build_tiny, tiny_inputs, guidance=6.0)},
+    attention_layers={"HunyuanVideo15AttnProcessor2_0": "diffusers.models.transformers.transformer_hunyuan_video15"},
+))
