@@ -17,6 +17,9 @@ from ..parallel.families import FAMILIES, ComfyData
 from ..parallel.families.base import pack_2x2, unpack_2x2
 
 
+XDIT_TEXT = "xdit_text."  # conditioning extras from xDiT Text Encode that are pipeline inputs by the rest of the name
+
+
 class ConditioningError(ValueError):
     """A conditioning that does not fit the pool's model; the text says which encoder it needs."""
 
@@ -49,9 +52,10 @@ class FamilyAdapter:
         if name not in self.data.declared_formats:
             raise ConditioningError(f"this ComfyUI has no {name} latent format for {self.name}; update ComfyUI")
         declared = self.data.declared_formats[name]
-        latent_format = comfy.latent_formats.LatentFormat()  # process_in/out: the identity (scale 1)
+        latent_format = comfy.latent_formats.LatentFormat()  # process_in/out: × / ÷ scale_factor
         latent_format.latent_channels, latent_format.spacial_downscale_ratio = declared.channels, declared.spatial
-        latent_format.latent_rgb_factors = [list(row) for row in declared.rgb_factors]
+        latent_format.latent_dimensions, latent_format.scale_factor = declared.dimensions, declared.scale_factor
+        latent_format.latent_rgb_factors = [list(row) for row in declared.rgb_factors] if declared.rgb_factors else None
         latent_format.latent_rgb_factors_bias = list(declared.rgb_bias) if declared.rgb_bias else None
         if declared.preview_unfold > 1:
             latent_format.latent_rgb_factors_reshape = functools.partial(_unfold, patch=declared.preview_unfold)
@@ -132,6 +136,9 @@ class FamilyAdapter:
                 mask = extras.get("attention_mask")
                 mask = torch.ones(cond.shape[:2], dtype=torch.int64) if mask is None else mask.to(torch.int64)
                 tensors[f"{prefix}prompt_attention_mask"] = _repeat(mask.reshape(mask.shape[0], -1), batch)
+            for key, value in extras.items():  # xDiT Text Encode's other text inputs, for this branch
+                if key.startswith(XDIT_TEXT) and f"{prefix}{key[len(XDIT_TEXT):]}" in self.tensor_inputs:
+                    tensors[f"{prefix}{key[len(XDIT_TEXT):]}"] = _repeat(value, batch)
             if not prefix and self.data.guidance_in_conditioning and "guidance" in extras:
                 guidance = float(extras["guidance"])
             if not prefix and self.data.reference_latents and extras.get("reference_latents"):

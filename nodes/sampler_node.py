@@ -26,6 +26,8 @@ def _previewer(latent_format):
     """ComfyUI's previewer for the latent format, and what its latents go through first: latent-to-RGB previews
     of patch-channel latents (FLUX.2) unfold them here, once, whether or not this ComfyUI's previewer can."""
     previewer = latent_preview.get_previewer("cpu", latent_format)
+    if previewer is None and latent_format.latent_rgb_factors is None:
+        return None, None  # a format without preview factors (HunyuanVideo 1.5's, declared for ComfyUI 0.3.64)
     if previewer is None:  # --preview-method none still gets the cheap latent-to-RGB preview
         previewer = latent_preview.Latent2RGBPreviewer(latent_format.latent_rgb_factors, latent_format.latent_rgb_factors_bias)
     unfold = getattr(latent_format, "latent_rgb_factors_reshape", None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
+from .adapters import XDIT_TEXT
 from .pool_node import XDiTPoolType
 from .pools import POOLS
 
@@ -31,4 +32,7 @@ class XDiTTextEncode(io.ComfyNode):
             extras["pooled_output"] = encoded["pooled_prompt_embeds"]
         if "prompt_attention_mask" in encoded:
             extras["attention_mask"] = encoded["prompt_attention_mask"]
+        for name, tensor in encoded.items():  # the family's other text inputs (HunyuanVideo 1.5's masks and glyph text)
+            if name not in ("prompt_embeds", "pooled_prompt_embeds", "prompt_attention_mask"):
+                extras[f"{XDIT_TEXT}{name}"] = tensor
         return io.NodeOutput([[encoded["prompt_embeds"], extras]])

@@ -208,3 +208,45 @@ def test_wan_image_to_video_from_comfyuis_node_equals_diffusers(comfy, tmp_path)
     expected = expected * std + mean
     assert latent.shape == expected.shape == SHAPE
     assert (latent - expected).abs().max().item() <= TOLERANCE
+
+
+HV15, HV15_SIZE, HV15_CFG = "hunyuanvideo15", 48, 6.0  # ×16 VAE: 3 × 3 latent pixels, 3 latent frames, 27 tokens
+HV15_POSITIVE = 'a neon sign that says "open" in the rain'  # a quoted text: byT5 glyph tokens too
+
+
+def hunyuan_video15_workflow() -> dict:
+    """ComfyUI 0.3.64 has no HunyuanVideo 1.5 encoder, latent format or empty latent: xDiT Text Encode (both text
+    streams and their masks travel in the CONDITIONING), xDiT Empty Latent (32 channels at 1/16), the declared format."""
+    graph = workflow()
+    graph["1"]["inputs"]["model"] = f"xdit-tiny-{HV15} (built-in, no download)"
+    graph["2"]["inputs"]["text"] = HV15_POSITIVE
+    graph["4"] = {"class_type": "XDiTEmptyLatent", "inputs": {
+        "pool": ["1", 0], "width": HV15_SIZE, "height": HV15_SIZE, "batch_size": 1, "length": FRAMES}}
+    graph["5"]["inputs"]["cfg"] = HV15_CFG
+    graph["6"]["inputs"]["filename_prefix"] = f"video_{HV15}"
+    return {key: graph[key] for key in ("1", "2", "3", "4", "5", "6")}
+
+
+def test_hunyuan_video15_workflow_equals_diffusers(comfy, video_model_dirs):
+    from diffusers import ClassifierFreeGuidance
+
+    entry = comfy.wait(comfy.queue(hunyuan_video15_workflow()))
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+    info = entry["outputs"]["6"]["latents"][0]
+    saved = load_file(comfy.work / "output" / info["subfolder"] / info["filename"])["latent_tensor"]
+    pipeline = DiffusionPipeline.from_pretrained(video_model_dirs[HV15])
+    pipeline.guider = ClassifierFreeGuidance(guidance_scale=HV15_CFG)
+    names = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
+    with torch.no_grad():
+        inputs = {**dict(zip(names, pipeline.encode_prompt(HV15_POSITIVE, device="cpu"))),
+                  **{f"negative_{n}": t for n, t in zip(names, pipeline.encode_prompt(NEGATIVE, device="cpu"))}}
+    assert inputs["prompt_embeds_mask_2"].sum() > 0  # the glyph stream is in play
+    shape = (1, 32, (FRAMES - 1) // 4 + 1, HV15_SIZE // 16, HV15_SIZE // 16)
+    noise = torch.randn(shape, generator=torch.manual_seed(SEED))
+    with torch.no_grad():
+        latents = pipeline(**inputs, latents=noise, num_inference_steps=STEPS, height=HV15_SIZE, width=HV15_SIZE,
+                           num_frames=FRAMES, output_type="latent", return_dict=False)[0]
+    expected = latents / pipeline.vae.config.scaling_factor  # ComfyUI keeps the VAE's own latents
+    assert saved.shape == expected.shape == shape
+    assert (saved - expected).abs().max().item() <= TOLERANCE
+    assert (saved - latents).abs().max().item() > 100 * TOLERANCE  # the scale is applied, not skipped

@@ -165,6 +165,25 @@ def test_flux2_latents_take_the_declared_format_where_comfyui_064_has_none(adapt
         dev.guidance_parameters(3.0, None, True)
 
 
+def test_hunyuan_video15_latents_and_xdit_text_travel_through_comfyui(adapters, latent_formats):
+    """ComfyUI 0.3.64 has no HunyuanVideo 1.5 format: the declared one scales by the VAE's 1.03682 (×16, 3-D, no
+    previews); xDiT Text Encode's other text inputs (masks, byT5 glyph text) reach the pipeline per branch."""
+    hv = adapters.adapter_for("HunyuanVideo15Pipeline")
+    assert not hasattr(latent_formats, "HunyuanVideo15")
+    x = torch.randn(1, 32, 3, 2, 4, generator=torch.Generator().manual_seed(0))
+    assert hv.job_size(x) == {"height": 32, "width": 64, "num_frames": 9}
+    assert torch.allclose(hv.to_model(x), x * 1.03682) and torch.allclose(hv.to_comfy(hv.to_model(x), 0, 0), x, atol=1e-6)
+    assert hv.latent_format(32).latent_rgb_factors is None
+    mask, glyphs = torch.ones(1, 7), torch.randn(1, 5, 16)
+    positive = [[torch.randn(1, 7, 32), {adapters.XDIT_TEXT + "prompt_embeds_mask": mask,
+                                         adapters.XDIT_TEXT + "prompt_embeds_2": glyphs, "other": 1}]]
+    negative = [[torch.randn(1, 7, 32), {adapters.XDIT_TEXT + "prompt_embeds_mask": mask * 0}]]
+    tensors, _ = hv.pipeline_inputs(positive, negative, 2, {})
+    assert set(tensors) == {"prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "negative_prompt_embeds",
+                            "negative_prompt_embeds_mask"}
+    assert tensors["prompt_embeds_2"].shape == (2, 5, 16) and tensors["negative_prompt_embeds_mask"].sum() == 0
+
+
 def test_wan_latents_use_comfyuis_wan21_and_wan22_formats(adapters, latent_formats):
     """16 channels (Wan 2.1, 2.2 A14B, ×8) and 48 (Wan 2.2 TI2V 5B, ×16); 4 frames per latent frame."""
     wan = adapters.adapter_for("WanPipeline")

@@ -27,11 +27,13 @@ MODEL_CALL_TENSORS = ("latents", "sigma")
 @dataclass(frozen=True)
 class DeclaredLatentFormat:
     """A ComfyUI latent format the family declares for the ComfyUIs whose `comfy.latent_formats` lacks it (FLUX.2's
-    before ComfyUI 0.4); the nodes use ComfyUI's own class wherever it exists. Only formats whose process_in/out
-    are the identity (the VAE normalises inside ComfyUI's encode) are declared this way.
+    and HunyuanVideo 1.5's are not in 0.3.64); the nodes use ComfyUI's own class wherever it exists. Only formats
+    whose process_in/out is a plain scale are declared this way (ComfyUI's LatentFormat base).
 
-    channels, spatial: the latent's channels and pixels per latent pixel.
-    rgb_factors, rgb_bias: the latent-to-RGB preview factors, one row per channel of the unfolded latent.
+    channels, spatial: the latent's channels and pixels per latent pixel; dimensions: 2 images, 3 video.
+    scale_factor:   model space = ComfyUI's latent × scale_factor.
+    rgb_factors, rgb_bias: the latent-to-RGB preview factors, one row per channel of the unfolded latent; None: the
+                    format has no previews.
     preview_unfold: the channels are (c, p, p) patches: previews unfold them to c channels at p× the resolution
                     before the RGB factors apply (ComfyUI's `latent_rgb_factors_reshape`); 1: none.
     source: where the values come from.
@@ -39,9 +41,11 @@ class DeclaredLatentFormat:
 
     channels: int
     spatial: int
-    rgb_factors: tuple[tuple[float, float, float], ...]
-    rgb_bias: tuple[float, float, float] | None
     source: str
+    dimensions: int = 2
+    scale_factor: float = 1.0
+    rgb_factors: tuple[tuple[float, float, float], ...] | None = None
+    rgb_bias: tuple[float, float, float] | None = None
     preview_unfold: int = 1
 
 

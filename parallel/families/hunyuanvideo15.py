@@ -25,7 +25,7 @@ from ..call_parameters import CallParameter
 from ..config import LayoutError
 from ..model_executor.attention import TextLayout
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, Split, TextPadding
-from .base import FAMILIES, ComfyData, Family, TinyModel
+from .base import FAMILIES, ComfyData, DeclaredLatentFormat, Family, TinyModel
 from .wan import xFuserWanPipeline
 
 DEFAULT_FRAMES = 121  # HunyuanVideo15Pipeline.__call__'s default num_frames
@@ -33,12 +33,27 @@ MASKS = {"prompt_embeds": "prompt_embeds_mask", "negative_prompt_embeds": "negat
          "prompt_embeds_2": "prompt_embeds_mask_2", "negative_prompt_embeds_2": "negative_prompt_embeds_mask_2"}
 
 
+# ComfyUI keeps HunyuanVideo 1.5 latents as its VAE makes them; the pipeline's are scaled by the VAE's scaling_factor
+# (it divides by it before decoding). ComfyUI 0.3.64 has no such format: declared here, without preview factors.
+COMFY_HUNYUAN_VIDEO_15 = DeclaredLatentFormat(
+    channels=32, spatial=16, dimensions=3, scale_factor=1.03682,
+    source="HunyuanVideo-1.5's VAE (diffusers' AutoencoderKLHunyuanVideo15 config: scaling_factor 1.03682, ×16, 32 "
+           "channels); the pipeline's decode divides by it",
+)
+
+
 class xFuserHunyuanVideo15Pipeline(xFuserWanPipeline):
     """Wan's video shapes (latent frames from the latents or num_frames, 4k + 1), with this model's patches, text
     streams and guider."""
 
-    comfy = ComfyData(latent_formats={}, temporal=4,
-                      expects="HunyuanVideo 1.5 runs on the engine and the pool; xDiT Sampler in ComfyUI does not take it yet")
+    comfy = ComfyData(
+        latent_formats={32: "HunyuanVideo15"}, spatial={32: 16}, temporal=4,
+        declared_formats={"HunyuanVideo15": COMFY_HUNYUAN_VIDEO_15},
+        expects="encode with xDiT Text Encode on this pool (its Qwen2.5-VL and byT5 encoders; ComfyUI 0.3.64 has none "
+                "for HunyuanVideo 1.5)",
+        empty_latent="xDiT Empty Latent (32 channels at 1/16 size), or HunyuanVideo 1.5's empty-latent node on a "
+                     "ComfyUI that has one",
+    )
     tensor_inputs = tuple(MASKS.values()) + ("prompt_embeds_2", "negative_prompt_embeds_2")
     embedding_sizes = {"prompt_embeds": "text_embed_dim", "negative_prompt_embeds": "text_embed_dim",
                        "prompt_embeds_2": "text_embed_2_dim", "negative_prompt_embeds_2": "text_embed_2_dim"}
@@ -132,7 +147,7 @@ class xFuserHunyuanVideo15Pipeline(xFuserWanPipeline):
 
 
 # -- tiny built-in model ----------------------------------------------------------------------------------
-TEXT_WIDTH, GLYPH_WIDTH, VISION_WIDTH = 32, 16, 16
+TEXT_WIDTH, GLYPH_WIDTH, VISION_WIDTH, LATENT = 32, 16, 16, 32
 
 
 def build_tiny(seed: int):
@@ -142,11 +157,11 @@ def build_tiny(seed: int):
 
     from .. import tiny_models as tm
 
-    transformer = tm._transformer(seed, HunyuanVideo15Transformer3DModel, in_channels=2 * 8 + 1, out_channels=8,
+    transformer = tm._transformer(seed, HunyuanVideo15Transformer3DModel, in_channels=2 * LATENT + 1, out_channels=LATENT,
                                   num_layers=tm.BLOCKS, num_refiner_layers=1, mlp_ratio=2.0,
                                   text_embed_dim=TEXT_WIDTH, text_embed_2_dim=GLYPH_WIDTH, image_embed_dim=VISION_WIDTH,
                                   rope_axes_dim=(4, 6, 6), target_size=64, task_type="t2v")
-    vae = tm._seeded(seed + 3, AutoencoderKLHunyuanVideo15, latent_channels=8, block_out_channels=(8, 8, 8, 8, 8),
+    vae = tm._seeded(seed + 3, AutoencoderKLHunyuanVideo15, latent_channels=LATENT, block_out_channels=(8, 8, 8, 8, 8),
                      layers_per_block=1)
     tokenizer = tm._qwen_tokenizer()
     tokenizer.chat_template = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
@@ -170,13 +185,13 @@ def build_tiny(seed: int):
 
 def tiny_inputs(*, batch: int, height: int, width: int, seed: int, negative: bool, text_tokens: int | None,
                 num_frames: int) -> dict:
-    """Latents [B, 8, T', H/16, W/16] and both text streams with their masks, padded at the end as the pipeline's
+    """Latents [B, 32, T', H/16, W/16] and both text streams with their masks, padded at the end as the pipeline's
     encoders pad them: the LLM text valid for all but a few tokens, the glyph text for a few (the negative's for
     none, as a prompt without quoted text gets), each sample of a batch a different length."""
     gen = torch.Generator().manual_seed(seed)
     tokens = text_tokens or 20
     frames = (num_frames - 1) // 4 + 1
-    out = {"latents": torch.randn(batch, 8, frames, height // 16, width // 16, generator=gen)}
+    out = {"latents": torch.randn(batch, LATENT, frames, height // 16, width // 16, generator=gen)}
     for offset, prefix in enumerate(("", "negative_") if negative else ("",)):
         valid = tokens - 3 - 2 * offset - torch.arange(batch)
         out[prefix + "prompt_embeds"] = torch.randn(batch, tokens, TEXT_WIDTH, generator=gen)

@@ -33,6 +33,8 @@ EXAMPLES = {  # file stem: (family, empty latent node, cfg, what the example say
     "xdit_flux2_klein": ("flux2-klein", "XDiTEmptyLatent", 4.0,
                          "FLUX.2 [klein] (cfg: classifier-free guidance of the base model; xDiT Empty Latent: "
                          "128 channels at 1/16 size, as ComfyUI's own FLUX.2 latents)"),
+    "xdit_hunyuan_video15": ("hunyuanvideo15", "XDiTEmptyLatent", 6.0,
+                             "HunyuanVideo 1.5 text-to-video (9 frames; xDiT Empty Latent: 32 channels at 1/16 size)"),
     "xdit_flux_kontext": ("flux-kontext", "EmptySD3LatentImage", 1.0,
                           "FLUX.1 Kontext editing a first sampler's image (your own: LoadImage → VAEEncode)"),
     "xdit_model_ksampler": ("sd3", "EmptySD3LatentImage", 4.5, "ComfyUI's KSampler on the pool through xDiT Model (SD3)"),
@@ -40,7 +42,9 @@ EXAMPLES = {  # file stem: (family, empty latent node, cfg, what the example say
 REFERENCE = {"xdit_flux_kontext"}  # edit models: a first sampler's LATENT → ReferenceLatent on the positive
 KSAMPLER = {"xdit_model_ksampler"}  # ComfyUI's own KSampler on xDiT Model instead of xDiT Sampler
 
-BUILD = """async ({ family, empty, cfg, name, stem, id, reference, ksampler }) => {
+LENGTH = {"xdit_hunyuan_video15": 9}  # video frames, where the empty latent node takes them with a default of 1
+
+BUILD = """async ({ family, empty, cfg, name, stem, id, reference, ksampler, length }) => {
     app.graph.clear();
     const add = (type, [x, y], values = {}, extra = {}) => {
         const node = LiteGraph.createNode(type);
@@ -63,7 +67,7 @@ BUILD = """async ({ family, empty, cfg, name, stem, id, reference, ksampler }) =
         { title: 'xDiT Text Encode (positive)', color: colours.green.color, bgcolor: colours.green.bgcolor });
     const negative = add('XDiTTextEncode', [360, 370], { text: 'blurry, low quality' },
         { title: 'xDiT Text Encode (negative)', color: colours.red.color, bgcolor: colours.red.bgcolor });
-    const latent = add(empty, [360, 630], { width: 128, height: 128, batch_size: 1 });
+    const latent = add(empty, [360, 630], { width: 128, height: 128, batch_size: 1, ...(length ? { length } : {}) });
     const addSampler = (pos, seed, extra) => add('XDiTSampler', pos, { seed, control_after_generate: 'fixed', steps: 8,
         cfg, sampler: 'default', denoise: 1.0, preview: true }, extra);
     const wire = (node) => [pool, positive, negative, latent].forEach((input, slot) => input.connect(0, node, slot));
@@ -116,7 +120,7 @@ def main() -> None:
                     path = ROOT / "example_workflows" / f"{stem}.json"
                     old_id = json.loads(path.read_text()).get("id") if path.exists() else None  # keep diffs small
                     spec = {"family": family, "empty": empty, "cfg": cfg, "name": name, "stem": stem, "id": old_id,
-                            "reference": stem in REFERENCE, "ksampler": stem in KSAMPLER}
+                            "reference": stem in REFERENCE, "ksampler": stem in KSAMPLER, "length": LENGTH.get(stem)}
                     result = browser.eval(BUILD, spec)
                     assert len(result["classes"]) == (8 if stem in REFERENCE else 7 if stem in KSAMPLER else 6), result["classes"]
                     path.parent.mkdir(exist_ok=True)
