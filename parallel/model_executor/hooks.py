@@ -111,15 +111,18 @@ def _record_text_tokens(text_input: str | None):
 
 
 def _trim_text_padding(module: torch.nn.Module, where: str, padding: TextPadding, sp: GroupCoordinator):
-    """See TextPadding. The blocks after the first get the trimmed text from the one before and the transformer's
-    whole mask: both are cut to the same valid length."""
+    """See TextPadding. The blocks after the first get the text the first one trimmed and the transformer's whole
+    mask: the mask is cut to the text's length (no second look at it, no device sync)."""
 
     def hook(module_, args, kwargs):
         named = as_keyword_arguments(module.forward, args, kwargs)
         text, mask = named.get(padding.text), named.get(padding.mask)
         if text is None or mask is None:
             return None
-        valid = mask[:, : text.shape[1]].bool()
+        if text.shape[1] < mask.shape[1]:  # trimmed by an earlier block of this call
+            named[padding.mask] = mask[:, : text.shape[1]]
+            return (), named
+        valid = mask.bool()
         used = valid.any(dim=0).nonzero()
         length = int(used.max()) + 1 if len(used) else 1
         if sp.world_size > 1 and not valid[:, :length].all():
