@@ -197,18 +197,27 @@ class Pool:
             self._standin.register(poller)
         for sock, _ in poller.poll(50):
             if sock is self._control:
-                frames = self._control.recv_multipart()
-                try:
-                    identity, raw = frames
-                    message = unpack(raw)
-                except (ValueError, ProtocolError) as error:  # only this pool's ranks speak here; still, never die of it
-                    log.warning("dropped a malformed control message (%d frames): %s", len(frames), error)
-                    continue
-                self._on_control(identity, message)
+                self._drain_control()
             elif self._standin is not None:
                 self._standin.handle(sock)
         if self._standin is not None:
             self._standin.retry()
+
+    def _drain_control(self) -> None:
+        """Every control message queued, before the liveness checks run: a rank that said "stopped" and exited must
+        be read as stopped, not as dead (one message per poll let its exit overtake its word on a busy machine)."""
+        while True:
+            try:
+                frames = self._control.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                identity, raw = frames
+                message = unpack(raw)
+            except (ValueError, ProtocolError) as error:  # only this pool's ranks speak here; still, never die of it
+                log.warning("dropped a malformed control message (%d frames): %s", len(frames), error)
+                continue
+            self._on_control(identity, message)
 
     def _on_control(self, identity: bytes, message: dict) -> None:
         kind, rank = message["type"], message.get("rank", -1)
@@ -279,6 +288,11 @@ class Pool:
         dead = self._dead_ranks()
         if exit_code is None and not dead:
             return
+        self._drain_control()  # a "stopped" that came in since the poll: the exit is that stop
+        if self._stop_requested.is_set():
+            return
+        if self._stop_deadline is not None:  # the ranks said a client stopped the pool: their exit is that stop
+            return self._stop_requested.set()
         if self.state == WAITING:
             self.restart_reason = (f"torchrun exited with code {exit_code} while waiting for the other nodes at "
                                    f"{self.spec.rdzv_endpoint}; waiting again")
