@@ -131,9 +131,9 @@ class SampleRequest:
 def check_tensor_values(tensors: dict[str, Any]) -> None:
     """Refuse, before any compute, values no pipeline can use: latents, embeddings and images that are not
     floating point (a cast would silently change them), non-finite values (the result would be NaN),
-    embeddings of no token. Masks (`*_mask`) are integer or boolean and pass as they are."""
+    embeddings of no token. Masks (`*_mask`, `*_mask_2`) are integer or boolean and pass as they are."""
     for name, tensor in tensors.items():
-        if not isinstance(tensor, torch.Tensor) or name.endswith("_mask"):
+        if not isinstance(tensor, torch.Tensor) or name.rstrip("_0123456789").endswith("_mask"):
             continue
         if not tensor.is_floating_point():
             raise ValueError(f"{name} is {str(tensor.dtype).removeprefix('torch.')}; send floating-point values "

@@ -45,6 +45,13 @@ def test_every_diffusers_class_finds_its_family():
         FAMILIES.pipeline_wrapper(diffusers.StableDiffusionPipeline)
 
 
+def test_the_readmes_capability_table_is_the_plans():
+    """README.md shows the table `python -m parallel.run --list-supported` derives from the registered plans."""
+    from parallel.model_executor import capability_table
+
+    assert capability_table() in (ROOT / "README.md").read_text(), "regenerate README.md's table from --list-supported"
+
+
 def test_declared_attention_layers_get_one_dispatch_wrapper_each():
     """A family's `attention_layers` is all the engine needs to wrap its attention (no shared file names it)."""
     import importlib

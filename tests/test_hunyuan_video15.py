@@ -1,12 +1,17 @@
-"""HunyuanVideo 1.5 through real torchrun ranks equals diffusers' single-process HunyuanVideo15Pipeline (fp32, 1e-4).
+"""HunyuanVideo 1.5 through real torchrun ranks equals diffusers' single-process pipelines (fp32, 1e-4).
 
 The tiny model (8 latent channels, ×16 VAE, 4 heads) runs on 9-frame 48×48 videos (27 tokens: shards of 14/13 or
 7/7/7/6) and 5-frame 64×64 ones (32 tokens, even), with an LLM text and a byT5 glyph text that each end in
 padding (the 729 vision tokens text-to-video masks come on top), so every layout also tests the trimmed text
-padding. CFG runs in the pipeline's guider, its scale set from the call's guidance_scale. Two torchrun launches
-(2 and 4 ranks) run the matrix through tests/engine_cases.py. Negative control: a split without exchange. A
-batch whose texts differ in length is refused under Ulysses in one line and runs under CFG and DP. A 2-rank pool
-encodes prompts as the pipeline does and samples with its progress from the scheduler's steps.
+padding. CFG runs in the pipeline's guider, its scale set from the call's guidance_scale. Image-to-video
+(HunyuanVideo15ImageToVideoPipeline: SigLIP vision tokens, the start frame's latents as a condition) runs 9-frame
+48×80 videos (45 tokens) from a start frame whose own size bucket is 48×80, so diffusers' own call, which sizes the
+video from the image, gives the same video. PipeFusion (warm-up = steps) runs alone and beside Ulysses, Ring and
+CFG; with warm-up 1 it stays within PipeFusion's stale-K/V bound. Two torchrun launches (2 and 4 ranks) run the
+matrix through tests/engine_cases.py. Negative controls: a split without exchange; the stale warm-up-1 run. A
+batch whose texts differ in length is refused under Ulysses in one line and runs under CFG and DP; image-to-video
+without an image is refused. A 2-rank pool encodes prompts as the pipeline does and samples with its progress from
+the scheduler's steps.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import PIL.Image
 import pytest
 import torch
 from diffusers import ClassifierFreeGuidance, DiffusionPipeline
@@ -25,15 +31,26 @@ from pool_helpers import serving
 from test_engine_layouts import LAYOUTS
 from xdit_test_helpers import TOLERANCE, torchrun
 
-FAMILY, STEPS, GUIDANCE = "hunyuanvideo15", 4, 6.0
-VIDEOS = {"even": (5, 64, 64), "uneven": (9, 48, 48)}  # (num_frames, height, width)
-# (nproc, layout, video, variant)
+FAMILY, I2V, STEPS, GUIDANCE = "hunyuanvideo15", "hunyuanvideo15-i2v", 4, 6.0
+VIDEOS = {"even": (5, 64, 64), "uneven": (9, 48, 48), "wide": (9, 48, 80)}  # (num_frames, height, width)
+PIPEFUSION = {2: {"pp2": {"pipefusion_degree": 2}},
+              4: {"pp2_ulysses2": {"pipefusion_degree": 2, "ulysses_degree": 2},
+                  "pp2_ring2": {"pipefusion_degree": 2, "ring_degree": 2},
+                  "pp2_cfg2": {"pipefusion_degree": 2, "cfg_degree": 2}}}
+# (nproc, layout, video, variant); a variant with "i2v" runs image-to-video, with "batch2" a batch of two
 CASES = [(2, layout, "uneven", "default") for layout in LAYOUTS[2] if layout != "dp2"]  # dp2: below, on a batch of 2
 CASES += [(4, layout, "uneven", "default") for layout in LAYOUTS[4]]
 CASES += [(2, "ulysses2", "even", "default"), (2, "ring2", "uneven", "unguided"), (4, "cfg2_ulysses2", "even", "default")]
 CASES += [(2, "dp2", "uneven", "batch2"), (2, "cfg2", "uneven", "batch2")]
+CASES += [(2, layout, "wide", "i2v") for layout in ("ulysses2", "ring2", "cfg2")]
+CASES += [(2, "dp2", "wide", "i2v-batch2"), (4, "ulysses2_ring2", "wide", "i2v"), (4, "cfg2_ulysses2", "wide", "i2v")]
+CASES += [(n, layout, "even", "default") for n, layouts in PIPEFUSION.items() for layout in layouts]
+CASES += [(2, "pp2", "even", "i2v"), (4, "pp2_ulysses2", "even", "i2v")]
 CONTROLS = [(2, "ulysses2", "even", "no_exchange")]
-REFUSED = [(2, "ulysses2", "uneven", "batch2")]  # two texts of different lengths: no mask under Ulysses
+STALE = (2, "pp2", "even", "warmup1")  # PipeFusion asynchronous after one step
+REFUSED = [(2, "ulysses2", "uneven", "batch2"),  # two texts of different lengths: no mask under Ulysses
+           (2, "pp2", "uneven", "batch2"),  # nor under PipeFusion
+           (2, "ulysses2", "wide", "i2v-noimage")]
 
 
 def case_name(nproc, layout, video, variant) -> str:
@@ -44,49 +61,67 @@ def guidance(variant: str) -> float:
     return 1.0 if variant == "unguided" else GUIDANCE
 
 
+def model_of(variant: str) -> str:
+    return I2V if "i2v" in variant else FAMILY
+
+
 def reference(model_dir: Path, inputs: Path, video: str, variant: str) -> torch.Tensor:
-    """diffusers' own pipeline, its guider made with the case's guidance scale."""
+    """diffusers' own pipeline, its guider made with the case's guidance scale; image-to-video takes the start
+    frame as the 8-bit picture it is and sizes the video from it."""
     pipeline = DiffusionPipeline.from_pretrained(model_dir)
     pipeline.guider = ClassifierFreeGuidance(guidance_scale=guidance(variant))
     frames, height, width = VIDEOS[video]
+    tensors = load_file(inputs)
+    size = {"height": height, "width": width}
+    if "image" in tensors:
+        pixels = (tensors.pop("image")[0] * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+        tensors["image"], size = PIL.Image.fromarray(pixels), {}
     with torch.no_grad():
-        return pipeline(**load_file(inputs), num_inference_steps=STEPS, height=height, width=width, num_frames=frames,
-                        output_type="latent", return_dict=False)[0]
+        return pipeline(**tensors, num_inference_steps=STEPS, num_frames=frames, output_type="latent",
+                        return_dict=False, **size)[0]
 
 
 @pytest.fixture(scope="module")
 def matrix(video_model_dirs, tmp_path_factory):
-    """Run both launches once; return {case: (output file, inputs file)}."""
+    """Run both launches once; return {case: (output file, inputs file, model folder)}."""
     work = tmp_path_factory.mktemp("hunyuan_video15")
+    dirs = {FAMILY: video_model_dirs[FAMILY], I2V: tiny_models.save_tiny_pipeline(I2V, work / I2V)}
     results = {}
     for nproc in (2, 4):
         specs = []
-        for case in [c for c in CASES + CONTROLS + REFUSED if c[0] == nproc]:
+        for case in [c for c in CASES + CONTROLS + [STALE] + REFUSED if c[0] == nproc]:
             _, layout, video, variant = case
             frames, height, width = VIDEOS[video]
-            batch = 2 if variant == "batch2" else 1
+            batch = 2 if "batch2" in variant else 1
             negative = variant != "unguided"
-            inputs = work / f"{video}-b{batch}-{negative}.safetensors"
+            model = model_of(variant)
+            inputs = work / f"{model}-{video}-b{batch}-{negative}.safetensors"
             if not inputs.exists():
-                save_file(tiny_models.make_inputs(FAMILY, batch=batch, height=height, width=width, num_frames=frames,
+                save_file(tiny_models.make_inputs(model, batch=batch, height=height, width=width, num_frames=frames,
                                                   negative=negative), inputs)
+            if variant == "i2v-noimage":
+                tensors = load_file(inputs)
+                del tensors["image"]
+                inputs = work / "no-image.safetensors"
+                save_file(tensors, inputs)
             name = case_name(*case)
-            specs.append({"name": name, "model": str(video_model_dirs[FAMILY]), "inputs": str(inputs),
-                          "output": str(work / f"{name}.safetensors"), "layout": LAYOUTS[nproc][layout],
+            layouts = {**LAYOUTS[nproc], **PIPEFUSION[nproc]}
+            warmup = {"warmup_steps": 1 if variant == "warmup1" else STEPS} if layout.startswith("pp") else {}
+            specs.append({"name": name, "model": str(dirs[model]), "inputs": str(inputs),
+                          "output": str(work / f"{name}.safetensors"), "layout": {**layouts[layout], **warmup},
                           "call": {"num_inference_steps": STEPS, "guidance_scale": guidance(variant), "height": height,
                                    "width": width},
                           "scheduler": "default", "fault": variant if variant == "no_exchange" else None})
-            results[case] = (Path(specs[-1]["output"]), inputs)
+            results[case] = (Path(specs[-1]["output"]), inputs, dirs[model])
         spec_file = work / f"cases{nproc}.json"
         spec_file.write_text(json.dumps(specs))
         run = torchrun(nproc, "tests/engine_cases.py", str(spec_file))
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return results, video_model_dirs[FAMILY]
+    return results
 
 
 def _result(matrix, case):
-    results, model_dir = matrix
-    output, inputs = results[case]
+    output, inputs, model_dir = matrix[case]
     errors = sorted(output.parent.glob(output.name + ".error*"))
     assert not errors, errors[0].read_text()
     _, _, video, variant = case
@@ -109,18 +144,36 @@ def test_a_split_without_exchange_fails_the_check(matrix, case):
 
 def test_guidance_reaches_the_guider(matrix):
     """The unguided case is not the guided one: the call's guidance_scale is what the guider used."""
-    results, model_dir = matrix
-    output, inputs = results[(2, "ring2", "uneven", "unguided")]
+    output, inputs, model_dir = matrix[(2, "ring2", "uneven", "unguided")]
     guided = reference(model_dir, inputs, "uneven", "default")
     assert (load_file(output)["latents"] - guided).abs().max().item() > 100 * TOLERANCE
 
 
 @pytest.mark.parametrize("case", REFUSED, ids=[case_name(*c) for c in REFUSED])
-def test_texts_of_different_lengths_are_refused_under_sequence_parallel(matrix, case):
-    results, _ = matrix
-    output, _ = results[case]
+def test_what_cannot_run_is_refused_in_one_line(matrix, case):
+    output, _, _ = matrix[case]
     error = "\n".join(p.read_text() for p in output.parent.glob(output.name + ".error*"))
-    assert "texts of different lengths" in error and "send one prompt per job" in error, error[-2000:]
+    if "noimage" in case[-1]:
+        assert "needs `image`, the first frame to animate" in error, error[-2000:]
+    else:
+        assert "texts of different lengths" in error and "send one prompt per job" in error, error[-2000:]
+
+
+def test_stale_pipefusion_is_within_its_bound(matrix):
+    """Warm-up 1: the other patches' K/V one step old (test_pipefusion.py's bound), and visibly not exact."""
+    parallel, expected = _result(matrix, STALE)
+    error = ((parallel - expected).norm() / expected.norm()).item()
+    assert 10 * TOLERANCE < error < 0.05, error
+
+
+def test_image_to_video_follows_the_image(matrix):
+    """The start frame reaches the transformer: the same noise and text with another image give another video."""
+    output, inputs, model_dir = matrix[(2, "ulysses2", "wide", "i2v")]
+    tensors = load_file(inputs)
+    tensors["image"] = 1 - tensors["image"]
+    other = inputs.parent / "other-image.safetensors"
+    save_file(tensors, other)
+    assert (load_file(output)["latents"] - reference(model_dir, other, "wide", "i2v")).abs().max().item() > 100 * TOLERANCE
 
 
 def test_pool_encodes_as_the_pipeline_and_samples_with_progress(video_model_dirs, tmp_path):

@@ -141,3 +141,13 @@ def test_call_flag_values():
             parse_call(bad)
     with pytest.raises(SystemExit):
         parser().parse_args(["--call", "num_frames"])
+
+
+def test_masks_pass_as_integers_and_other_tensors_must_be_floating_point():
+    """HunyuanVideo 1.5's glyph-text mask is `prompt_embeds_mask_2`: a mask too, though its name ends in a number."""
+    from parallel.request import check_tensor_values
+
+    masks = {name: torch.ones(1, 4, dtype=torch.long) for name in ("prompt_embeds_mask", "negative_prompt_embeds_mask_2")}
+    check_tensor_values({**masks, "prompt_embeds_2": torch.zeros(1, 4, 8)})
+    with pytest.raises(ValueError, match="prompt_embeds_2 is int64; send floating-point values"):
+        check_tensor_values({**masks, "prompt_embeds_2": torch.zeros(1, 4, 8, dtype=torch.long)})

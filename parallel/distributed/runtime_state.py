@@ -19,6 +19,7 @@ class RuntimeState:
     text_tokens: int = 0
     step_index: int = 0
     token_split: Any = None  # token_split.UnevenSplit while the token count does not divide by the sp degree
+    text_mask_complete: bool = False  # the text's padding trimmed away (plans.TextPadding): its mask masks nothing
     run: int = 0  # counts jobs, so per-job state elsewhere (PipeFusion's warm-up per expert) knows a new one began
 
     def set_input_parameters(
@@ -31,6 +32,7 @@ class RuntimeState:
         self.text_tokens = 0
         self.step_index = 0
         self.token_split = None
+        self.text_mask_complete = False
         self.run += 1
 
 

@@ -1,4 +1,4 @@
-"""HunyuanVideo 1.5 text-to-video (`HunyuanVideo15Pipeline`): 5-D latents [B, 32, T', H/16, W/16], one token per
+"""HunyuanVideo 1.5 text- and image-to-video (`HunyuanVideo15Pipeline`, `HunyuanVideo15ImageToVideoPipeline`): 5-D latents [B, 32, T', H/16, W/16], one token per
 latent pixel of each latent frame, Qwen2.5-VL text (an LLM hidden layer) and byT5 glyph text, CFG in the pipeline's
 guider.
 
@@ -12,6 +12,12 @@ text is replicated after the video shard (suffix). Token counts rarely divide by
 CFG: the guider calls the transformer once per branch, in cache_context("pred_cond") and ("pred_uncond"); its
 guidance scale is the guider's, set from the call's `guidance_scale` for that call (1: one branch).
 The pipeline takes no step callback: progress, previews and cancel come from the scheduler's steps.
+
+Image-to-video concatenates the start image's VAE latents (first latent frame) and a frame mask to the noise, and
+its SigLIP vision tokens fill the 729 vision slots, valid this time: the same plan serves both.
+
+PipeFusion: the blocks form a pipeline like SD3's (video and text carried, the text whole with every patch); a
+patch is whole token rows of the (frames × rows × columns) sequence, and the rotary table is sliced with it.
 """
 
 from __future__ import annotations
@@ -19,14 +25,16 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import numpy as np
+import PIL.Image
 import torch
 
 from ..call_parameters import CallParameter
 from ..config import LayoutError
 from ..model_executor.attention import TextLayout
-from ..model_executor.plans import CfgMode, Gather, ParallelPlan, Split, TextPadding
+from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split, TextPadding, TokenRows
 from .base import FAMILIES, ComfyData, DeclaredLatentFormat, Family, TinyModel
-from .wan import xFuserWanPipeline
+from .wan import _answered, xFuserWanPipeline
 
 DEFAULT_FRAMES = 121  # HunyuanVideo15Pipeline.__call__'s default num_frames
 MASKS = {"prompt_embeds": "prompt_embeds_mask", "negative_prompt_embeds": "negative_prompt_embeds_mask",
@@ -113,16 +121,14 @@ class xFuserHunyuanVideo15Pipeline(xFuserWanPipeline):
 
     def check_layout(self, kwargs: dict[str, Any], batch: int) -> int:
         c = self.parallel_config
-        if c.pipefusion_degree > 1:
-            raise LayoutError("HunyuanVideo 1.5 has no PipeFusion plan yet; use Ulysses, Ring, CFG or data parallel")
-        if c.sp_degree > 1:
+        if c.sp_degree > 1 or c.pipefusion_degree > 1:
             for prefix in ("", "negative_"):
                 lengths = self._text_lengths(kwargs, prefix)
                 parts = torch.arange(batch).tensor_split(c.dp_degree)  # each data-parallel rank's samples
                 if lengths is not None and any(len({lengths[i] for i in part.tolist()}) > 1 for part in parts):
                     raise LayoutError("the samples of this batch have texts of different lengths, which HunyuanVideo 1.5 "
-                                      "masks; sequence-parallel attention takes no mask: send one prompt per job, or "
-                                      "prompts of one token length")
+                                      "masks; sequence-parallel and PipeFusion attention take no mask: send one prompt "
+                                      "per job, or prompts of one token length")
         return super().check_layout(kwargs, batch)
 
     @staticmethod
@@ -146,22 +152,62 @@ class xFuserHunyuanVideo15Pipeline(xFuserWanPipeline):
             guider.guidance_scale = before
 
 
+class xFuserHunyuanVideo15ImageToVideoPipeline(xFuserHunyuanVideo15Pipeline):
+    """Image-to-video: `image`, the start frame, [1, 3, H, W] in [0, 1] (the pipeline repeats it over the batch).
+
+    The pipeline takes one PIL image and sizes the video from it (the bucket nearest its aspect ratio around the
+    transformer's target_size); here the video is the requested height × width, and the pipeline's own crop-resize
+    fits the image to it. The image goes in as the 8-bit picture it is (ComfyUI's images come from 8-bit files):
+    an image whose own bucket is height × width gives exactly what diffusers gives for it.
+    """
+
+    tensor_inputs = xFuserHunyuanVideo15Pipeline.tensor_inputs + ("image",)
+
+    def check_inputs(self, kwargs: dict[str, Any], batch: int) -> None:
+        image = kwargs.get("image")
+        if image is None:
+            raise ValueError("HunyuanVideo15ImageToVideoPipeline needs `image`, the first frame to animate: "
+                             "[1, 3, H, W] in [0, 1]")
+        if not isinstance(image, torch.Tensor) or image.ndim != 4 or tuple(image.shape[:2]) != (1, 3):
+            raise ValueError(f"image has shape {list(getattr(image, 'shape', []))}; HunyuanVideo 1.5 image-to-video "
+                             "takes one RGB start frame, [1, 3, H, W] in [0, 1]")
+        super().check_inputs(kwargs, batch)
+
+    def call_context(self, kwargs: dict[str, Any]):
+        height, width = kwargs.pop("height"), kwargs.pop("width")  # the pipeline sizes the video from its image
+        kwargs["image"] = _picture(kwargs["image"])
+        stack = contextlib.ExitStack()
+        stack.enter_context(_answered(self.module.video_processor, "calculate_default_height_width",
+                                      lambda **_: (height, width)))
+        stack.enter_context(super().call_context(kwargs))
+        return stack
+
+
+def _picture(image: torch.Tensor) -> PIL.Image.Image:
+    """[1, 3, H, W] in [0, 1] → the 8-bit RGB picture the pipeline takes."""
+    pixels = (image[0].detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu()
+    return PIL.Image.fromarray(np.ascontiguousarray(pixels.numpy()))
+
+
 # -- tiny built-in model ----------------------------------------------------------------------------------
 TEXT_WIDTH, GLYPH_WIDTH, VISION_WIDTH, LATENT = 32, 16, 16, 32
 
 
-def build_tiny(seed: int):
+def build_tiny(seed: int, image_to_video: bool = False):
     from diffusers import (AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler,
-                           HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel)
-    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+                           HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel)
+    from transformers import (ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, SiglipImageProcessor,
+                              SiglipVisionConfig, SiglipVisionModel, T5Config, T5EncoderModel)
 
     from .. import tiny_models as tm
 
     transformer = tm._transformer(seed, HunyuanVideo15Transformer3DModel, in_channels=2 * LATENT + 1, out_channels=LATENT,
                                   num_layers=tm.BLOCKS, num_refiner_layers=1, mlp_ratio=2.0,
                                   text_embed_dim=TEXT_WIDTH, text_embed_2_dim=GLYPH_WIDTH, image_embed_dim=VISION_WIDTH,
-                                  rope_axes_dim=(4, 6, 6), target_size=64, task_type="t2v")
-    vae = tm._seeded(seed + 3, AutoencoderKLHunyuanVideo15, latent_channels=LATENT, block_out_channels=(8, 8, 8, 8, 8),
+                                  rope_axes_dim=(4, 6, 6), target_size=64, task_type="i2v" if image_to_video else "t2v")
+    # image-to-video also encodes: the widths grow as the real VAE's (1/16 of them) to its 2 × 32 output channels
+    widths = (8, 16, 32, 2 * LATENT, 2 * LATENT) if image_to_video else (8, 8, 8, 8, 8)
+    vae = tm._seeded(seed + 3, AutoencoderKLHunyuanVideo15, latent_channels=LATENT, block_out_channels=widths,
                      layers_per_block=1)
     tokenizer = tm._qwen_tokenizer()
     tokenizer.chat_template = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
@@ -177,10 +223,18 @@ def build_tiny(seed: int):
         vocab_size=len(tokenizer_2), d_model=GLYPH_WIDTH, d_kv=8, d_ff=GLYPH_WIDTH, num_layers=1, num_heads=2,
         relative_attention_num_buckets=8, relative_attention_max_distance=32, feed_forward_proj="gated-gelu",
         pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0)
-    return HunyuanVideo15Pipeline(text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
-                                  scheduler=scheduler, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
-                                  guider=ClassifierFreeGuidance(guidance_scale=6.0))
+    components = dict(text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
+                      scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), text_encoder_2=text_encoder_2,
+                      tokenizer_2=tokenizer_2, guider=ClassifierFreeGuidance(guidance_scale=6.0))
+    if not image_to_video:
+        return HunyuanVideo15Pipeline(**components)
+    # SigLIP as the real model's (16 vision tokens of a 32×32 view here, 729 of 384×384 there)
+    image_encoder = tm._seeded(seed + 4, SiglipVisionModel, SiglipVisionConfig(
+        hidden_size=VISION_WIDTH, intermediate_size=2 * VISION_WIDTH, num_hidden_layers=1, num_attention_heads=2,
+        image_size=32, patch_size=8))
+    feature_extractor = SiglipImageProcessor(size={"height": 32, "width": 32})
+    return HunyuanVideo15ImageToVideoPipeline(**components, image_encoder=image_encoder,
+                                              feature_extractor=feature_extractor)
 
 
 def tiny_inputs(*, batch: int, height: int, width: int, seed: int, negative: bool, text_tokens: int | None,
@@ -202,9 +256,17 @@ def tiny_inputs(*, batch: int, height: int, width: int, seed: int, negative: boo
     return out
 
 
+def tiny_image_to_video_inputs(**kwargs) -> dict:
+    """tiny_inputs and the start frame, [1, 3, H, W] in [0, 1], 8-bit values (as ComfyUI's images are)."""
+    gen = torch.Generator().manual_seed(kwargs["seed"] + 1)
+    image = torch.randint(0, 256, (1, 3, kwargs["height"], kwargs["width"]), generator=gen) / 255
+    return {**tiny_inputs(**kwargs), "image": image}
+
+
 HUNYUAN_VIDEO_15 = FAMILIES.register(Family(
     name="hunyuanvideo15",
-    pipelines={"HunyuanVideo15Pipeline": xFuserHunyuanVideo15Pipeline},
+    pipelines={"HunyuanVideo15Pipeline": xFuserHunyuanVideo15Pipeline,
+               "HunyuanVideo15ImageToVideoPipeline": xFuserHunyuanVideo15ImageToVideoPipeline},
     transformer="HunyuanVideo15Transformer3DModel",
     plan=ParallelPlan(
         outputs={"x_embedder": Split(dim=1, expected_dims=3), "rope": Split(dim=0, items=(0, 1), expected_dims=2),
@@ -215,7 +277,16 @@ HUNYUAN_VIDEO_15 = FAMILIES.register(Family(
         cfg_branches=("pred_cond", "pred_uncond"),
         uneven_tokens=True,
         output_channels="out_channels",  # it takes the latents, a condition and a mask (65 channels), returns 32
+        pipefusion=PipeFusionPlan(
+            blocks=("transformer_blocks",),
+            carried=("hidden_states", "encoder_hidden_states"),
+            returns=("hidden_states", "encoder_hidden_states"),
+            token_inputs={"freqs_cis": TokenRows(dim=0)},  # (cos, sin), [video tokens, head dim] each
+        ),
     ),
-    tiny={"hunyuanvideo15": TinyModel("HunyuanVideo15Pipeline", build_tiny, tiny_inputs, guidance=6.0)},
+    tiny={"hunyuanvideo15": TinyModel("HunyuanVideo15Pipeline", build_tiny, tiny_inputs, guidance=6.0),
+          "hunyuanvideo15-i2v": TinyModel("HunyuanVideo15ImageToVideoPipeline",
+                                          lambda seed: build_tiny(seed, image_to_video=True),
+                                          tiny_image_to_video_inputs, guidance=6.0)},
     attention_layers={"HunyuanVideo15AttnProcessor2_0": "diffusers.models.transformers.transformer_hunyuan_video15"},
 ))

@@ -125,12 +125,14 @@ def _trim_text_padding(module: torch.nn.Module, where: str, padding: TextPadding
         valid = mask.bool()
         used = valid.any(dim=0).nonzero()
         length = int(used.max()) + 1 if len(used) else 1
-        if sp.world_size > 1 and not valid[:, :length].all():
+        complete = bool(valid[:, :length].all())
+        if sp.world_size > 1 and not complete:
             raise LayoutError(f"the samples of this batch have texts of different lengths, which {where} masks; "
                               "sequence-parallel attention takes no mask: send one prompt per job, or prompts of one "
                               "token length")
         named[padding.text], named[padding.mask] = text[:, :length], mask[:, :length]
-        get_runtime_state().text_tokens = length
+        runtime = get_runtime_state()
+        runtime.text_tokens, runtime.text_mask_complete = length, complete  # the attention seam drops such a mask
         return (), named
 
     return hook

@@ -108,7 +108,8 @@ class TextPadding:
     the rest): before the blocks at the plan path, the text tokens past every sample's last valid one are dropped
     with their mask columns. Exact: masked keys take no weight and the dropped tokens' own outputs are never
     read. Sequence-parallel attention takes no mask, so there a batch whose samples still differ in valid length
-    is refused; with none left masked, the mask is all true and the attention drops it.
+    is refused; with none left masked, the call is marked so (runtime state) and the attention drops the mask
+    without looking at it.
 
     text: the block argument holding the text stream; mask: its [B, tokens] mask (true or 1: valid).
     """

@@ -52,8 +52,8 @@ _ACTIVE: contextvars.ContextVar[_ActiveLayer | None] = contextvars.ContextVar("x
 def _sequence_parallel_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, *, tokens_dim: int):
     """USP for the active layer; `tokens_dim` is 2 for [B, H, S, D] callers and 1 for [B, S, H, D]."""
     layer = _ACTIVE.get()
-    if attn_mask is not None and attn_mask.dtype == torch.bool and bool(attn_mask.all()):
-        attn_mask = None  # nothing masked (text padding trimmed away, plans.TextPadding): the same attention
+    if attn_mask is not None and attn_mask.dtype == torch.bool and get_runtime_state().text_mask_complete:
+        attn_mask = None  # the text padding was trimmed away (plans.TextPadding): nothing is masked, no need to look
     if attn_mask is not None or dropout_p or is_causal:
         raise NotImplementedError(
             f"sequence-parallel attention in {layer.name} got a mask/dropout/causal flag it cannot split; "
