@@ -52,9 +52,10 @@ def load_pipeline(model_dir: str | Path, *, text_encoders: bool = False, dtype: 
     if not index.is_file():
         raise FileNotFoundError(f"{model_dir} is not a diffusers pipeline folder (no model_index.json)")
     components = json.loads(index.read_text())
-    skipped = {} if text_encoders else {
-        name: None for name in components if name.startswith(("text_encoder", "tokenizer"))
-    }
+    # Without text encoders their parts stay out (Qwen-Image-Edit's Qwen2.5-VL processor too); a part saved as
+    # none loads as none (diffusers refuses to load such a folder otherwise).
+    skipped = {name: None for name, entry in components.items()
+               if entry == [None, None] or (not text_encoders and name.startswith(("text_encoder", "tokenizer", "processor")))}
     kwargs = {"torch_dtype": DTYPES[dtype]} if dtype else {}
     pipeline = DiffusionPipeline.from_pretrained(model_dir, **skipped, **kwargs)
     return _place(pipeline, dtype, shard_weights, offload)

@@ -191,11 +191,12 @@ def _model(family: str):
 
 def image_inputs(*, latent_channels: int, packed: bool, pooled_dim: int | None, default_tokens: int = TEXT_TOKENS,
                  batch: int, height: int, width: int, seed: int, negative: bool, text_tokens: int | None,
-                 num_frames: int) -> dict[str, torch.Tensor]:
-    """make_inputs for an image family: pooled embeddings if it has `pooled_dim`, else T5 attention masks."""
+                 num_frames: int, scale: int = 8) -> dict[str, torch.Tensor]:
+    """make_inputs for an image family (VAE factor `scale`): pooled embeddings if it has `pooled_dim`, else T5
+    attention masks."""
     gen = torch.Generator().manual_seed(seed)
     tokens = text_tokens or default_tokens
-    h, w = height // 8, width // 8
+    h, w = height // scale, width // scale
     if packed:
         latent_shape = (batch, (h // 2) * (w // 2), 4 * latent_channels)
     else:

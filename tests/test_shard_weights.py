@@ -27,7 +27,8 @@ LAYOUTS = {
         "shard2-ring2": {"ring_degree": 2}, "shard2-ulysses2-offload": {"ulysses_degree": 2, "offload": True}},
     4: {"shard4-cfg2-ulysses2": {"cfg_degree": 2, "ulysses_degree": 2}},
 }
-FAMILIES = (*tiny_models.FAMILIES, "wan", "wan22")  # Wan 2.2 A14B: both experts sharded
+# Wan 2.2 A14B: both experts sharded. The Qwen-Image-Edit models shard Qwen-Image's transformer, which is here.
+FAMILIES = (*(f for f in tiny_models.FAMILIES if not f.startswith("qwen-image-edit")), "wan", "wan22")
 FRAMES = {"wan": 5, "wan22": 5}
 CASES = [(n, f, l) for n, layouts in LAYOUTS.items() for f in FAMILIES for l in layouts
          if tiny_models.MODELS[f].cfg or "cfg" not in l]  # FLUX.2 [dev] has no CFG to split

@@ -31,14 +31,20 @@ def flux_file_on_two_ranks(model, inputs, output, *layout: str):
 def diffusers_latents(model, family: str | None = None, *, scheduler: str | None = None, **call):
     """The reference every test compares with: diffusers' own pipeline in this one process (`model`: a saved
     folder or a loaded pipeline), under no_grad as the pipeline runs itself, returning `output_type="latent"`,
-    with the tiny `family`'s call defaults (tiny_models.PIPELINE_CALL_DEFAULTS) and `scheduler` if given."""
+    with the tiny `family`'s call defaults (tiny_models.PIPELINE_CALL_DEFAULTS) and `scheduler` if given. A batch
+    for a pipeline that takes one prompt per call (Qwen-Image-Edit Plus) is its samples one by one."""
     import torch
     from diffusers import DiffusionPipeline
 
     from parallel import tiny_models
     from parallel.loading import set_scheduler
 
-    pipeline = model if isinstance(model, DiffusionPipeline) else DiffusionPipeline.from_pretrained(model)
+    pipeline = model if isinstance(model, DiffusionPipeline) else load_pipeline_folder(model)
+    batch = call["latents"].shape[0] if isinstance(call.get("latents"), torch.Tensor) else 1
+    if type(pipeline).__name__ == "QwenImageEditPlusPipeline" and batch > 1:  # it takes one prompt per call
+        return torch.cat([diffusers_latents(pipeline, family, scheduler=scheduler, **{
+            name: value[i : i + 1] if torch.is_tensor(value) and name != "image" and value.shape[0] == batch else value
+            for name, value in call.items()}) for i in range(batch)])
     if scheduler:
         set_scheduler(pipeline, scheduler)
     with torch.no_grad():
@@ -46,12 +52,33 @@ def diffusers_latents(model, family: str | None = None, *, scheduler: str | None
                         output_type="latent", return_dict=False)[0]
 
 
+def load_pipeline_folder(model):
+    """DiffusionPipeline.from_pretrained, with the parts a folder saved as none (the tiny Qwen-Image-Edit models'
+    processor, which needs torchvision) given as none, as diffusers wants them."""
+    import json
+    from pathlib import Path
+
+    from diffusers import DiffusionPipeline
+
+    index = json.loads((Path(model) / "model_index.json").read_text())
+    return DiffusionPipeline.from_pretrained(model, **{name: None for name, entry in index.items() if entry == [None, None]})
+
+
 def at_requested_size(pipeline, call: dict) -> dict:
     """`call` with max_area = height·width for pipelines that resize to an area (FLUX.1 Kontext: 1024² by
     default), so diffusers samples at the size the engine honours exactly; embeddings [B, tokens, width] as
-    lists of samples where the pipeline takes lists (Z-Image)."""
+    lists of samples where the pipeline takes lists (Z-Image); reference images [N, 3, H, W] in [0, 1] as the
+    8-bit PIL images the Qwen-Image-Edit pipelines take (Edit: one, Plus: a list)."""
     import inspect
 
+    import PIL.Image
+    import torch
+
+    name = type(pipeline).__name__
+    if name.startswith("QwenImageEdit") and isinstance(call.get("image"), torch.Tensor):
+        pixels = (call["image"] * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+        images = [PIL.Image.fromarray(picture) for picture in pixels]
+        call = {**call, "image": images if "Plus" in name else images[0]}
     parameters = inspect.signature(pipeline.__call__).parameters
     for name in ("prompt_embeds", "negative_prompt_embeds"):
         if name in parameters and str(parameters[name].annotation).startswith("list") and hasattr(call.get(name), "unbind"):

@@ -216,6 +216,15 @@ def pack_2x2(latents: torch.Tensor) -> torch.Tensor:
     return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
 
 
+def pictures(images: torch.Tensor) -> list:
+    """[N, 3, H, W] in [0, 1] → N 8-bit RGB PIL images, for pipelines that take only PIL images (they resize and
+    crop them themselves). ComfyUI's images come from 8-bit files, so an 8-bit image goes through unchanged."""
+    import PIL.Image
+
+    pixels = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    return [PIL.Image.fromarray(picture) for picture in pixels]
+
+
 def unpack_2x2(latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """pack_2x2 undone, for an image of height × width pixels (VAE factor 8)."""
     b, _, d = latents.shape

@@ -25,15 +25,13 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-import numpy as np
-import PIL.Image
 import torch
 
 from ..call_parameters import CallParameter
 from ..config import LayoutError
 from ..model_executor.attention import TextLayout
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split, TextPadding, TokenRows
-from .base import FAMILIES, ComfyData, DeclaredLatentFormat, Family, TinyModel
+from .base import FAMILIES, ComfyData, DeclaredLatentFormat, Family, TinyModel, pictures
 from .wan import _answered, xFuserWanPipeline
 
 DEFAULT_FRAMES = 121  # HunyuanVideo15Pipeline.__call__'s default num_frames
@@ -175,18 +173,12 @@ class xFuserHunyuanVideo15ImageToVideoPipeline(xFuserHunyuanVideo15Pipeline):
 
     def call_context(self, kwargs: dict[str, Any]):
         height, width = kwargs.pop("height"), kwargs.pop("width")  # the pipeline sizes the video from its image
-        kwargs["image"] = _picture(kwargs["image"])
+        kwargs["image"] = pictures(kwargs["image"])[0]
         stack = contextlib.ExitStack()
         stack.enter_context(_answered(self.module.video_processor, "calculate_default_height_width",
                                       lambda **_: (height, width)))
         stack.enter_context(super().call_context(kwargs))
         return stack
-
-
-def _picture(image: torch.Tensor) -> PIL.Image.Image:
-    """[1, 3, H, W] in [0, 1] → the 8-bit RGB picture the pipeline takes."""
-    pixels = (image[0].detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu()
-    return PIL.Image.fromarray(np.ascontiguousarray(pixels.numpy()))
 
 
 # -- tiny built-in model ----------------------------------------------------------------------------------

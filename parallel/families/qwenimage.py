@@ -12,12 +12,20 @@ Single files (Comfy-Org's `qwen_image_*.safetensors`, also fp8 and GGUF) keep di
 ComfyUI's `model.diffusion_model.` prefix where it is whole-checkpoint; the rotary axes have no weights and
 follow the head size in Qwen-Image's proportions (16 + 56 + 56 of 128).
 
+Qwen-Image-Edit (`QwenImageEditPipeline`) and Edit Plus (`QwenImageEditPlusPipeline`, several references) run the
+same transformer on the noisy tokens followed by each reference image's tokens (`img_shapes` lists them; the
+rotary table covers them all): the plan splits that whole sequence, so the reference tokens are sharded with the
+noisy ones, and the pipeline keeps the noisy part of the gathered output. No PipeFusion for them yet
+(`no_pipefusion`).
+
 Its attention layers are diffusers' shared `Attention` class with a processor that calls
 `dispatch_attention_fn`, so the family declares the processor (`attention_layers`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 from typing import Any
 
 import numpy as np
@@ -29,7 +37,7 @@ from ..config import LayoutError
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split, TokenRows
-from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant, pack_2x2, unpack_2x2
+from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant, pack_2x2, pictures, unpack_2x2
 
 MASKS = {"prompt_embeds": "prompt_embeds_mask", "negative_prompt_embeds": "negative_prompt_embeds_mask"}
 
@@ -104,6 +112,61 @@ class xFuserQwenImagePipeline(xFuserPipelineBaseWrapper):
         return {"prompt_embeds": embeds} if mask is None else {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
 
 
+class xFuserQwenImageEditPipeline(xFuserQwenImagePipeline):
+    """Qwen-Image-Edit and Edit Plus: `image`, the reference images, [N, 3, H, W] in [0, 1] (Edit: one; Plus: one
+    or several, every prompt edits them all). The pipelines take PIL images only and encode each reference at
+    about 1024² pixels of its aspect ratio (`calculate_dimensions`), whatever the output's size; the output is the
+    requested height × width. The images go in as the 8-bit pictures they are."""
+
+    tensor_inputs = xFuserQwenImagePipeline.tensor_inputs + ("image",)
+    shared_inputs = ("image",)  # every prompt edits every reference
+    model_call_inputs = model_call_required = ()  # single model calls would need the reference tokens too: none yet
+    no_pipefusion = "its patches would have to cut the reference tokens too"
+    REFERENCE_AREA = 1024 * 1024  # the pipelines' VAE_IMAGE_SIZE
+
+    def _several(self) -> bool:
+        return "Plus" in type(self.module).__name__
+
+    def reference_tokens(self, image: torch.Tensor | None) -> int:
+        """Tokens the references add: each at the size the pipeline encodes it, in 2×2 latent patches."""
+        if not isinstance(image, torch.Tensor) or image.ndim != 4:
+            return 0  # none, or not images: check_inputs says so
+        calculate = inspect.getmodule(type(self.module)).calculate_dimensions  # the pipeline's own sizing
+        width, height = calculate(self.REFERENCE_AREA, image.shape[3] / image.shape[2])[:2]
+        scale = self.module.vae_scale_factor * self.latent_patch
+        return image.shape[0] * (height // scale) * (width // scale)
+
+    def sequence_tokens(self, kwargs: dict[str, Any]) -> int:
+        return super().sequence_tokens(kwargs) + self.reference_tokens(kwargs.get("image"))
+
+    def check_inputs(self, kwargs: dict[str, Any], batch: int) -> None:
+        image, name = kwargs.get("image"), type(self.module).__name__
+        count = "[N, 3, H, W]" if self._several() else "[1, 3, H, W]"
+        if image is None:
+            raise ValueError(f"{name} edits reference images: send `image`, {count} in [0, 1]")
+        if not isinstance(image, torch.Tensor) or image.ndim != 4 or image.shape[1] != 3 or (
+                not self._several() and image.shape[0] != 1):
+            raise ValueError(f"image has shape {list(getattr(image, 'shape', []))}; {name} takes RGB reference images, "
+                             f"{count} in [0, 1]" + ("" if self._several() else " (several: QwenImageEditPlusPipeline)"))
+        super().check_inputs(kwargs, batch)
+
+    def check_layout(self, kwargs: dict[str, Any], batch: int) -> int:
+        dp = self.parallel_config.dp_degree
+        if self._several() and -(-batch // dp) > 1:
+            raise LayoutError(f"QwenImageEditPlusPipeline samples one prompt per call and this batch of {batch} gives "
+                              f"{-(-batch // dp)} to a rank: use a data-parallel degree of {batch}, or one prompt per job")
+        return super().check_layout(kwargs, batch)
+
+    def encode_text(self, prompt: str) -> dict[str, torch.Tensor]:
+        raise ValueError("Qwen-Image-Edit encodes the prompt together with the reference image (Qwen2.5-VL sees "
+                         "both): send prompt_embeds from the pipeline's encode_prompt(prompt, image)")
+
+    def call_context(self, kwargs: dict[str, Any]):
+        images = pictures(kwargs["image"])
+        kwargs["image"] = images if self._several() else images[0]
+        return contextlib.nullcontext()
+
+
 # -- single-file checkpoints: diffusers' own names -----------------------------------------------------------
 def read_checkpoint(shape: Shapes) -> tuple[str, dict]:
     hidden, in_channels = shape("img_in.weight")
@@ -143,21 +206,33 @@ def tiny_text_encoder(seed: int, width: int, heads: int = 2, kv_heads: int = 1):
     return tokenizer, tm._seeded(seed, Qwen2_5_VLForConditionalGeneration, config)
 
 
-def build_tiny(seed: int):
+EDIT_VAE_SCALE = 32
+
+
+def build_tiny(seed: int, edit: str | None = None):
+    """Qwen-Image, or with `edit` the pipeline of that name (QwenImageEditPipeline, QwenImageEditPlusPipeline) on
+    the same parts; its Qwen2.5-VL processor is left out (the tiny models take prompt embeddings)."""
+    import diffusers
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
 
     from .. import tiny_models as tm
 
     transformer = tm._transformer(seed, QwenImageTransformer2DModel, patch_size=2, in_channels=64, out_channels=16,
                                   num_layers=tm.BLOCKS, joint_attention_dim=tm.T5_DIM, axes_dims_rope=(4, 6, 6))
-    vae = tm._seeded(seed + 3, AutoencoderKLQwenImage, base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
+    # The edit pipelines encode every reference at about 1024² pixels: a ×32 VAE keeps that at 256 tokens here.
+    deeper = {} if edit is None else {"dim_mult": [1] * 6, "temperal_downsample": [False, True, True, False, False]}
+    assert edit is None or 2 ** (len(deeper["dim_mult"]) - 1) == EDIT_VAE_SCALE
+    vae = tm._seeded(seed + 3, AutoencoderKLQwenImage, base_dim=8, z_dim=16, num_res_blocks=1,
+                     **{"dim_mult": [1, 1, 1, 1], **deeper})
     # Qwen-Image's own scheduler configuration (resolution-dependent exponential shift).
     scheduler = FlowMatchEulerDiscreteScheduler(
         base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0, shift_terminal=0.02,
         time_shift_type="exponential", use_dynamic_shifting=True)
     tokenizer, text_encoder = tiny_text_encoder(seed + 1, tm.T5_DIM)
-    return QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-                             transformer=transformer)
+    parts = dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
+    if edit is None:
+        return QwenImagePipeline(**parts)
+    return getattr(diffusers, edit)(**parts, processor=None)
 
 
 def tiny_inputs(**kwargs) -> dict:
@@ -176,9 +251,18 @@ def tiny_inputs(**kwargs) -> dict:
     return out
 
 
+def tiny_edit_inputs(references: int, **kwargs) -> dict:
+    """tiny_inputs for the ×32 VAE of the edit models and `references` square reference images, 8-bit values (as
+    ComfyUI's images are); the pipelines encode each at 1024² (256 reference tokens here)."""
+    gen = torch.Generator().manual_seed(kwargs["seed"] + 1)
+    image = torch.randint(0, 256, (references, 3, 32, 32), generator=gen) / 255
+    return {**tiny_inputs(**kwargs, scale=EDIT_VAE_SCALE), "image": image}
+
+
 QWEN_IMAGE = FAMILIES.register(Family(
     name="qwen-image",
-    pipelines={"QwenImagePipeline": xFuserQwenImagePipeline},
+    pipelines={"QwenImagePipeline": xFuserQwenImagePipeline, "QwenImageEditPipeline": xFuserQwenImageEditPipeline,
+               "QwenImageEditPlusPipeline": xFuserQwenImageEditPipeline},
     transformer="QwenImageTransformer2DModel",
     plan=ParallelPlan(
         inputs={"": {"hidden_states": Split(dim=1, expected_dims=3)}},
@@ -202,6 +286,13 @@ QWEN_IMAGE = FAMILIES.register(Family(
         convert=convert_checkpoint,
     ),
     tiny={"qwen-image": TinyModel("QwenImagePipeline", build_tiny, tiny_inputs, guidance=1.0,
-                                  true_cfg={"true_cfg_scale": 4.0})},
+                                  true_cfg={"true_cfg_scale": 4.0}),
+          "qwen-image-edit": TinyModel("QwenImageEditPipeline", lambda seed: build_tiny(seed, "QwenImageEditPipeline"),
+                                       lambda **kwargs: tiny_edit_inputs(1, **kwargs), guidance=1.0,
+                                       true_cfg={"true_cfg_scale": 4.0}),
+          "qwen-image-edit-plus": TinyModel("QwenImageEditPlusPipeline",
+                                            lambda seed: build_tiny(seed, "QwenImageEditPlusPipeline"),
+                                            lambda **kwargs: tiny_edit_inputs(2, **kwargs), guidance=1.0,
+                                            true_cfg={"true_cfg_scale": 4.0})},
     attention_layers={"QwenDoubleStreamAttnProcessor2_0": "diffusers.models.transformers.transformer_qwenimage"},
 ))

@@ -40,6 +40,9 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
 
     comfy:           what the ComfyUI side needs (latent format, packing, conditioning), as plain data.
     tensor_inputs:   the tensor keyword arguments of `__call__` a job may send, beyond BASE_TENSOR_INPUTS.
+    shared_inputs:   those of them that every sample of a batch shares (not split by data parallel even when
+                     they hold as many entries as the batch: Qwen-Image-Edit Plus's reference images).
+    no_pipefusion:   why this pipeline cannot run its family's PipeFusion plan (None: it can).
     embedding_sizes: input tensor → transformer config entry giving its last dimension.
     call_parameters: the family's own `__call__` scalars that a job may set.
     call_defaults:   keyword arguments the family needs when it is given embeddings instead of text.
@@ -51,6 +54,8 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
 
     comfy: ClassVar[ComfyData]
     tensor_inputs: ClassVar[tuple[str, ...]] = ()
+    shared_inputs: ClassVar[tuple[str, ...]] = ()
+    no_pipefusion: ClassVar[str | None] = None
     embedding_sizes: ClassVar[dict[str, str]] = {}
     call_parameters: ClassVar[dict[str, CallParameter]] = {}  # family scalars a job may set (call_parameters.py)
     call_defaults: ClassVar[dict[str, Any]] = {}
@@ -220,6 +225,9 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
     def check_layout(self, kwargs: dict[str, Any], batch: int) -> int:
         """Raise LayoutError, before any compute, if this input cannot run on this layout."""
         c = self.parallel_config
+        if c.pipefusion_degree > 1 and self.no_pipefusion:
+            raise LayoutError(f"{type(self.module).__name__} has no PipeFusion yet ({self.no_pipefusion}); use Ulysses, "
+                              "Ring, CFG or data parallel")
         heads = self.attention_heads()
         if heads % c.ulysses_degree:
             divisors = [d for d in range(1, heads + 1) if heads % d == 0]
@@ -371,7 +379,8 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
         dp = get_dp_group()
         counts = [len(part) for part in torch.arange(batch).tensor_split(dp.world_size)]
         start = sum(counts[: dp.rank_in_group])
-        local = {k: _take(k, v, batch, start, counts[dp.rank_in_group]) for k, v in kwargs.items()}
+        local = {k: v if k in self.shared_inputs else _take(k, v, batch, start, counts[dp.rank_in_group])
+                 for k, v in kwargs.items()}
         get_runtime_state().set_input_parameters(
             height=kwargs["height"],
             width=kwargs["width"],

@@ -1,0 +1,114 @@
+"""Qwen-Image-Edit and Edit Plus: reference images through real ranks, refusals, and a pool job.
+
+test_engine_layouts runs both tiny edit models (one reference; Plus: two) through every layout of the image
+families (Ulysses 2 and 4, Ring 2 and 4, Ulysses 2 × Ring 2, CFG, CFG × Ulysses 2, DP 2) against diffusers'
+own pipelines, with a sequence split without exchange as their negative control. Here, through real ranks: an
+output of another shape (64 × 128: 2 noisy tokens beside 256 reference tokens) under Ulysses 2 with a check
+that the reference image is what the result follows (another image misses by far more); Plus with three
+references under Ring 2 and a batch of two prompts over two data-parallel ranks, which diffusers' Plus refuses
+in one call (its reference is the two prompts one by one); refusals in one line each: no image, PipeFusion, a
+Plus batch a rank would get whole. A pool (Ulysses 2) takes the reference images over the wire and equals
+diffusers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from parallel import tiny_models
+
+from pool_helpers import serving
+from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
+
+EDIT, PLUS, STEPS = "qwen-image-edit", "qwen-image-edit-plus", 2
+
+
+def call(height: int = 64, width: int = 64) -> dict:
+    return {"num_inference_steps": STEPS, "guidance_scale": 1.0, "true_cfg_scale": 4.0, "height": height, "width": width}
+
+
+# name: (model, layout, inputs: (batch, references, height, width), expected error or None)
+CASES = {
+    "edit-ulysses2-wide": (EDIT, {"ulysses_degree": 2}, (1, 1, 64, 128), None),
+    "plus-ring2-three": (PLUS, {"ring_degree": 2}, (1, 3, 64, 64), None),
+    "plus-dp2-batch": (PLUS, {"dp_degree": 2}, (2, 2, 64, 64), None),
+    "edit-no-image": (EDIT, {"ulysses_degree": 2}, (1, 0, 64, 64), "QwenImageEditPipeline edits reference images: send `image`"),
+    "edit-pipefusion": (EDIT, {"pipefusion_degree": 2}, (1, 1, 64, 64), "QwenImageEditPipeline has no PipeFusion yet"),
+    "plus-batch-on-one-rank": (PLUS, {"ulysses_degree": 2}, (2, 2, 64, 64),
+                               "samples one prompt per call and this batch of 2 gives 2 to a rank"),
+}
+
+
+def edit_inputs(model: str, batch: int, references: int, height: int, width: int, seed: int = 0) -> dict:
+    inputs = tiny_models.make_inputs(model, batch=batch, height=height, width=width, seed=seed)
+    if not references:
+        del inputs["image"]
+    elif references != len(inputs["image"]):
+        image = inputs["image"][:1]
+        inputs["image"] = torch.cat([image.roll(i, dims=-1) for i in range(references)])  # references that differ
+    return inputs
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dirs, tmp_path_factory):
+    work = tmp_path_factory.mktemp("qwen_edit")
+    specs = []
+    for name, (model, layout, (batch, references, height, width), _) in CASES.items():
+        inputs = work / f"{name}-in.safetensors"
+        save_file(edit_inputs(model, batch, references, height, width), inputs)
+        specs.append({"name": name, "model": str(tiny_model_dirs[model]), "inputs": str(inputs), "layout": layout,
+                      "output": str(work / f"{name}.safetensors"), "call": call(height, width)})
+    spec_file = work / "cases.json"
+    spec_file.write_text(json.dumps(specs))
+    run = torchrun(2, "tests/engine_cases.py", str(spec_file))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return {spec["name"]: spec for spec in specs}
+
+
+def _outcome(runs, name: str):
+    spec = runs[name]
+    errors = sorted(Path(spec["output"]).parent.glob(Path(spec["output"]).name + ".error*"))
+    return (None, "\n".join(p.read_text() for p in errors)) if errors else (load_file(spec["output"])["latents"], "")
+
+
+def _reference(runs, tiny_model_dirs, name: str, **changes):
+    model, _, (_, _, height, width), _ = CASES[name]
+    inputs = {**load_file(runs[name]["inputs"]), **changes}
+    return diffusers_latents(tiny_model_dirs[model], model, **inputs, **call(height, width))
+
+
+@pytest.mark.parametrize("name", [n for n, case in CASES.items() if case[3] is None])
+def test_edit_equals_diffusers(runs, tiny_model_dirs, name):
+    parallel, error = _outcome(runs, name)
+    assert parallel is not None, error[-2000:]
+    expected = _reference(runs, tiny_model_dirs, name)
+    assert parallel.shape == expected.shape
+    assert (parallel - expected).abs().max().item() <= TOLERANCE
+
+
+def test_the_result_follows_the_reference_image(runs, tiny_model_dirs):
+    parallel, error = _outcome(runs, "edit-ulysses2-wide")
+    assert parallel is not None, error[-2000:]
+    image = load_file(runs["edit-ulysses2-wide"]["inputs"])["image"]
+    other = _reference(runs, tiny_model_dirs, "edit-ulysses2-wide", image=1 - image)
+    assert (parallel - other).abs().max().item() > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("name", [n for n, case in CASES.items() if case[3] is not None])
+def test_what_cannot_run_is_refused_in_one_line(runs, name):
+    parallel, error = _outcome(runs, name)
+    assert parallel is None and CASES[name][3] in error, error[-2000:]
+
+
+def test_a_pool_takes_the_reference_images(tiny_model_dirs, tmp_path):
+    inputs = edit_inputs(PLUS, 1, 2, 64, 64, seed=3)
+    with serving(tiny_model_dirs[PLUS], tmp_path, "--nproc", "2", "--ulysses-degree", "2") as client:
+        latents = client.sample(inputs, {"steps": STEPS, "guidance_scale": 1.0, "height": 64, "width": 64,
+                                         "call": {"true_cfg_scale": 4.0}})
+    expected = diffusers_latents(tiny_model_dirs[PLUS], PLUS, **inputs, **call())
+    assert (latents - expected).abs().max().item() <= TOLERANCE
