@@ -1,6 +1,6 @@
-"""HunyuanVideo 1.5 text- and image-to-video (`HunyuanVideo15Pipeline`, `HunyuanVideo15ImageToVideoPipeline`): 5-D latents [B, 32, T', H/16, W/16], one token per
-latent pixel of each latent frame, Qwen2.5-VL text (an LLM hidden layer) and byT5 glyph text, CFG in the pipeline's
-guider.
+"""HunyuanVideo 1.5 text- and image-to-video (`HunyuanVideo15Pipeline`, `HunyuanVideo15ImageToVideoPipeline`): 5-D
+latents [B, 32, T', H/16, W/16], one token per latent pixel of each latent frame, Qwen2.5-VL text (an LLM hidden
+layer) and byT5 glyph text, CFG in the pipeline's guider.
 
 The transformer joins three text streams (LLM tokens, byT5 glyph tokens, and 729 vision tokens that text-to-video
 zeroes and masks) and orders each sample's valid tokens first, padding last; its joint attention then runs

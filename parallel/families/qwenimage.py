@@ -206,7 +206,7 @@ def tiny_text_encoder(seed: int, width: int, heads: int = 2, kv_heads: int = 1):
     return tokenizer, tm._seeded(seed, Qwen2_5_VLForConditionalGeneration, config)
 
 
-EDIT_VAE_SCALE = 32
+EDIT_VAE_SCALE = 32  # the tiny edit models' VAE factor (the real one's is 8)
 
 
 def build_tiny(seed: int, edit: str | None = None):
@@ -219,11 +219,11 @@ def build_tiny(seed: int, edit: str | None = None):
 
     transformer = tm._transformer(seed, QwenImageTransformer2DModel, patch_size=2, in_channels=64, out_channels=16,
                                   num_layers=tm.BLOCKS, joint_attention_dim=tm.T5_DIM, axes_dims_rope=(4, 6, 6))
-    # The edit pipelines encode every reference at about 1024² pixels: a ×32 VAE keeps that at 256 tokens here.
-    deeper = {} if edit is None else {"dim_mult": [1] * 6, "temperal_downsample": [False, True, True, False, False]}
-    assert edit is None or 2 ** (len(deeper["dim_mult"]) - 1) == EDIT_VAE_SCALE
-    vae = tm._seeded(seed + 3, AutoencoderKLQwenImage, base_dim=8, z_dim=16, num_res_blocks=1,
-                     **{"dim_mult": [1, 1, 1, 1], **deeper})
+    if edit is None:
+        vae = tm._seeded(seed + 3, AutoencoderKLQwenImage, base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
+    else:  # five downsamplings (EDIT_VAE_SCALE): the reference the pipeline encodes at ~1024² is 256 tokens
+        vae = tm._seeded(seed + 3, AutoencoderKLQwenImage, base_dim=8, z_dim=16, dim_mult=[1] * 6, num_res_blocks=1,
+                         temperal_downsample=[False, True, True, False, False])
     # Qwen-Image's own scheduler configuration (resolution-dependent exponential shift).
     scheduler = FlowMatchEulerDiscreteScheduler(
         base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0, shift_terminal=0.02,
