@@ -33,7 +33,7 @@ from pool_helpers import (PARAMS, free_endpoint, idle_client, pool_processes, re
 
 FAMILY = "flux"
 HANG_S = 10
-LONG_SIDE = 2560  # tiny Flux, 2 ranks: several seconds per step
+LONG_SIDE = 2048  # tiny Flux, 2 ranks: seconds per step, under a second per block (the cancel check interval)
 MAX_MP = 8.0
 JOB = {**PARAMS, "guidance_scale": 3.5}  # FLUX.1's distilled guidance
 LONG_JOB = {**JOB, "height": LONG_SIDE, "width": LONG_SIDE}
