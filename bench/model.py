@@ -117,10 +117,23 @@ def start_drive(spec: dict):
     model = MODELS[spec["model"]]
     pipeline = model.pipeline()
     inputs = {k: v for k, v in model.inputs(pipeline).items() if not k.startswith("negative")}
-    if torch.cuda.is_available():  # a GPU: its own rank's device, in bf16 (model.pipeline() stays as built)
-        pipeline.to("cuda", torch.bfloat16)
-        inputs = {k: v.to("cuda", torch.bfloat16) for k, v in inputs.items()}
+    inputs = on_gpu(pipeline, inputs)
     return world, model, pipeline, inputs, {**model.call_kwargs(true_cfg=False), "num_inference_steps": spec["steps"]}
+
+
+def on_gpu(pipeline, inputs: dict) -> dict:
+    """On a GPU: `pipeline` moved to this rank's device in bf16 and the inputs with it (returned); on a CPU
+    both stay as built, fp32."""
+    if not torch.cuda.is_available():
+        return inputs
+    pipeline.to("cuda", torch.bfloat16)
+    return {k: v.to("cuda", torch.bfloat16) for k, v in inputs.items()}
+
+
+def synchronize() -> None:
+    """Wait for the GPU's queued work, so that a clock read after it counts that work."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def launch_per_rank_count(module: str, spec: dict, json_out, nprocs=(1, 2)) -> dict[int, dict]:
@@ -156,8 +169,7 @@ def timed_rounds(pipelines: dict, inputs: dict, kwargs: dict, runs: int) -> tupl
             start = time.perf_counter()
             with torch.no_grad():
                 outputs[name] = pipelines[name](**inputs, **kwargs)[0]
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+            synchronize()
             elapsed = time.perf_counter() - start
             dist.barrier()
             if round_:
@@ -178,20 +190,23 @@ def alternating(sides: dict, runs: int) -> tuple[dict, dict]:
         for name in sides if round_ % 2 == 0 else list(sides)[::-1]:
             start = time.perf_counter()
             sides[name]()
+            synchronize()
             times[name].append(time.perf_counter() - start)
     return times, results
 
 
 @contextlib.contextmanager
 def one_rank_pool(pipeline):
-    """A pool of one rank (one thread) serving `pipeline` from a temporary folder, and a client of it."""
+    """A pool of one rank (one thread) serving `pipeline` from a temporary folder, and a client of it; on a
+    GPU the pool computes in bf16, as `on_gpu` puts the in-process side."""
     from workers.client import PoolClient
     from workers.endpoints import free_endpoint
     from workers.launcher import Pool, PoolSpec
 
     with tempfile.TemporaryDirectory() as tmp:
         pipeline.save_pretrained(tmp)
-        pool = Pool(PoolSpec(model=tmp, nproc=1, endpoint=free_endpoint(), threads_per_rank=1)).start()
+        pool = Pool(PoolSpec(model=tmp, nproc=1, endpoint=free_endpoint(), threads_per_rank=1,
+                             dtype="bf16" if torch.cuda.is_available() else None)).start()
         client = PoolClient(pool.spec.endpoint)
         try:
             yield client

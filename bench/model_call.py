@@ -1,6 +1,6 @@
 """Model-call cost: one xDiT Model call through a pool (1 rank) next to the same transformer call in-process.
 
-    python -m bench.model_call [--model medium|tiny] [--runs 20]
+    python -m bench.model_call [--model medium|tiny|large] [--runs 20]
 
 What ComfyUI's samplers pay per model evaluation on a pool: encoding the call, ZMQ to rank 0, the
 conditioning looked up by key, the work broadcast, the family's transformer call, the prediction back.
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from parallel.families.base import unpack_2x2
-from .model import MODELS, alternating, one_rank_pool
+from .model import MODELS, alternating, on_gpu, one_rank_pool
 
 OUT = Path(__file__).resolve().parent / "out"
 
@@ -40,19 +40,22 @@ def main(argv=None) -> int:
                     "guidance": torch.full((batch,), 3.5)}
     call = {"latents": latents, "sigma": sigma}
 
-    def in_process():  # FluxPipeline's loop body for one step
-        height, width = latents.shape[2:]
-        with torch.no_grad():
-            out = pipeline.transformer(
-                hidden_states=pipeline._pack_latents(latents, batch, latents.shape[1], height, width),
-                timestep=sigma, guidance=conditioning["guidance"], pooled_projections=conditioning["pooled_prompt_embeds"],
-                encoder_hidden_states=conditioning["prompt_embeds"],
-                txt_ids=torch.zeros(conditioning["prompt_embeds"].shape[1], 3),
-                img_ids=pipeline._prepare_latent_image_ids(batch, height // 2, width // 2, "cpu", latents.dtype),
-                return_dict=False)[0]
-        return unpack_2x2(out, model.height, model.width)
-
     with one_rank_pool(pipeline) as client:
+        local = on_gpu(pipeline, {**call, **conditioning})  # the pool was saved from the fp32 pipeline
+
+        def in_process():  # FluxPipeline's loop body for one step
+            x = local["latents"]
+            height, width = x.shape[2:]
+            with torch.no_grad():
+                out = pipeline.transformer(
+                    hidden_states=pipeline._pack_latents(x, batch, x.shape[1], height, width),
+                    timestep=local["sigma"], guidance=local["guidance"], pooled_projections=local["pooled_prompt_embeds"],
+                    encoder_hidden_states=local["prompt_embeds"],
+                    txt_ids=x.new_zeros(local["prompt_embeds"].shape[1], 3),
+                    img_ids=pipeline._prepare_latent_image_ids(batch, height // 2, width // 2, x.device, x.dtype),
+                    return_dict=False)[0]
+            return unpack_2x2(out, model.height, model.width).float().cpu()
+
         first = client.evaluate(call, conditioning)
         first_bytes = client.last_call_bytes
         sides = {"in-process": in_process, "pool": lambda: client.evaluate(call, conditioning)}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .model import MODELS, alternating, one_rank_pool
+from .model import MODELS, alternating, on_gpu, one_rank_pool
 
 OUT = Path(__file__).resolve().parent / "out"
 
@@ -36,11 +36,12 @@ def main(argv=None) -> int:
     kwargs = {**model.call_kwargs(true_cfg=False), "num_inference_steps": args.steps}
 
     with one_rank_pool(pipeline) as client:
+        local = on_gpu(pipeline, tensors)  # the pool was saved from the fp32 pipeline and computes as this one
         params = {"steps": args.steps, "guidance_scale": model.guidance_scale, "height": model.height, "width": model.width}
 
         def in_process():
             with torch.no_grad():
-                return pipeline(**tensors, **kwargs)[0]
+                return pipeline(**local, **kwargs)[0].float().cpu()
 
         sides = {
             "in-process": in_process,

@@ -169,3 +169,27 @@ def test_pipefusion_pools_refuse_model_calls(tiny_model_dirs, references, tmp_pa
             client.evaluate({"latents": inputs["latents"], "sigma": sigmas[:1]},
                             {"prompt_embeds": inputs["prompt_embeds"], "pooled_prompt_embeds": inputs["pooled_prompt_embeds"]})
         assert client.status()["state"] == "idle"
+
+
+def test_every_rank_keeps_the_conditioning_rank_0_leaves_out():
+    """RankConditioning: copies fed the same calls agree on what is held, so rank 0 sends a prompt once and
+    every rank fills it back in; evicted conditioning travels again; a rank that lost a copy fails loudly."""
+    from workers.conditioning import RankConditioning
+
+    prompts = [torch.randn(1, 4, 8) + i for i in range(3)]
+    rank0, rank1 = RankConditioning(max_entries=2), RankConditioning(max_entries=2)
+
+    def call(prompt):
+        keys, tensors = {"prompt_embeds": key_of(prompt)}, {"latents": torch.zeros(1, 2), "prompt_embeds": prompt}
+        sent = rank0.to_send(keys, tensors)
+        got = [copy.on_device(keys, sent, torch.device("cpu"), torch.float64) for copy in (rank0, rank1)]
+        for out in got:
+            assert out["prompt_embeds"].dtype == torch.float64 and torch.equal(out["prompt_embeds"], prompt.double())
+        return set(sent)
+
+    assert call(prompts[0]) == {"latents", "prompt_embeds"}  # new: it travels
+    assert call(prompts[0]) == {"latents"}  # held by every rank: left out
+    call(prompts[1]), call(prompts[2])  # two newer prompts evict the first (two entries at most)
+    assert call(prompts[0]) == {"latents", "prompt_embeds"}
+    with pytest.raises(RuntimeError, match="does not hold conditioning 'prompt_embeds'"):
+        RankConditioning().on_device({"prompt_embeds": key_of(prompts[0])}, {}, torch.device("cpu"), torch.float32)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .conditioning import RankConditioning
 from .engine import engine
 from .framing import check_spec, pack_header, tensor_specs, unpack_header
 from .memory import PeakMemory
@@ -67,12 +68,42 @@ def broadcast_work(work: Work | None, group: dist.ProcessGroup | None) -> Work:
 
 
 def preview_of(latents: torch.Tensor) -> torch.Tensor:
-    """A small copy of the first sample for live previews (image latents pooled to ≤ PREVIEW_SIDE)."""
-    sample = latents[:1].detach().float().cpu()
+    """A small copy of the first sample for live previews (image latents pooled to ≤ PREVIEW_SIDE), pooled
+    where the latents are; on a GPU its copy to the host is queued, not waited for (StepMessages)."""
+    sample = latents[:1].detach().float()
     if sample.ndim == 4 and max(sample.shape[-2:]) > PREVIEW_SIDE:
         factor = math.ceil(max(sample.shape[-2:]) / PREVIEW_SIDE)
         sample = F.avg_pool2d(sample, factor, ceil_mode=True)
-    return sample
+    if sample.device.type != "cuda":
+        return sample.cpu()
+    host = torch.empty(sample.shape, dtype=sample.dtype, pin_memory=True)
+    return host.copy_(sample, non_blocking=True)
+
+
+class StepMessages:
+    """Rank 0's step messages of one job. A message with a preview from a GPU goes out at the next step (or
+    at the job's end), once its queued copy is done: waiting for the copy at once would stall the GPU's queue
+    at every step (measured on an H100: +13 % step time for previews)."""
+
+    def __init__(self, send):
+        self.send, self.pending = send, None
+
+    def step(self, message: Message, latents: torch.Tensor | None) -> None:
+        self.flush()
+        if latents is not None:
+            message.tensors["preview"] = preview_of(latents)
+            if latents.device.type == "cuda":
+                self.pending = (message, torch.cuda.Event())
+                self.pending[1].record()
+                return
+        self.send(message)
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            message, copied = self.pending
+            self.pending = None
+            copied.synchronize()
+            self.send(message)
 
 
 class CancelPoints:
@@ -123,6 +154,8 @@ class JobRunner:
         self.rank = dist.get_rank()
         self.step = 0  # the running job's last finished step, for status
         self.call_every = 1  # model calls: blocks between cancel checks, agreed after each call
+        self.conditioning = RankConditioning()  # model calls: this rank's copy of their conditioning, by key
+        self._placed = None  # (transformer, its device, its dtype)
 
     def request(self, params: dict[str, Any]):
         """The job's SampleRequest, its call map checked against what this pipeline's family declares."""
@@ -148,12 +181,12 @@ class JobRunner:
     def run(self, work: Work, client: bytes | None, prepared: tuple[dict[str, Any], int, int] | None = None) -> torch.Tensor:
         """Sample `work`; `prepared`: what `prepare` returned for it on this rank, if it ran here."""
         request = self.request(work.params)
-        device = self.pipeline.module.transformer.device
-        dtype = self.pipeline.module.transformer.dtype
+        device, dtype = self._placement()
         inputs = {k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in work.tensors.items()}
         started = time.perf_counter()
         total = request.steps
         preview = work.params.get("preview", True)
+        messages = StepMessages(lambda message: self.server.send(client, message))
 
         self.step = 0
         points = CancelPoints(self._transformers(), lambda: self.server.is_cancelled(work.job), self.group, self.rank,
@@ -163,9 +196,8 @@ class JobRunner:
             self.step = index + 1
             cancelled = points.step_ended()
             if self.rank == 0 and not cancelled:
-                tensors = {"preview": preview_of(latents)} if preview else {}
                 info = {"index": index + 1, "total": total, "elapsed": time.perf_counter() - started}
-                self.server.send(client, Message("step", work.job, info, tensors))
+                messages.step(Message("step", work.job, info, {}), latents if preview else None)
             if cancelled:
                 raise JobCancelled(index + 1)
 
@@ -176,6 +208,7 @@ class JobRunner:
         try:
             latents = self.pipeline(**kwargs, output_type="latent", return_dict=False, step_callback=on_step,
                                     prepared=prepared)[0]
+            messages.flush()
             return self.pipeline.model_latents(latents) if work.params.get("model_latents") else latents
         except JobCancelled as cancelled:
             raise JobCancelled(self.step if cancelled.step < 0 else cancelled.step) from None
@@ -184,9 +217,7 @@ class JobRunner:
 
     def evaluate(self, work: Work) -> torch.Tensor:
         """One model call (model_call.py), cancellable between transformer blocks like a step."""
-        device = self.pipeline.module.transformer.device
-        dtype = self.pipeline.module.transformer.dtype
-        tensors = {k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in work.tensors.items()}
+        tensors = self.conditioning.on_device(work.params.get("conditioning", {}), work.tensors, *self._placement())
         points = CancelPoints(self._transformers(), lambda: self.server.is_cancelled(work.job), self.group, self.rank,
                               self.cancel_inside_steps)
         points.every = self.call_every
@@ -200,6 +231,14 @@ class JobRunner:
             raise JobCancelled(0) from None
         finally:
             points.close()
+
+    def _placement(self) -> tuple[torch.device, torch.dtype]:
+        """The transformer's device and compute dtype, looked up once per transformer: diffusers' own
+        `device` walks every module, a millisecond per model call."""
+        transformer = self.pipeline.module.transformer
+        if self._placed is None or self._placed[0] is not transformer:
+            self._placed = (transformer, transformer.device, transformer.dtype)
+        return self._placed[1], self._placed[2]
 
     def _transformers(self) -> list[torch.nn.Module]:
         return [getattr(t, "module", t) for name in ("transformer", "transformer_2")

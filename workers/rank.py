@@ -44,6 +44,7 @@ from .protocol import Message
 log = logging.getLogger("xdit.rank")
 VERDICT_TIMEOUT_S = 10.0
 PROBE_EVERY_S = 1.0
+CENSUS_EVERY_S = 1.0  # between model calls, the ranks gather their memory for the status at most this often
 HEALTH_TIMEOUT_S = 10.0  # a peer silent this long inside a probe or a verdict is lost
 WORLD_LOST_WAIT_S = 30.0
 HOST_BYTES = 64
@@ -85,6 +86,7 @@ class Rank:
         self.server = None
         self.jobs_done = args.jobs_done
         self.model_calls = 0  # single model calls answered (xDiT Model)
+        self.census_at = 0.0  # when the ranks last gathered their memory (_update_memory)
         self.conditioning = ConditioningCache()  # rank 0: what model calls sent, by key
         self.last_cache: dict | None = None  # the last job's step cache: method, full and cached model calls
         self.memory: list[dict] = []
@@ -203,6 +205,7 @@ class Rank:
         return [int(x) for part in parts for x in part]
 
     def _update_memory(self) -> None:
+        self.census_at = time.monotonic()
         transformer = self.pipeline.module.transformer.module
         self.storage = engine("checkpoints.fp8").storage_of(transformer)  # e.g. float8_e4m3fn + bfloat16 bytes
         own = memory_of_this_rank(transformer)
@@ -323,7 +326,11 @@ class Rank:
                     self._encode(job)
                     continue
                 elif job.message.type == "evaluate":  # its tensors: the conditioning filled in at submit
-                    work, client = Work("evaluate", job.id, job.message.params, job.prepared), job.client
+                    params = job.message.params
+                    # the ranks' memory census (a collective) at most once a second, not after every call
+                    census = time.monotonic() - self.census_at >= CENSUS_EVERY_S
+                    tensors = self.runner.conditioning.to_send(params.get("conditioning", {}), job.prepared)
+                    work, client = Work("evaluate", job.id, {**params, "census": census}, tensors), job.client
                 else:
                     kind = "decode" if job.message.type == "decode" else "sample"
                     work = Work(kind, job.id, job.message.params, job.message.tensors)
@@ -399,6 +406,8 @@ class Rank:
                     self.server.send(client, reply)
                 self.server.job_finished()
                 self.control.send("job_ended", job=work.job, jobs_done=self.jobs_done)
+        if work.kind == "evaluate" and not work.params.get("census"):
+            return
         try:
             self._update_memory()
         except Exception as error:  # noqa: BLE001 - a peer is gone
