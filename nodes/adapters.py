@@ -27,8 +27,10 @@ class ConditioningError(ValueError):
 class FamilyAdapter:
     """ComfyUI ↔ one diffusers pipeline class."""
 
-    def __init__(self, pipeline: str, data: ComfyData, tensor_inputs: tuple[str, ...], call_parameters: tuple[str, ...] = ()):
+    def __init__(self, pipeline: str, data: ComfyData, tensor_inputs: tuple[str, ...], call_parameters: tuple[str, ...] = (),
+                 shared_inputs: tuple[str, ...] = ()):
         self.name, self.data, self.tensor_inputs, self.call_parameters = pipeline, data, tensor_inputs, call_parameters
+        self.shared_inputs = shared_inputs  # inputs every sample of the batch shares (not repeated per sample)
 
     # -- latents ------------------------------------------------------------------------------------
     def format_name(self, channels: int) -> str:
@@ -88,9 +90,14 @@ class FamilyAdapter:
         return size
 
     def to_model(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.noise_to_model(self._model_space(latents))
+
+    def _model_space(self, latents: torch.Tensor) -> torch.Tensor:
+        """Image latents [B, C, h, w] (or one frame, [B, C, 1, h, w]) from ComfyUI's VAE space to the model's."""
+        latents = self.comfy_latent(latents)
         if self._one_frame(latents.shape[1]):
-            return self.noise_to_model(self.latent_format(latents.shape[1]).process_in(latents[:, :, None])[:, :, 0])
-        return self.noise_to_model(self.latent_format(latents.shape[1]).process_in(latents))
+            return self.latent_format(latents.shape[1]).process_in(latents[:, :, None])[:, :, 0]
+        return self.latent_format(latents.shape[1]).process_in(latents)
 
     def noise_to_model(self, noise: torch.Tensor) -> torch.Tensor:
         return pack_2x2(noise) if self.data.packed else noise
@@ -141,8 +148,11 @@ class FamilyAdapter:
                     tensors[f"{prefix}{key[len(XDIT_TEXT):]}"] = _repeat(value, batch)
             if not prefix and self.data.guidance_in_conditioning and "guidance" in extras:
                 guidance = float(extras["guidance"])
-            if not prefix and self.data.reference_latents and extras.get("reference_latents"):
-                tensors[self.data.reference_latents] = _repeat(self._reference(extras["reference_latents"]), batch)
+            if not prefix and self.data.reference_latents:
+                reference = self._reference(extras.get("reference_latents") or [])
+                if reference is not None:
+                    name = self.data.reference_latents
+                    tensors[name] = reference if name in self.shared_inputs else _repeat(reference, batch)
             if not prefix and self.data.concat_latents:
                 tensors[self.data.concat_latents] = _repeat(self._start_image(extras), batch)
             if not prefix and self.data.clip_vision in widths:
@@ -166,15 +176,25 @@ class FamilyAdapter:
                                     "and its guidance with FluxGuidance on the positive conditioning")
         return guidance, ({"true_cfg_scale": cfg} if use_negative else {})
 
-    def _reference(self, latents: list[torch.Tensor]) -> torch.Tensor:
-        """ReferenceLatent's VAE-space latents in model space (the pipeline packs them itself). Without
-        one the edit model samples from the text alone, as ComfyUI's own Kontext does."""
-        if len(latents) > 1:
+    def _reference(self, latents: list[torch.Tensor]) -> torch.Tensor | None:
+        """ReferenceLatent's VAE-space latents in model space, one tensor (the pipeline packs them itself). Without
+        one an edit model that can samples from the text alone, as ComfyUI's own Kontext does."""
+        if not latents:
+            if self.data.reference_required:
+                raise ConditioningError(f"{self.name} edits a reference image and the positive conditioning has none: "
+                                        "add ComfyUI's ReferenceLatent (a VAEEncode of the image) to it, or encode with "
+                                        "TextEncodeQwenImageEdit given the vae and the image")
+            return None
+        if self.data.references and len(latents) > self.data.references:
             raise ConditioningError(
                 f"{self.name} takes one reference image but the conditioning has {len(latents)}; "
                 "chain one ReferenceLatent node only"
             )
-        return self.latent_format(latents[0].shape[1]).process_in(latents[0].float())
+        latents = [self._model_space(latent.float()) for latent in latents]
+        if len({tuple(latent.shape) for latent in latents}) > 1:
+            raise ConditioningError(f"{self.name}'s reference images must share one size; these have "
+                                    f"{[list(latent.shape[-2:]) for latent in latents]} latent pixels: scale them alike")
+        return torch.cat(latents)
 
     def _start_image(self, extras: dict) -> torch.Tensor:
         """WanImageToVideo's encoding of [start image, gray frames] (VAE space; the pipeline normalises it)."""
@@ -237,4 +257,5 @@ def adapter_for(pipeline: str) -> FamilyAdapter:
         wrapper = FAMILIES.pipeline_wrapper(pipeline)
     except ValueError as error:
         raise ValueError(f"xDiT Sampler has no adapter for {pipeline}: {error}") from None
-    return FamilyAdapter(pipeline, wrapper.comfy, wrapper.all_tensor_inputs(), tuple(wrapper.call_parameters))
+    return FamilyAdapter(pipeline, wrapper.comfy, wrapper.all_tensor_inputs(), tuple(wrapper.call_parameters),
+                         tuple(wrapper.shared_inputs))

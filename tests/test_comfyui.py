@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 from diffusers import DiffusionPipeline
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from xdit_test_helpers import ROOT, TOLERANCE, diffusers_latents
 
@@ -265,3 +265,68 @@ def test_xdit_cache_node_samples_like_diffusers_with_the_same_hook(comfy, tiny_m
     assert (latent - expected).abs().max().item() <= TOLERANCE
     assert (latent - reference(tiny_model_dirs["flux"], "flux", steps=20)).abs().max().item() > 100 * TOLERANCE
     assert "xDiT Sampler: first-block cache (threshold 0.42):" in comfy.log.read_text()
+
+
+QWEN_EDIT = "tiny-qwen-image-edit-comfy"
+
+
+@pytest.fixture(scope="module")
+def qwen_edit_model(comfy):
+    """A Qwen-Image-Edit folder on the tiny Qwen-Image's parts, so its VAE is ×8 as ComfyUI's latents are (the
+    built-in tiny edit models' ×32 VAE fits pixel references encoded at ~1024², not ComfyUI's latents)."""
+    from diffusers import QwenImageEditPipeline
+
+    from parallel import tiny_models
+
+    parts = tiny_models.build_tiny_pipeline("qwen-image", seed=6).components
+    folder = comfy.work / "models" / "diffusers" / QWEN_EDIT
+    QwenImageEditPipeline(**parts, processor=None).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def _qwen_edit_reference(model_dir, vae_space: torch.Tensor, steps=4, size=64, seed=7) -> torch.Tensor:
+    """diffusers' Qwen-Image-Edit in one process on the same prompts (Qwen-Image's text template, as xDiT Text
+    Encode and ComfyUI's TextEncodeQwenImageEdit without an image encode them), ComfyUI's noise, and the
+    reference given as latents; in ComfyUI's latent space."""
+    from diffusers import QwenImagePipeline
+
+    from xdit_test_helpers import diffusers_with_reference_latents, load_pipeline_folder
+
+    pipeline = load_pipeline_folder(model_dir)
+    text = QwenImagePipeline(**{k: getattr(pipeline, k) for k in ("scheduler", "vae", "text_encoder", "tokenizer", "transformer")})
+    embeds, _ = text.encode_prompt("a cat on a mat", device="cpu")
+    negative, _ = text.encode_prompt("blurry", device="cpu")
+    config = pipeline.vae.config
+    mean, std = (torch.tensor(v).view(1, -1, 1, 1) for v in (config.latents_mean, config.latents_std))
+    noise = torch.randn((1, 16, size // 8, size // 8), generator=torch.manual_seed(seed))
+    latents = diffusers_with_reference_latents(
+        model_dir, "qwen-image-edit", (vae_space - mean) / std, prompt_embeds=embeds, negative_prompt_embeds=negative,
+        true_cfg_scale=FAMILIES["qwen-image"][1], latents=pipeline._pack_latents(noise, 1, 16, size // 8, size // 8),
+        num_inference_steps=steps, height=size, width=size)
+    latents = pipeline._unpack_latents(latents, size, size, 8)
+    return latents * std[:, :, None] + mean[:, :, None]
+
+
+def test_qwen_image_edit_with_reference_latent_equals_diffusers(comfy, qwen_edit_model):
+    """xDiT Text Encode → ReferenceLatent (a 48 × 80 px reference's latents, LoadLatent) → xDiT Sampler on a
+    Qwen-Image-Edit pool (Ulysses 2: the reference tokens sharded with the noisy ones) equals diffusers; another
+    reference misses by far more; without a reference the sampler says which node gives one."""
+    vae_space = torch.randn((1, 16, 6, 10), generator=torch.Generator().manual_seed(3))
+    save_file({"latent_tensor": vae_space, "latent_format_version_0": torch.tensor([])},
+              comfy.work / "output" / "qwen-edit-ref.latent")
+    graph = workflow("qwen-image", prefix="edit")
+    graph["1"]["inputs"]["model"] = QWEN_EDIT
+    graph["8"] = {"class_type": "LoadLatent", "inputs": {"latent": "qwen-edit-ref.latent [output]"}}
+    graph["9"] = {"class_type": "ReferenceLatent", "inputs": {"conditioning": ["2", 0], "latent": ["8", 0]}}
+    graph["5"]["inputs"]["positive"] = ["9", 0]
+    entry = comfy.wait(comfy.queue(graph))
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+    expected = _qwen_edit_reference(qwen_edit_model, vae_space)
+    latent = saved_latent(comfy, entry)
+    assert latent.shape == expected.shape == (1, 16, 1, 8, 8)
+    assert (latent - expected).abs().max().item() <= TOLERANCE
+    assert (_qwen_edit_reference(qwen_edit_model, -vae_space) - expected).abs().max().item() > 100 * TOLERANCE
+
+    del graph["9"], graph["8"]
+    graph["5"]["inputs"]["positive"] = ["2", 0]
+    assert "add ComfyUI's ReferenceLatent" in _node_error(comfy, graph)

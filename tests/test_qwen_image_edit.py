@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from parallel import tiny_models
 
 from pool_helpers import serving
-from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
+from xdit_test_helpers import TOLERANCE, diffusers_latents, diffusers_with_reference_latents, torchrun
 
 EDIT, PLUS, STEPS = "qwen-image-edit", "qwen-image-edit-plus", 2
 
@@ -37,16 +37,23 @@ CASES = {
     "edit-ulysses2-wide": (EDIT, {"ulysses_degree": 2}, (1, 1, 64, 128), None),
     "plus-ring2-three": (PLUS, {"ring_degree": 2}, (1, 3, 64, 64), None),
     "plus-dp2-batch": (PLUS, {"dp_degree": 2}, (2, 2, 64, 64), None),
-    "edit-no-image": (EDIT, {"ulysses_degree": 2}, (1, 0, 64, 64), "QwenImageEditPipeline edits reference images: send `image`"),
+    # references as model-space latents (ComfyUI's ReferenceLatent): 48 × 80 pixels, 6 × 10 latent pixels, 15 tokens
+    "edit-latents-ulysses2": (EDIT, {"ulysses_degree": 2}, (1, (1, 16, 6, 10), 64, 64), None),
+    "plus-latents-ring2": (PLUS, {"ring_degree": 2}, (1, (2, 16, 6, 10), 64, 64), None),
+    "edit-latents-odd": (EDIT, {"ulysses_degree": 2}, (1, (1, 16, 5, 10), 64, 64),
+                         "reference latents of 5x10 do not pack into 2x2 tokens"),
+    "edit-no-image": (EDIT, {"ulysses_degree": 2}, (1, 0, 64, 64), "QwenImageEditPipeline edits reference images: send `image`, [1, 3, H, W] pixels"),
     "edit-pipefusion": (EDIT, {"pipefusion_degree": 2}, (1, 1, 64, 64), "QwenImageEditPipeline has no PipeFusion yet"),
     "plus-batch-on-one-rank": (PLUS, {"ulysses_degree": 2}, (2, 2, 64, 64),
                                "samples one prompt per call and this batch of 2 gives 2 to a rank"),
 }
 
 
-def edit_inputs(model: str, batch: int, references: int, height: int, width: int, seed: int = 0) -> dict:
+def edit_inputs(model: str, batch: int, references: int | tuple, height: int, width: int, seed: int = 0) -> dict:
     inputs = tiny_models.make_inputs(model, batch=batch, height=height, width=width, seed=seed)
-    if not references:
+    if isinstance(references, tuple):  # the references' latents of this shape
+        inputs["image"] = torch.randn(references, generator=torch.Generator().manual_seed(seed + 7))
+    elif not references:
         del inputs["image"]
     elif references != len(inputs["image"]):
         image = inputs["image"][:1]
@@ -77,8 +84,11 @@ def _outcome(runs, name: str):
 
 
 def _reference(runs, tiny_model_dirs, name: str, **changes):
-    model, _, (_, _, height, width), _ = CASES[name]
+    model, _, (_, references, height, width), _ = CASES[name]
     inputs = {**load_file(runs[name]["inputs"]), **changes}
+    if isinstance(references, tuple):
+        return diffusers_with_reference_latents(tiny_model_dirs[model], model, inputs.pop("image"), **inputs,
+                                                **call(height, width))
     return diffusers_latents(tiny_model_dirs[model], model, **inputs, **call(height, width))
 
 
@@ -91,11 +101,12 @@ def test_edit_equals_diffusers(runs, tiny_model_dirs, name):
     assert (parallel - expected).abs().max().item() <= TOLERANCE
 
 
-def test_the_result_follows_the_reference_image(runs, tiny_model_dirs):
-    parallel, error = _outcome(runs, "edit-ulysses2-wide")
+@pytest.mark.parametrize("name", ["edit-ulysses2-wide", "edit-latents-ulysses2"])
+def test_the_result_follows_the_reference_image(runs, tiny_model_dirs, name):
+    parallel, error = _outcome(runs, name)
     assert parallel is not None, error[-2000:]
-    image = load_file(runs["edit-ulysses2-wide"]["inputs"])["image"]
-    other = _reference(runs, tiny_model_dirs, "edit-ulysses2-wide", image=1 - image)
+    image = load_file(runs[name]["inputs"])["image"]
+    other = _reference(runs, tiny_model_dirs, name, image=1 - image if image.shape[1] == 3 else -image)
     assert (parallel - other).abs().max().item() > 100 * TOLERANCE
 
 

@@ -52,6 +52,39 @@ def diffusers_latents(model, family: str | None = None, *, scheduler: str | None
                         output_type="latent", return_dict=False)[0]
 
 
+def diffusers_with_reference_latents(model, family: str, references, **call):
+    """diffusers_latents of a Qwen-Image-Edit pipeline whose references are given as model-space latents
+    [N, 16, h, w] (ComfyUI's ReferenceLatent), which diffusers' pipelines cannot take: its VAE "encodes" stand-in
+    pictures of their size to them in the VAE's own space (the pipeline normalises them itself) and its sizing
+    keeps that size instead of ~1024²."""
+    import sys
+    import types
+    from unittest import mock
+
+    import PIL.Image
+    import torch
+
+    pipeline = load_pipeline_folder(model)
+    config = pipeline.vae.config
+    mean, std = (torch.tensor(v).view(1, -1, 1, 1, 1) for v in (config.latents_mean, config.latents_std))
+    encoded = iter((references.unsqueeze(2) * std + mean).split(1))
+    size = (references.shape[3] * pipeline.vae_scale_factor, references.shape[2] * pipeline.vae_scale_factor)
+    module = sys.modules[type(pipeline).__module__]
+    sizing = module.calculate_dimensions
+
+    def reference_size(area, ratio):
+        out = sizing(area, ratio)
+        return (*size, *out[2:]) if area == 1024 * 1024 else out
+
+    def encode(image, *args, **kwargs):
+        return types.SimpleNamespace(latent_dist=types.SimpleNamespace(mode=lambda: next(encoded).to(image)))
+
+    stand_ins = [PIL.Image.new("RGB", size)] * references.shape[0]
+    image = stand_ins if "Plus" in type(pipeline).__name__ else stand_ins[0]
+    with mock.patch.object(module, "calculate_dimensions", reference_size), mock.patch.object(pipeline.vae, "encode", encode):
+        return diffusers_latents(pipeline, family, image=image, **call)
+
+
 def load_pipeline_folder(model):
     """DiffusionPipeline.from_pretrained, with the parts a folder saved as none (the tiny Qwen-Image-Edit models'
     processor, which needs torchvision) given as none, as diffusers wants them."""

@@ -9,6 +9,8 @@ process does) never imports diffusers.
 
 from __future__ import annotations
 
+import contextlib
+
 import re
 
 from dataclasses import dataclass, field
@@ -74,6 +76,8 @@ class ComfyData:
     reference_latents: the tensor input that takes the positive conditioning's `reference_latents`
                     (ComfyUI's ReferenceLatent) as model-space latents [B, C, h, w], when the conditioning
                     has one (without, the edit model samples from text alone); "": the model takes none.
+    references:     how many reference images it takes at most (0: any number, given as one tensor, one size).
+    reference_required: a conditioning without reference_latents is refused (the model edits, it cannot only draw).
     concat_latents: the tensor input that takes the positive conditioning's `concat_latent_image` (ComfyUI's
                     WanImageToVideo: its VAE's encoding of the start image and the frames after it), in the
                     VAE's own space; "": the model takes none.
@@ -100,6 +104,8 @@ class ComfyData:
     expects: str = ""
     empty_latent: str = "an empty latent node made for this model"
     reference_latents: str = ""
+    references: int = 1
+    reference_required: bool = False
     concat_latents: str = ""
     clip_vision: str = ""
     model_class: str = ""
@@ -214,6 +220,20 @@ def pack_2x2(latents: torch.Tensor) -> torch.Tensor:
     """[B, C, H, W] → [B, H/2·W/2, 4C]: 2×2 latent pixels per token, as packing pipelines (Flux) take them."""
     b, c, h, w = latents.shape
     return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+@contextlib.contextmanager
+def replaced(owner, name: str, value):
+    """`owner.name` is `value` inside the block (a module's function, or an instance's method)."""
+    had, old = name in vars(owner), getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(owner, name, old)
+        else:
+            delattr(owner, name)
 
 
 def pictures(images: torch.Tensor) -> list:

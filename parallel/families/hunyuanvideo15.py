@@ -31,8 +31,8 @@ from ..call_parameters import CallParameter
 from ..config import LayoutError
 from ..model_executor.attention import TextLayout
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split, TextPadding, TokenRows
-from .base import FAMILIES, ComfyData, DeclaredLatentFormat, Family, TinyModel, pictures
-from .wan import _answered, xFuserWanPipeline
+from .base import FAMILIES, ComfyData, DeclaredLatentFormat, Family, TinyModel, pictures, replaced
+from .wan import xFuserWanPipeline
 
 DEFAULT_FRAMES = 121  # HunyuanVideo15Pipeline.__call__'s default num_frames
 MASKS = {"prompt_embeds": "prompt_embeds_mask", "negative_prompt_embeds": "negative_prompt_embeds_mask",
@@ -175,7 +175,7 @@ class xFuserHunyuanVideo15ImageToVideoPipeline(xFuserHunyuanVideo15Pipeline):
         height, width = kwargs.pop("height"), kwargs.pop("width")  # the pipeline sizes the video from its image
         kwargs["image"] = pictures(kwargs["image"])[0]
         stack = contextlib.ExitStack()
-        stack.enter_context(_answered(self.module.video_processor, "calculate_default_height_width",
+        stack.enter_context(replaced(self.module.video_processor, "calculate_default_height_width",
                                       lambda **_: (height, width)))
         stack.enter_context(super().call_context(kwargs))
         return stack

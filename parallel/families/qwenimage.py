@@ -25,6 +25,7 @@ Its attention layers are diffusers' shared `Attention` class with a processor th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from typing import Any
 
@@ -37,7 +38,7 @@ from ..config import LayoutError
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split, TokenRows
-from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant, pack_2x2, pictures, unpack_2x2
+from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant, pack_2x2, pictures, replaced, unpack_2x2
 
 MASKS = {"prompt_embeds": "prompt_embeds_mask", "negative_prompt_embeds": "negative_prompt_embeds_mask"}
 
@@ -113,58 +114,103 @@ class xFuserQwenImagePipeline(xFuserPipelineBaseWrapper):
 
 
 class xFuserQwenImageEditPipeline(xFuserQwenImagePipeline):
-    """Qwen-Image-Edit and Edit Plus: `image`, the reference images, [N, 3, H, W] in [0, 1] (Edit: one; Plus: one
-    or several, every prompt edits them all). The pipelines take PIL images only and encode each reference at
-    about 1024² pixels of its aspect ratio (`calculate_dimensions`), whatever the output's size; the output is the
-    requested height × width. The images go in as the 8-bit pictures they are."""
+    """Qwen-Image-Edit: `image`, the reference image, either its pixels [1, 3, H, W] in [0, 1] or its latents in
+    model space [1, 16, h, w] (ComfyUI's ReferenceLatent; h and w even). The pipelines take PIL images only and
+    encode each reference at about 1024² pixels of its aspect ratio (`calculate_dimensions`), whatever the output's
+    size; pixels go in as the 8-bit pictures they are, latents at their own size (the pipeline's sizing and VAE
+    encode answered with them). The output is the requested height × width."""
 
+    comfy = dataclasses.replace(
+        xFuserQwenImagePipeline.comfy, reference_latents="image", reference_required=True,
+        expects="encode with xDiT Text Encode on this pool, or ComfyUI's TextEncodeQwenImageEdit (Qwen2.5-VL 7B, "
+                "3584 wide), and give the reference image with ReferenceLatent or TextEncodeQwenImageEdit's vae and image")
     tensor_inputs = xFuserQwenImagePipeline.tensor_inputs + ("image",)
     shared_inputs = ("image",)  # every prompt edits every reference
     model_call_inputs = model_call_required = ()  # single model calls would need the reference tokens too: none yet
     no_pipefusion = "its patches would have to cut the reference tokens too"
     REFERENCE_AREA = 1024 * 1024  # the pipelines' VAE_IMAGE_SIZE
 
-    def _several(self) -> bool:
-        return "Plus" in type(self.module).__name__
+    def _latent_references(self, image: torch.Tensor) -> bool:
+        return image.shape[1] == self.module.vae.config.z_dim
 
     def reference_tokens(self, image: torch.Tensor | None) -> int:
         """Tokens the references add: each at the size the pipeline encodes it, in 2×2 latent patches."""
         if not isinstance(image, torch.Tensor) or image.ndim != 4:
             return 0  # none, or not images: check_inputs says so
-        calculate = inspect.getmodule(type(self.module)).calculate_dimensions  # the pipeline's own sizing
-        width, height = calculate(self.REFERENCE_AREA, image.shape[3] / image.shape[2])[:2]
+        if self._latent_references(image):
+            return image.shape[0] * (image.shape[2] // self.latent_patch) * (image.shape[3] // self.latent_patch)
+        width, height = self._sizing()(self.REFERENCE_AREA, image.shape[3] / image.shape[2])[:2]
         scale = self.module.vae_scale_factor * self.latent_patch
         return image.shape[0] * (height // scale) * (width // scale)
+
+    def _sizing(self):
+        return inspect.getmodule(type(self.module)).calculate_dimensions  # the pipeline's own
 
     def sequence_tokens(self, kwargs: dict[str, Any]) -> int:
         return super().sequence_tokens(kwargs) + self.reference_tokens(kwargs.get("image"))
 
     def check_inputs(self, kwargs: dict[str, Any], batch: int) -> None:
-        image, name = kwargs.get("image"), type(self.module).__name__
-        count = "[N, 3, H, W]" if self._several() else "[1, 3, H, W]"
+        image, name, several = kwargs.get("image"), type(self.module).__name__, self.comfy.references != 1
+        count = "N" if several else "1"
+        channels = self.module.vae.config.z_dim
+        takes = f"[{count}, 3, H, W] pixels in [0, 1] or [{count}, {channels}, h, w] latents"
         if image is None:
-            raise ValueError(f"{name} edits reference images: send `image`, {count} in [0, 1]")
-        if not isinstance(image, torch.Tensor) or image.ndim != 4 or image.shape[1] != 3 or (
-                not self._several() and image.shape[0] != 1):
-            raise ValueError(f"image has shape {list(getattr(image, 'shape', []))}; {name} takes RGB reference images, "
-                             f"{count} in [0, 1]" + ("" if self._several() else " (several: QwenImageEditPlusPipeline)"))
+            raise ValueError(f"{name} edits reference images: send `image`, {takes}")
+        if not isinstance(image, torch.Tensor) or image.ndim != 4 or image.shape[1] not in (3, channels) or (
+                not several and image.shape[0] != 1):
+            raise ValueError(f"image has shape {list(getattr(image, 'shape', []))}; {name} takes reference images, "
+                             f"{takes}" + ("" if several else " (several: QwenImageEditPlusPipeline)"))
+        if self._latent_references(image) and (image.shape[2] % self.latent_patch or image.shape[3] % self.latent_patch):
+            raise ValueError(f"reference latents of {image.shape[2]}x{image.shape[3]} do not pack into 2x2 tokens; "
+                             "crop or resize the reference image to a multiple of 16 pixels")
         super().check_inputs(kwargs, batch)
 
     def check_layout(self, kwargs: dict[str, Any], batch: int) -> int:
         dp = self.parallel_config.dp_degree
-        if self._several() and -(-batch // dp) > 1:
+        if self.comfy.references != 1 and -(-batch // dp) > 1:
             raise LayoutError(f"QwenImageEditPlusPipeline samples one prompt per call and this batch of {batch} gives "
                               f"{-(-batch // dp)} to a rank: use a data-parallel degree of {batch}, or one prompt per job")
         return super().check_layout(kwargs, batch)
 
     def encode_text(self, prompt: str) -> dict[str, torch.Tensor]:
-        raise ValueError("Qwen-Image-Edit encodes the prompt together with the reference image (Qwen2.5-VL sees "
-                         "both): send prompt_embeds from the pipeline's encode_prompt(prompt, image)")
+        """The prompt alone, in Qwen-Image's text template: what ComfyUI's TextEncodeQwenImageEdit encodes without an
+        image (the reference then comes as latents, ReferenceLatent's way)."""
+        from diffusers import QwenImagePipeline
+
+        parts = {name: getattr(self.module, name) for name in ("scheduler", "vae", "text_encoder", "tokenizer", "transformer")}
+        embeds, mask = QwenImagePipeline(**parts).encode_prompt(prompt, device=self.module.transformer.device)
+        return {"prompt_embeds": embeds} if mask is None else {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
 
     def call_context(self, kwargs: dict[str, Any]):
-        images = pictures(kwargs["image"])
-        kwargs["image"] = images if self._several() else images[0]
-        return contextlib.nullcontext()
+        image = kwargs["image"]
+        several = self.comfy.references != 1
+        if not self._latent_references(image):
+            images = pictures(image)
+            kwargs["image"] = images if several else images[0]
+            return contextlib.nullcontext()
+        # Latents: stand-in pictures of their size, which the pipeline sizes, resizes and "encodes" to them.
+        scale = self.module.vae_scale_factor
+        height, width = image.shape[2] * scale, image.shape[3] * scale
+        stand_ins = pictures(image.new_zeros(image.shape[0], 3, height, width))
+        kwargs["image"] = stand_ins if several else stand_ins[0]
+        module, sizing = inspect.getmodule(type(self.module)), self._sizing()
+
+        def reference_size(area, ratio):  # the VAE's size answered; the text encoder's (Plus: 384²) its own
+            size = sizing(area, ratio)
+            return (width, height, *size[2:]) if area == self.REFERENCE_AREA else size
+
+        latents = iter(image.unsqueeze(2).split(1))  # [1, C, 1, h, w] each, in the order the pipeline encodes
+        stack = contextlib.ExitStack()
+        stack.enter_context(replaced(module, "calculate_dimensions", reference_size))
+        stack.enter_context(replaced(self.module, "_encode_vae_image", lambda image, generator: next(latents).to(image)))
+        return stack
+
+
+class xFuserQwenImageEditPlusPipeline(xFuserQwenImageEditPipeline):
+    """Qwen-Image-Edit Plus: the same with one or several references, [N, 3, H, W] or [N, 16, h, w] (one size for all),
+    every prompt editing them all."""
+
+    comfy = dataclasses.replace(xFuserQwenImageEditPipeline.comfy, references=0)
 
 
 # -- single-file checkpoints: diffusers' own names -----------------------------------------------------------
@@ -262,7 +308,7 @@ def tiny_edit_inputs(references: int, **kwargs) -> dict:
 QWEN_IMAGE = FAMILIES.register(Family(
     name="qwen-image",
     pipelines={"QwenImagePipeline": xFuserQwenImagePipeline, "QwenImageEditPipeline": xFuserQwenImageEditPipeline,
-               "QwenImageEditPlusPipeline": xFuserQwenImageEditPipeline},
+               "QwenImageEditPlusPipeline": xFuserQwenImageEditPlusPipeline},
     transformer="QwenImageTransformer2DModel",
     plan=ParallelPlan(
         inputs={"": {"hidden_states": Split(dim=1, expected_dims=3)}},

@@ -41,7 +41,7 @@ from ..config import LayoutError
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split, TokenRows
-from .base import FAMILIES, ComfyData, ExpertPair, Family, SingleFile, TinyModel, Variant, VaeFile
+from .base import FAMILIES, ComfyData, ExpertPair, Family, SingleFile, TinyModel, Variant, VaeFile, replaced
 
 DEFAULT_FRAMES = 81  # WanPipeline.__call__'s default num_frames
 PROMPT_TOKENS = 512  # WanPipeline.__call__'s max_sequence_length: what a text prompt is padded to
@@ -189,17 +189,8 @@ class xFuserWanImageToVideoPipeline(xFuserWanPipeline):
         if given is not None:
             stack.enter_context(_encoded_as(self.module.vae, given))
         if embeds is not None:
-            stack.enter_context(_answered(self.module, "encode_image", lambda *args, **kwargs: embeds))
+            stack.enter_context(replaced(self.module, "encode_image", lambda *args, **kwargs: embeds))
         return stack
-
-
-@contextlib.contextmanager
-def _answered(owner, name: str, answer):
-    setattr(owner, name, answer)
-    try:
-        yield
-    finally:
-        delattr(owner, name)
 
 
 def _encoded_as(vae, latents: torch.Tensor):
@@ -207,7 +198,7 @@ def _encoded_as(vae, latents: torch.Tensor):
     def encode(video, *args, **kwargs):
         return types.SimpleNamespace(latent_dist=types.SimpleNamespace(mode=lambda: latents.to(dtype=video.dtype)))
 
-    return _answered(vae, "encode", encode)
+    return replaced(vae, "encode", encode)
 
 
 # -- tiny built-in models --------------------------------------------------------------------------------
