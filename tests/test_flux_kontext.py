@@ -35,7 +35,7 @@ LAYOUTS = {  # name: (nproc, layout)
 }
 REFUSED = {  # name: (nproc, layout, error)
     "pp2": (2, {"pipefusion_degree": 2, "warmup_steps": STEPS},
-            "31 tokens (15 of them the reference image's) do not split into 2 PipeFusion patches"),
+            "31 tokens (15 of them the reference images') do not split into 2 PipeFusion patches"),
     "pp2-even-cfg-stale": (2, {"pipefusion_degree": 2, "warmup_steps": 1},
                            "PipeFusion after warm-up with true CFG on FluxKontextPipeline would mix"),
 }

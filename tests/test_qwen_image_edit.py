@@ -43,7 +43,12 @@ CASES = {
     "edit-latents-odd": (EDIT, {"ulysses_degree": 2}, (1, (1, 16, 5, 10), 64, 64),
                          "reference latents of 5x10 do not pack into 2x2 tokens"),
     "edit-no-image": (EDIT, {"ulysses_degree": 2}, (1, 0, 64, 64), "QwenImageEditPipeline edits reference images: send `image`, [1, 3, H, W] pixels"),
-    "edit-pipefusion": (EDIT, {"pipefusion_degree": 2}, (1, 1, 64, 64), "QwenImageEditPipeline has no PipeFusion yet"),
+    # PipeFusion cuts [noisy; reference] tokens into patches (warm-up = steps: exact), with reference latents too
+    # (128²: the ×32 VAE's two token rows; 4 noisy + 256 reference tokens, or 4 + 2 × 15)
+    "edit-pp2": (EDIT, {"pipefusion_degree": 2, "warmup_steps": STEPS}, (1, 1, 128, 128), None),
+    "plus-pp2-latents": (PLUS, {"pipefusion_degree": 2, "warmup_steps": STEPS}, (1, (2, 16, 6, 10), 128, 128), None),
+    "edit-pp2-odd-total": (EDIT, {"pipefusion_degree": 2}, (1, (1, 16, 6, 10), 128, 128),
+                           "19 tokens (15 of them the reference images') do not split into 2 PipeFusion patches"),
     "plus-batch-on-one-rank": (PLUS, {"ulysses_degree": 2}, (2, 2, 64, 64),
                                "samples one prompt per call and this batch of 2 gives 2 to a rank"),
 }

@@ -125,20 +125,10 @@ class xFuserFluxKontextPipeline(xFuserFluxPipeline):
         step = self.module.vae_scale_factor * 2
         return (height // step) * (width // step)
 
-    def sequence_tokens(self, kwargs: dict[str, Any]) -> int:
-        return super().sequence_tokens(kwargs) + self.reference_tokens(kwargs.get("image"))
-
     def check_layout(self, kwargs: dict[str, Any], batch: int) -> int:
-        """PipeFusion cuts the whole sequence, reference tokens included, into equal patches; and its stale
-        K/V are kept per named branch, which this pipeline's two true-CFG calls are not."""
+        """PipeFusion's stale K/V are kept per named branch, which this pipeline's two true-CFG calls are not."""
         tokens = super().check_layout(kwargs, batch)
         c = self.parallel_config
-        if c.pipefusion_degree > 1 and tokens % (c.patches * c.sp_degree):
-            raise LayoutError(
-                f"{tokens} tokens ({self.reference_tokens(kwargs.get('image'))} of them the reference image's) do not "
-                f"split into {c.patches} PipeFusion patches × sequence-parallel degree {c.sp_degree}; choose a reference "
-                f"size whose tokens make the total divide by {c.patches * c.sp_degree}, or change --num-patches."
-            )
         if (c.pipefusion_degree > 1 and c.cfg_degree == 1 and self.uses_cfg(kwargs)
                 and c.warmup_steps < kwargs.get("num_inference_steps", 28)):
             raise LayoutError(

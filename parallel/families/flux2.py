@@ -87,9 +87,6 @@ class xFuserFlux2KleinPipeline(xFuserPipelineBaseWrapper):
             tokens += (image.width // multiple) * (image.height // multiple)
         return tokens
 
-    def sequence_tokens(self, kwargs: dict[str, Any]) -> int:
-        return super().sequence_tokens(kwargs) + self.reference_tokens(kwargs.get("image"))
-
     def check_layout(self, kwargs: dict[str, Any], batch: int) -> int:
         if kwargs.get("image") and self.parallel_config.pipefusion_degree > 1:
             raise LayoutError("PipeFusion does not take FLUX.2 reference images yet (their tokens follow the image's "

@@ -15,8 +15,10 @@ follow the head size in Qwen-Image's proportions (16 + 56 + 56 of 128).
 Qwen-Image-Edit (`QwenImageEditPipeline`) and Edit Plus (`QwenImageEditPlusPipeline`, several references) run the
 same transformer on the noisy tokens followed by each reference image's tokens (`img_shapes` lists them; the
 rotary table covers them all): the plan splits that whole sequence, so the reference tokens are sharded with the
-noisy ones, and the pipeline keeps the noisy part of the gathered output. No PipeFusion for them yet
-(`no_pipefusion`).
+noisy ones, and the pipeline keeps the noisy part of the gathered output; PipeFusion's patches cut that whole
+sequence too (the base's check: the total divides into patches). References come as pixels (encoded by the
+pipeline at ~1024²) or as latents (ComfyUI's ReferenceLatent), which the pipeline's sizing and VAE encode are
+answered with.
 
 Its attention layers are diffusers' shared `Attention` class with a processor that calls
 `dispatch_attention_fn`, so the family declares the processor (`attention_layers`).
@@ -127,7 +129,6 @@ class xFuserQwenImageEditPipeline(xFuserQwenImagePipeline):
     tensor_inputs = xFuserQwenImagePipeline.tensor_inputs + ("image",)
     shared_inputs = ("image",)  # every prompt edits every reference
     model_call_inputs = model_call_required = ()  # single model calls would need the reference tokens too: none yet
-    no_pipefusion = "its patches would have to cut the reference tokens too"
     REFERENCE_AREA = 1024 * 1024  # the pipelines' VAE_IMAGE_SIZE
 
     def _latent_references(self, image: torch.Tensor) -> bool:
@@ -145,9 +146,6 @@ class xFuserQwenImageEditPipeline(xFuserQwenImagePipeline):
 
     def _sizing(self):
         return inspect.getmodule(type(self.module)).calculate_dimensions  # the pipeline's own
-
-    def sequence_tokens(self, kwargs: dict[str, Any]) -> int:
-        return super().sequence_tokens(kwargs) + self.reference_tokens(kwargs.get("image"))
 
     def check_inputs(self, kwargs: dict[str, Any], batch: int) -> None:
         image, name, several = kwargs.get("image"), type(self.module).__name__, self.comfy.references != 1

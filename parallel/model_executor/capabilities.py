@@ -17,7 +17,7 @@ def capability_table() -> str:
         plan = family.plan
         sp = "yes" if plan.sequence_parallel else "no"
         cfg = "yes (batched)" if plan.cfg is CfgMode.BATCHED else "yes (two calls)"
-        pipefusion = "yes" if plan.pipefusion and not family.pipelines[pipeline].no_pipefusion else "no"
+        pipefusion = "yes" if plan.pipefusion else "no"
         rows.append(f"| {pipeline} | {family.transformer} | {sp} | {sp} | {cfg} | yes | {pipefusion} |")
     rows.append("")
     rows.append(f"Schedulers: {', '.join(xFuserSchedulerWrappersRegister.supported_names())}.")

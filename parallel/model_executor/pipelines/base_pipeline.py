@@ -42,7 +42,6 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
     tensor_inputs:   the tensor keyword arguments of `__call__` a job may send, beyond BASE_TENSOR_INPUTS.
     shared_inputs:   those of them that every sample of a batch shares (not split by data parallel even when
                      they hold as many entries as the batch: Qwen-Image-Edit Plus's reference images).
-    no_pipefusion:   why this pipeline cannot run its family's PipeFusion plan (None: it can).
     embedding_sizes: input tensor → transformer config entry giving its last dimension.
     call_parameters: the family's own `__call__` scalars that a job may set.
     call_defaults:   keyword arguments the family needs when it is given embeddings instead of text.
@@ -55,7 +54,6 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
     comfy: ClassVar[ComfyData]
     tensor_inputs: ClassVar[tuple[str, ...]] = ()
     shared_inputs: ClassVar[tuple[str, ...]] = ()
-    no_pipefusion: ClassVar[str | None] = None
     embedding_sizes: ClassVar[dict[str, str]] = {}
     call_parameters: ClassVar[dict[str, CallParameter]] = {}  # family scalars a job may set (call_parameters.py)
     call_defaults: ClassVar[dict[str, Any]] = {}
@@ -185,8 +183,13 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
         return (height // (scale * patch_h)) * (width // (scale * patch_w))
 
     def sequence_tokens(self, kwargs: dict[str, Any]) -> int:
-        """Tokens the sequence-parallel split sees (video pipelines count every latent frame)."""
-        return self.image_tokens(kwargs["height"], kwargs["width"])
+        """Tokens the sequence-parallel split sees: the image's and its reference images' (video pipelines count
+        every latent frame)."""
+        return self.image_tokens(kwargs["height"], kwargs["width"]) + self.reference_tokens(kwargs.get("image"))
+
+    def reference_tokens(self, image: Any) -> int:
+        """Tokens reference images add after the image's in the sequence (edit models); 0 for the others."""
+        return 0
 
     def token_rows(self, kwargs: dict[str, Any]) -> int:
         """Rows of image tokens (video: of every latent frame): PipeFusion patches cut whole rows."""
@@ -225,9 +228,6 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
     def check_layout(self, kwargs: dict[str, Any], batch: int) -> int:
         """Raise LayoutError, before any compute, if this input cannot run on this layout."""
         c = self.parallel_config
-        if c.pipefusion_degree > 1 and self.no_pipefusion:
-            raise LayoutError(f"{type(self.module).__name__} has no PipeFusion yet ({self.no_pipefusion}); use Ulysses, "
-                              "Ring, CFG or data parallel")
         heads = self.attention_heads()
         if heads % c.ulysses_degree:
             divisors = [d for d in range(1, heads + 1) if heads % d == 0]
@@ -250,6 +250,13 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
                     f"{kwargs['height']}x{kwargs['width']} has {rows} token rows, which do not split into "
                     f"{c.patches} PipeFusion patches × sequence-parallel degree {c.sp_degree}; choose a height whose "
                     f"token rows divide by {c.patches * c.sp_degree}, or change --num-patches."
+                )
+            references = self.reference_tokens(kwargs.get("image"))
+            if references and tokens % (c.patches * c.sp_degree):  # the patches cut [noisy; reference] tokens
+                raise LayoutError(
+                    f"{tokens} tokens ({references} of them the reference images') do not split into {c.patches} "
+                    f"PipeFusion patches × sequence-parallel degree {c.sp_degree}; choose a reference size whose tokens "
+                    f"make the total divide by {c.patches * c.sp_degree}, or change --num-patches."
                 )
         if kwargs.get(STEP_CACHE) is not None:
             from ..step_cache import check_cache
