@@ -8,7 +8,8 @@ by far more with another guidance scale; guidance 0 (no CFG, as Z-Image-Turbo sa
 and refuses CFG parallel in one line. On a Ulysses-2 pool, the Qwen3 encodings equal the pipeline's own
 encode_prompt (one [1, tokens, width] per prompt, unpadded), a job with them equals diffusers, and a PEFT LoRA
 on the main and refiner blocks equals diffusers with the LoRA fused (and is removed exactly). The plan's
-paths ("*", "-1") name the modules they should.
+paths ("*", "-1") name the modules they should. PipeFusion 2 (warm-up = steps, with CFG) equals diffusers, and
+with warm-up 1 stays within its stale-K/V bound.
 """
 
 from __future__ import annotations
@@ -70,6 +71,28 @@ def test_without_guidance_equals_diffusers_and_cfg_parallel_is_refused(tiny_mode
     run = _engine(tiny_model_dirs[FAMILY], inputs, output, 0.0, "--cfg-parallel")
     errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
     assert run.returncode != 0 and len(errors) == 1 and "CFG parallel on Z-Image needs guidance_scale above 0" in errors[0]
+
+
+def test_pipefusion_equals_diffusers_and_stays_within_its_stale_bound(tiny_model_dirs, tmp_path):
+    """PipeFusion 2 over the main layers, a patch a slice of the joined [image; text] sequence: with warm-up =
+    steps equal to diffusers, CFG's two samples (texts of different padded lengths) each running alone with
+    their own stale K/V; with warm-up 1 (no CFG) within PipeFusion's stale-K/V bound and visibly not exact."""
+    size = {"height": 64, "width": 64}
+    for guidance, warmup in ((GUIDANCE, STEPS), (0.0, 1)):
+        inputs, output = tmp_path / f"in{warmup}.safetensors", tmp_path / f"out{warmup}.safetensors"
+        save_file(tiny_models.make_inputs(FAMILY, **size, text_tokens=TEXT, negative=guidance > 0), inputs)
+        run = torchrun(2, "-m", "parallel.run", "--model", str(tiny_model_dirs[FAMILY]), "--inputs", str(inputs),
+                       "--output", str(output), "--steps", str(STEPS), "--guidance-scale", str(guidance), "--height", "64",
+                       "--width", "64", "--pipefusion-degree", "2", "--warmup-steps", str(warmup))
+        assert run.returncode == 0, run.stderr[-3000:]
+        got = load_file(output)["latents"]
+        expected = diffusers_latents(tiny_model_dirs[FAMILY], FAMILY, **load_file(inputs), guidance_scale=guidance,
+                                     num_inference_steps=STEPS, **size)
+        if warmup == STEPS:
+            assert (got - expected).abs().max().item() <= TOLERANCE
+        else:
+            assert 100 * TOLERANCE < (got - expected).abs().max().item()
+            assert ((got - expected).norm() / expected.norm()).item() < 0.05
 
 
 def test_plan_paths_name_every_child_and_the_last():

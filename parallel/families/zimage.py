@@ -8,6 +8,8 @@ through the main layers, text with image alike: both are multiples of 32, so any
 them, and the rotary table (complex, one row per token, passed to every block) is split at each block. The
 short text refiner runs whole on every rank. Only samples of different lengths in one call are masked;
 sequence-parallel attention takes no mask, so such samples run one at a time (the transformer wrapper).
+PipeFusion pipelines the main layers: a patch is a slice of the joined, padded sequence, its rotary rows with
+it; samples that run one at a time keep their own stale K/V.
 
 Classifier-free guidance is Z-Image's own, `pos + guidance_scale · (pos − neg)` in one call on the batch
 [positives; negatives] (guidance_scale 0: off, as Z-Image-Turbo samples): CFG parallel splits that batch.
@@ -30,7 +32,7 @@ import torch
 from ..checkpoints.shapes import Shapes
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
-from ..model_executor.plans import CfgMode, Gather, ParallelPlan, Split
+from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split, TokenRows
 from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant
 
 TOKEN_MULTIPLE = 32  # the transformer pads the image tokens and the text tokens of each sample to this
@@ -158,6 +160,10 @@ Z_IMAGE = FAMILIES.register(Family(
         text_input=None,
         image_input="x",
         cfg=CfgMode.BATCHED,
+        # The main layers as a pipeline: a patch is a slice of the joined [image; text] sequence (both padded to
+        # multiples of 32), its rotary rows with it; the refiners before them run whole on every stage.
+        pipefusion=PipeFusionPlan(blocks=("layers",), carried=("x",), returns=("x",),
+                                  token_inputs={"freqs_cis": TokenRows(dim=1)}),
     ),
     single_file=SingleFile(
         marker="cap_pad_token",

@@ -44,6 +44,7 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
         self._cfg, self._pp = get_cfg_group(), get_pp_group()
         self._handles, self._layers, self._stage = [], [], None
         self._branch: str | None = None
+        self._sample: int | None = None  # the sample running alone (_run_per_sample), which keeps its own stale K/V
         self._step_results: dict[int, torch.Tensor] = {}
         if getattr(transformer, "_xdit_partial", False):
             raise ValueError(
@@ -59,10 +60,14 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
             cache = StaleKVCache(config.ulysses_degree)
             self._stage = PipeFusionStage(
                 transformer, self.plan.pipefusion, self._pp, config.num_patches or self._pp.world_size,
-                config.warmup_steps, lambda: self._branch or "default", keep_other_stages=reversible,
+                config.warmup_steps, self._stale_key, keep_other_stages=reversible,
             )
         if sp.world_size > 1 or cache is not None:
             self._handles, self._layers = apply_sequence_plan(transformer, self.plan, sp, attention_kernel, cache)
+
+    def _stale_key(self) -> str:
+        """What PipeFusion keeps stale K/V apart by: the guidance branch and, where samples run one by one, the sample."""
+        return (self._branch or "default") + ("" if self._sample is None else f"/{self._sample}")
 
     def unwrap(self) -> torch.nn.Module:
         """Remove every hook and return the diffusers transformer as it was."""
@@ -109,13 +114,25 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
             return self._run_per_sample(named, len(samples))
         output = self.module(*args, **kwargs)
         if self._pp.world_size > 1:
-            output = map_first(output, lambda t: self._pp.broadcast(t.contiguous(), src=self._pp.world_size - 1))
+            output = map_first(output, self._from_last_stage)
         return output
+
+    def _from_last_stage(self, output):
+        """The last stage's output (a tensor, or one per sample: Z-Image), on every stage."""
+        if isinstance(output, list):
+            return [self._from_last_stage(sample) for sample in output]
+        return self._pp.broadcast(output.contiguous(), src=self._pp.world_size - 1)
 
     def _run_per_sample(self, named: dict, batch: int):
         """Samples given as a list (Z-Image) may differ in length, which the model pads and masks; sequence-
         parallel attention takes no mask, so each sample runs alone (the same result: padding is masked out)."""
-        outputs = [self._run(**{k: _batch_part(v, batch, i, i + 1) for k, v in named.items()}) for i in range(batch)]
+        outputs = []
+        try:
+            for i in range(batch):
+                self._sample = i
+                outputs.append(self._run(**{k: _batch_part(v, batch, i, i + 1) for k, v in named.items()}))
+        finally:
+            self._sample = None
         return map_first(outputs[0], lambda _: [sample for output in outputs for sample in _first(output)])
 
     def _forward_batched_cfg(self, args: tuple, kwargs: dict):
