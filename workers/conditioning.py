@@ -38,13 +38,35 @@ class NotHeld(ValueError):
     reply_params = {"missing": True}
 
 
-class ConditioningCache:
-    """Rank 0's conditioning by key (used from the client server's thread only)."""
+class _RecentTensors:
+    """Tensors by key, at most `max_entries` and `max_bytes` of them, the least recently used dropped first."""
 
-    def __init__(self, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES):
+    def __init__(self, max_entries: int, max_bytes: int):
         self.max_entries, self.max_bytes = max_entries, max_bytes
         self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.bytes = 0
+
+    def _held(self, key: str) -> torch.Tensor | None:
+        if key not in self._entries:
+            return None
+        self._entries.move_to_end(key)
+        return self._entries[key]
+
+    def _keep(self, key: str, tensor: torch.Tensor) -> None:
+        if self._held(key) is not None:
+            return
+        self._entries[key] = tensor
+        self.bytes += tensor.nbytes
+        while len(self._entries) > self.max_entries or (self.bytes > self.max_bytes and len(self._entries) > 1):
+            _, dropped = self._entries.popitem(last=False)
+            self.bytes -= dropped.nbytes
+
+
+class ConditioningCache(_RecentTensors):
+    """Rank 0's conditioning by key (used from the client server's thread only)."""
+
+    def __init__(self, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES):
+        super().__init__(max_entries, max_bytes)
 
     def resolve(self, keys: dict[str, str], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`tensors` with every conditioning named in `keys` filled in; those sent along are kept."""
@@ -54,26 +76,15 @@ class ConditioningCache:
                 if key_of(tensors[name]) != key:
                     raise ValueError(f"conditioning {name!r} does not hash to its key {key}; send key_of(tensor)")
                 self._keep(key, tensors[name])
-            elif key in self._entries:
-                self._entries.move_to_end(key)
-                tensors[name] = self._entries[key]
+            elif (held := self._held(key)) is not None:
+                tensors[name] = held
             else:
                 raise NotHeld(f"the pool does not hold conditioning {name!r} ({key}): it was evicted or the pool "
                               "restarted; send it with the call")
         return tensors
 
-    def _keep(self, key: str, tensor: torch.Tensor) -> None:
-        if key in self._entries:
-            self._entries.move_to_end(key)
-            return
-        self._entries[key] = tensor
-        self.bytes += tensor.nbytes
-        while len(self._entries) > self.max_entries or (self.bytes > self.max_bytes and len(self._entries) > 1):
-            _, dropped = self._entries.popitem(last=False)
-            self.bytes -= dropped.nbytes
 
-
-class RankConditioning:
+class RankConditioning(_RecentTensors):
     """Every rank's conditioning of recent model calls, on its device, by key.
 
     Every rank sees the same calls in the same order (jobs.broadcast_work) and keeps and evicts them by the
@@ -82,9 +93,7 @@ class RankConditioning:
     """
 
     def __init__(self, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_DEVICE_BYTES):
-        self.max_entries, self.max_bytes = max_entries, max_bytes
-        self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self.bytes = 0
+        super().__init__(max_entries, max_bytes)
 
     def to_send(self, keys: dict[str, str], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Rank 0, before the broadcast: the call's tensors less the conditioning every rank holds."""
@@ -98,19 +107,8 @@ class RankConditioning:
         for name, key in keys.items():
             if name in tensors:
                 self._keep(key, out[name])
-            elif key in self._entries:
-                self._entries.move_to_end(key)
-                out[name] = self._entries[key]
+            elif (held := self._held(key)) is not None:
+                out[name] = held
             else:  # the ranks' copies diverged (a rank failed inside an earlier call): the call fails, loudly
                 raise RuntimeError(f"this rank does not hold conditioning {name!r} ({key}) that rank 0 left out")
         return out
-
-    def _keep(self, key: str, tensor: torch.Tensor) -> None:
-        if key in self._entries:
-            self._entries.move_to_end(key)
-            return
-        self._entries[key] = tensor
-        self.bytes += tensor.nbytes
-        while len(self._entries) > self.max_entries or (self.bytes > self.max_bytes and len(self._entries) > 1):
-            _, dropped = self._entries.popitem(last=False)
-            self.bytes -= dropped.nbytes
