@@ -1,11 +1,12 @@
 """PipeFusion-2 next to one rank and Ulysses-2 on the same model: time and bytes per step.
 
-    python -m bench.pipefusion [--tiny] [--runs 5] [--steps 4]
+    python -m bench.pipefusion [--tiny] [--runs 5] [--steps 4] [--patches 2 4 8]
 
 One torchrun job of 2 ranks, one thread each, layouts interleaved round by round. The 1-rank time is
 the plain diffusers pipeline on rank 0 while rank 1 waits in a barrier. PipeFusion runs with one
-synchronous warm-up step and 2 patches, so the other steps use the stale-K/V patch pipeline; it gets
-a fresh copy of the pipeline each run, since a stage frees the blocks it does not hold.
+synchronous warm-up step and 2 patches (or each count --patches names: within a step the two stages overlap
+on all patches but one, so more patches leave a stage idle less), so the other steps use the stale-K/V patch
+pipeline; it gets a fresh copy of the pipeline each run, since a stage frees the blocks it does not hold.
 Bytes are what each rank's group coordinators counted, per step, next to what the method must move.
 """
 
@@ -23,11 +24,13 @@ from parallel.launch import ROOT, rank_environment, torchrun_command
 
 from .model import parse_or_drive, side_by_side_arguments
 
-LAYOUTS = {"1 rank (diffusers)": None, "ulysses2": {"ulysses_degree": 2},
-           "pipefusion2": {"pipefusion_degree": 2, "warmup_steps": 1, "num_patches": 2}}
+def layouts(patches: list[int]) -> dict[str, dict | None]:
+    pipefusion = {("pipefusion2" if m == 2 else f"pipefusion2, {m} patches"):
+                  {"pipefusion_degree": 2, "warmup_steps": 1, "num_patches": m} for m in patches}
+    return {"1 rank (diffusers)": None, "ulysses2": {"ulysses_degree": 2}, **pipefusion}
 
 
-def analytic_bytes(name: str, dims, steps: int) -> float:
+def analytic_bytes(name: str, dims, steps: int, patches: int = 2) -> float:
     """Mean bytes per rank per step that the method must send (fp32)."""
     i, t, c = dims.image_tokens, dims.text_tokens, dims.out_channels
     d = dims.heads * dims.head_dim
@@ -36,8 +39,8 @@ def analytic_bytes(name: str, dims, steps: int) -> float:
         from .layouts import LAYOUTS as BENCH_LAYOUTS
 
         return min_bytes_per_step(BENCH_LAYOUTS["xdit-ulysses2"], dims)
-    if name == "pipefusion2":  # stage 0 sends each patch (+ the text stream); stage 1 broadcasts the output
-        warm, patched = (i + t) * d, (i + 2 * t) * d
+    if name.startswith("pipefusion2"):  # stage 0 sends each patch with the text stream; stage 1 broadcasts the output
+        warm, patched = (i + t) * d, (i + patches * t) * d
         activations = (warm + (steps - 1) * patched) / steps
         return (activations + i * c) / 2 * 4
     return 0.0
@@ -54,11 +57,12 @@ def drive(spec: dict) -> None:
     from .model import start_drive
 
     world, model, pipeline, inputs, kwargs = start_drive(spec)
-    times = {name: [] for name in LAYOUTS}
-    sent = {name: 0 for name in LAYOUTS}
+    chosen = layouts(spec["patches"])
+    times = {name: [] for name in chosen}
+    sent = {name: 0 for name in chosen}
     outputs = {}
     for round_ in range(spec["runs"] + 1):  # round 0 warms up, untimed
-        for name, degrees in LAYOUTS.items():
+        for name, degrees in chosen.items():
             # PipeFusion keeps only its stage's blocks: it runs on a copy.
             scope = contextlib.nullcontext() if degrees is None else under_layout(
                 copy.deepcopy(pipeline) if "pipefusion_degree" in degrees else pipeline, ParallelConfig(**degrees))
@@ -86,12 +90,13 @@ def drive(spec: dict) -> None:
 
 def main(argv=None) -> int:
     parser = side_by_side_arguments("bench.pipefusion", __doc__, runs=5, steps=4)
+    parser.add_argument("--patches", type=int, nargs="+", default=[2], help="PipeFusion patch counts to time")
     if (args := parse_or_drive(parser, argv, drive)) is None:
         return 0
     spec_file = args.json.with_suffix(".spec.json")
     result = args.json.with_suffix(".raw.json")
     spec_file.write_text(json.dumps({"model": "tiny" if args.tiny else "medium", "runs": args.runs, "steps": args.steps,
-                                     "result": str(result)}))
+                                     "patches": args.patches, "result": str(result)}))
     subprocess.run(torchrun_command(2, "-m", "bench.pipefusion", "--drive", str(spec_file)), cwd=ROOT,
                    env=rank_environment(), check=True)
     raw = json.loads(result.read_text())
@@ -99,13 +104,14 @@ def main(argv=None) -> int:
 
     dims = ModelDims(**raw["dims"])
     base = statistics.median(raw["times"]["1 rank (diffusers)"])
+    chosen = layouts(args.patches)
     rows = {}
     for name, times in raw["times"].items():
         median = statistics.median(times)
         mean_sent = statistics.mean(rank[name] for rank in raw["sent"]) / args.steps
         rows[name] = {"median_s": median, "spread": (max(times) - min(times)) / median, "step_ms": 1000 * median / args.steps,
                       "efficiency": base / (2 * median) if name != "1 rank (diffusers)" else 1.0,
-                      "bytes_per_step_per_rank": mean_sent, "bytes_analytic": analytic_bytes(name, dims, args.steps),
+                      "bytes_per_step_per_rank": mean_sent, "bytes_analytic": analytic_bytes(name, dims, args.steps, (chosen[name] or {}).get("num_patches", 2)),
                       "max_abs_diff_vs_1_rank": raw["diffs"].get(name)}
     args.json.write_text(json.dumps({"steps": args.steps, "runs": args.runs, "rows": rows}, indent=2))
     print(f"| layout ({'tiny' if args.tiny else 'medium'} Flux, {args.steps} steps) | ms/step | spread | efficiency "

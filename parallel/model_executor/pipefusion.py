@@ -63,20 +63,22 @@ def balanced_stages(weights: list[int], stages: int) -> list[tuple[int, int]]:
 
 
 class StaleKVCache:
-    """Per (guidance branch, attention layer): each patch's image K/V from its latest computation.
+    """Per (guidance branch, attention layer): the whole sequence's K/V, each patch's slice from its latest
+    computation.
 
     K/V arrive in the layout attention uses after the Ulysses all-to-all: [B, H/U, U × tokens, D],
-    the U token groups being each Ulysses rank's share. A patch is the same slice of every share.
+    the U token groups being each Ulysses rank's share. A patch is the same slice of every share. A patch's
+    fresh K/V are written into its slice in place, so a patch moves its own K/V, not the whole sequence's
+    (joining the patches anew for each one copied all of them: M patches, M whole copies per layer).
     """
 
     def __init__(self, ulysses_degree: int):
         self.ulysses = ulysses_degree
-        self._store: dict[tuple[str, str], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._store: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _patches(self, x: torch.Tensor, count: int) -> list[torch.Tensor]:
-        b, h, s, d = x.shape
-        x = x.reshape(b, h, self.ulysses, count, s // (self.ulysses * count), d)
-        return [x[:, :, :, p].reshape(b, h, s // count, d) for p in range(count)]
+    def _slot(self, whole: torch.Tensor, context: PatchContext) -> torch.Tensor:
+        b, h, s, d = whole.shape
+        return whole.view(b, h, self.ulysses, context.count, s // (self.ulysses * context.count), d)[:, :, :, context.index]
 
     def exchange(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Record this patch's fresh K/V; return the K/V of the whole image to attend to."""
@@ -85,11 +87,13 @@ class StaleKVCache:
             return k, v
         key = (context.branch, layer)
         if not context.asynchronous:
-            self._store[key] = (self._patches(k, context.count), self._patches(v, context.count))
+            self._store[key] = (k.contiguous(), v.contiguous())
             return k, v
-        ks, vs = self._store[key]
-        ks[context.index], vs[context.index] = k, v
-        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+        whole = self._store[key]
+        for stored, fresh in zip(whole, (k, v)):
+            b, h, s, d = fresh.shape
+            self._slot(stored, context).copy_(fresh.reshape(b, h, self.ulysses, s // self.ulysses, d))
+        return whole
 
 
 class PipeFusionStage:
