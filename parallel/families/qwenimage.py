@@ -131,6 +131,9 @@ class xFuserQwenImageEditPipeline(xFuserQwenImagePipeline):
     model_call_inputs = model_call_required = ()  # single model calls would need the reference tokens too: none yet
     REFERENCE_AREA = 1024 * 1024  # the pipelines' VAE_IMAGE_SIZE
 
+    def _several(self) -> bool:
+        return self.comfy.references != 1  # Plus
+
     def _latent_references(self, image: torch.Tensor) -> bool:
         return image.shape[1] == self.module.vae.config.z_dim
 
@@ -148,7 +151,7 @@ class xFuserQwenImageEditPipeline(xFuserQwenImagePipeline):
         return inspect.getmodule(type(self.module)).calculate_dimensions  # the pipeline's own
 
     def check_inputs(self, kwargs: dict[str, Any], batch: int) -> None:
-        image, name, several = kwargs.get("image"), type(self.module).__name__, self.comfy.references != 1
+        image, name, several = kwargs.get("image"), type(self.module).__name__, self._several()
         count = "N" if several else "1"
         channels = self.module.vae.config.z_dim
         takes = f"[{count}, 3, H, W] pixels in [0, 1] or [{count}, {channels}, h, w] latents"
@@ -165,7 +168,7 @@ class xFuserQwenImageEditPipeline(xFuserQwenImagePipeline):
 
     def check_layout(self, kwargs: dict[str, Any], batch: int) -> int:
         dp = self.parallel_config.dp_degree
-        if self.comfy.references != 1 and -(-batch // dp) > 1:
+        if self._several() and -(-batch // dp) > 1:
             raise LayoutError(f"QwenImageEditPlusPipeline samples one prompt per call and this batch of {batch} gives "
                               f"{-(-batch // dp)} to a rank: use a data-parallel degree of {batch}, or one prompt per job")
         return super().check_layout(kwargs, batch)
@@ -180,8 +183,7 @@ class xFuserQwenImageEditPipeline(xFuserQwenImagePipeline):
         return {"prompt_embeds": embeds} if mask is None else {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
 
     def call_context(self, kwargs: dict[str, Any]):
-        image = kwargs["image"]
-        several = self.comfy.references != 1
+        image, several = kwargs["image"], self._several()
         if not self._latent_references(image):
             images = pictures(image)
             kwargs["image"] = images if several else images[0]
