@@ -4,9 +4,8 @@
 
 One torchrun job of 2 ranks, one thread each, layouts interleaved round by round. The 1-rank time is
 the plain diffusers pipeline on rank 0 while rank 1 waits in a barrier. PipeFusion runs with one
-synchronous warm-up step and 2 patches (or each count --patches names: within a step the two stages overlap
-on all patches but one, so more patches leave a stage idle less), so the other steps use the stale-K/V patch
-pipeline; it gets a fresh copy of the pipeline each run, since a stage frees the blocks it does not hold.
+synchronous warm-up step and 2 image patches (or each count --patches names) after the text patch, so the
+other steps use the stale-K/V patch pipeline (the second stage waits for the text patch only); it gets a fresh copy of the pipeline each run, since a stage frees the blocks it does not hold.
 Bytes are what each rank's group coordinators counted, per step, next to what the method must move.
 """
 
@@ -39,8 +38,11 @@ def analytic_bytes(name: str, dims, steps: int, patches: int = 2) -> float:
         from .layouts import LAYOUTS as BENCH_LAYOUTS
 
         return min_bytes_per_step(BENCH_LAYOUTS["xdit-ulysses2"], dims)
-    if name.startswith("pipefusion2"):  # stage 0 sends each patch with the text stream; stage 1 broadcasts the output
-        warm, patched = (i + t) * d, (i + patches * t) * d
+    if name.startswith("pipefusion2"):  # stage 0 sends the text patch and the image patches (each with a stand-in
+        # token of the other stream, pipefusion.STAND_IN); stage 1 broadcasts the output
+        from parallel.model_executor.pipefusion import STAND_IN
+
+        warm, patched = (i + t) * d, (i + t + (patches + 1) * STAND_IN) * d
         activations = (warm + (steps - 1) * patched) / steps
         return (activations + i * c) / 2 * 4
     return 0.0

@@ -8,8 +8,9 @@ The prediction prices what each method does per denoising step on one rank (as b
 - Ulysses: two all-to-alls per attention layer (Q/K/V stacked, then the output), plus the gather of the text's
   heads where the text stays replicated; Ring: its ranks − 1 K/V exchanges per layer; both: the output gather;
 - CFG parallel: one gather of the noise prediction; data parallel: the batch split;
-- PipeFusion: its warm-up steps run the stages one after the other; later steps stream M patches through
-  P stages, (M + P − 1) patch times with a hand-over per patch, and the last stage broadcasts the output.
+- PipeFusion: its warm-up steps run the stages one after the other; later steps stream the text patch (where the
+  model has a text stream) and M image patches through P stages: a step's longest chain is every patch on one
+  stage and the largest patch on each other stage, with a hand-over per patch; the last stage broadcasts the output.
 Each message costs the measured latency plus bytes over the measured bandwidth (all-to-all for collectives,
 a pairwise exchange for point-to-point). One step of the job itself, run as diffusers runs it on every rank at
 once, calibrates the synthetic block against the model's real blocks (their ratio scales every synthetic
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from .config import LayoutError, Link, ParallelConfig
 from .model_executor.attention.kernels import default_scale, pick_kernel
 from .model_executor.attention.usp import merge_partial
+from .model_executor.pipefusion import STAND_IN
 
 PROBE_BYTES = (1 << 14, 1 << 23)  # a small message (latency) and a large one (bandwidth)
 
@@ -77,12 +79,15 @@ BlockShape = tuple[int, int, int, int, int]
 
 
 def block_shapes(config: ParallelConfig, job: Job) -> list[BlockShape]:
-    """The synthetic block shapes a layout's compute is priced with (PipeFusion: a patch, then the whole)."""
+    """The synthetic block shapes a layout's compute is priced with (PipeFusion: an image patch, the whole, and
+    where there is text, the text patch; a patch holds a stand-in token of the stream it does not carry)."""
     r, n = config.ring_degree, config.sp_degree
     i, t, h = job.image_tokens, job.text_tokens, job.heads // config.ulysses_degree
     if config.pipefusion_degree > 1:
-        m = config.patches
-        return [(i // (m * n) + t, i // (m * r) + t, i + t, h, r), (i // n + t, i // r + t, i + t, h, r)]
+        m, other = config.patches, min(t, STAND_IN)
+        text_patch = [(t + n * STAND_IN, t + r * STAND_IN, i + t, h, r)] if t else []
+        return [(i // (m * n) + other, i // (m * r) + other, i + t, h, r), (i // n + t, i // r + t, i + t, h, r),
+                *text_patch]
     if _text_sharded(config, job):
         return [((i + t) // n, (i + t) // r, i + t, h, r)]
     return [(i // n + t, i // r + t, i + t, h, r)]
@@ -124,12 +129,17 @@ def predict(config: ParallelConfig, job: Job, blocks: dict[BlockShape, float], c
         comm_s = samples * (job.blocks * seconds + (collective.seconds(gather) if gather else 0.0))
         comm_bytes = samples * (job.blocks * nbytes + gather)
     else:
-        patch_shape, whole_shape = block_shapes(config, job)
+        patch_shape, whole_shape, *text_shape = block_shapes(config, job)
         m, stage_blocks = config.patches, job.blocks / p
-        hand_over = (i / (m * n) + t) * d * e  # a patch of image tokens and the text carried with it
+        hand_over = (i / (m * n) + min(t, STAND_IN)) * d * e  # a patch of image tokens (and a stand-in text token)
         patch_seconds, patch_bytes = layer_traffic(i / m)
-        async_compute = (m + p - 1) * stage_blocks * blocks[patch_shape]
-        async_comm = (m + p - 1) * (stage_blocks * patch_seconds + p2p.seconds(hand_over))
+        # (compute, communication) per patch: the text patch where there is one, and the image patches; the step's
+        # longest chain runs every patch through one stage and the largest through the other stages too
+        order = [(stage_blocks * blocks[text_shape[0]], p2p.seconds((t + STAND_IN) * d * e))] if t else []
+        order += [(stage_blocks * blocks[patch_shape], stage_blocks * patch_seconds + p2p.seconds(hand_over))] * m
+        largest = max(order, key=sum)
+        async_compute = sum(c for c, _ in order) + (p - 1) * largest[0]
+        async_comm = sum(x for _, x in order) + (p - 1) * largest[1]
         warm_compute = job.blocks * blocks[whole_shape]
         whole_seconds, whole_bytes = layer_traffic(i)
         warm_comm = job.blocks * whole_seconds + (p - 1) * p2p.seconds((i / n + t) * d * e)
@@ -138,7 +148,8 @@ def predict(config: ParallelConfig, job: Job, blocks: dict[BlockShape, float], c
         broadcast = i / n * job.out_channels * e * (p - 1)
         comm_s = samples * ((warm * warm_comm + (job.steps - warm) * async_comm) / job.steps
                             + collective.seconds(broadcast) + (collective.seconds(gather) if gather else 0.0))
-        comm_bytes = samples * (m * stage_blocks * patch_bytes + m * hand_over + broadcast + gather)
+        text_hand_over = (t + STAND_IN) * d * e if t else 0.0
+        comm_bytes = samples * (m * stage_blocks * patch_bytes + m * hand_over + text_hand_over + broadcast + gather)
     comm_s += collective.seconds(cfg) if cfg else 0.0
     # outside the blocks: the rank's samples, on its share of the tokens (PipeFusion's stages each embed them all)
     compute += job.outside_s * samples / (n if p == 1 else 1)

@@ -82,12 +82,12 @@ def test_pipefusion_degree_above_the_block_count_fails_before_compute():
         PipeFusionStage(transformer, PIXART.plan.pipefusion, five_stages, 5, 1, lambda: "x")
 
 
-def test_stages_balance_parameters_not_block_counts():
-    from parallel.model_executor.pipefusion import balanced_stages
+def test_stages_take_equal_block_counts():
+    from parallel.model_executor.pipefusion import even_stages
 
-    assert balanced_stages([598, 598, 249, 249], 2) == [(0, 1), (1, 4)]  # Flux: double blocks weigh more
-    assert balanced_stages([1] * 4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
-    assert balanced_stages([1, 2, 3, 4, 5, 6, 7, 8], 3) == [(0, 4), (4, 6), (6, 8)]
+    assert even_stages(8, 2) == [(0, 4), (4, 8)]  # Flux: 4 double then 4 single blocks, the same work per token
+    assert even_stages(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert even_stages(8, 3) == [(0, 2), (2, 5), (5, 8)]
 
 
 @pytest.mark.parametrize("dtype, share", [("bf16", 0.5), ("fp8", 0.35)])  # fp8: norms stay bf16

@@ -25,6 +25,8 @@ EXACT = {  # name: (nproc, layout); warm-up covers every step, so the pipeline i
     },
 }
 STALE = {"pp2_warmup1": 1, "pp2_warmup2": 2, "pp2_warmup3": 3}  # asynchronous after warm-up, 2 patches
+# the text patch and the image patches' stand-in tokens through the Ulysses all-to-all and the ring
+STALE_SP = {"pp2_ulysses2_warmup1": {"ulysses_degree": 2}, "pp2_ring2_warmup1": {"ring_degree": 2}}
 FAMILIES = ("pixart-alpha", "sd3", "flux", "qwen-image", "flux2-klein")
 
 
@@ -44,6 +46,8 @@ def runs(tiny_model_dirs, tmp_path_factory):
         cases = [(f, name, dict(layout, warmup_steps=STEPS)) for f in FAMILIES for name, layout in EXACT[nproc].items()]
         if nproc == 2:
             cases += [(f, name, {"pipefusion_degree": 2, "warmup_steps": w}) for f in FAMILIES for name, w in STALE.items()]
+        else:
+            cases += [(f, name, {"pipefusion_degree": 2, "warmup_steps": 1, **sp}) for f in FAMILIES for name, sp in STALE_SP.items()]
         for family, name, layout in cases:
             batch = 2 if "dp" in name else 1
             inputs = work / f"{family}-b{batch}.safetensors"
@@ -86,14 +90,31 @@ def test_stale_kv_error_is_bounded_and_shrinks_with_warmup(runs, family):
         parallel, expected, _ = result(runs, family, name)
         assert torch.isfinite(parallel).all()
         errors.append(((parallel - expected).norm() / expected.norm()).item())
-    assert errors[0] < 0.05, errors  # measured ≤ 1.1e-2 on these models (see the issue note)
+    assert errors[0] < 0.05, errors  # measured ≤ 1.6e-2 on these models
     assert errors[0] > errors[1] > errors[2] > 0, errors  # more synchronous steps, less staleness
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_each_stage_holds_about_half_the_block_weights(runs, family):
+@pytest.mark.parametrize("name", STALE_SP)
+def test_stale_kv_with_sequence_parallel_is_bounded(runs, family, name):
+    """A patch is a slice of every sequence shard, so the stale K/V differ from PipeFusion alone; the bound holds."""
+    parallel, expected, _ = result(runs, family, name)
+    assert torch.isfinite(parallel).all()
+    assert 0 < ((parallel - expected).norm() / expected.norm()).item() < 0.05
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_stage_holds_the_weights_of_its_half_of_the_blocks_only(runs, family):
+    from diffusers import AutoModel
+
+    from parallel.families import FAMILIES
+    from parallel.model_executor.pipefusion import even_stages
+
     _, _, memory = result(runs, family, "pp2")
-    stages = [rank["block_parameter_bytes"] for rank in memory]
-    total = memory[0]["all_block_parameter_bytes"]
-    assert len(stages) == 2 and sum(stages) == total
-    assert all(0.3 * total <= s <= 0.7 * total for s in stages), stages
+    transformer = AutoModel.from_pretrained(str(runs[1][family] / "transformer"))
+    plan = FAMILIES.for_transformer(transformer).plan.pipefusion
+    blocks = [block for name in plan.blocks for block in transformer.get_submodule(name)]
+    expected = [sum(p.numel() * p.element_size() for block in blocks[start:end] for p in block.parameters())
+                for start, end in even_stages(len(blocks), 2)]
+    assert [rank["block_parameter_bytes"] for rank in memory] == expected
+    assert sum(expected) == memory[0]["all_block_parameter_bytes"]

@@ -16,7 +16,7 @@ The pipeline takes no step callback: progress, previews and cancel come from the
 Image-to-video concatenates the start image's VAE latents (first latent frame) and a frame mask to the noise, and
 its SigLIP vision tokens fill the 729 vision slots, valid this time: the same plan serves both.
 
-PipeFusion: the blocks form a pipeline like SD3's (video and text carried, the text whole with every patch); a
+PipeFusion: the blocks form a pipeline like SD3's (video and text carried, the text a patch of its own); a
 patch is whole token rows of the (frames × rows × columns) sequence, and the rotary table is sliced with it.
 """
 

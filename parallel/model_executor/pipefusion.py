@@ -8,6 +8,14 @@ to fresh K/V of its own patch and, for the other patches, to the K/V they produc
 (StaleKVCache) — the previous step's for later patches. During the first `warmup_steps` steps the
 whole sequence goes through as one patch, which is exact and fills the cache. The last stage's
 output is broadcast to the stage group, so every rank steps the scheduler on the same latents.
+
+Where the blocks carry a text stream beside the image (Flux, SD3, Qwen-Image), the text is a patch of its
+own after warm-up, the first of each step: it attends to the image's stale K/V, and the image patches
+after it attend to its fresh K/V. So the text is computed once per step rather than with every patch
+(M patches computed it M times), and the stage that waits for the first patch waits only for the text.
+The text patch carries one image token and each image patch one text token as stand-ins, since diffusers'
+blocks cannot take a stream of no tokens (`reshape(..., -1, 2)`, `[:, :-0]`); attention replaces their
+K/V and their outputs are dropped, so they change nothing.
 """
 
 from __future__ import annotations
@@ -30,41 +38,34 @@ from .plans import JoinedStream, PipeFusionPlan, TokenRows
 
 @dataclass(frozen=True)
 class PatchContext:
-    index: int
-    count: int
+    index: int  # the image patch (-1: the text patch)
+    count: int  # image patches
     asynchronous: bool  # False in warm-up: the whole sequence as one patch, caches refreshed
     branch: str
+    text_apart: bool = False  # the text is a patch of its own (image patches hold a stand-in text token)
 
+    @property
+    def text_only(self) -> bool:
+        return self.index < 0
+
+
+STAND_IN = 1  # tokens of the stream a patch does not hold (see the module docstring)
 
 _PATCH: contextvars.ContextVar[PatchContext | None] = contextvars.ContextVar("xdit_patch", default=None)
 
 
-def balanced_stages(weights: list[int], stages: int) -> list[tuple[int, int]]:
-    """Contiguous [start, end) block ranges minimising the heaviest stage (weights: parameter counts)."""
-    n = len(weights)
-    prefix = [0]
-    for weight in weights:
-        prefix.append(prefix[-1] + weight)
-    # best[k][i]: the lightest possible heaviest stage when the first i blocks form k stages
-    best = [[float("inf")] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0
-    for k in range(1, stages + 1):
-        for i in range(k, n - (stages - k) + 1):
-            for j in range(k - 1, i):
-                heaviest = max(best[k - 1][j], prefix[i] - prefix[j])
-                if heaviest < best[k][i]:
-                    best[k][i], cut[k][i] = heaviest, j
-    bounds, end = [], n
-    for k in range(stages, 0, -1):
-        bounds.append((cut[k][end], end))
-        end = cut[k][end]
-    return bounds[::-1]
+def even_stages(blocks: int, stages: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) block ranges of equal count (one block more in the later stages where they do not
+    divide). Equal counts balance the compute: a token costs about the same in every family's pipeline blocks,
+    Flux's double blocks included — they hold 2.4× a single block's parameters, but a token goes through half
+    (the image's or the text's) and their modulation is per sample. Parameter-balanced stages gave a Flux stage
+    0 three of the medium model's 8 blocks and left it idle 40% of each step."""
+    return [(k * blocks // stages, (k + 1) * blocks // stages) for k in range(stages)]
 
 
 class StaleKVCache:
-    """Per (guidance branch, attention layer): the whole sequence's K/V, each patch's slice from its latest
-    computation.
+    """Per (guidance branch, attention layer): the whole image's K/V, each patch's slice from its latest
+    computation, and with the text apart, the text's K/V from this step's text patch.
 
     K/V arrive in the layout attention uses after the Ulysses all-to-all: [B, H/U, U × tokens, D],
     the U token groups being each Ulysses rank's share. A patch is the same slice of every share. A patch's
@@ -75,25 +76,36 @@ class StaleKVCache:
     def __init__(self, ulysses_degree: int):
         self.ulysses = ulysses_degree
         self._store: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._text: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}  # this step's, from the text patch
 
     def _slot(self, whole: torch.Tensor, context: PatchContext) -> torch.Tensor:
         b, h, s, d = whole.shape
         return whole.view(b, h, self.ulysses, context.count, s // (self.ulysses * context.count), d)[:, :, :, context.index]
 
-    def exchange(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Record this patch's fresh K/V; return the K/V of the whole image to attend to."""
+    def text_tokens(self, whole: int) -> int:
+        """The text tokens in the running patch's attention: an image patch with the text apart holds one."""
+        context = _PATCH.get()
+        return STAND_IN if context is not None and context.text_apart and not context.text_only else whole
+
+    def exchange(self, layer: str, kt: torch.Tensor, vt: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor):
+        """Record this patch's fresh K/V; return the text and image K/V to attend to: the whole image's (and,
+        for an image patch with the text apart, this step's text K/V from the text patch). The stand-ins' K/V
+        (the text patch's image token, an image patch's text token) are left out."""
         context = _PATCH.get()
         if context is None:
-            return k, v
+            return kt, vt, ki, vi
         key = (context.branch, layer)
         if not context.asynchronous:
-            self._store[key] = (k.contiguous(), v.contiguous())
-            return k, v
+            self._store[key] = (ki.contiguous(), vi.contiguous())
+            return kt, vt, ki, vi
         whole = self._store[key]
-        for stored, fresh in zip(whole, (k, v)):
+        if context.text_only:
+            self._text[key] = (kt, vt)
+            return (kt, vt, *whole)
+        for stored, fresh in zip(whole, (ki, vi)):
             b, h, s, d = fresh.shape
             self._slot(stored, context).copy_(fresh.reshape(b, h, self.ulysses, s // self.ulysses, d))
-        return whole
+        return (*(self._text[key] if context.text_apart else (kt, vt)), *whole)
 
 
 class PipeFusionStage:
@@ -108,8 +120,7 @@ class PipeFusionStage:
                 f"pipefusion degree {pp.world_size} is more than the model's {len(blocks)} blocks; "
                 f"use a pipefusion degree of at most {len(blocks)}."
             )
-        weights = [sum(p.numel() for p in block.parameters()) for _, _, block in blocks]
-        start, end = balanced_stages(weights, pp.world_size)[pp.rank_in_group]
+        start, end = even_stages(len(blocks), pp.world_size)[pp.rank_in_group]
         self.block_range = (start, end)
         self._run, self._first_step = -1, {}
         self.local = [block for _, _, block in blocks[start:end]]
@@ -164,15 +175,19 @@ class PipeFusionStage:
         asynchronous = runtime.step_index - first >= self.warmup_steps
         count = self.num_patches if asynchronous else 1
         size = image.shape[1] // count
+        text_apart = asynchronous and bool(text_names)
+        # (image patch index, its rows): the text patch first when the text goes apart, with a stand-in image row
+        patches = [(-1, slice(0, STAND_IN))] * text_apart + [(p, slice(p * size, (p + 1) * size)) for p in range(count)]
         outputs, sends = [], []
-        for p in range(count):
-            window = slice(p * size, (p + 1) * size)
-            state = {image_name: image[:, window], **{n: named.get(n) for n in text_names}}
+        for p, window in patches:
+            with_text = not text_apart or p < 0
+            state = {image_name: image[:, window],
+                     **{n: _text_part(named.get(n), with_text) for n in text_names}}
             if not self.pp.is_first_rank:
                 state = self._receive(state)
-            tokens = {n: _rows(named[n], rows, runtime.text_tokens, window)
+            tokens = {n: _rows(named[n], rows, runtime.text_tokens, window, with_text)
                       for n, rows in self.plan.token_inputs.items() if named.get(n) is not None}
-            with _patch(PatchContext(p, self.num_patches, asynchronous, self.branch())):
+            with _patch(PatchContext(p, count, asynchronous, self.branch(), text_apart)):
                 for forward, joined, parameters in zip(self._forwards, self._joined, self._parameters):
                     if joined is not None:
                         state = self._run_joined(forward, joined, parameters, {**named, **tokens}, state)
@@ -187,8 +202,8 @@ class PipeFusionStage:
             work.wait()
         if not self.pp.is_last_rank:  # a stand-in; the last stage's result is broadcast later
             return named[image_name] if entry is not None else _returns(self.plan, named)
-        result = dict(outputs[-1])
-        result[image_name] = torch.cat([o[image_name] for o in outputs], dim=1)
+        result = dict(outputs[0] if text_apart else outputs[-1])  # the text stream as its last patch left it
+        result[image_name] = torch.cat([o[image_name] for o in outputs[text_apart:]], dim=1)
         if entry is not None:  # as the first block returns it: the joined stream
             return torch.cat([result[entry.text], result[image_name]], dim=1)
         return _returns(self.plan, result)
@@ -240,20 +255,28 @@ def _returns(plan: PipeFusionPlan, named: dict[str, Any]):
     return values if len(values) > 1 else values[0]
 
 
-def _rows(value, rows: TokenRows, text_tokens: int, window: slice):
-    """The text rows and this patch's image rows of a per-token input (or of each tensor in a tuple)."""
+def _text_part(text: torch.Tensor | None, with_text: bool) -> torch.Tensor | None:
+    """The text stream a patch holds: all of it, or a stand-in token (an image patch, the text apart)."""
+    return text if with_text or text is None else text[:, :STAND_IN]
+
+
+def _rows(value, rows: TokenRows, text_tokens: int, window: slice, with_text: bool = True):
+    """This patch's rows of a per-token input (or of each tensor in a tuple): its image rows and, `with_text`,
+    the text rows."""
     if isinstance(value, tuple):
-        return tuple(_rows(v, rows, text_tokens, window) if rows.items is None or i in rows.items else v
+        return tuple(_rows(v, rows, text_tokens, window, with_text) if rows.items is None or i in rows.items
+                     else (v if with_text else v.movedim(rows.dim, 0)[:STAND_IN].movedim(0, rows.dim))  # a text table
                      for i, v in enumerate(value))
     if rows.ndim is not None and value.ndim != rows.ndim:
         return value
     value = value.movedim(rows.dim, 0)
+    keep = text_tokens if with_text else STAND_IN
     if rows.text is TextLayout.PREFIX:
         text, image = value[:text_tokens], value[text_tokens:]
-        value = torch.cat([text, image[window]])
+        value = torch.cat([text[:keep], image[window]])
     elif rows.text is TextLayout.SUFFIX:
         image, text = value[: value.shape[0] - text_tokens], value[value.shape[0] - text_tokens :]
-        value = torch.cat([image[window], text])
+        value = torch.cat([image[window], text[:keep]])
     else:
         value = value[window]
     return value.movedim(0, rows.dim)

@@ -30,7 +30,7 @@ class Split:
           when its length divides by the degree and the image tokens split evenly (as diffusers' context
           parallelism does: every rank then projects and runs 1/N of the text, and attention gathers the
           whole sequence for its heads); otherwise left whole on every rank (replicated text). Never
-          under PipeFusion, whose patches carry the whole text.
+          under PipeFusion, whose text patch carries the whole text.
     """
 
     dim: int
@@ -72,11 +72,12 @@ class CfgMode(enum.Enum):
 class TokenRows:
     """A block argument with one entry per token along `dim`, which PipeFusion slices to each patch.
 
-    text: where the text tokens' rows sit (kept whole with every patch); NONE: image rows only.
+    text: where the text tokens' rows sit (whole with the text patch, a stand-in row with an image patch);
+          NONE: image rows only.
     ndim: slice only tensors with this many dimensions; others pass whole (Wan 2.2 TI2V's per-token
           modulation is [B, S, 6, D]; the other Wan models pass one per sample, [B, 6, D]).
     items: for a tuple, the positions that hold image rows (Qwen-Image's (image, text) rotary tables);
-           None: every one.
+           None: every one. The other positions hold text rows only (whole with the text, none without).
     """
 
     dim: int = 0
@@ -124,7 +125,8 @@ class PipeFusionPlan:
 
     blocks:       ModuleLists of repeated blocks, in execution order (partitioned into stages).
     carried:      block arguments that flow from block to block; the first is the image tokens
-                  (split into patches on dim 1), the others (the text stream) go whole with each patch.
+                  (split into patches on dim 1), the others (the text stream) form the text patch
+                  (pipefusion.py: once per step, ahead of the image patches).
     returns:      the block's outputs in order, named like `carried` (a single name: a bare tensor).
     token_inputs: other block arguments holding one entry per token (tuples of such tensors too),
                   sliced to each patch (rotary tables, per-token modulation); see TokenRows.

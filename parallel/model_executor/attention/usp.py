@@ -101,13 +101,14 @@ def usp_attention(
     text_layout: TextLayout = TextLayout.NONE,
     text_tokens: int = 0,
     scale: float | None = None,
-    image_kv: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    stale_kv: Callable[..., tuple[torch.Tensor, ...]] | None = None,
     keep: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Exact attention over the whole sequence from sequence-sharded [B, H, S_local, D] inputs.
 
-    `image_kv`, if given, maps this rank's image K/V (after the Ulysses all-to-all) to the K/V
-    to attend to; PipeFusion uses it to add the other patches' stale K/V.
+    `stale_kv`, if given, maps this rank's text and image K/V (the image's after the Ulysses all-to-all)
+    to the K/V to attend to; PipeFusion uses it to add the other patches' stale K/V (and the text
+    patch's K/V for an image patch that runs without the text).
     `keep`, for an uneven split (token_split.UnevenSplit.keep), drops the padded image keys.
     """
     scale = default_scale(q) if scale is None else scale
@@ -123,8 +124,8 @@ def usp_attention(
     qi, ki, vi = qkv.unbind(0)
     h0, h1 = ulysses.rank_in_group * heads // u, (ulysses.rank_in_group + 1) * heads // u
     qt, kt, vt = qt[:, h0:h1], kt[:, h0:h1], vt[:, h0:h1]
-    if image_kv is not None:
-        ki, vi = image_kv(ki, vi)
+    if stale_kv is not None:
+        kt, vt, ki, vi = stale_kv(kt, vt, ki, vi)
 
     query = torch.cat([qt, qi], dim=2)
     ki_real, vi_real = (ki, vi) if keep is None else _real_keys(ki, vi, keep[ring.rank_in_group])

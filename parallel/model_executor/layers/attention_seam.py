@@ -60,6 +60,9 @@ def _sequence_parallel_attention(query, key, value, attn_mask, dropout_p, is_cau
             "run this model without ulysses/ring degrees"
         )
     layer.calls += 1
+    text_tokens = get_runtime_state().text_tokens
+    if layer.kv_cache is not None:  # a PipeFusion patch may hold the text alone, or no text
+        text_tokens = layer.kv_cache.text_tokens(text_tokens)
     if tokens_dim == 1:
         query, key, value = (x.transpose(1, 2) for x in (query, key, value))
     out = usp_attention(
@@ -70,10 +73,10 @@ def _sequence_parallel_attention(query, key, value, attn_mask, dropout_p, is_cau
         ring=get_ring_group(),
         kernel=pick_kernel(query, layer.kernel),
         text_layout=layer.text_layout,
-        text_tokens=get_runtime_state().text_tokens,
+        text_tokens=text_tokens,
         scale=scale,
         keep=getattr(get_runtime_state().token_split, "keep", None),  # uneven token split: drop padded keys
-        image_kv=functools.partial(layer.kv_cache.exchange, layer.name) if layer.kv_cache is not None else None,
+        stale_kv=functools.partial(layer.kv_cache.exchange, layer.name) if layer.kv_cache is not None else None,
     )
     return out.transpose(1, 2) if tokens_dim == 1 else out
 
