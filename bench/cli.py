@@ -1,11 +1,12 @@
 """`python -m bench SUITE`: launch the torchrun jobs a suite needs, then print and save its tables.
 
-    python -m bench {overhead,efficiency,diffusers-cp,all} [--runs 5] [--json OUT.json] [--tiny]
+    python -m bench {overhead,efficiency,diffusers-cp,all} [--runs 5] [--json OUT.json] [--tiny | --large]
                     [--settle SECONDS] [--max-ranks N]
 
 Each job is `torchrun --nproc-per-node N -m bench.driver` with one thread per rank. A job needing more
 ranks than this machine has cores is skipped with a one-line reason: oversubscribed ranks would time
-the scheduler, not the engine (--max-ranks overrides, e.g. to exercise the code path).
+the scheduler, not the engine (--max-ranks overrides, e.g. to exercise the code path). On GPUs every rank
+runs on its own device in bf16 (NCCL): give `--large --max-ranks` the number of GPUs.
 `all` writes bench/out/results.json unless --json says otherwise. This process imports neither torch
 nor diffusers: it launches the jobs and does the arithmetic.
 """
@@ -35,8 +36,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("suite", choices=[*SUITES, "all"])
     parser.add_argument("--runs", type=int, default=5, help="timed rounds per layout (after one warm-up)")
     parser.add_argument("--json", type=Path, default=None, help=f"write results here (all: default {DEFAULT_JSON})")
-    parser.add_argument("--tiny", action="store_true",
-                        help="the tiny test model: checks the machinery, times nothing useful")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--tiny", action="store_true",
+                      help="the tiny test model: checks the machinery, times nothing useful")
+    size.add_argument("--large", action="store_true",
+                      help="FLUX.1-dev's width with 12 of its blocks at 1024² (for GPUs)")
     parser.add_argument("--settle", type=float, default=0.0, metavar="SECONDS",
                         help="before each round, wait up to this long for other processes to leave the cores idle")
     parser.add_argument("--max-ranks", type=int, default=len(os.sched_getaffinity(0)),
@@ -61,13 +65,13 @@ def run_job(ranks: int, names: list[str], model: str, args: argparse.Namespace, 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     suites = list(SUITES) if args.suite == "all" else [args.suite]
-    model_key = "tiny" if args.tiny else "medium"
+    model_key = "tiny" if args.tiny else "large" if args.large else "medium"
     jobs, skipped, meta = {}, {}, {}
     with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
         for ranks, names in sorted(jobs_for(suites).items()):
             if ranks > args.max_ranks:
-                reason = (f"needs {ranks} ranks with one core each; this machine has {args.max_ranks} "
-                          f"(--max-ranks {ranks} runs it oversubscribed)")
+                reason = (f"needs {ranks} ranks with a core (or GPU) each; --max-ranks is {args.max_ranks} "
+                          f"(this machine's cores by default; --max-ranks {ranks} runs it oversubscribed)")
                 skipped.update({name: reason for name in names if LAYOUTS[name].engine != "diffusers"})
                 continue
             result = run_job(ranks, names, model_key, args, Path(workdir))
@@ -82,11 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "meta": {
             "command": "python -m bench " + " ".join(sys.argv[1:] if argv is None else argv),
-            **{key: meta[key] for key in ("model", "height", "width", "steps", "threads_per_rank")},
+            **{key: meta[key] for key in ("model", "height", "width", "steps", "threads_per_rank", "backend", "device")},
             "image_tokens": dims.image_tokens, "text_tokens": dims.text_tokens,
             "runs": args.runs, "settle_s": args.settle,
             "cores": len(os.sched_getaffinity(0)), "cpu": machine.cpu_model(),
-            "torch": version("torch"), "diffusers": version("diffusers"), "backend": "gloo",
+            "torch": version("torch"), "diffusers": version("diffusers"),
         },
         "suites": tables,
         "goals": report.goals(tables),

@@ -17,7 +17,7 @@ import json
 import statistics
 from pathlib import Path
 
-from .model import launch_per_rank_count, parse_or_drive, side_by_side_arguments
+from .model import launch_per_rank_count, model_key, parse_or_drive, side_by_side_arguments
 
 
 def drive(spec: dict) -> None:
@@ -42,11 +42,10 @@ def drive(spec: dict) -> None:
 
 def main(argv=None) -> int:
     parser = side_by_side_arguments("bench.compile", __doc__, runs=3, steps=2)
-    parser.add_argument("--large", action="store_true", help="FLUX.1-dev's width with 12 of its blocks (for a GPU)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="rank counts to run (one GPU: 1)")
     if (args := parse_or_drive(parser, argv, drive)) is None:
         return 0
-    model = "tiny" if args.tiny else "large" if args.large else "medium"
+    model = model_key(args)
     raws = launch_per_rank_count("bench.compile", {"model": model, "runs": args.runs, "steps": args.steps}, args.json,
                                  nprocs=args.ranks)
     rows = {}

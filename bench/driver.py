@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node N -m bench.driver SPEC.json RESULT.json
 
-SPEC: {"model": "medium"|"tiny", "layouts": [names], "runs": R, "settle_s": S}. One untimed pass over every layout
+SPEC: {"model": "medium"|"tiny"|"large", "layouts": [names], "runs": R, "settle_s": S}. One untimed pass over every layout
 comes first (it also records bytes sent and each output's distance from its 1-rank baseline), then R
 rounds; round r starts at layout r mod L, so no layout always runs first after the set-up of another.
 Our engine's mesh is built and torn down around every run (as the pool does when it switches layout);
@@ -32,7 +32,7 @@ from parallel.model_executor.layout_scope import under_layout
 from . import machine
 from .diffusers_cp import FunctionalCollectiveBytes, enable_context_parallel
 from .layouts import LAYOUTS, Layout
-from .model import MODELS, BenchModel
+from .model import MODELS, BenchModel, on_gpu, synchronize
 
 
 @dataclass
@@ -49,7 +49,7 @@ class Runners:
     def __init__(self, model: BenchModel, rank: int, layouts: list[Layout]):
         self.model, self.rank = model, rank
         self.pipeline = model.pipeline()
-        self.inputs = model.inputs(self.pipeline)
+        self.inputs = on_gpu(self.pipeline, model.inputs(self.pipeline))  # on a GPU: this rank's device, bf16
         # diffusers' enable_parallelism cannot be undone, so each CP layout gets its own copy, set up
         # before any of our layouts has run (every rank builds the meshes in the same order).
         # If diffusers refuses (a version whose CP this CPU shim no longer fits), the layout is reported
@@ -64,6 +64,7 @@ class Runners:
 
     def _context_parallel_copy(self, layout: Layout):
         pipeline = self.model.pipeline()
+        on_gpu(pipeline, {})
         enable_context_parallel(pipeline.transformer, ulysses_degree=layout.ulysses, ring_degree=layout.ring)
         return pipeline
 
@@ -94,8 +95,10 @@ def timed(run: Run) -> tuple[float, torch.Tensor | None, list[int], float]:
     dist.barrier()
     busy, cpu, start = machine.busy_seconds(), time.process_time(), time.perf_counter()
     latents = run.call()
-    finished = torch.tensor([time.perf_counter() - start, time.process_time() - cpu], dtype=torch.float64)
-    sent = torch.tensor([run.bytes_sent() - before], dtype=torch.int64)
+    synchronize()  # on a GPU: the queued kernels count
+    wire = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
+    finished = torch.tensor([time.perf_counter() - start, time.process_time() - cpu], dtype=torch.float64, device=wire)
+    sent = torch.tensor([run.bytes_sent() - before], dtype=torch.int64, device=wire)
     elapsed, own_cpu = finished.clone(), finished.clone()
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     dist.all_reduce(own_cpu, op=dist.ReduceOp.SUM)
@@ -143,7 +146,8 @@ def main(spec_path: str, result_path: str) -> int:
     if world.rank == 0:
         meta = {
             "world_size": world.world_size, "threads_per_rank": torch.get_num_threads(), "model": model.name,
-            "height": model.height, "width": model.width, "steps": model.steps,
+            "height": model.height, "width": model.width, "steps": model.steps, "backend": dist.get_backend(),
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "dims": asdict(model.dims(runners.pipeline)),
         }
         Path(result_path).write_text(json.dumps({"meta": meta, "layouts": results}, indent=1))

@@ -89,7 +89,8 @@ class BenchModel:
             image_tokens=self.image_tokens(pipeline), text_tokens=self.text_tokens,
             heads=config.num_attention_heads, head_dim=config.attention_head_dim,
             double_blocks=config.num_layers, single_blocks=config.num_single_layers,
-            out_channels=config.out_channels or config.in_channels, element_bytes=4,
+            out_channels=config.out_channels or config.in_channels,
+            element_bytes=next(pipeline.transformer.parameters()).element_size(),  # fp32, or bf16 on a GPU
         )
 
 
@@ -216,17 +217,25 @@ def one_rank_pool(pipeline):
 
 
 def side_by_side_arguments(module: str, doc: str, runs: int, steps: int) -> argparse.ArgumentParser:
-    """The options every side-by-side bench takes: --tiny, --runs, --steps, --json (bench/out/<name>.json) and
-    the hidden --drive SPEC its torchrun ranks get; the bench adds its own."""
+    """The options every side-by-side bench takes: --tiny or --large, --runs, --steps, --json
+    (bench/out/<name>.json) and the hidden --drive SPEC its torchrun ranks get; the bench adds its own."""
 
     name = module.rsplit(".", 1)[-1]
     parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="the tiny test model: checks the machinery only")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--tiny", action="store_true", help="the tiny test model: checks the machinery only")
+    size.add_argument("--large", action="store_true",
+                      help="FLUX.1-dev's width with 12 of its blocks, 1024² (for GPUs: each rank on its own, bf16)")
     parser.add_argument("--runs", type=int, default=runs)
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "out" / f"{name}.json")
     parser.add_argument("--drive", type=Path, help=argparse.SUPPRESS)
     return parser
+
+
+def model_key(args) -> str:
+    """The MODELS key the options chose: tiny, large or (neither) medium."""
+    return "tiny" if args.tiny else "large" if args.large else "medium"
 
 
 def parse_or_drive(parser, argv, drive):

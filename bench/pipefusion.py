@@ -21,7 +21,7 @@ from pathlib import Path
 
 from parallel.launch import ROOT, rank_environment, torchrun_command
 
-from .model import parse_or_drive, side_by_side_arguments
+from .model import model_key, parse_or_drive, side_by_side_arguments
 
 def layouts(patches: list[int]) -> dict[str, dict | None]:
     pipefusion = {("pipefusion2" if m == 2 else f"pipefusion2, {m} patches"):
@@ -30,7 +30,7 @@ def layouts(patches: list[int]) -> dict[str, dict | None]:
 
 
 def analytic_bytes(name: str, dims, steps: int, patches: int = 2) -> float:
-    """Mean bytes per rank per step that the method must send (fp32)."""
+    """Mean bytes per rank per step that the method must send."""
     i, t, c = dims.image_tokens, dims.text_tokens, dims.out_channels
     d = dims.heads * dims.head_dim
     if name == "ulysses2":  # as bench/analytic.py counts Ulysses (text sharded with the image where both divide)
@@ -44,7 +44,7 @@ def analytic_bytes(name: str, dims, steps: int, patches: int = 2) -> float:
 
         warm, patched = (i + t) * d, (i + t + (patches + 1) * STAND_IN) * d
         activations = (warm + (steps - 1) * patched) / steps
-        return (activations + i * c) / 2 * 4
+        return (activations + i * c) / 2 * dims.element_bytes
     return 0.0
 
 
@@ -56,7 +56,7 @@ def drive(spec: dict) -> None:
     from parallel.distributed.parallel_state import all_coordinators
     from parallel.model_executor.layout_scope import under_layout
 
-    from .model import start_drive
+    from .model import start_drive, synchronize
 
     world, model, pipeline, inputs, kwargs = start_drive(spec)
     chosen = layouts(spec["patches"])
@@ -73,6 +73,7 @@ def drive(spec: dict) -> None:
                 start = time.perf_counter()
                 with torch.no_grad():
                     out = (wrapped or pipeline)(**inputs, **kwargs)[0] if wrapped or world.rank == 0 else None
+                synchronize()  # on a GPU: the queued kernels count
                 elapsed = time.perf_counter() - start
                 dist.barrier()
                 if wrapped is not None:
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
         return 0
     spec_file = args.json.with_suffix(".spec.json")
     result = args.json.with_suffix(".raw.json")
-    spec_file.write_text(json.dumps({"model": "tiny" if args.tiny else "medium", "runs": args.runs, "steps": args.steps,
+    spec_file.write_text(json.dumps({"model": model_key(args), "runs": args.runs, "steps": args.steps,
                                      "patches": args.patches, "result": str(result)}))
     subprocess.run(torchrun_command(2, "-m", "bench.pipefusion", "--drive", str(spec_file)), cwd=ROOT,
                    env=rank_environment(), check=True)
@@ -116,7 +117,7 @@ def main(argv=None) -> int:
                       "bytes_per_step_per_rank": mean_sent, "bytes_analytic": analytic_bytes(name, dims, args.steps, (chosen[name] or {}).get("num_patches", 2)),
                       "max_abs_diff_vs_1_rank": raw["diffs"].get(name)}
     args.json.write_text(json.dumps({"steps": args.steps, "runs": args.runs, "rows": rows}, indent=2))
-    print(f"| layout ({'tiny' if args.tiny else 'medium'} Flux, {args.steps} steps) | ms/step | spread | efficiency "
+    print(f"| layout ({model_key(args)} Flux, {args.steps} steps) | ms/step | spread | efficiency "
           f"| KiB/step/rank (method) | max abs Δ vs 1 rank |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, r in rows.items():

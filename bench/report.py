@@ -131,7 +131,7 @@ def markdown(tables: dict[str, dict], goal_list: list[dict], meta: dict) -> str:
     lines = [
         f"model {meta['model']}: {meta['height']}×{meta['width']}, {meta['image_tokens']} image + "
         f"{meta['text_tokens']} text tokens, {meta['steps']} steps, {meta['runs']} runs, "
-        f"{meta['threads_per_rank']} thread per rank, {meta['cores']} cores, gloo"
+        f"{meta['threads_per_rank']} thread per rank, {meta['cores']} cores, {meta['backend']} on {meta['device']}"
         + (f", each round waited up to {meta['settle_s']:g} s for other load to pass" if meta["settle_s"] else ""),
     ]
     for suite, table in tables.items():

@@ -17,7 +17,7 @@ import json
 import statistics
 from pathlib import Path
 
-from .model import launch_per_rank_count, parse_or_drive, side_by_side_arguments
+from .model import launch_per_rank_count, model_key, parse_or_drive, side_by_side_arguments
 
 RUNS = ("unsharded", "sharded")
 
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     parser = side_by_side_arguments("bench.shard_weights", __doc__, runs=3, steps=2)
     if (args := parse_or_drive(parser, argv, drive)) is None:
         return 0
-    model = "tiny" if args.tiny else "medium"
+    model = model_key(args)
     rows = {}
     raws = launch_per_rank_count("bench.shard_weights", {"model": model, "runs": args.runs, "steps": args.steps}, args.json)
     for nproc, raw in raws.items():

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from parallel.launch import ROOT, rank_environment, torchrun_command
 
-from .model import parse_or_drive, side_by_side_arguments
+from .model import model_key, parse_or_drive, side_by_side_arguments
 
 RUNS = ("1 rank", "1 rank + cache", "ulysses2", "ulysses2 + cache")
 
@@ -53,7 +53,7 @@ def drive(spec: dict) -> None:
     from parallel.model_executor.layout_scope import under_layout
     from parallel.request import STEP_CACHE
 
-    from .model import start_drive
+    from .model import start_drive, synchronize
 
     world, model, pipeline, inputs, kwargs = start_drive(spec)
     cache = CacheSettings("first-block", spec["threshold"])
@@ -72,6 +72,7 @@ def drive(spec: dict) -> None:
                     with torch.no_grad():
                         out = wrapped(**inputs, **kwargs, **({STEP_CACHE: cache} if cached else {}))[0]
                     calls = wrapped.cache_report.full if cached else spec["steps"]
+            synchronize()  # on a GPU: the queued kernels count
             elapsed = time.perf_counter() - start
             dist.barrier()
             if round_:
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
     if (args := parse_or_drive(parser, argv, drive)) is None:
         return 0
     spec_file, result = args.json.with_suffix(".spec.json"), args.json.with_suffix(".raw.json")
-    spec_file.write_text(json.dumps({"model": "tiny" if args.tiny else "medium", "runs": args.runs, "steps": args.steps,
+    spec_file.write_text(json.dumps({"model": model_key(args), "runs": args.runs, "steps": args.steps,
                                      "threshold": args.threshold, "result": str(result)}))
     subprocess.run(torchrun_command(2, "-m", "bench.step_cache", "--drive", str(spec_file)), cwd=ROOT,
                    env=rank_environment(), check=True)
