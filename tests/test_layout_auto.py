@@ -1,9 +1,10 @@
 """`--layout auto`: the prediction picks PipeFusion on a slow link and Ulysses on a fast one, and contract E runs
 the layout it picks, exactly.
 
-The decision: FLUX.1-dev at 1024² on 2 GPUs, its blocks priced by their multiply-accumulates at an H100's
-rate (Ring's attention in two pieces costing a little more, as measured ones do), with NVLink, PCIe 4.0, 25 GbE
-and 10 GbE: Ulysses on NVLink, PipeFusion from PCIe down (as xDiT reports for PCIe machines). Through real
+The decision (bench/link_table.py's model): FLUX.1-dev at 1024² on 2 GPUs, its blocks priced by their
+multiply-accumulates at an H100's rate (Ring's attention in two pieces costing a little more, as measured ones do),
+with NVLink, PCIe 4.0, 25 GbE and 10 GbE: Ulysses on NVLink, PipeFusion from PCIe down (as xDiT reports for PCIe
+machines); Wan 2.2 at 720p on 8 GPUs. Through real
 torchrun ranks: the tiny Flux with `--layout auto` and a link given as 100 kB/s runs PipeFusion; with NVLink, and
 measured on this machine, whatever it predicts fastest; each prints its table (fastest first) and equals
 diffusers within 1e-4 (PipeFusion with warm-up = steps, so exact).
@@ -16,43 +17,41 @@ import re
 import pytest
 from safetensors.torch import load_file, save_file
 
+from bench import link_table
+from bench.link_table import JOBS, block_seconds, winners
 from parallel import tiny_models
 from parallel.config import ParallelConfig
-from parallel.layout_choice import Job, Link, block_shapes, candidate_layouts, predict
+from parallel.layout_choice import Link, block_shapes, predict
 
 from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
 
-FLUX_DEV_1024 = Job(image_tokens=4096, text_tokens=512, text_splits=True, heads=24, head_dim=128, hidden=3072,
-                    blocks=57, out_channels=64, element_bytes=2, batch=1, steps=28, branches=1)
-
-
-def flops_seconds(shape, job: Job, rate: float = 400e12) -> float:
-    """A block's multiply-accumulates at `rate`; attention in several pieces 3% dearer (the merge, smaller kernels)."""
-    tokens, queries, keys, heads, pieces = shape
-    linear = 12 * job.hidden * job.hidden * tokens
-    attention = 2 * queries * keys * heads * job.head_dim * (1.03 if pieces > 1 else 1.0)
-    return 2 * (linear + attention) / rate
-
-
-def best(job: Job, link: Link, world: int = 2) -> ParallelConfig:
-    layouts = [c for c in candidate_layouts(world, ParallelConfig(warmup_steps=1))
-               if c.dp_degree == 1 and c.cfg_degree == 1]  # one sample, no CFG: what FLUX.1-dev runs
-    blocks = {s: flops_seconds(s, job) for c in layouts for s in block_shapes(c, job)}
-    return min(layouts, key=lambda c: predict(c, job, blocks, link, link).step_s)
+FLUX_DEV_1024 = JOBS["FLUX.1-dev 1024²"]
+H100 = 400e12  # dense bf16 FLOP/s
 
 
 @pytest.mark.parametrize("link, expected", [("nvlink", "ulysses"), ("pcie4", "pipefusion"), ("25gbe", "pipefusion"),
                                             ("10gbe", "pipefusion")])
 def test_a_slow_link_chooses_pipefusion_and_a_fast_one_ulysses(link, expected):
-    chosen = best(FLUX_DEV_1024, Link.parse(link))
+    chosen, _, _ = winners(FLUX_DEV_1024, H100, 2, Link.parse(link))
     assert chosen.describe() == f"{expected}=2", (link, chosen)
+
+
+def test_the_link_table_prices_wan_at_720p_on_8_gpus(capsys):
+    """Wan 2.2 with CFG on 8 GPUs: CFG parallel always (it sends almost nothing), Ulysses within each branch on a
+    fast link, PipeFusion on Ethernet; the table prints every model × GPU count × link."""
+    wan = JOBS["Wan 2.2 A14B 720p"]
+    assert winners(wan, H100, 8, Link.parse("nvlink"))[0].describe() == "cfg=2 × ulysses=4"
+    assert winners(wan, H100, 8, Link.parse("10gbe"))[0].describe() == "cfg=2 × pipefusion=4"
+    assert link_table.main([]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "ms" in line]
+    assert len(rows) == len(JOBS) * 3 and all(line.count(" ms, ") == 4 for line in rows)
 
 
 def test_predictions_add_up():
     """Ulysses 2 sends what bench/analytic.py counts (both streams sharded), priced at the link's rate."""
     job, link = FLUX_DEV_1024, Link.parse("10gbe")
     config = ParallelConfig(ulysses_degree=2)
-    blocks = {s: flops_seconds(s, job) for s in block_shapes(config, job)}
+    blocks = {s: block_seconds(s, job, H100) for s in block_shapes(config, job)}
     p = predict(config, job, blocks, link, link)
     s, hd = job.image_tokens + job.text_tokens, job.heads * job.head_dim
     per_layer = 4 * s / 2 * hd * 2 / 2
