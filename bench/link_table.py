@@ -24,7 +24,7 @@ from parallel.layout_choice import BlockShape, Job, block_shapes, candidate_layo
 JOBS = {
     # 1024² → 64 × 64 packed tokens; 512 T5 tokens joined with them; 19 double + 38 single blocks; guidance-distilled
     "FLUX.1-dev 1024²": Job(image_tokens=4096, text_tokens=512, text_splits=True, heads=24, head_dim=128, hidden=3072,
-                            blocks=57, out_channels=64, element_bytes=2, batch=1, steps=28, branches=1),
+                            blocks=57, out_channels=64, element_bytes=2, batch=1, steps=28, branches=1, flows=True),
     # 81 frames 1280×720 → 21 × 90 × 160 latents → 21 × 45 × 80 tokens (patch 1×2×2); the text stays in the
     # blocks' cross-attention (no joint text); 40 blocks of width 5120; CFG (two branches); 16 channels × 4 per token
     "Wan 2.2 A14B 720p": Job(image_tokens=21 * 45 * 80, text_tokens=0, text_splits=True, heads=40, head_dim=128,

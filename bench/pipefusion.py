@@ -5,7 +5,9 @@
 One torchrun job of 2 ranks, one thread each, layouts interleaved round by round. The 1-rank time is
 the plain diffusers pipeline on rank 0 while rank 1 waits in a barrier. PipeFusion runs with one
 synchronous warm-up step and 2 image patches (or each count --patches names) after the text patch, so the
-other steps use the stale-K/V patch pipeline (the second stage waits for the text patch only); it gets a fresh copy of the pipeline each run, since a stage frees the blocks it does not hold.
+other steps use the stale-K/V patch pipeline with the patches flowing across steps; a "step by step" row runs
+the first count with every step ending on both stages (the stage-1 output broadcast, no flow). PipeFusion gets
+a fresh copy of the pipeline each run, since a stage frees the blocks it does not hold.
 Bytes are what each rank's group coordinators counted, per step, next to what the method must move.
 """
 
@@ -24,8 +26,12 @@ from parallel.launch import ROOT, rank_environment, torchrun_command
 from .model import model_key, parse_or_drive, side_by_side_arguments
 
 def layouts(patches: list[int]) -> dict[str, dict | None]:
+    """The patches flowing across steps for each count, and the first count with every step ending on both stages."""
     pipefusion = {("pipefusion2" if m == 2 else f"pipefusion2, {m} patches"):
                   {"pipefusion_degree": 2, "warmup_steps": 1, "num_patches": m} for m in patches}
+    first = patches[0]
+    pipefusion["pipefusion2" + ("" if first == 2 else f", {first} patches") + ", step by step"] = {
+        "pipefusion_degree": 2, "warmup_steps": 1, "num_patches": first, "patch_flow": False}
     return {"1 rank (diffusers)": None, "ulysses2": {"ulysses_degree": 2}, **pipefusion}
 
 
@@ -39,7 +45,8 @@ def analytic_bytes(name: str, dims, steps: int, patches: int = 2) -> float:
 
         return min_bytes_per_step(BENCH_LAYOUTS["xdit-ulysses2"], dims)
     if name.startswith("pipefusion2"):  # stage 0 sends the text patch and the image patches (each with a stand-in
-        # token of the other stream, pipefusion.STAND_IN); stage 1 broadcasts the output
+        # token of the other stream, pipefusion.STAND_IN); stage 1 broadcasts the output, or while the patches flow,
+        # sends each patch's next latents back (as many values: Flux's latents and output have the same channels)
         from parallel.model_executor.pipefusion import STAND_IN
 
         warm, patched = (i + t) * d, (i + t + (patches + 1) * STAND_IN) * d

@@ -68,6 +68,7 @@ class ParallelConfig:
     ulysses_degree: int = 1
     num_patches: int | None = None
     warmup_steps: int = 1
+    patch_flow: bool = True  # PipeFusion's patches flow across steps where the call allows (pipefusion.py); False: every step ends on every stage
     shard_weights: bool = False  # FSDP2: each rank keeps 1/world of every transformer block (weight_sharding.py)
     offload: bool = False  # with shard_weights: the shards wait in CPU memory, on the GPU only while their block runs
     compile: bool = False  # torch.compile of every transformer block's forward (compile.py)

@@ -11,6 +11,7 @@ The prediction prices what each method does per denoising step on one rank (as b
 - PipeFusion: its warm-up steps run the stages one after the other; later steps stream the text patch (where the
   model has a text stream) and M image patches through P stages: a step's longest chain is every patch on one
   stage and the largest patch on each other stage, with a hand-over per patch; the last stage broadcasts the output.
+  Where the patches flow across steps, the other stages' share of the chain is paid once per run (fill and drain).
 Each message costs the measured latency plus bytes over the measured bandwidth (all-to-all for collectives,
 a pairwise exchange for point-to-point). One step of the job itself, run as diffusers runs it on every rank at
 once, calibrates the synthetic block against the model's real blocks (their ratio scales every synthetic
@@ -57,6 +58,7 @@ class Job:
     batch: int
     steps: int
     branches: int  # 2 with classifier-free guidance
+    flows: bool = False  # PipeFusion's patches would flow across steps (pipefusion.py): no stage waits at a step's end
     block_scale: float = 1.0  # the model's real block time over the synthetic block's, on one sample
     outside_s: float = 0.0  # time per step and sample outside the blocks (embedders, norms, the scheduler)
 
@@ -138,12 +140,14 @@ def predict(config: ParallelConfig, job: Job, blocks: dict[BlockShape, float], c
         order = [(stage_blocks * blocks[text_shape[0]], p2p.seconds((t + STAND_IN) * d * e))] if t else []
         order += [(stage_blocks * blocks[patch_shape], stage_blocks * patch_seconds + p2p.seconds(hand_over))] * m
         largest = max(order, key=sum)
-        async_compute = sum(c for c, _ in order) + (p - 1) * largest[0]
-        async_comm = sum(x for _, x in order) + (p - 1) * largest[1]
+        warm = min(config.warmup_steps, job.steps)
+        # the other stages' share of the chain: every step's, or while the patches flow, the run's fill and drain
+        chained = (p - 1) / max(job.steps - warm, 1) if job.flows else p - 1
+        async_compute = sum(c for c, _ in order) + chained * largest[0]
+        async_comm = sum(x for _, x in order) + chained * largest[1]
         warm_compute = job.blocks * blocks[whole_shape]
         whole_seconds, whole_bytes = layer_traffic(i)
         warm_comm = job.blocks * whole_seconds + (p - 1) * p2p.seconds((i / n + t) * d * e)
-        warm = min(config.warmup_steps, job.steps)
         compute = samples * (warm * warm_compute + (job.steps - warm) * async_compute) / job.steps
         broadcast = i / n * job.out_channels * e * (p - 1)
         comm_s = samples * ((warm * warm_comm + (job.steps - warm) * async_comm) / job.steps
@@ -374,6 +378,7 @@ def auto_layout(pipeline, base: ParallelConfig, call: dict, world: int, link: Li
             out_channels=config.get("out_channels") or config.get("in_channels") or attention.to_q.in_features,
             element_bytes=transformer.dtype.itemsize, batch=batch, steps=kwargs["num_inference_steps"],
             branches=2 if wrapped.uses_cfg(kwargs) else 1,
+            flows=wrapped.patches_flow(kwargs, replace(base, pipefusion_degree=2)),
         )
         serial = measure_serial_step(wrapped, kwargs, transformer_blocks(transformer))
         return choose(world, base, job, valid, transformer.device, transformer.dtype, link, serial, attention_kernel)

@@ -12,6 +12,7 @@ from diffusers import (
     DPMSolverMultistepScheduler,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
+    UniPCMultistepScheduler,
 )
 
 from .checkpoints import CHECKPOINT_SUFFIXES
@@ -21,8 +22,9 @@ SCHEDULERS = {
     "ddim": DDIMScheduler,
     "euler": EulerDiscreteScheduler,
     "dpmsolver": DPMSolverMultistepScheduler,
-    "flow-euler": FlowMatchEulerDiscreteScheduler,
 }
+FLOW_SCHEDULERS = {"flow-euler": FlowMatchEulerDiscreteScheduler, "flow-dpmsolver": DPMSolverMultistepScheduler,
+                   "flow-unipc": UniPCMultistepScheduler}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 FP8_STORAGE = torch.float8_e4m3fn  # "fp8": weights stored in fp8, each layer computing in bf16
 
@@ -91,11 +93,15 @@ def make_scheduler(default, name: str):
     if name == "default":
         return default
     flow = isinstance(default, FlowMatchEulerDiscreteScheduler) or default.config.get("use_flow_sigmas", False)
-    allowed = ["default", "flow-euler"] if flow else ["default", "ddim", "euler", "dpmsolver"]
+    allowed = ["default", *FLOW_SCHEDULERS] if flow else ["default", "ddim", "euler", "dpmsolver"]
     if name not in allowed:
         raise ValueError(f"scheduler {name!r} does not fit this {type(default).__name__} model; choose one of {allowed}")
-    if name == "flow-euler" and "flow_shift" in default.config:  # Wan's UniPC: the same shift, as FlowMatch spells it
-        return FlowMatchEulerDiscreteScheduler.from_config(default.config, shift=default.config["flow_shift"])
+    shift = default.config.get("flow_shift", default.config.get("shift", 1.0))  # Wan's UniPC spells it flow_shift
+    if name == "flow-euler":
+        return FlowMatchEulerDiscreteScheduler.from_config(default.config, shift=shift)
+    if name in FLOW_SCHEDULERS:  # the multistep solvers on the model's flow-matching sigmas, shifted as its own
+        return FLOW_SCHEDULERS[name].from_config(default.config, use_flow_sigmas=True, prediction_type="flow_prediction",
+                                                 flow_shift=shift)
     return SCHEDULERS[name].from_config(default.config)
 
 

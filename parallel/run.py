@@ -27,7 +27,7 @@ from .arguments import ArgumentParser
 from .config import LayoutError, Link, add_parallel_arguments, auto_layout_from_args, config_from_args
 from .families import FAMILIES
 from .launch import apply_threads_per_rank, die_with_parent
-from .loading import DTYPES, SCHEDULERS, load_pipeline, set_scheduler
+from .loading import DTYPES, FLOW_SCHEDULERS, SCHEDULERS, load_pipeline, set_scheduler
 from .request import add_request_arguments, request_from_args
 from .torchrun_exit import exit_quietly
 
@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--inputs", help="safetensors file with the pipeline's tensor arguments")
     parser.add_argument("--output", help="safetensors file to write (key: latents)")
     add_request_arguments(parser)
-    parser.add_argument("--scheduler", choices=["default", *SCHEDULERS], default="default")
+    parser.add_argument("--scheduler", choices=["default", *SCHEDULERS, *FLOW_SCHEDULERS], default="default")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: as saved")
     parser.add_argument("--attention-kernel", default=None, help="force a kernel (math, cpu_flash, flash_attn, ...)")
     parser.add_argument("--repeat", type=int, default=1,

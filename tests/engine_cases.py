@@ -3,8 +3,8 @@
     torchrun --nproc-per-node N tests/engine_cases.py CASES.json
 
 Each case in CASES.json: {"name", "model", "inputs", "output", "layout": {ParallelConfig fields},
-"call": {extra __call__ kwargs}, "scheduler", "fault"}. Rank 0 writes each case's latents (or
-the error text to output + ".error"). One launch amortises process-group start-up and imports
+"call": {extra __call__ kwargs}, "scheduler", "fault", "report_memory", "report_flow"}. Rank 0 writes each case's
+latents (or the error text to output + ".error"). One launch amortises process-group start-up and imports
 over the whole matrix, and exercises tearing the layout down and building it again.
 """
 
@@ -22,9 +22,22 @@ from parallel.config import ParallelConfig
 from parallel.distributed import destroy_distributed_environment, init_distributed_environment
 from parallel.loading import load_pipeline, set_scheduler
 from parallel.model_executor.layout_scope import under_layout
+from parallel.model_executor import pipefusion
 from parallel.model_executor.layers import attention_seam
 
 _USP = attention_seam.usp_attention
+_PATCH_COPY = pipefusion.patch_copy
+
+
+def _forgetful_patch_copy(scheduler, rows):
+    """Negative control for PipeFusion's flow: each patch's scheduler starts without the multistep history."""
+    patch = _PATCH_COPY(scheduler, rows)
+    patch.model_outputs = [None] * len(patch.model_outputs)
+    patch.lower_order_nums = 0
+    return patch
+
+
+FLOW_FAULTS = {"forgetful_patches": _forgetful_patch_copy}
 FAULTS = {
     # Negative control: attention on the local shard only, i.e. a sequence split with no exchange.
     "no_exchange": lambda q, k, v, **kw: torch.nn.functional.scaled_dot_product_attention(q, k, v),
@@ -52,13 +65,17 @@ def run_case(case: dict, rank: int) -> None:
                 report = [{"rank": r, "block_parameter_bytes": int(t), "all_block_parameter_bytes": all_blocks}
                           for r, t in enumerate(every)]
                 Path(case["output"] + ".memory.json").write_text(json.dumps(report))
-        original = attention_seam.usp_attention
-        if case.get("fault"):
-            attention_seam.usp_attention = FAULTS[case["fault"]]
+        fault = case.get("fault")
+        if fault in FLOW_FAULTS:
+            pipefusion.patch_copy = FLOW_FAULTS[fault]
+        elif fault:
+            attention_seam.usp_attention = FAULTS[fault]
         try:
             latents = parallel(**load_file(case["inputs"]), **case["call"], output_type="latent", return_dict=False)[0]
         finally:
-            attention_seam.usp_attention = original
+            attention_seam.usp_attention, pipefusion.patch_copy = _USP, _PATCH_COPY
+        if case.get("report_flow") and rank == 0:  # whether the last step's patches flowed on
+            Path(case["output"] + ".flow.json").write_text(json.dumps(parallel.module.transformer._stage.flowed))
     if rank == 0:
         save_file({"latents": latents.contiguous()}, case["output"])
 

@@ -111,12 +111,18 @@ class CancelPoints:
     and, inside a step, before every `every`-th transformer block, so a cancel or a stop takes effect within
     about CHECK_EVERY_S even when one step takes minutes. `every` starts at 1 and is reset at each step's end
     from rank 0's measured time per block, sent with the decision, so every rank checks at the same blocks.
-    Only where every rank runs the same blocks in the same order: not under PipeFusion (step ends only).
+    Only where every rank runs the same blocks in the same order: not under PipeFusion, whose stages run apart,
+    their patches flowing across steps. There (`lagged`) a step's decision travels while the next step runs and
+    every rank acts on it at the next step's end, so no stage waits for another at a step's end (a cancel lands
+    one step later).
     """
 
-    def __init__(self, transformers: list[torch.nn.Module], cancelled, group, rank: int, inside_steps: bool):
+    def __init__(self, transformers: list[torch.nn.Module], cancelled, group, rank: int, inside_steps: bool,
+                 lagged: bool = False):
         self.cancelled, self.group, self.rank = cancelled, group, rank
         self.every, self.blocks, self.step_started = 1, 0, time.perf_counter()
+        self.lagged = lagged
+        self._travelling: tuple[dist.Work, torch.Tensor] | None = None  # lagged: the last step's decision
         blocks = engine("weight_sharding").transformer_blocks
         # prepend: before FSDP2's own pre-forward, so a cancel never leaves a block's weights gathered
         self._hooks = [block.register_forward_pre_hook(self._before_block, prepend=True)
@@ -124,8 +130,14 @@ class CancelPoints:
 
     def _decide(self, every: int = 0) -> tuple[bool, int]:
         decision = torch.tensor([int(self.rank == 0 and self.cancelled()), every], dtype=torch.int64)
-        dist.broadcast(decision, src=0, group=self.group)
-        return bool(decision[0]), int(decision[1])
+        if not self.lagged:
+            dist.broadcast(decision, src=0, group=self.group)
+            return bool(decision[0]), int(decision[1])
+        arrived, self._travelling = self._travelling, (dist.broadcast(decision, src=0, group=self.group, async_op=True), decision)
+        if arrived is None:
+            return False, every
+        arrived[0].wait()
+        return bool(arrived[1][0]), int(arrived[1][1])
 
     def _before_block(self, module, args) -> None:
         self.blocks += 1
@@ -143,6 +155,9 @@ class CancelPoints:
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
+        if self._travelling is not None:  # every rank ends the collective it began
+            self._travelling[0].wait()
+            self._travelling = None
 
 
 class JobRunner:
@@ -190,7 +205,7 @@ class JobRunner:
 
         self.step = 0
         points = CancelPoints(self._transformers(), lambda: self.server.is_cancelled(work.job), self.group, self.rank,
-                              self.cancel_inside_steps)
+                              self.cancel_inside_steps, lagged=not self.cancel_inside_steps)
 
         def on_step(index: int, latents: torch.Tensor) -> None:
             self.step = index + 1

@@ -21,6 +21,8 @@ class RuntimeState:
     token_split: Any = None  # token_split.UnevenSplit while the token count does not divide by the sp degree
     text_mask_complete: bool = False  # the text's padding trimmed away (plans.TextPadding): its mask masks nothing
     run: int = 0  # counts jobs, so per-job state elsewhere (PipeFusion's warm-up per expert) knows a new one began
+    flow_scheduler: Any = None  # the loop's scheduler where PipeFusion's patches may flow across steps (pipefusion.py)
+    step_result: Any = None  # (latents) -> latents: replaces this rank's scheduler step result (PipeFusion's flow)
 
     def set_input_parameters(
         self, *, height: int, width: int, batch_size: int, num_inference_steps: int, image_tokens: int
@@ -33,6 +35,7 @@ class RuntimeState:
         self.step_index = 0
         self.token_split = None
         self.text_mask_complete = False
+        self.flow_scheduler = self.step_result = None
         self.run += 1
 
 

@@ -28,7 +28,7 @@ from ..checkpoints.shapes import Shapes
 from ..config import LayoutError
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
-from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split, TokenRows
+from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PatchFlow, PipeFusionPlan, Split, TokenRows
 from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant, pack_2x2, unpack_2x2
 
 
@@ -316,6 +316,7 @@ FLUX = FAMILIES.register(Family(
             carried=("hidden_states", "encoder_hidden_states"),
             returns=("encoder_hidden_states", "hidden_states"),
             token_inputs={"image_rotary_emb": TokenRows(text=TextLayout.PREFIX)},
+            flow=PatchFlow(embedder="x_embedder", output=(("norm_out", ("temb",)), ("proj_out", ()))),
         ),
     ),
     convert_lora=convert_lora,

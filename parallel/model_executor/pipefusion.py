@@ -16,6 +16,16 @@ after it attend to its fresh K/V. So the text is computed once per step rather t
 The text patch carries one image token and each image patch one text token as stand-ins, since diffusers'
 blocks cannot take a stream of no tokens (`reshape(..., -1, 2)`, `[:, :-0]`); attention replaces their
 K/V and their outputs are dropped, so they change nothing.
+
+Where the plan declares a PatchFlow and the call allows it (one model call per step, a scheduler whose step is
+elementwise: runtime `flow_scheduler`), the patches also flow across steps after warm-up, as xDiT runs them:
+the last stage finishes each patch's step itself — the plan's output modules on the patch, the step on the
+patch's own copy of the scheduler (its multistep history cut to the patch) — and sends the patch's next latents
+straight back to the first stage, which embeds them and starts the next step while the other patches are still
+in flight. No stage waits for a whole step, so the stages idle only at the start and the end of the run. The
+result is the same as with a whole step per stage: each stage's stale K/V hold the same steps' patches either
+way. The first stage's loop runs on stand-in outputs meanwhile; its latents are replaced after each step with
+the latents it used (previews run one step behind) and, after the last step, with the last stage's.
 """
 
 from __future__ import annotations
@@ -24,16 +34,17 @@ import contextlib
 import contextvars
 import functools
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from ..config import LayoutError
-from ..distributed import GroupCoordinator, get_runtime_state
+from ..distributed import GroupCoordinator, get_runtime_state, get_sp_group
 from .attention import TextLayout
 from .hooks import as_keyword_arguments
 from .plans import JoinedStream, PipeFusionPlan, TokenRows
+from .schedulers.base_scheduler import patch_copy
 
 
 @dataclass(frozen=True)
@@ -50,6 +61,16 @@ class PatchContext:
 
 
 STAND_IN = 1  # tokens of the stream a patch does not hold (see the module docstring)
+LATENTS = "_latents"  # the embedder's input, captured each call where patches may flow
+
+
+@dataclass
+class _Flow:
+    """One guidance branch's patches flowing across steps."""
+
+    first: int  # the first flowing step: it starts from the loop's own latents
+    schedulers: list = field(default_factory=list)  # the last stage: each image patch's copy of the loop's scheduler
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # the first stage: each image patch's latents this step
 
 _PATCH: contextvars.ContextVar[PatchContext | None] = contextvars.ContextVar("xdit_patch", default=None)
 
@@ -123,6 +144,10 @@ class PipeFusionStage:
         start, end = even_stages(len(blocks), pp.world_size)[pp.rank_in_group]
         self.block_range = (start, end)
         self._run, self._first_step = -1, {}
+        self._flows: dict[str, _Flow] = {}
+        self._current: _Flow | None = None
+        self._in_flight: list = []  # flowing: sends not yet waited for (a send's work holds its tensor)
+        self.flowed = False  # the last call's patches flowed on: its output is this stage's alone
         self.local = [block for _, _, block in blocks[start:end]]
         self._joined = [plan.joined.get(name) for name, _, _ in blocks[start:end]]
         self._forwards = [type(block).forward.__get__(block) for block in self.local]
@@ -142,6 +167,9 @@ class PipeFusionStage:
         self._captured: dict[str, torch.Tensor] = {}
         self._hooks = [transformer.get_submodule(path).register_forward_hook(functools.partial(_capture, self._captured, arg))
                        for joined in plan.joined.values() for arg, path in joined.inputs.items()]
+        if plan.flow is not None:
+            self._hooks.append(transformer.get_submodule(plan.flow.embedder).register_forward_pre_hook(
+                lambda module, args: self._captured.__setitem__(LATENTS, args[0])))
 
     def remove(self) -> bool:
         """Uninstall the stage; True when the transformer is whole again (the other stages' blocks were kept)."""
@@ -168,7 +196,7 @@ class PipeFusionStage:
             named = {**named, entry.text: image[:, : runtime.text_tokens]}
             image = image[:, runtime.text_tokens :]
         if self._run != runtime.run:
-            self._run, self._first_step = runtime.run, {}
+            self._run, self._first_step, self._flows = runtime.run, {}, {}
         # Warm-up counts from this stage's first step of the job in this branch: an expert that takes
         # over mid-run (Wan 2.2 A14B's second) fills its own stale K/V first.
         first = self._first_step.setdefault(self.branch(), runtime.step_index)
@@ -176,6 +204,11 @@ class PipeFusionStage:
         count = self.num_patches if asynchronous else 1
         size = image.shape[1] // count
         text_apart = asynchronous and bool(text_names)
+        flow = self._flow(asynchronous, count, size) if entry is None else None
+        self.flowed = flow is not None
+        latents = self._captured.get(LATENTS) if flow is not None else None  # before the embedder runs on a patch
+        receive = flow is not None and self.pp.is_first_rank and runtime.step_index > flow.first
+        send = flow is not None and self.pp.is_last_rank and not _last_step(runtime.flow_scheduler)
         # (image patch index, its rows): the text patch first when the text goes apart, with a stand-in image row
         patches = [(-1, slice(0, STAND_IN))] * text_apart + [(p, slice(p * size, (p + 1) * size)) for p in range(count)]
         outputs, sends = [], []
@@ -185,6 +218,11 @@ class PipeFusionStage:
                      **{n: _text_part(named.get(n), with_text) for n in text_names}}
             if not self.pp.is_first_rank:
                 state = self._receive(state)
+            elif flow is not None and p >= 0:  # the patch's latents: from the loop at first, then from the last stage
+                flow.inputs[p] = self.pp.recv_prev(torch.empty_like(latents[:, window], memory_format=torch.contiguous_format)) \
+                    if receive else latents[:, window]
+                if receive:
+                    state[image_name] = self._transformer.get_submodule(self.plan.flow.embedder)(flow.inputs[p])
             tokens = {n: _rows(named[n], rows, runtime.text_tokens, window, with_text)
                       for n, rows in self.plan.token_inputs.items() if named.get(n) is not None}
             with _patch(PatchContext(p, count, asynchronous, self.branch(), text_apart)):
@@ -196,10 +234,15 @@ class PipeFusionStage:
                     state = dict(zip(self.plan.returns, out if isinstance(out, tuple) else (out,)))
             if self.pp.is_last_rank:
                 outputs.append(state)
+                if send and p >= 0:
+                    sends.append(self.pp.isend_next(self._step_patch(flow, p, state[image_name], named, latents[:, window])))
             else:
                 sends += [self.pp.isend_next(state[n]) for n in self.plan.carried]
-        for work in sends:
-            work.wait()
+        if flow is None:
+            for work in sends:
+                work.wait()
+        else:  # waiting would hold this stage until the receiver reaches the patch: keep them in flight
+            self._in_flight = [work for work in self._in_flight if not work.is_completed()] + sends
         if not self.pp.is_last_rank:  # a stand-in; the last stage's result is broadcast later
             return named[image_name] if entry is not None else _returns(self.plan, named)
         result = dict(outputs[0] if text_apart else outputs[-1])  # the text stream as its last patch left it
@@ -207,6 +250,59 @@ class PipeFusionStage:
         if entry is not None:  # as the first block returns it: the joined stream
             return torch.cat([result[entry.text], result[image_name]], dim=1)
         return _returns(self.plan, result)
+
+    # -- patches flowing across steps ----------------------------------------------------------------
+    def _flow(self, asynchronous: bool, count: int, size: int) -> _Flow | None:
+        """This call's flow, begun at the first asynchronous step the runtime allows one in (see the module docstring)."""
+        runtime = get_runtime_state()
+        if not asynchronous or self.plan.flow is None or runtime.flow_scheduler is None or runtime.token_split is not None:
+            return None
+        branch = self.branch()
+        if branch not in self._flows:
+            flow = self._flows[branch] = _Flow(runtime.step_index)
+            if self.pp.is_last_rank:
+                local = self._captured[LATENTS].shape
+                flow.schedulers = [patch_copy(runtime.flow_scheduler, functools.partial(_patch_rows, local, slice(p * size, (p + 1) * size)))
+                                   for p in range(count)]
+            runtime.step_result = self._after_step
+        self._current = self._flows[branch]
+        return self._current
+
+    def _step_patch(self, flow: _Flow, p: int, image: torch.Tensor, named: dict[str, Any], latents: torch.Tensor) -> torch.Tensor:
+        """Patch p's next latents: its prediction from the plan's output modules, stepped on its own scheduler."""
+        prediction = image
+        for path, arguments in self.plan.flow.output:  # `forward`: without the plan's hooks, which act on the whole output
+            prediction = self._transformer.get_submodule(path).forward(prediction, *(named[a] for a in arguments))
+        scheduler = flow.schedulers[p]
+        timestep = scheduler.timesteps[_position(scheduler)]
+        return scheduler.step(prediction, timestep, latents, return_dict=False)[0].to(latents.dtype)
+
+    def _after_step(self, latents: torch.Tensor) -> torch.Tensor:
+        """What this rank's loop goes on with after a step while patches flow: after the last step, the last
+        stage's latents; before, the first stage takes the latents it used this step (for previews: its own
+        steps ran on stand-ins), the other stages keep theirs."""
+        runtime = get_runtime_state()
+        if _position(runtime.flow_scheduler) < len(runtime.flow_scheduler.timesteps):
+            inputs = self._current.inputs
+            if not self.pp.is_first_rank or not inputs:
+                return latents
+            mine = torch.cat([inputs[p] for p in sorted(inputs)], dim=1)
+            return get_sp_group().all_gather(mine, dim=1).to(latents.dtype)
+        self.settle()
+        runtime.step_result = None
+        return self.pp.broadcast(latents.contiguous(), src=self.pp.world_size - 1)
+
+    def settle(self) -> None:
+        """Complete what a flow left in flight: every send, and on the first stage the next step's patch latents the
+        last stage sent before a run stopped early (a cancel at a step's end), so the next run's messages line up."""
+        if self.pp.is_first_rank and self._current is not None:
+            runtime = get_runtime_state()
+            if runtime.step_result is not None and 0 < _position(runtime.flow_scheduler) < len(runtime.flow_scheduler.timesteps):
+                for latents in self._current.inputs.values():
+                    self.pp.recv_prev(torch.empty_like(latents))
+        for work in self._in_flight:
+            work.wait()
+        self._in_flight, self._current = [], None
 
     def _run_joined(self, forward, joined, parameters: set[str], named: dict[str, Any],
                     state: dict[str, torch.Tensor]) -> dict:
@@ -224,6 +320,24 @@ class PipeFusionStage:
     def _receive(self, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         buffers = {name: torch.empty_like(template[name], memory_format=torch.contiguous_format) for name in self.plan.carried}
         return {name: self.pp.recv_prev(buffer) for name, buffer in buffers.items()}
+
+
+def _position(scheduler) -> int:
+    """The scheduler's next step within its schedule."""
+    return scheduler.step_index - (scheduler.begin_index or 0)
+
+
+def _last_step(scheduler) -> bool:
+    return _position(scheduler) == len(scheduler.timesteps) - 1
+
+
+def _patch_rows(local: torch.Size, window: slice, tensor: torch.Tensor) -> torch.Tensor | None:
+    """A patch's rows of a tensor shaped like the whole latents (this rank's sequence shard, then the patch's
+    window of it); None for other tensors."""
+    sp = get_sp_group()
+    if tensor.shape != (local[0], local[1] * sp.world_size, *local[2:]):
+        return None
+    return tensor.chunk(sp.world_size, dim=1)[sp.rank_in_group][:, window]
 
 
 def _signed(run: Callable, like: Callable) -> Callable:

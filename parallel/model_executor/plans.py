@@ -120,6 +120,22 @@ class TextPadding:
 
 
 @dataclass(frozen=True)
+class PatchFlow:
+    """What lets PipeFusion's patches flow across steps (pipefusion.py): the modules that take a patch's latents to
+    the blocks' image stream and the last block's image stream to the model's prediction, each token on its own, so
+    the last stage can finish a patch's step and the first stage start its next step without the whole image.
+    The latents' tokens are on dim 1, as the image stream's.
+
+    embedder: module path from the latents (the transformer's image input) to the first block's image stream.
+    output:   (module path, block arguments it takes after the image stream), in order, from the last block's image
+              stream to the prediction; run without the plan's hooks (the sequence-parallel Gather of the whole output).
+    """
+
+    embedder: str
+    output: tuple[tuple[str, tuple[str, ...]], ...]
+
+
+@dataclass(frozen=True)
 class PipeFusionPlan:
     """How the repeated blocks run as a patch pipeline (PipeFusion).
 
@@ -131,6 +147,7 @@ class PipeFusionPlan:
     token_inputs: other block arguments holding one entry per token (tuples of such tensors too),
                   sliced to each patch (rotary tables, per-token modulation); see TokenRows.
     joined:       block lists (of `blocks`) that take the two streams joined; see JoinedStream.
+    flow:         how patches flow across steps after warm-up; None: every step ends on every stage (PatchFlow).
     """
 
     blocks: tuple[str, ...]
@@ -138,6 +155,7 @@ class PipeFusionPlan:
     returns: tuple[str, ...] = ("hidden_states",)
     token_inputs: dict[str, TokenRows] = field(default_factory=dict)
     joined: dict[str, JoinedStream] = field(default_factory=dict)
+    flow: PatchFlow | None = None
 
 
 @dataclass(frozen=True)

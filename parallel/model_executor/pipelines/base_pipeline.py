@@ -120,6 +120,18 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
         self.module.scheduler = self._original["scheduler"]
         return self.module
 
+    def patches_flow(self, kwargs: dict[str, Any], config: ParallelConfig | None = None) -> bool:
+        """Whether PipeFusion's patches may flow across steps in this call (pipefusion.py) under `config` (this
+        wrapper's): the plan says how, each step is one model call whose output the scheduler steps as it is (no
+        guidance branches to combine, no reference tokens beside the latents), and the scheduler's step is elementwise."""
+        from ..schedulers.base_scheduler import steps_each_token
+
+        c = config or self.parallel_config
+        plan = self.module.transformer.plan.pipefusion
+        return (c.pipefusion_degree > 1 and c.patch_flow and plan is not None and plan.flow is not None
+                and "transformer_2" not in self._original and not self.uses_cfg(kwargs)
+                and not self.reference_tokens(kwargs.get("image")) and steps_each_token(self.module.scheduler.module))
+
     def _step_cache(self, settings) -> contextlib.AbstractContextManager:
         """diffusers' cache hook on the transformer(s) for this call, if the job asks for one."""
         if settings is None:
@@ -388,15 +400,23 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
         start = sum(counts[: dp.rank_in_group])
         local = {k: v if k in self.shared_inputs else _take(k, v, batch, start, counts[dp.rank_in_group])
                  for k, v in kwargs.items()}
-        get_runtime_state().set_input_parameters(
+        runtime = get_runtime_state()
+        runtime.set_input_parameters(
             height=kwargs["height"],
             width=kwargs["width"],
             batch_size=counts[dp.rank_in_group],
             num_inference_steps=kwargs.get("num_inference_steps", 0),
             image_tokens=tokens,
         )
-        with schedule, after_step, caching as self.cache_report, self.call_context(local):
-            output = self.module(**local)
+        if self.patches_flow(kwargs):
+            runtime.flow_scheduler = self.module.scheduler.module
+        try:
+            with schedule, after_step, caching as self.cache_report, self.call_context(local):
+                output = self.module(**local)
+        finally:
+            for name in ("transformer", "transformer_2"):
+                if name in self._original:
+                    getattr(self.module, name).settle()
         if dp.world_size == 1:
             return output
         return _gather_batch(output, counts, dp)

@@ -2,11 +2,15 @@
 
 With sequence, CFG and data parallelism every rank holds the full latents at step boundaries, so the
 scheduler's own step is exact; the wrapper counts steps in the runtime state (progress, warm-up).
+PipeFusion's patches flowing across steps step each patch on its own copy of the scheduler (`patch_copy`),
+which is exact for the schedulers whose step is elementwise over the latents (`steps_each_token`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import itertools
 from typing import Callable
 
@@ -25,12 +29,46 @@ from ..base_wrapper import xFuserBaseWrapper
 from ..register import xFuserSchedulerWrappersRegister
 
 
+def steps_each_token(scheduler) -> bool:
+    """Whether `scheduler`'s step treats every latent value on its own, given the step's scalars and its own
+    history of model outputs (deterministic, no thresholding over the image): then a patch steps exactly as
+    its rows of the whole latents would."""
+    config = scheduler.config
+    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+        return not config.get("stochastic_sampling", False)
+    if isinstance(scheduler, DPMSolverMultistepScheduler):
+        return config.algorithm_type in ("dpmsolver++", "dpmsolver") and not config.thresholding
+    if isinstance(scheduler, UniPCMultistepScheduler):
+        return not config.thresholding
+    return False
+
+
+def patch_copy(scheduler, rows: Callable[[torch.Tensor], torch.Tensor | None]):
+    """A copy of `scheduler` for one patch: its per-token state — the history a multistep scheduler keeps, tensors
+    shaped like the latents, alone or in lists — cut to the patch by `rows` (None: not a per-token tensor); the
+    schedule itself is shared, and the copy counts its own steps."""
+
+    def cut(value):
+        if isinstance(value, torch.Tensor):
+            part = rows(value)
+            return value if part is None else part
+        return [cut(v) for v in value] if isinstance(value, list) else value
+
+    patch = copy.copy(scheduler)
+    for name, value in vars(scheduler).items():
+        setattr(patch, name, cut(value))
+    return patch
+
+
 class xFuserSchedulerBaseWrapper(xFuserBaseWrapper):
     _after_step: Callable[[torch.Tensor], None] | None = None
 
     def step(self, *args, **kwargs):
         result = self.module.step(*args, **kwargs)
-        get_runtime_state().step_index += 1
+        runtime = get_runtime_state()
+        runtime.step_index += 1
+        if runtime.step_result is not None:  # PipeFusion's flow: the latents this rank's loop goes on with
+            result = _replace_sample(result, runtime.step_result(result[0] if isinstance(result, tuple) else result.prev_sample))
         if self._after_step is not None:
             self._after_step(result[0] if isinstance(result, tuple) else result.prev_sample)
         return result
@@ -65,6 +103,12 @@ class xFuserSchedulerBaseWrapper(xFuserBaseWrapper):
             yield
         finally:
             del self.set_timesteps
+
+
+def _replace_sample(result, latents: torch.Tensor):
+    if isinstance(result, tuple):
+        return (latents, *result[1:])
+    return dataclasses.replace(result, prev_sample=latents)
 
 
 @xFuserSchedulerWrappersRegister.register(

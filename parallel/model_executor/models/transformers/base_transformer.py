@@ -113,9 +113,14 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
         if isinstance(samples, list) and len(samples) > 1 and (self._layers or self._stage is not None):
             return self._run_per_sample(named, len(samples))
         output = self.module(*args, **kwargs)
-        if self._pp.world_size > 1:
+        if self._pp.world_size > 1 and not self._stage.flowed:  # flowing patches reach the first stage themselves
             output = map_first(output, self._from_last_stage)
         return output
+
+    def settle(self) -> None:
+        """After a call of the pipeline, also one stopped early: complete what PipeFusion's flow left in flight."""
+        if self._stage is not None:
+            self._stage.settle()
 
     def _from_last_stage(self, output):
         """The last stage's output (a tensor, or one per sample: Z-Image), on every stage."""
