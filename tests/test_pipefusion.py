@@ -28,14 +28,17 @@ STALE = {"pp2_warmup1": 1, "pp2_warmup2": 2, "pp2_warmup3": 3}  # asynchronous a
 # the text patch and the image patches' stand-in tokens through the Ulysses all-to-all and the ring
 STALE_SP = {"pp2_ulysses2_warmup1": {"ulysses_degree": 2}, "pp2_ring2_warmup1": {"ring_degree": 2}}
 FAMILIES = ("pixart-alpha", "sd3", "flux", "qwen-image", "flux2-klein")
-# Patches flowing across steps (Flux: one call per step) against every step ending on both stages, per scheduler:
-# name: (nproc, layout, scheduler). Each "flow_*" case has a "stepwise_*" twin with patch_flow off.
+# Patches flowing across steps (the families whose plan has a PatchFlow, one call per step: no negative prompt)
+# against every step ending on both stages, per scheduler: name: (family, nproc, layout, scheduler). Each "flow_*"
+# case has a "stepwise_*" twin with patch_flow off. (QwenImagePipeline passes sigmas, which DPM-Solver++ does not take.)
 FLOW_SCHEDULERS = ("default", "flow-dpmsolver", "flow-unipc")
 FLOW = {
-    **{f"pp2_{s}": (2, {"pipefusion_degree": 2}, s) for s in FLOW_SCHEDULERS},
-    "pp2_ulysses2_flow-unipc": (4, {"pipefusion_degree": 2, "ulysses_degree": 2}, "flow-unipc"),
-    "pp2_ring2_flow-dpmsolver": (4, {"pipefusion_degree": 2, "ring_degree": 2}, "flow-dpmsolver"),
-    "pp4_4patches_flow-dpmsolver": (4, {"pipefusion_degree": 4, "num_patches": 4}, "flow-dpmsolver"),
+    **{f"pp2_{s}": ("flux", 2, {"pipefusion_degree": 2}, s) for s in FLOW_SCHEDULERS},
+    "pp2_ulysses2_flow-unipc": ("flux", 4, {"pipefusion_degree": 2, "ulysses_degree": 2}, "flow-unipc"),
+    "pp2_ring2_flow-dpmsolver": ("flux", 4, {"pipefusion_degree": 2, "ring_degree": 2}, "flow-dpmsolver"),
+    "pp4_4patches_flow-dpmsolver": ("flux", 4, {"pipefusion_degree": 4, "num_patches": 4}, "flow-dpmsolver"),
+    "qwen_pp2_default": ("qwen-image", 2, {"pipefusion_degree": 2}, "default"),
+    "qwen_pp2_ulysses2_flow-unipc": ("qwen-image", 4, {"pipefusion_degree": 2, "ulysses_degree": 2}, "flow-unipc"),
 }
 
 
@@ -58,9 +61,9 @@ def runs(tiny_model_dirs, tmp_path_factory):
         else:
             cases += [(f, name, {"pipefusion_degree": 2, "warmup_steps": 1, **sp}) for f in FAMILIES for name, sp in STALE_SP.items()]
         cases = [(*case, "default", {}) for case in cases]
-        for name, (n, layout, scheduler) in FLOW.items():
+        for name, (family, n, layout, scheduler) in FLOW.items():
             if n == nproc:
-                cases += [("flux", f"{kind}_{name}", {**layout, "warmup_steps": 1, "patch_flow": kind == "flow"}, scheduler,
+                cases += [(family, f"{kind}_{name}", {**layout, "warmup_steps": 1, "patch_flow": kind == "flow"}, scheduler,
                            {"report_flow": True}) for kind in ("flow", "stepwise")]
         if nproc == 2:  # warm-up over every step: the multistep solvers equal diffusers; a fault drops their history
             cases += [("flux", f"exact_{s}", {"pipefusion_degree": 2, "warmup_steps": STEPS}, s, {}) for s in FLOW_SCHEDULERS[1:]]
@@ -68,9 +71,12 @@ def runs(tiny_model_dirs, tmp_path_factory):
                           {"fault": "forgetful_patches"}))
         for family, name, layout, scheduler, extra in cases:
             batch = 2 if "dp" in name else 1
-            inputs = work / f"{family}-b{batch}.safetensors"
+            positive = name.startswith(("flow_", "stepwise_"))  # no negative prompt: no true CFG
+            inputs = work / f"{family}-b{batch}{'-positive' * positive}.safetensors"
             if not inputs.exists():
                 made = tiny_models.make_inputs(family, batch=batch)
+                if positive:
+                    made = {k: v for k, v in made.items() if not k.startswith("negative")}
                 # Qwen-Image pads a batch's shorter prompts, which PipeFusion refuses: give it prompts of one length
                 made.update({name: torch.ones_like(mask) for name, mask in made.items() if name.endswith("embeds_mask")})
                 save_file(made, inputs)
@@ -138,15 +144,15 @@ def test_each_stage_holds_the_weights_of_its_half_of_the_blocks_only(runs, famil
     assert sum(expected) == memory[0]["all_block_parameter_bytes"]
 
 
-def flux_reference(runs, name: str, scheduler: str) -> torch.Tensor:
-    """diffusers' FluxPipeline in this process with `scheduler`, on the case's inputs."""
-    _, inputs = runs[0][("flux", name)]
-    return diffusers_latents(runs[1]["flux"], "flux", scheduler=None if scheduler == "default" else scheduler,
-                             **load_file(inputs), **call("flux", name))
+def flow_reference(runs, name: str, scheduler: str, family: str = "flux") -> torch.Tensor:
+    """diffusers' own pipeline in this process with `scheduler`, on the case's inputs."""
+    _, inputs = runs[0][(family, name)]
+    return diffusers_latents(runs[1][family], family, scheduler=None if scheduler == "default" else scheduler,
+                             **load_file(inputs), **call(family, name))
 
 
-def latents_of(runs, name: str) -> torch.Tensor:
-    output, _ = runs[0][("flux", name)]
+def latents_of(runs, name: str, family: str = "flux") -> torch.Tensor:
+    output, _ = runs[0][(family, name)]
     error = Path(str(output) + ".error")
     assert not error.exists(), error.read_text()
     return load_file(output)["latents"]
@@ -156,19 +162,20 @@ def latents_of(runs, name: str) -> torch.Tensor:
 def test_patches_flowing_across_steps_equal_every_step_ending_on_every_stage(runs, name):
     """The flow changes when a stage may start a patch, not what it computes: each stage's stale K/V hold the same
     steps' patches, and each patch steps on its own copy of the scheduler with its rows of the multistep history."""
-    flowing, stepwise = latents_of(runs, f"flow_{name}"), latents_of(runs, f"stepwise_{name}")
-    flowed = [json.loads(Path(str(runs[0][("flux", f"{kind}_{name}")][0]) + ".flow.json").read_text())
+    family, _, _, scheduler = FLOW[name]
+    flowing, stepwise = latents_of(runs, f"flow_{name}", family), latents_of(runs, f"stepwise_{name}", family)
+    flowed = [json.loads(Path(str(runs[0][(family, f"{kind}_{name}")][0]) + ".flow.json").read_text())
               for kind in ("flow", "stepwise")]
     assert flowed == [True, False]
     assert (flowing - stepwise).abs().max().item() <= 1e-5
-    expected = flux_reference(runs, f"flow_{name}", FLOW[name][2])
+    expected = flow_reference(runs, f"flow_{name}", scheduler, family)
     error = ((flowing - expected).norm() / expected.norm()).item()
     assert 1e-4 < error < 0.05, error  # asynchronous after warm-up: stale K/V, within PipeFusion's bound
 
 
 @pytest.mark.parametrize("scheduler", FLOW_SCHEDULERS[1:])
 def test_pipefusion_with_multistep_solvers_and_warmup_over_every_step_equals_diffusers(runs, scheduler):
-    expected = flux_reference(runs, f"exact_{scheduler}", scheduler)
+    expected = flow_reference(runs, f"exact_{scheduler}", scheduler)
     assert (latents_of(runs, f"exact_{scheduler}") - expected).abs().max().item() <= TOLERANCE
 
 

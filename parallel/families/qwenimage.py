@@ -39,7 +39,7 @@ from ..checkpoints.shapes import Shapes
 from ..config import LayoutError
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipelines import xFuserPipelineBaseWrapper
-from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split, TokenRows
+from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PatchFlow, PipeFusionPlan, Split, TokenRows
 from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant, pack_2x2, pictures, replaced, unpack_2x2
 
 MASKS = {"prompt_embeds": "prompt_embeds_mask", "negative_prompt_embeds": "negative_prompt_embeds_mask"}
@@ -322,6 +322,7 @@ QWEN_IMAGE = FAMILIES.register(Family(
             carried=("hidden_states", "encoder_hidden_states"),
             returns=("encoder_hidden_states", "hidden_states"),
             token_inputs={"image_rotary_emb": TokenRows(dim=0, items=(0,))},  # the image's table; the text's whole
+            flow=PatchFlow(embedder="img_in", output=(("norm_out", ("temb",)), ("proj_out", ()))),
         ),
     ),
     single_file=SingleFile(
