@@ -19,7 +19,7 @@ from .pool_node import XDiTPoolType
 from .pools import POOLS
 from .progress import publish_step
 
-SCHEDULERS = ["default", "dpmsolver", "ddim", "euler", "flow-euler", "flow-dpmsolver", "flow-unipc"]
+SCHEDULERS = ["default", "dpmsolver", "unipc", "ddim", "euler", "flow-euler", "flow-dpmsolver", "flow-unipc"]
 
 
 def _previewer(latent_format):

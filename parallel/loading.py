@@ -22,6 +22,7 @@ SCHEDULERS = {
     "ddim": DDIMScheduler,
     "euler": EulerDiscreteScheduler,
     "dpmsolver": DPMSolverMultistepScheduler,
+    "unipc": UniPCMultistepScheduler,
 }
 FLOW_SCHEDULERS = {"flow-euler": FlowMatchEulerDiscreteScheduler, "flow-dpmsolver": DPMSolverMultistepScheduler,
                    "flow-unipc": UniPCMultistepScheduler}
@@ -93,7 +94,7 @@ def make_scheduler(default, name: str):
     if name == "default":
         return default
     flow = isinstance(default, FlowMatchEulerDiscreteScheduler) or default.config.get("use_flow_sigmas", False)
-    allowed = ["default", *FLOW_SCHEDULERS] if flow else ["default", "ddim", "euler", "dpmsolver"]
+    allowed = ["default", *(FLOW_SCHEDULERS if flow else SCHEDULERS)]
     if name not in allowed:
         raise ValueError(f"scheduler {name!r} does not fit this {type(default).__name__} model; choose one of {allowed}")
     shift = default.config.get("flow_shift", default.config.get("shift", 1.0))  # Wan's UniPC spells it flow_shift

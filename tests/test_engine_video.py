@@ -68,7 +68,7 @@ def call_kwargs(family: str, video: str, variant: str) -> dict:
 
 
 def reference(model_dir: Path, inputs: Path, family: str, video: str, variant: str) -> torch.Tensor:
-    scheduler = variant if variant == "flow-euler" else None
+    scheduler = variant if variant.startswith("flow-") else None
     return diffusers_latents(model_dir, scheduler=scheduler, **load_file(inputs), **call_kwargs(family, video, variant),
                              num_frames=video_of(family, video)[0])
 

@@ -26,6 +26,7 @@ from diffusers import ClassifierFreeGuidance, DiffusionPipeline
 from safetensors.torch import load_file, save_file
 
 from parallel import tiny_models
+from parallel.loading import make_scheduler
 
 from pool_helpers import serving
 from test_engine_layouts import LAYOUTS
@@ -46,6 +47,7 @@ CASES += [(2, layout, "wide", "i2v") for layout in ("ulysses2", "ring2", "cfg2")
 CASES += [(2, "dp2", "wide", "i2v-batch2"), (4, "ulysses2_ring2", "wide", "i2v"), (4, "cfg2_ulysses2", "wide", "i2v")]
 CASES += [(n, layout, "even", "default") for n, layouts in PIPEFUSION.items() for layout in layouts]
 CASES += [(2, "pp2", "even", "i2v"), (4, "pp2_ulysses2", "even", "i2v")]
+CASES += [(2, "pp2", "even", "flow-unipc")]  # UniPC (the pipeline passes sigmas, which DPM-Solver++ does not take)
 CONTROLS = [(2, "ulysses2", "even", "no_exchange")]
 STALE = (2, "pp2", "even", "warmup1")  # PipeFusion asynchronous after one step
 REFUSED = [(2, "ulysses2", "uneven", "batch2"),  # two texts of different lengths: no mask under Ulysses
@@ -70,6 +72,8 @@ def reference(model_dir: Path, inputs: Path, video: str, variant: str) -> torch.
     frame as the 8-bit picture it is and sizes the video from it."""
     pipeline = DiffusionPipeline.from_pretrained(model_dir)
     pipeline.guider = ClassifierFreeGuidance(guidance_scale=guidance(variant))
+    if variant.startswith("flow-"):
+        pipeline.scheduler = make_scheduler(pipeline.scheduler, variant)
     frames, height, width = VIDEOS[video]
     tensors = load_file(inputs)
     size = {"height": height, "width": width}
@@ -111,7 +115,8 @@ def matrix(video_model_dirs, tmp_path_factory):
                           "output": str(work / f"{name}.safetensors"), "layout": {**layouts[layout], **warmup},
                           "call": {"num_inference_steps": STEPS, "guidance_scale": guidance(variant), "height": height,
                                    "width": width},
-                          "scheduler": "default", "fault": variant if variant == "no_exchange" else None})
+                          "scheduler": variant if variant.startswith("flow-") else "default",
+                          "fault": variant if variant == "no_exchange" else None})
             results[case] = (Path(specs[-1]["output"]), inputs, dirs[model])
         spec_file = work / f"cases{nproc}.json"
         spec_file.write_text(json.dumps(specs))

@@ -40,6 +40,11 @@ FLOW = {
     "qwen_pp2_default": ("qwen-image", 2, {"pipefusion_degree": 2}, "default"),
     "qwen_pp2_ulysses2_flow-unipc": ("qwen-image", 4, {"pipefusion_degree": 2, "ulysses_degree": 2}, "flow-unipc"),
 }
+# The multistep solvers through PipeFusion with warm-up over every step, per family, where diffusers' own pipeline
+# takes them (QwenImagePipeline passes sigmas, which DPM-Solver++ does not take; PixArt's default is DPM-Solver++).
+MULTISTEP = {"pixart-alpha": ("default", "unipc"), "sd3": ("flow-dpmsolver", "flow-unipc"),
+             "flux": ("flow-dpmsolver", "flow-unipc"), "qwen-image": ("flow-unipc",),
+             "flux2-klein": ("flow-dpmsolver", "flow-unipc")}
 
 
 def call(family: str, layout: str) -> dict:
@@ -66,7 +71,8 @@ def runs(tiny_model_dirs, tmp_path_factory):
                 cases += [(family, f"{kind}_{name}", {**layout, "warmup_steps": 1, "patch_flow": kind == "flow"}, scheduler,
                            {"report_flow": True}) for kind in ("flow", "stepwise")]
         if nproc == 2:  # warm-up over every step: the multistep solvers equal diffusers; a fault drops their history
-            cases += [("flux", f"exact_{s}", {"pipefusion_degree": 2, "warmup_steps": STEPS}, s, {}) for s in FLOW_SCHEDULERS[1:]]
+            cases += [(f, f"exact_{s}", {"pipefusion_degree": 2, "warmup_steps": STEPS}, s, {})
+                      for f, solvers in MULTISTEP.items() for s in solvers]
             cases.append(("flux", "forgetful_pp2_flow-dpmsolver", {"pipefusion_degree": 2, "warmup_steps": 1}, "flow-dpmsolver",
                           {"fault": "forgetful_patches"}))
         for family, name, layout, scheduler, extra in cases:
@@ -173,10 +179,10 @@ def test_patches_flowing_across_steps_equal_every_step_ending_on_every_stage(run
     assert 1e-4 < error < 0.05, error  # asynchronous after warm-up: stale K/V, within PipeFusion's bound
 
 
-@pytest.mark.parametrize("scheduler", FLOW_SCHEDULERS[1:])
-def test_pipefusion_with_multistep_solvers_and_warmup_over_every_step_equals_diffusers(runs, scheduler):
-    expected = flow_reference(runs, f"exact_{scheduler}", scheduler)
-    assert (latents_of(runs, f"exact_{scheduler}") - expected).abs().max().item() <= TOLERANCE
+@pytest.mark.parametrize("family, scheduler", [(f, s) for f, solvers in MULTISTEP.items() for s in solvers])
+def test_pipefusion_with_multistep_solvers_and_warmup_over_every_step_equals_diffusers(runs, family, scheduler):
+    expected = flow_reference(runs, f"exact_{scheduler}", scheduler, family)
+    assert (latents_of(runs, f"exact_{scheduler}", family) - expected).abs().max().item() <= TOLERANCE
 
 
 def test_negative_control_patches_without_their_multistep_history_miss(runs):

@@ -24,7 +24,8 @@ from test_engine_video import STEPS, call_kwargs, reference, video_of
 from xdit_test_helpers import TOLERANCE, torchrun
 
 EXACT = {  # nproc: [(family, name, layout)]; warm-up covers every step
-    2: [(f, "pp2", {"pipefusion_degree": 2}) for f in ("wan", "wan22", "wan22-5b", "wan22-i2v")],
+    2: [(f, "pp2", {"pipefusion_degree": 2}) for f in ("wan", "wan22", "wan22-5b", "wan22-i2v")]
+       + [("wan", "pp2_flow-dpmsolver", {"pipefusion_degree": 2})],  # DPM-Solver++ (the default is UniPC)
     4: [("wan", "pp2_ulysses2", {"pipefusion_degree": 2, "ulysses_degree": 2}),
         ("wan", "pp2_ring2", {"pipefusion_degree": 2, "ring_degree": 2}),
         ("wan22", "pp2_cfg2", {"pipefusion_degree": 2, "cfg_degree": 2}),
@@ -34,6 +35,10 @@ STALE = {"pp2_warmup1": 1, "pp2_warmup2": 2, "pp2_warmup3": 3}  # asynchronous a
 STALE_FAMILIES = ("wan", "wan22")
 
 
+def _scheduler(name: str) -> str:
+    return name.rpartition("_")[2] if name.endswith("dpmsolver") else "default"
+
+
 def _case(work: Path, dirs: dict, family: str, name: str, layout: dict) -> dict:
     frames, height, width = video_of(family, "even")
     inputs = work / f"{family}.safetensors"
@@ -41,7 +46,7 @@ def _case(work: Path, dirs: dict, family: str, name: str, layout: dict) -> dict:
         save_file(tiny_models.make_inputs(family, height=height, width=width, num_frames=frames), inputs)
     return {"name": name, "model": str(dirs[family]), "inputs": str(inputs),
             "output": str(work / f"{family}-{name}.safetensors"), "layout": layout,
-            "call": call_kwargs(family, "even", "default")}
+            "call": call_kwargs(family, "even", "default"), "scheduler": _scheduler(name)}
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +75,7 @@ def result(runs, family: str, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     spec = cases[(family, name)]
     errors = sorted(Path(spec["output"]).parent.glob(Path(spec["output"]).name + ".error*"))
     assert not errors, errors[0].read_text()
-    return load_file(spec["output"])["latents"], reference(dirs[family], Path(spec["inputs"]), family, "even", "default")
+    return load_file(spec["output"])["latents"], reference(dirs[family], Path(spec["inputs"]), family, "even", _scheduler(name))
 
 
 @pytest.mark.parametrize("family, name", [(f, n) for cases in EXACT.values() for f, n, _ in cases])
