@@ -44,12 +44,12 @@ def analytic_bytes(name: str, dims, steps: int, patches: int = 2) -> float:
         from .layouts import LAYOUTS as BENCH_LAYOUTS
 
         return min_bytes_per_step(BENCH_LAYOUTS["xdit-ulysses2"], dims)
-    if name.startswith("pipefusion2"):  # stage 0 sends the text patch and the image patches (each with a stand-in
-        # token of the other stream, pipefusion.STAND_IN); stage 1 broadcasts the output, or while the patches flow,
+    if name.startswith("pipefusion2"):  # stage 0 sends the text patch and the image patches (each with the plan's
+        # stand-in tokens of the other stream: none for Flux); stage 1 broadcasts the output, or while the patches flow,
         # sends each patch's next latents back (as many values: Flux's latents and output have the same channels)
-        from parallel.model_executor.pipefusion import STAND_IN
+        from parallel.families.flux import FLUX
 
-        warm, patched = (i + t) * d, (i + t + (patches + 1) * STAND_IN) * d
+        warm, patched = (i + t) * d, (i + t + (patches + 1) * FLUX.plan.pipefusion.stand_in) * d
         activations = (warm + (steps - 1) * patched) / steps
         return (activations + i * c) / 2 * dims.element_bytes
     return 0.0

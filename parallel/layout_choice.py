@@ -37,7 +37,8 @@ import torch.distributed as dist
 from .config import LayoutError, Link, ParallelConfig
 from .model_executor.attention.kernels import default_scale, pick_kernel
 from .model_executor.attention.usp import merge_partial
-from .model_executor.pipefusion import STAND_IN
+
+STAND_IN = 1  # a PipeFusion patch's tokens of the stream it does not carry (PipeFusionPlan.stand_in), priced at most
 
 PROBE_BYTES = (1 << 14, 1 << 23)  # a small message (latency) and a large one (bandwidth)
 

@@ -316,6 +316,7 @@ FLUX = FAMILIES.register(Family(
             carried=("hidden_states", "encoder_hidden_states"),
             returns=("encoder_hidden_states", "hidden_states"),
             token_inputs={"image_rotary_emb": TokenRows(text=TextLayout.PREFIX)},
+            stand_in=0,  # its blocks take a stream of no tokens
             flow=PatchFlow(embedder="x_embedder", output=(("norm_out", ("temb",)), ("proj_out", ()))),
         ),
     ),

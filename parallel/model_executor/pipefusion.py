@@ -13,9 +13,9 @@ Where the blocks carry a text stream beside the image (Flux, SD3, Qwen-Image), t
 own after warm-up, the first of each step: it attends to the image's stale K/V, and the image patches
 after it attend to its fresh K/V. So the text is computed once per step rather than with every patch
 (M patches computed it M times), and the stage that waits for the first patch waits only for the text.
-The text patch carries one image token and each image patch one text token as stand-ins, since diffusers'
-blocks cannot take a stream of no tokens (`reshape(..., -1, 2)`, `[:, :-0]`); attention replaces their
-K/V and their outputs are dropped, so they change nothing.
+Where the blocks cannot take a stream of no tokens (`reshape(..., -1, 2)`, `[:, :-0]`), the text patch carries
+one image token and each image patch one text token as stand-ins (the plan's `stand_in`); attention replaces
+their K/V and their outputs are dropped, so they change nothing.
 
 Where the plan declares a PatchFlow and the call allows it (one model call per step, a scheduler whose step is
 elementwise: runtime `flow_scheduler`), the patches also flow across steps after warm-up, as xDiT runs them:
@@ -53,14 +53,14 @@ class PatchContext:
     count: int  # image patches
     asynchronous: bool  # False in warm-up: the whole sequence as one patch, caches refreshed
     branch: str
-    text_apart: bool = False  # the text is a patch of its own (image patches hold a stand-in text token)
+    text_apart: bool = False  # the text is a patch of its own (image patches hold `stand_in` text tokens)
+    stand_in: int = 1  # tokens a patch holds of the stream it does not carry
 
     @property
     def text_only(self) -> bool:
         return self.index < 0
 
 
-STAND_IN = 1  # tokens of the stream a patch does not hold (see the module docstring)
 LATENTS = "_latents"  # the embedder's input, captured each call where patches may flow
 
 
@@ -106,7 +106,7 @@ class StaleKVCache:
     def text_tokens(self, whole: int) -> int:
         """The text tokens in the running patch's attention: an image patch with the text apart holds one."""
         context = _PATCH.get()
-        return STAND_IN if context is not None and context.text_apart and not context.text_only else whole
+        return context.stand_in if context is not None and context.text_apart and not context.text_only else whole
 
     def exchange(self, layer: str, kt: torch.Tensor, vt: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor):
         """Record this patch's fresh K/V; return the text and image K/V to attend to: the whole image's (and,
@@ -210,12 +210,13 @@ class PipeFusionStage:
         receive = flow is not None and self.pp.is_first_rank and runtime.step_index > flow.first
         send = flow is not None and self.pp.is_last_rank and not _last_step(runtime.flow_scheduler)
         # (image patch index, its rows): the text patch first when the text goes apart, with a stand-in image row
-        patches = [(-1, slice(0, STAND_IN))] * text_apart + [(p, slice(p * size, (p + 1) * size)) for p in range(count)]
+        stand_in = self.plan.stand_in
+        patches = [(-1, slice(0, stand_in))] * text_apart + [(p, slice(p * size, (p + 1) * size)) for p in range(count)]
         outputs, sends = [], []
         for p, window in patches:
-            with_text = not text_apart or p < 0
+            keep = None if not text_apart or p < 0 else stand_in  # the text tokens the patch holds (None: all)
             state = {image_name: image[:, window],
-                     **{n: _text_part(named.get(n), with_text) for n in text_names}}
+                     **{n: _text_part(named.get(n), keep) for n in text_names}}
             if not self.pp.is_first_rank:
                 state = self._receive(state)
             elif flow is not None and p >= 0:  # the patch's latents: from the loop at first, then from the last stage
@@ -223,9 +224,9 @@ class PipeFusionStage:
                     if receive else latents[:, window]
                 if receive:
                     state[image_name] = self._transformer.get_submodule(self.plan.flow.embedder)(flow.inputs[p])
-            tokens = {n: _rows(named[n], rows, runtime.text_tokens, window, with_text)
+            tokens = {n: _rows(named[n], rows, runtime.text_tokens, window, keep)
                       for n, rows in self.plan.token_inputs.items() if named.get(n) is not None}
-            with _patch(PatchContext(p, count, asynchronous, self.branch(), text_apart)):
+            with _patch(PatchContext(p, count, asynchronous, self.branch(), text_apart, stand_in)):
                 for forward, joined, parameters in zip(self._forwards, self._joined, self._parameters):
                     if joined is not None:
                         state = self._run_joined(forward, joined, parameters, {**named, **tokens}, state)
@@ -237,7 +238,7 @@ class PipeFusionStage:
                 if send and p >= 0:
                     sends.append(self.pp.isend_next(self._step_patch(flow, p, state[image_name], named, latents[:, window])))
             else:
-                sends += [self.pp.isend_next(state[n]) for n in self.plan.carried]
+                sends += [self.pp.isend_next(state[n]) for n in self.plan.carried if state[n].numel()]  # see _receive
         if flow is None:
             for work in sends:
                 work.wait()
@@ -318,8 +319,10 @@ class PipeFusionStage:
         return {**state, image_name: out[:, text.shape[1] :], joined.text: out[:, : text.shape[1]]}
 
     def _receive(self, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The previous stage's carried streams for this patch, shaped as this stage's own; a stream of no tokens
+        (a patch without stand-ins) travels as nothing: gloo aborts the process on some empty messages."""
         buffers = {name: torch.empty_like(template[name], memory_format=torch.contiguous_format) for name in self.plan.carried}
-        return {name: self.pp.recv_prev(buffer) for name, buffer in buffers.items()}
+        return {name: self.pp.recv_prev(buffer) if buffer.numel() else buffer for name, buffer in buffers.items()}
 
 
 def _position(scheduler) -> int:
@@ -369,22 +372,22 @@ def _returns(plan: PipeFusionPlan, named: dict[str, Any]):
     return values if len(values) > 1 else values[0]
 
 
-def _text_part(text: torch.Tensor | None, with_text: bool) -> torch.Tensor | None:
-    """The text stream a patch holds: all of it, or a stand-in token (an image patch, the text apart)."""
-    return text if with_text or text is None else text[:, :STAND_IN]
+def _text_part(text: torch.Tensor | None, keep: int | None) -> torch.Tensor | None:
+    """The text stream a patch holds: all of it (`keep` None), or its first `keep` tokens (an image patch's stand-ins)."""
+    return text if keep is None or text is None else text[:, :keep]
 
 
-def _rows(value, rows: TokenRows, text_tokens: int, window: slice, with_text: bool = True):
-    """This patch's rows of a per-token input (or of each tensor in a tuple): its image rows and, `with_text`,
-    the text rows."""
+def _rows(value, rows: TokenRows, text_tokens: int, window: slice, keep: int | None = None):
+    """This patch's rows of a per-token input (or of each tensor in a tuple): its image rows and its text rows (all
+    of them, `keep` None, or the first `keep`)."""
     if isinstance(value, tuple):
-        return tuple(_rows(v, rows, text_tokens, window, with_text) if rows.items is None or i in rows.items
-                     else (v if with_text else v.movedim(rows.dim, 0)[:STAND_IN].movedim(0, rows.dim))  # a text table
+        return tuple(_rows(v, rows, text_tokens, window, keep) if rows.items is None or i in rows.items
+                     else (v if keep is None else v.movedim(rows.dim, 0)[:keep].movedim(0, rows.dim))  # a text table
                      for i, v in enumerate(value))
     if rows.ndim is not None and value.ndim != rows.ndim:
         return value
     value = value.movedim(rows.dim, 0)
-    keep = text_tokens if with_text else STAND_IN
+    keep = text_tokens if keep is None else keep
     if rows.text is TextLayout.PREFIX:
         text, image = value[:text_tokens], value[text_tokens:]
         value = torch.cat([text[:keep], image[window]])

@@ -147,6 +147,9 @@ class PipeFusionPlan:
     token_inputs: other block arguments holding one entry per token (tuples of such tensors too),
                   sliced to each patch (rotary tables, per-token modulation); see TokenRows.
     joined:       block lists (of `blocks`) that take the two streams joined; see JoinedStream.
+    stand_in:     tokens a patch holds of the stream it does not carry (pipefusion.py): 1 where the blocks cannot
+                  take a stream of no tokens (Qwen-Image's rotary `reshape(..., -1, 2)`, HunyuanVideo 1.5's
+                  `[:, :-0]`), 0 where they can (Flux), which spares each patch the other stream's weights.
     flow:         how patches flow across steps after warm-up; None: every step ends on every stage (PatchFlow).
     """
 
@@ -155,6 +158,7 @@ class PipeFusionPlan:
     returns: tuple[str, ...] = ("hidden_states",)
     token_inputs: dict[str, TokenRows] = field(default_factory=dict)
     joined: dict[str, JoinedStream] = field(default_factory=dict)
+    stand_in: int = 1
     flow: PatchFlow | None = None
 
 
