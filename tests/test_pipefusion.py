@@ -28,9 +28,10 @@ STALE = {"pp2_warmup1": 1, "pp2_warmup2": 2, "pp2_warmup3": 3}  # asynchronous a
 # the text patch and the image patches' stand-in tokens through the Ulysses all-to-all and the ring
 STALE_SP = {"pp2_ulysses2_warmup1": {"ulysses_degree": 2}, "pp2_ring2_warmup1": {"ring_degree": 2}}
 FAMILIES = ("pixart-alpha", "sd3", "flux", "qwen-image", "flux2-klein")
-# Patches flowing across steps (the families whose plan has a PatchFlow, one call per step: no negative prompt)
-# against every step ending on both stages, per scheduler: name: (family, nproc, layout, scheduler). Each "flow_*"
-# case has a "stepwise_*" twin with patch_flow off. (QwenImagePipeline passes sigmas, which DPM-Solver++ does not take.)
+# Patches flowing across steps (the families whose plan has a PatchFlow) against every step ending on both stages,
+# per scheduler: name: (family, nproc, layout, scheduler). Each "flow_*" case has a "stepwise_*" twin with patch_flow
+# off. Without "cfg" in the name one call per step (no negative prompt); with it true CFG, the flow spanning the
+# step's two calls. (QwenImagePipeline passes sigmas, which DPM-Solver++ does not take.)
 FLOW_SCHEDULERS = ("default", "flow-dpmsolver", "flow-unipc")
 FLOW = {
     **{f"pp2_{s}": ("flux", 2, {"pipefusion_degree": 2}, s) for s in FLOW_SCHEDULERS},
@@ -39,6 +40,9 @@ FLOW = {
     "pp4_4patches_flow-dpmsolver": ("flux", 4, {"pipefusion_degree": 4, "num_patches": 4}, "flow-dpmsolver"),
     "qwen_pp2_default": ("qwen-image", 2, {"pipefusion_degree": 2}, "default"),
     "qwen_pp2_ulysses2_flow-unipc": ("qwen-image", 4, {"pipefusion_degree": 2, "ulysses_degree": 2}, "flow-unipc"),
+    "pp2_truecfg_flow-dpmsolver": ("flux", 2, {"pipefusion_degree": 2}, "flow-dpmsolver"),
+    "qwen_pp2_truecfg": ("qwen-image", 2, {"pipefusion_degree": 2}, "default"),
+    "qwen_pp4_truecfg_flow-unipc": ("qwen-image", 4, {"pipefusion_degree": 4}, "flow-unipc"),
 }
 # The multistep solvers through PipeFusion with warm-up over every step, per family, where diffusers' own pipeline
 # takes them (QwenImagePipeline passes sigmas, which DPM-Solver++ does not take; PixArt's default is DPM-Solver++).
@@ -77,7 +81,7 @@ def runs(tiny_model_dirs, tmp_path_factory):
                           {"fault": "forgetful_patches"}))
         for family, name, layout, scheduler, extra in cases:
             batch = 2 if "dp" in name else 1
-            positive = name.startswith(("flow_", "stepwise_"))  # no negative prompt: no true CFG
+            positive = name.startswith(("flow_", "stepwise_")) and "cfg" not in name  # no negative prompt: no true CFG
             inputs = work / f"{family}-b{batch}{'-positive' * positive}.safetensors"
             if not inputs.exists():
                 made = tiny_models.make_inputs(family, batch=batch)

@@ -23,6 +23,7 @@ class RuntimeState:
     run: int = 0  # counts jobs, so per-job state elsewhere (PipeFusion's warm-up per expert) knows a new one began
     flow_scheduler: Any = None  # the loop's scheduler where PipeFusion's patches may flow across steps (pipefusion.py)
     step_result: Any = None  # (latents) -> latents: replaces this rank's scheduler step result (PipeFusion's flow)
+    flow_combine: Any = None  # (cond, uncond) -> prediction: a flowing step's guidance, per token (two calls per step)
 
     def set_input_parameters(
         self, *, height: int, width: int, batch_size: int, num_inference_steps: int, image_tokens: int
@@ -35,7 +36,7 @@ class RuntimeState:
         self.step_index = 0
         self.token_split = None
         self.text_mask_complete = False
-        self.flow_scheduler = self.step_result = None
+        self.flow_scheduler = self.step_result = self.flow_combine = None
         self.run += 1
 
 

@@ -83,6 +83,11 @@ class xFuserFluxPipeline(xFuserPipelineBaseWrapper):
         has_negative = kwargs.get("negative_prompt_embeds") is not None or kwargs.get("negative_prompt") is not None
         return kwargs.get("true_cfg_scale", 1.0) > 1.0 and has_negative
 
+    def guidance_combine(self, kwargs: dict[str, Any]):
+        """FluxPipeline's true CFG."""
+        scale = kwargs.get("true_cfg_scale", 1.0)
+        return lambda cond, uncond: uncond + scale * (cond - uncond)
+
     def cfg_parallel_hint(self, kwargs: dict[str, Any]) -> str:
         return (
             "CFG parallel on Flux needs true classifier-free guidance: true_cfg_scale above 1 "

@@ -81,6 +81,16 @@ class xFuserQwenImagePipeline(xFuserPipelineBaseWrapper):
         has_negative = kwargs.get("negative_prompt_embeds") is not None or kwargs.get("negative_prompt") is not None
         return kwargs.get("true_cfg_scale", 4.0) > 1.0 and has_negative
 
+    def guidance_combine(self, kwargs: dict[str, Any]):
+        """QwenImagePipeline's true CFG: the combination rescaled to the norm of the cond prediction, per token."""
+        scale = kwargs.get("true_cfg_scale", 4.0)
+
+        def combine(cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
+            combined = uncond + scale * (cond - uncond)
+            return combined * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
+
+        return combine
+
     def cfg_parallel_hint(self, kwargs: dict[str, Any]) -> str:
         return ("CFG parallel on Qwen-Image needs true_cfg_scale above 1 (got "
                 f"{kwargs.get('true_cfg_scale', 4.0)}) and negative prompt embeddings; add both or turn CFG parallel off.")

@@ -17,12 +17,12 @@ Where the blocks cannot take a stream of no tokens (`reshape(..., -1, 2)`, `[:, 
 one image token and each image patch one text token as stand-ins (the plan's `stand_in`); attention replaces
 their K/V and their outputs are dropped, so they change nothing.
 
-Where the plan declares a PatchFlow and the call allows it (one model call per step, a scheduler whose step is
-elementwise: runtime `flow_scheduler`), the patches also flow across steps after warm-up, as xDiT runs them:
-the last stage finishes each patch's step itself — the plan's output modules on the patch, the step on the
-patch's own copy of the scheduler (its multistep history cut to the patch) — and sends the patch's next latents
-straight back to the first stage, which embeds them and starts the next step while the other patches are still
-in flight. No stage waits for a whole step, so the stages idle only at the start and the end of the run. The
+Where the plan declares a PatchFlow and the call allows it (a scheduler whose step is elementwise, guidance the
+family combines per token: runtime `flow_scheduler`, `flow_combine`), the patches also flow across steps after
+warm-up, as xDiT runs them: the last stage finishes each patch's step itself — the plan's output modules on the
+patch, with guidance the "cond" and "uncond" calls' predictions combined, the step on the patch's own copy of
+the scheduler (its multistep history cut to the patch) — and sends the patch's next latents straight back to
+the first stage, which embeds them and starts the next step while the other patches are still in flight. No stage waits for a whole step, so the stages idle only at the start and the end of the run. The
 result is the same as with a whole step per stage: each stage's stale K/V hold the same steps' patches either
 way. The first stage's loop runs on stand-in outputs meanwhile; its latents are replaced after each step with
 the latents it used (previews run one step behind) and, after the last step, with the last stage's.
@@ -66,11 +66,12 @@ LATENTS = "_latents"  # the embedder's input, captured each call where patches m
 
 @dataclass
 class _Flow:
-    """One guidance branch's patches flowing across steps."""
+    """A run's patches flowing across steps."""
 
     first: int  # the first flowing step: it starts from the loop's own latents
     schedulers: list = field(default_factory=list)  # the last stage: each image patch's copy of the loop's scheduler
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # the first stage: each image patch's latents this step
+    predictions: dict[int, torch.Tensor] = field(default_factory=dict)  # the last stage: each patch's "cond" prediction
 
 _PATCH: contextvars.ContextVar[PatchContext | None] = contextvars.ContextVar("xdit_patch", default=None)
 
@@ -144,8 +145,7 @@ class PipeFusionStage:
         start, end = even_stages(len(blocks), pp.world_size)[pp.rank_in_group]
         self.block_range = (start, end)
         self._run, self._first_step = -1, {}
-        self._flows: dict[str, _Flow] = {}
-        self._current: _Flow | None = None
+        self._current: _Flow | None = None  # this run's flow
         self._in_flight: list = []  # flowing: sends not yet waited for (a send's work holds its tensor)
         self.flowed = False  # the last call's patches flowed on: its output is this stage's alone
         self.local = [block for _, _, block in blocks[start:end]]
@@ -196,7 +196,7 @@ class PipeFusionStage:
             named = {**named, entry.text: image[:, : runtime.text_tokens]}
             image = image[:, runtime.text_tokens :]
         if self._run != runtime.run:
-            self._run, self._first_step, self._flows = runtime.run, {}, {}
+            self._run, self._first_step, self._current = runtime.run, {}, None
         # Warm-up counts from this stage's first step of the job in this branch: an expert that takes
         # over mid-run (Wan 2.2 A14B's second) fills its own stale K/V first.
         first = self._first_step.setdefault(self.branch(), runtime.step_index)
@@ -207,8 +207,12 @@ class PipeFusionStage:
         flow = self._flow(asynchronous, count, size) if entry is None else None
         self.flowed = flow is not None
         latents = self._captured.get(LATENTS) if flow is not None else None  # before the embedder runs on a patch
-        receive = flow is not None and self.pp.is_first_rank and runtime.step_index > flow.first
-        send = flow is not None and self.pp.is_last_rank and not _last_step(runtime.flow_scheduler)
+        # With guidance the flow spans the step's two calls: the latents arrive for the "cond" call (the first) and a
+        # patch is stepped at the "uncond" call, from both predictions (runtime flow_combine).
+        combine = runtime.flow_combine
+        opens, closes = combine is None or self.branch() == "cond", combine is None or self.branch() == "uncond"
+        arrived = flow is not None and runtime.step_index > flow.first  # this step's latents come from the last stage
+        finish = flow is not None and self.pp.is_last_rank and not _last_step(runtime.flow_scheduler)
         # (image patch index, its rows): the text patch first when the text goes apart, with a stand-in image row
         stand_in = self.plan.stand_in
         patches = [(-1, slice(0, stand_in))] * text_apart + [(p, slice(p * size, (p + 1) * size)) for p in range(count)]
@@ -220,9 +224,11 @@ class PipeFusionStage:
             if not self.pp.is_first_rank:
                 state = self._receive(state)
             elif flow is not None and p >= 0:  # the patch's latents: from the loop at first, then from the last stage
-                flow.inputs[p] = self.pp.recv_prev(torch.empty_like(latents[:, window], memory_format=torch.contiguous_format)) \
-                    if receive else latents[:, window]
-                if receive:
+                if arrived and opens:
+                    flow.inputs[p] = self.pp.recv_prev(torch.empty_like(latents[:, window], memory_format=torch.contiguous_format))
+                elif not arrived:
+                    flow.inputs[p] = latents[:, window]
+                if arrived:
                     state[image_name] = self._transformer.get_submodule(self.plan.flow.embedder)(flow.inputs[p])
             tokens = {n: _rows(named[n], rows, runtime.text_tokens, window, keep)
                       for n, rows in self.plan.token_inputs.items() if named.get(n) is not None}
@@ -235,8 +241,14 @@ class PipeFusionStage:
                     state = dict(zip(self.plan.returns, out if isinstance(out, tuple) else (out,)))
             if self.pp.is_last_rank:
                 outputs.append(state)
-                if send and p >= 0:
-                    sends.append(self.pp.isend_next(self._step_patch(flow, p, state[image_name], named, latents[:, window])))
+                if finish and p >= 0:
+                    prediction = self._prediction(state[image_name], named)
+                    if not closes:
+                        flow.predictions[p] = prediction
+                    else:
+                        if combine is not None:
+                            prediction = combine(flow.predictions.pop(p), prediction)
+                        sends.append(self.pp.isend_next(self._step_patch(flow, p, prediction, latents[:, window])))
             else:
                 sends += [self.pp.isend_next(state[n]) for n in self.plan.carried if state[n].numel()]  # see _receive
         if flow is None:
@@ -258,22 +270,24 @@ class PipeFusionStage:
         runtime = get_runtime_state()
         if not asynchronous or self.plan.flow is None or runtime.flow_scheduler is None or runtime.token_split is not None:
             return None
-        branch = self.branch()
-        if branch not in self._flows:
-            flow = self._flows[branch] = _Flow(runtime.step_index)
+        if self._current is None:
+            self._current = _Flow(runtime.step_index)
             if self.pp.is_last_rank:
                 local = self._captured[LATENTS].shape
-                flow.schedulers = [patch_copy(runtime.flow_scheduler, functools.partial(_patch_rows, local, slice(p * size, (p + 1) * size)))
-                                   for p in range(count)]
+                self._current.schedulers = [
+                    patch_copy(runtime.flow_scheduler, functools.partial(_patch_rows, local, slice(p * size, (p + 1) * size)))
+                    for p in range(count)]
             runtime.step_result = self._after_step
-        self._current = self._flows[branch]
         return self._current
 
-    def _step_patch(self, flow: _Flow, p: int, image: torch.Tensor, named: dict[str, Any], latents: torch.Tensor) -> torch.Tensor:
-        """Patch p's next latents: its prediction from the plan's output modules, stepped on its own scheduler."""
-        prediction = image
+    def _prediction(self, image: torch.Tensor, named: dict[str, Any]) -> torch.Tensor:
+        """A patch's model output from its image stream after the last block: the plan's output modules."""
         for path, arguments in self.plan.flow.output:  # `forward`: without the plan's hooks, which act on the whole output
-            prediction = self._transformer.get_submodule(path).forward(prediction, *(named[a] for a in arguments))
+            image = self._transformer.get_submodule(path).forward(image, *(named[a] for a in arguments))
+        return image
+
+    def _step_patch(self, flow: _Flow, p: int, prediction: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        """Patch p's next latents: its prediction stepped on its own scheduler."""
         scheduler = flow.schedulers[p]
         timestep = scheduler.timesteps[_position(scheduler)]
         return scheduler.step(prediction, timestep, latents, return_dict=False)[0].to(latents.dtype)

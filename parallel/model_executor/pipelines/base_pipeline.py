@@ -122,15 +122,25 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
 
     def patches_flow(self, kwargs: dict[str, Any], config: ParallelConfig | None = None) -> bool:
         """Whether PipeFusion's patches may flow across steps in this call (pipefusion.py) under `config` (this
-        wrapper's): the plan says how, each step is one model call whose output the scheduler steps as it is (no
-        guidance branches to combine, no reference tokens beside the latents), and the scheduler's step is elementwise."""
+        wrapper's): the plan says how; a step is one model call, or with guidance a "cond" then an "uncond" call on
+        this rank whose predictions the family combines per token (`guidance_combine`); no reference tokens beside
+        the latents; and the scheduler's step is elementwise."""
         from ..schedulers.base_scheduler import steps_each_token
 
         c = config or self.parallel_config
-        plan = self.module.transformer.plan.pipefusion
-        return (c.pipefusion_degree > 1 and c.patch_flow and plan is not None and plan.flow is not None
-                and "transformer_2" not in self._original and not self.uses_cfg(kwargs)
-                and not self.reference_tokens(kwargs.get("image")) and steps_each_token(self.module.scheduler.module))
+        plan = self.module.transformer.plan
+        guided = self.uses_cfg(kwargs)
+        return (c.pipefusion_degree > 1 and c.patch_flow and plan.pipefusion is not None and plan.pipefusion.flow is not None
+                and "transformer_2" not in self._original and not self.reference_tokens(kwargs.get("image"))
+                and (not guided or (c.cfg_degree == 1 and plan.cfg_branches == ("cond", "uncond")
+                                    and self.guidance_combine(kwargs) is not None))
+                and steps_each_token(self.module.scheduler.module))
+
+    def guidance_combine(self, kwargs: dict[str, Any]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """The pipeline's guidance as its loop applies it to the two calls' predictions, (cond, uncond) -> prediction,
+        where it treats each token on its own (so PipeFusion's patches can flow across steps with guidance); None:
+        not declared."""
+        return None
 
     def _step_cache(self, settings) -> contextlib.AbstractContextManager:
         """diffusers' cache hook on the transformer(s) for this call, if the job asks for one."""
@@ -410,6 +420,7 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
         )
         if self.patches_flow(kwargs):
             runtime.flow_scheduler = self.module.scheduler.module
+            runtime.flow_combine = self.guidance_combine(kwargs) if self.uses_cfg(kwargs) else None
         try:
             with schedule, after_step, caching as self.cache_report, self.call_context(local):
                 output = self.module(**local)
@@ -417,6 +428,7 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
             for name in ("transformer", "transformer_2"):
                 if name in self._original:
                     getattr(self.module, name).settle()
+            runtime.flow_scheduler = runtime.step_result = runtime.flow_combine = None  # the flow ends with the call
         if dp.world_size == 1:
             return output
         return _gather_batch(output, counts, dp)
