@@ -22,9 +22,9 @@ family combines per token: runtime `flow_scheduler`, `flow_combine`), the patche
 warm-up, as xDiT runs them: the last stage finishes each patch's step itself — the plan's output modules on the
 patch, with guidance the "cond" and "uncond" calls' predictions combined, the step on the patch's own copy of
 the scheduler (its multistep history cut to the patch) — and sends the patch's next latents straight back to
-the first stage, which embeds them and starts the next step while the other patches are still in flight. No stage waits for a whole step, so the stages idle only at the start and the end of the run. The
-result is the same as with a whole step per stage: each stage's stale K/V hold the same steps' patches either
-way. The first stage's loop runs on stand-in outputs meanwhile; its latents are replaced after each step with
+the first stage, which embeds them and starts the next step while the other patches are still in flight. No
+stage waits for a whole step, so the stages idle only at the start and the end of the run. The result is the
+same as with a whole step per stage: each stage's stale K/V hold the same steps' patches either way. The first stage's loop runs on stand-in outputs meanwhile; its latents are replaced after each step with
 the latents it used (previews run one step behind) and, after the last step, with the last stage's.
 """
 
@@ -73,6 +73,7 @@ class _Flow:
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # the first stage: each image patch's latents this step
     predictions: dict[int, torch.Tensor] = field(default_factory=dict)  # the last stage: each patch's "cond" prediction
 
+
 _PATCH: contextvars.ContextVar[PatchContext | None] = contextvars.ContextVar("xdit_patch", default=None)
 
 
@@ -105,7 +106,7 @@ class StaleKVCache:
         return whole.view(b, h, self.ulysses, context.count, s // (self.ulysses * context.count), d)[:, :, :, context.index]
 
     def text_tokens(self, whole: int) -> int:
-        """The text tokens in the running patch's attention: an image patch with the text apart holds one."""
+        """The text tokens in the running patch's attention: an image patch with the text apart holds its stand-ins."""
         context = _PATCH.get()
         return context.stand_in if context is not None and context.text_apart and not context.text_only else whole
 
