@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.distributed import destroy_distributed_environment, init_distributed_environment
+from parallel.torchrun_exit import exit_after_work
 from parallel.distributed.parallel_state import all_coordinators
 from parallel.model_executor.layout_scope import under_layout
 
@@ -156,4 +157,4 @@ def main(spec_path: str, result_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:3]))
+    exit_after_work(main(*sys.argv[1:3]))

@@ -244,7 +244,9 @@ def parse_or_drive(parser, argv, drive):
 
     args = parser.parse_args(argv)
     if args.drive:
+        from parallel.torchrun_exit import exit_after_work
+
         drive(json.loads(args.drive.read_text()))
-        return None
+        exit_after_work(0)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     return args

@@ -29,7 +29,7 @@ from .families import FAMILIES
 from .launch import apply_threads_per_rank, die_with_parent
 from .loading import DTYPES, FLOW_SCHEDULERS, SCHEDULERS, load_pipeline, set_scheduler
 from .request import add_request_arguments, request_from_args
-from .torchrun_exit import exit_quietly
+from .torchrun_exit import exit_after_work, exit_quietly
 
 INPUT_NAMES = FAMILIES.tensor_inputs()
 
@@ -172,4 +172,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_after_work(main())

@@ -22,6 +22,7 @@ from parallel.config import ParallelConfig
 from parallel.distributed import destroy_distributed_environment, init_distributed_environment
 from parallel.loading import load_pipeline, set_scheduler
 from parallel.model_executor.layout_scope import under_layout
+from parallel.torchrun_exit import exit_after_work
 from parallel.model_executor import pipefusion
 from parallel.model_executor.layers import attention_seam
 
@@ -95,4 +96,4 @@ def main(spec: str, run=None, error_suffix=lambda rank: "" if rank == 0 else f".
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    exit_after_work(main(sys.argv[1]))
