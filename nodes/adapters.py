@@ -27,9 +27,10 @@ class ConditioningError(ValueError):
 class FamilyAdapter:
     """ComfyUI ↔ one diffusers pipeline class."""
 
-    def __init__(self, pipeline: str, data: ComfyData, tensor_inputs: tuple[str, ...], call_parameters: tuple[str, ...] = (),
-                 shared_inputs: tuple[str, ...] = ()):
+    def __init__(self, pipeline: str, data: ComfyData, tensor_inputs: tuple[str, ...], latent_scale: int,
+                 call_parameters: tuple[str, ...] = (), shared_inputs: tuple[str, ...] = ()):
         self.name, self.data, self.tensor_inputs, self.call_parameters = pipeline, data, tensor_inputs, call_parameters
+        self.latent_scale = latent_scale  # pixels per latent pixel: the pool's own VAE says (its `latent_scale` status)
         self.shared_inputs = shared_inputs  # inputs every sample of the batch shares (not repeated per sample)
 
     # -- latents ------------------------------------------------------------------------------------
@@ -83,7 +84,7 @@ class FamilyAdapter:
                 f"{layout}, got {list(samples.shape)}; use {self.data.empty_latent}"
             )
         self.format_name(samples.shape[1])
-        scale = self.data.scale(samples.shape[1])
+        scale = self.latent_scale
         size = {"height": samples.shape[-2] * scale, "width": samples.shape[-1] * scale}
         if video:
             size["num_frames"] = (samples.shape[2] - 1) * self.data.temporal + 1
@@ -105,9 +106,9 @@ class FamilyAdapter:
     def _from_loop(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """The pipeline's loop latents (its results with `model_latents`, its previews) image-shaped."""
         if self.data.packed:
-            return unpack_2x2(latents, height, width)
+            return unpack_2x2(latents, height, width, self.latent_scale)
         if self.data.loop_tokens and latents.ndim == 3:
-            scale = self.data.scale(latents.shape[2])
+            scale = self.latent_scale
             return latents.transpose(1, 2).reshape(latents.shape[0], latents.shape[2], height // scale, width // scale)
         return latents
 
@@ -116,6 +117,14 @@ class FamilyAdapter:
         if self._one_frame(latents.shape[1]):  # as ComfyUI's own sampling returns it
             latents = latents[:, :, None]
         return self.latent_format(latents.shape[1]).process_out(latents)
+
+    def comfy_references(self, latents: torch.Tensor) -> list[torch.Tensor]:
+        """Model-space reference latents [N, C, h, w] (the pool VAE's encoding) as ReferenceLatent keeps them: one
+        VAE-space latent per reference, shaped as ComfyUI's VAEEncode gives them (one frame of a video format)."""
+        latent_format = self.latent_format(latents.shape[1])
+        if self._one_frame(latents.shape[1]):
+            return list(latent_format.process_out(latents[:, :, None]).split(1))
+        return list(latent_format.process_out(latents).split(1))
 
     def preview_latents(self, preview: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """Model-space latents of the first sample as an image latent [1, C, H, W] for ComfyUI's previewer
@@ -251,11 +260,12 @@ def _repeat(tensor: torch.Tensor, batch: int) -> torch.Tensor:
     return tensor.expand(batch, *tensor.shape[1:]).contiguous()
 
 
-def adapter_for(pipeline: str) -> FamilyAdapter:
-    """The adapter for the diffusers pipeline class named `pipeline` (a pool's `pipeline` status)."""
+def adapter_for(pipeline: str, latent_scale: int) -> FamilyAdapter:
+    """The adapter for the diffusers pipeline class named `pipeline` whose latents are 1/`latent_scale` of the
+    pixels (a pool's `pipeline` and `latent_scale` status)."""
     try:
         wrapper = FAMILIES.pipeline_wrapper(pipeline)
     except ValueError as error:
         raise ValueError(f"xDiT Sampler has no adapter for {pipeline}: {error}") from None
-    return FamilyAdapter(pipeline, wrapper.comfy, wrapper.all_tensor_inputs(), tuple(wrapper.call_parameters),
-                         tuple(wrapper.shared_inputs))
+    return FamilyAdapter(pipeline, wrapper.comfy, wrapper.all_tensor_inputs(), latent_scale,
+                         tuple(wrapper.call_parameters), tuple(wrapper.shared_inputs))

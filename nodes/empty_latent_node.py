@@ -38,13 +38,13 @@ class XDiTEmptyLatent(io.ComfyNode):
 
     @classmethod
     def execute(cls, pool, width, height, batch_size, length=1) -> io.NodeOutput:
-        adapter = adapter_for(pool.pipeline)
+        adapter = adapter_for(pool.pipeline, pool.latent_scale)
         formats = adapter.data.latent_formats
         if len(formats) != 1:
             raise ConditioningError(f"xDiT Empty Latent makes latents of a model with one latent format; for "
                                     f"{adapter.name} use {adapter.data.empty_latent}")
         (channels,) = formats
-        scale, temporal = adapter.data.scale(channels), adapter.data.temporal
+        scale, temporal = adapter.latent_scale, adapter.data.temporal
         frames = [(length - 1) // temporal + 1] if temporal else []
         samples = torch.zeros([batch_size, channels, *frames, height // scale, width // scale],
                               device=comfy.model_management.intermediate_device())

@@ -94,7 +94,7 @@ class PoolModelPatcher(comfy.model_patcher.ModelPatcher):
 
 def comfy_model(pool) -> PoolModelPatcher:
     """ComfyUI's model for the pool's family, its diffusion model replaced by PoolTransformer."""
-    adapter = adapter_for(pool.pipeline)
+    adapter = adapter_for(pool.pipeline, pool.latent_scale)
     name = pool.status.get("model_class") or adapter.data.model_class
     if not name or not adapter.data.model_call_conds:
         raise ConditioningError(f"xDiT Model does not run {pool.pipeline} yet (it runs SD3, Flux.1 and Qwen-Image "

@@ -68,6 +68,10 @@ class PoolHandle:
     def pipeline(self) -> str:
         return self.status.get("pipeline") or "?"
 
+    @property
+    def latent_scale(self) -> int:
+        return int(self.status.get("latent_scale") or 8)  # 8: a status from before the model loaded
+
 
 class PoolRegistry:
     def __init__(self):

@@ -67,7 +67,7 @@ class XDiTSampler(io.ComfyNode):
 
     @classmethod
     def execute(cls, pool, positive, negative, latent_image, seed, steps, cfg, sampler, denoise, preview) -> io.NodeOutput:
-        adapter = adapter_for(pool.pipeline)
+        adapter = adapter_for(pool.pipeline, pool.latent_scale)
         if denoise <= 0.0:
             return io.NodeOutput(latent_image)  # nothing to denoise, as KSampler
         samples = adapter.comfy_latent(latent_image["samples"])  # images [B, C, H, W]; video (Wan) [B, C, T', H, W]

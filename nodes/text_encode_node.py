@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from .adapters import XDIT_TEXT
+from .adapters import XDIT_TEXT, adapter_for
 from .pool_node import XDiTPoolType
 from .pools import POOLS
 
@@ -16,18 +16,27 @@ class XDiTTextEncode(io.ComfyNode):
             node_id="XDiTTextEncode",
             display_name="xDiT Text Encode",
             category="sampling/xDiT",
-            description="Encodes text with the pool model's own encoders (as its diffusers pipeline does).",
+            description="Encodes text with the pool model's own encoders (as its diffusers pipeline does); for an edit "
+                        "model whose text encoder sees images (Qwen-Image-Edit), with its reference image(s).",
             inputs=[
                 XDiTPoolType.Input("pool", tooltip="An xDiT Pool started with text encoders."),
                 io.String.Input("text", multiline=True, dynamic_prompts=True, tooltip="The prompt."),
+                io.Image.Input("image", optional=True,
+                               tooltip="Qwen-Image-Edit: the reference image, encoded with the prompt and by the pool's "
+                                       "VAE into the conditioning's reference latents (as TextEncodeQwenImageEdit with "
+                                       "its vae and image); Edit Plus: a batch of references of one size."),
             ],
             outputs=[io.Conditioning.Output()],
         )
 
     @classmethod
-    def execute(cls, pool, text) -> io.NodeOutput:
-        encoded = POOLS.client(pool.endpoint).encode(text)
+    def execute(cls, pool, text, image=None) -> io.NodeOutput:
+        client = POOLS.client(pool.endpoint)
+        encoded = client.encode(text) if image is None else client.encode(text, image=image.movedim(-1, 1))
         extras = {}
+        if "image" in encoded:  # the references' latents, model space: ReferenceLatent's way, in ComfyUI's VAE space
+            references = encoded.pop("image")
+            extras["reference_latents"] = adapter_for(pool.pipeline, pool.latent_scale).comfy_references(references)
         if "pooled_prompt_embeds" in encoded:
             extras["pooled_output"] = encoded["pooled_prompt_embeds"]
         if "prompt_attention_mask" in encoded:

@@ -25,7 +25,7 @@ def decode_to_png(model_dir: str | Path, latents: torch.Tensor, height: int, wid
     vae = AutoencoderKL.from_pretrained(model_dir / "vae")
     factor = 2 ** (len(vae.config.block_out_channels) - 1)
     if latents.dim() == 3:  # packed pipelines (Flux): tokens of 2×2 latent pixels back to a latent image
-        latents = unpack_2x2(latents, height, width)
+        latents = unpack_2x2(latents, height, width, factor)
     shift = getattr(vae.config, "shift_factor", None) or 0.0
     with torch.no_grad():
         image = vae.decode(latents.float() / vae.config.scaling_factor + shift).sample

@@ -15,6 +15,7 @@ from diffusers import (
     UniPCMultistepScheduler,
 )
 
+from . import vl_processors
 from .checkpoints import CHECKPOINT_SUFFIXES
 from .checkpoints.fp8 import Fp8Linear
 
@@ -60,6 +61,8 @@ def load_pipeline(model_dir: str | Path, *, text_encoders: bool = False, dtype: 
     skipped = {name: None for name, entry in components.items()
                if entry == [None, None] or (not text_encoders and name.startswith(("text_encoder", "tokenizer", "processor")))}
     kwargs = {"torch_dtype": DTYPES[dtype]} if dtype else {}
+    if text_encoders:
+        kwargs.update(vl_processors.stand_ins(model_dir, components))
     pipeline = DiffusionPipeline.from_pretrained(model_dir, **skipped, **kwargs)
     return _place(pipeline, dtype, shard_weights, offload)
 

@@ -88,7 +88,8 @@ class LoraManager:
         loader = getattr(type(self.pipeline), "lora_state_dict", None)
         if loader is None:
             raise ValueError(
-                f"{type(self.pipeline).__name__} has no LoRA support in diffusers; LoRA works with SD3, Flux and Wan pools"
+                f"{type(self.pipeline).__name__} has no LoRA support in diffusers; LoRA works with SD3, FLUX.1 (Kontext), "
+                "FLUX.2, Qwen-Image (Edit), Z-Image and Wan pools"
             )
         try:
             state = loader(path)

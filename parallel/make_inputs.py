@@ -23,6 +23,9 @@ def parse_args(argv=None):
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--negative-prompt", default="")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--image", action="append", default=[], metavar="PICTURE",
+                        help="a reference picture for an edit model, encoded with both prompts (Qwen-Image-Edit; "
+                             "repeat for Edit Plus's several, one size)")
     parser.add_argument("--height", type=int, default=1024)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--out", required=True, help="the IN.safetensors to write")
@@ -50,13 +53,14 @@ def main(argv=None) -> int:
         from .distributed import destroy_distributed_environment, initialize_model_parallel
         from .loading import load_pipeline
         from .model_executor import wrap_pipeline
-        from .prompt_inputs import prompt_inputs
+        from .prompt_inputs import prompt_inputs, reference_pictures
 
+        image = reference_pictures(args.image) if args.image else None
         _one_rank_world()
         initialize_model_parallel(ParallelConfig())
         try:
             pipeline = wrap_pipeline(load_pipeline(builtin_models.resolve_model(args.model), text_encoders=True))
-            tensors = prompt_inputs(pipeline, args.prompt, args.negative_prompt, args.seed, args.height, args.width)
+            tensors = prompt_inputs(pipeline, args.prompt, args.negative_prompt, args.seed, args.height, args.width, image)
         finally:
             destroy_distributed_environment()
     except (ValueError, FileNotFoundError, NotImplementedError) as error:

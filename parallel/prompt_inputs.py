@@ -14,6 +14,7 @@ NEGATIVE = {
     "prompt_embeds": "negative_prompt_embeds",
     "pooled_prompt_embeds": "negative_pooled_prompt_embeds",
     "prompt_attention_mask": "negative_prompt_attention_mask",
+    "prompt_embeds_mask": "negative_prompt_embeds_mask",
 }
 
 
@@ -21,21 +22,53 @@ def initial_latents(wrapper, seed: int, height: int, width: int, dtype: torch.dt
     """The noise the pipeline's `prepare_latents` draws for one image from a CPU generator seeded with `seed`."""
     pipeline = wrapper.module
     parameters = inspect.signature(pipeline.prepare_latents).parameters
-    if "num_frames" in parameters or "image" in parameters:
+    if "num_frames" in parameters:
         raise ValueError(f"{type(pipeline).__name__} is a video pipeline: --prompt makes image inputs only; "
                          "write its IN file with 5-D latents (see the README's input shapes)")
     # Flux packs 2×2 latent pixels into one token: its transformer takes 4× the latent channels.
     channels = pipeline.transformer.config.in_channels // (wrapper.latent_patch or 1) ** 2
-    generator = torch.Generator("cpu").manual_seed(seed)
-    latents = pipeline.prepare_latents(batch_size=1, num_channels_latents=channels, height=height, width=width,
-                                       dtype=dtype, device=torch.device("cpu"), generator=generator)
-    return latents[0] if isinstance(latents, tuple) else latents
+    arguments = {"batch_size": 1, "height": height, "width": width, "dtype": dtype, "device": torch.device("cpu"),
+                 "generator": torch.Generator("cpu").manual_seed(seed),
+                 "num_latents_channels" if "num_latents_channels" in parameters else "num_channels_latents": channels}
+    # edit pipelines draw the noise beside their references' latents: the noise alone here
+    arguments.update({name: None for name in ("image", "images") if name in parameters})
+    latents = pipeline.prepare_latents(**arguments)
+    return wrapper.noise_input(latents[0] if isinstance(latents, tuple) else latents, height, width)
 
 
-def prompt_inputs(wrapper, prompt: str, negative_prompt: str, seed: int, height: int, width: int) -> dict[str, torch.Tensor]:
-    """`wrapper`: the engine's pipeline wrapper, whose `encode_text` is the pipeline's own `encode_prompt`."""
+def prompt_inputs(wrapper, prompt: str, negative_prompt: str, seed: int, height: int, width: int,
+                  image: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """`wrapper`: the engine's pipeline wrapper, whose `encode_text` is the pipeline's own `encode_prompt`; with
+    `image` (reference pictures [N, 3, H, W] in [0, 1]) both prompts are encoded with them, as an edit pipeline
+    whose text encoder sees its references does (Qwen-Image-Edit), and `image` holds their latents."""
+    def encode(text: str) -> dict[str, torch.Tensor]:
+        return dict(wrapper.encode_text(text) if image is None else wrapper.encode_text_with_images(text, image))
+
     with torch.no_grad():
-        tensors = dict(wrapper.encode_text(prompt))
-        tensors.update({NEGATIVE[name]: value for name, value in wrapper.encode_text(negative_prompt).items()})
+        tensors = encode(prompt)
+        negative = encode(negative_prompt)
+        negative.pop("image", None)  # the same references' latents
+        tensors.update({NEGATIVE[name]: value for name, value in negative.items()})
     tensors["latents"] = initial_latents(wrapper, seed, height, width, tensors["prompt_embeds"].dtype)
     return {name: value.cpu().contiguous() for name, value in tensors.items()}
+
+
+def reference_pictures(paths: list[str]) -> torch.Tensor:
+    """Picture files (PNG, JPEG, WebP, …) as reference images [N, 3, H, W] in [0, 1]: 8-bit RGB, as ComfyUI's
+    LoadImage reads them. One size for all (they travel as one tensor)."""
+    import numpy as np
+    import PIL.Image
+
+    pictures = []
+    for path in paths:
+        try:
+            with PIL.Image.open(path) as picture:
+                pictures.append(np.asarray(picture.convert("RGB")))
+        except FileNotFoundError:
+            raise ValueError(f"--image {path}: no such file") from None
+        except PIL.UnidentifiedImageError:
+            raise ValueError(f"--image {path}: not a picture (PNG, JPEG, WebP, …)") from None
+    if len({picture.shape for picture in pictures}) > 1:
+        sizes = ", ".join(f"{p.shape[1]}x{p.shape[0]}" for p in pictures)
+        raise ValueError(f"--image: the reference pictures must share one size (these are {sizes}); resize them alike")
+    return torch.from_numpy(np.stack(pictures)).permute(0, 3, 1, 2).float() / 255

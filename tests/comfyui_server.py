@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -27,8 +28,10 @@ class ComfyServer:
     def __init__(self, comfy: Path, python: Path, work: Path):
         self.work, self.comfy, self.python = work, comfy, python
         for name in ("probe_before", "custom_nodes", "probe_after", "models/diffusers", "models/diffusion_models", "models/loras", "models/vae",
-                     "output", "user/default"):
+                     "input", "output", "user/default"):
             (work / name).mkdir(parents=True, exist_ok=True)
+        if (comfy / "input" / "example.png").is_file():  # what a fresh install's input folder holds
+            shutil.copy(comfy / "input" / "example.png", work / "input")
         for when in ("before", "after"):
             (work / f"probe_{when}" / f"xdit_probe_{when}.py").symlink_to(PROBE / f"xdit_probe_{when}.py")
         (work / "custom_nodes" / "comfyui-xdit-pool").symlink_to(ROOT)
@@ -44,7 +47,8 @@ class ComfyServer:
         command = [
             str(python), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port), "--disable-auto-launch",
             "--extra-model-paths-config", str(work / "extra.yaml"), "--cache-none", "--database-url", "sqlite:///:memory:",
-            "--output-directory", str(work / "output"), "--user-directory", str(work / "user"),
+            "--input-directory", str(work / "input"), "--output-directory", str(work / "output"),
+            "--user-directory", str(work / "user"),
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.process = subprocess.Popen(command, cwd=comfy, env=env, stdout=self.log.open("wb"), stderr=subprocess.STDOUT,

@@ -24,12 +24,13 @@ FAMILIES = {  # family: (empty latent node, cfg, scale, shift)
     "flux": ("EmptySD3LatentImage", 1.0, 0.3611, 0.1159),
     "flux-kontext": ("EmptySD3LatentImage", 1.0, 0.3611, 0.1159),  # with ReferenceLatent: tests/test_flux_kontext.py
     "qwen-image": ("EmptySD3LatentImage", 4.0, None, None),  # Wan21 format: the VAE's per-channel mean and std
+    "qwen-image-edit": ("EmptySD3LatentImage", 4.0, None, None),  # with its reference image: below
     "z-image": ("EmptySD3LatentImage", 2.0, 0.3611, 0.1159),  # FLUX.1's VAE; cfg 2 is Z-Image's guidance_scale 1
     # ComfyUI 0.3.64 has neither FLUX.2's latent format (the family declares it) nor an empty-latent node for it
     "flux2-klein": ("XDiTEmptyLatent", 4.0, None, None),  # the base model: real CFG
     "flux2-dev": ("XDiTEmptyLatent", 1.0, None, None),  # guidance-distilled: cfg 1, FluxGuidance's default 4
 }
-TEXT_TO_IMAGE = [family for family in FAMILIES if family != "flux-kontext"]
+TEXT_TO_IMAGE = [family for family in FAMILIES if family not in ("flux-kontext", "qwen-image-edit")]
 
 
 
@@ -330,3 +331,71 @@ def test_qwen_image_edit_with_reference_latent_equals_diffusers(comfy, qwen_edit
     del graph["9"], graph["8"]
     graph["5"]["inputs"]["positive"] = ["2", 0]
     assert "add ComfyUI's ReferenceLatent" in _node_error(comfy, graph)
+
+
+# diffusers' Qwen-Image-Edit from the prompt strings and a picture, run by ComfyUI's python: the one the pool runs
+# in, whose transformers may resize the picture for Qwen2.5-VL with torchvision (the test bed's) rather than PIL
+EDIT_REFERENCE = """
+import sys
+
+import PIL.Image
+import torch
+from safetensors.torch import save_file
+
+root, model, picture, out, size = *sys.argv[1:5], int(sys.argv[5])
+sys.path[:0] = [root, root + "/tests"]
+from xdit_test_helpers import diffusers_latents, load_pipeline_folder
+
+pipeline = load_pipeline_folder(model)
+scale, tokens = pipeline.vae_scale_factor, size // pipeline.vae_scale_factor
+noise = torch.randn((1, 16, tokens, tokens), generator=torch.manual_seed(7))
+latents = diffusers_latents(pipeline, "qwen-image-edit", prompt="a cat on a mat", negative_prompt="blurry",
+                            image=PIL.Image.open(picture).convert("RGB"), true_cfg_scale=4.0, num_inference_steps=4,
+                            height=size, width=size, latents=pipeline._pack_latents(noise, 1, 16, tokens, tokens))
+config = pipeline.vae.config
+mean, std = (torch.tensor(v).view(1, -1, 1, 1, 1) for v in (config.latents_mean, config.latents_std))
+save_file({"latents": pipeline._unpack_latents(latents, size, size, scale) * std + mean}, out)
+"""
+
+
+def test_qwen_image_edit_prompts_are_encoded_with_their_image_on_the_pool(comfy):
+    """LoadImage → xDiT Text Encode with the image, positive and negative (Qwen2.5-VL sees the picture; the pool's VAE
+    adds its latents as reference_latents, as TextEncodeQwenImageEdit with vae and image does) → xDiT Sampler on the
+    built-in Qwen-Image-Edit (its ×32 VAE: a 64² ComfyUI latent is 256² pixels to it, the pool says) equals diffusers'
+    pipeline given the prompt strings and the picture; another picture misses by far more. An image given to a model
+    whose text encoders see none is one node error."""
+    import subprocess
+
+    import numpy as np
+    import PIL.Image
+
+    from parallel import builtin_models
+
+    rng = np.random.default_rng(5)
+    for name in ("edit-ref.png", "edit-other.png"):
+        PIL.Image.fromarray(rng.integers(0, 256, (48, 80, 3), dtype=np.uint8)).save(comfy.work / "input" / name)
+    graph = workflow("qwen-image-edit", prefix="edit-image")
+    graph["7"] = {"class_type": "LoadImage", "inputs": {"image": "edit-ref.png"}}
+    for node in ("2", "3"):
+        graph[node]["inputs"]["image"] = ["7", 0]
+    entry = comfy.wait(comfy.queue(graph))
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+    latent = saved_latent(comfy, entry)
+
+    def expected(picture: str) -> torch.Tensor:
+        out = comfy.work / f"{picture}.reference.safetensors"
+        model = builtin_models.builtin_model_dir("xdit-tiny-qwen-image-edit")
+        run = subprocess.run([str(comfy.python), "-c", EDIT_REFERENCE, str(ROOT), str(model),
+                              str(comfy.work / "input" / picture), str(out), "256"],
+                             cwd=comfy.comfy, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return load_file(out)["latents"]
+
+    assert latent.shape == (1, 16, 1, 8, 8)
+    assert (latent - expected("edit-ref.png")).abs().max().item() <= TOLERANCE
+    assert (latent - expected("edit-other.png")).abs().max().item() > 100 * TOLERANCE
+
+    text_to_image = workflow("qwen-image", prefix="no-image")
+    text_to_image["7"] = graph["7"]
+    text_to_image["2"]["inputs"]["image"] = ["7", 0]
+    assert "QwenImagePipeline's text encoders take no image" in _node_error(comfy, text_to_image)

@@ -117,11 +117,13 @@ HISTORY = """async (id) => {
 def test_example_workflow_loads_converts_and_runs(comfy, page, path):
     workflow = json.loads(path.read_text())
     result = page.eval(LOAD_CONVERT_QUEUE, workflow)
-    empty = {"xdit_sd3": "EmptySD3LatentImage", "xdit_flux": "EmptySD3LatentImage", "xdit_flux_kontext": "EmptySD3LatentImage",
-             "xdit_qwen_image": "EmptySD3LatentImage", "xdit_z_image": "EmptySD3LatentImage", "xdit_wan": "EmptyHunyuanLatentVideo",
-             "xdit_model_ksampler": "EmptySD3LatentImage", "xdit_flux2_klein": "XDiTEmptyLatent",
-             "xdit_hunyuan_video15": "XDiTEmptyLatent"}.get(path.stem, "EmptyLatentImage")
-    edit = ["XDiTSampler", "ReferenceLatent"] if path.stem == "xdit_flux_kontext" else []  # a first sampler's image as reference
+    sd3_latent = ("xdit_sd3", "xdit_flux", "xdit_flux_kontext", "xdit_qwen_image", "xdit_qwen_image_edit", "xdit_z_image",
+                  "xdit_model_ksampler")
+    empty = {**dict.fromkeys(sd3_latent, "EmptySD3LatentImage"), "xdit_wan": "EmptyHunyuanLatentVideo",
+             **dict.fromkeys(("xdit_flux2_klein", "xdit_flux2_dev", "xdit_hunyuan_video15"), "XDiTEmptyLatent")
+             }.get(path.stem, "EmptyLatentImage")
+    edit = {"xdit_flux_kontext": ["XDiTSampler", "ReferenceLatent"],  # a first sampler's image as reference
+            "xdit_qwen_image_edit": ["LoadImage"]}.get(path.stem, [])  # ComfyUI's example.png, encoded with the prompts
     sampler = ["XDiTModel", "KSampler"] if path.stem == "xdit_model_ksampler" else ["XDiTSampler"]
     assert result["classes"] == sorted(["XDiTPool", "XDiTTextEncode", "XDiTTextEncode", *sampler, "SaveLatent", empty, *edit])
     assert result["response"] and not result["response"].get("node_errors"), result
@@ -132,7 +134,8 @@ def test_example_workflow_loads_converts_and_runs(comfy, page, path):
 
 def test_example_workflows_cover_every_family_and_are_listed_as_templates(comfy):
     stems = {"xdit_pixart_alpha", "xdit_pixart_sigma", "xdit_sd3", "xdit_flux", "xdit_wan", "xdit_flux_kontext",
-             "xdit_qwen_image", "xdit_z_image", "xdit_model_ksampler", "xdit_flux2_klein", "xdit_hunyuan_video15"}
+             "xdit_qwen_image", "xdit_qwen_image_edit", "xdit_z_image", "xdit_model_ksampler", "xdit_flux2_klein",
+             "xdit_flux2_dev", "xdit_hunyuan_video15"}
     assert {p.stem for p in EXAMPLES} == stems
     assert set(comfy.get("/api/workflow_templates")["comfyui-xdit-pool"]) == stems
 

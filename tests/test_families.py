@@ -109,7 +109,7 @@ IMAGE_FORMATS = [
 
 @pytest.mark.parametrize("pipeline, name, channels, scale, shift", IMAGE_FORMATS)
 def test_image_latents_convert_as_comfyui_does(adapters, latent_formats, pipeline, name, channels, scale, shift):
-    adapter = adapters.adapter_for(pipeline)
+    adapter = adapters.adapter_for(pipeline, 8)
     x = torch.randn(2, channels, 6, 4, generator=torch.Generator().manual_seed(0))
     assert adapter.format_name(channels) == name
     assert adapter.job_size(x) == {"height": 48, "width": 32}
@@ -132,7 +132,7 @@ def test_qwen_image_latents_keep_comfyuis_one_frame_and_its_cfg_is_true_cfg(adap
     format) and hands EmptySD3LatentImage's [B, 16, H, W] to its sampler as one frame; its cfg is true CFG."""
     from diffusers import QwenImagePipeline
 
-    qwen, fmt = adapters.adapter_for("QwenImagePipeline"), latent_formats.Wan21()
+    qwen, fmt = adapters.adapter_for("QwenImagePipeline", 8), latent_formats.Wan21()
     x = torch.randn(2, 16, 1, 6, 4, generator=torch.Generator().manual_seed(0))
     samples = qwen.comfy_latent(x)
     assert torch.equal(samples, x[:, :, 0]) and qwen.job_size(samples) == {"height": 48, "width": 32}
@@ -152,7 +152,7 @@ def test_flux2_latents_take_the_declared_format_where_comfyui_064_has_none(adapt
 
     assert not hasattr(latent_formats, "Flux2")
     for pipeline in ("Flux2KleinPipeline", "Flux2Pipeline"):
-        flux2 = adapters.adapter_for(pipeline)
+        flux2 = adapters.adapter_for(pipeline, 16)
         x = torch.randn(2, 128, 3, 5, generator=torch.Generator().manual_seed(0))
         fmt = flux2.latent_format(128)
         assert (fmt.latent_channels, fmt.spacial_downscale_ratio, len(fmt.latent_rgb_factors)) == (128, 16, 32)
@@ -166,7 +166,7 @@ def test_flux2_latents_take_the_declared_format_where_comfyui_064_has_none(adapt
         assert torch.equal(unfolded, Flux2KleinPipeline._unpatchify_latents(x[:1]))
         with pytest.raises(adapters.ConditioningError, match="has 16 channels; expected 128"):
             flux2.job_size(torch.zeros(1, 16, 4, 4))
-    dev = adapters.adapter_for("Flux2Pipeline")
+    dev = adapters.adapter_for("Flux2Pipeline", 16)
     assert dev.guidance_parameters(1.0, 2.5, False) == (2.5, {})
     with pytest.raises(adapters.ConditioningError, match="guidance-distilled .* set cfg to 1"):
         dev.guidance_parameters(3.0, None, True)
@@ -175,7 +175,7 @@ def test_flux2_latents_take_the_declared_format_where_comfyui_064_has_none(adapt
 def test_hunyuan_video15_latents_and_xdit_text_travel_through_comfyui(adapters, latent_formats):
     """ComfyUI 0.3.64 has no HunyuanVideo 1.5 format: the declared one scales by the VAE's 1.03682 (×16, 3-D, no
     previews); xDiT Text Encode's other text inputs (masks, byT5 glyph text) reach the pipeline per branch."""
-    hv = adapters.adapter_for("HunyuanVideo15Pipeline")
+    hv = adapters.adapter_for("HunyuanVideo15Pipeline", 16)
     assert not hasattr(latent_formats, "HunyuanVideo15")
     x = torch.randn(1, 32, 3, 2, 4, generator=torch.Generator().manual_seed(0))
     assert hv.job_size(x) == {"height": 32, "width": 64, "num_frames": 9}
@@ -193,8 +193,8 @@ def test_hunyuan_video15_latents_and_xdit_text_travel_through_comfyui(adapters, 
 
 def test_wan_latents_use_comfyuis_wan21_and_wan22_formats(adapters, latent_formats):
     """16 channels (Wan 2.1, 2.2 A14B, ×8) and 48 (Wan 2.2 TI2V 5B, ×16); 4 frames per latent frame."""
-    wan = adapters.adapter_for("WanPipeline")
     for channels, name, factor in ((16, "Wan21", 8), (48, "Wan22", 16)):
+        wan = adapters.adapter_for("WanPipeline", factor)  # the pool's VAE factor (its `latent_scale` status)
         x = torch.randn(2, channels, 3, 6, 5)
         fmt = getattr(latent_formats, name)()
         assert wan.format_name(channels) == name
@@ -211,11 +211,11 @@ def test_wan_latents_use_comfyuis_wan21_and_wan22_formats(adapters, latent_forma
 def test_conditioning_becomes_the_declared_tensor_inputs(adapters):
     cond = torch.randn(1, 5, 32)
     mask = torch.tensor([[1, 1, 1, 0, 0]])
-    pixart = adapters.adapter_for("PixArtSigmaPipeline")
+    pixart = adapters.adapter_for("PixArtSigmaPipeline", 8)
     tensors, guidance = pixart.pipeline_inputs([[cond, {"attention_mask": mask}]], None, 2, {"prompt_embeds": 32})
     assert sorted(tensors) == ["prompt_attention_mask", "prompt_embeds"] and guidance is None
     assert torch.equal(tensors["prompt_attention_mask"], mask.expand(2, 5))
-    flux = adapters.adapter_for("FluxPipeline")
+    flux = adapters.adapter_for("FluxPipeline", 8)
     extras = {"pooled_output": torch.randn(1, 16), "guidance": 2.5}
     widths = {f"{prefix}{name}": width for prefix in ("", "negative_")
               for name, width in (("prompt_embeds", 32), ("pooled_prompt_embeds", 16))}
@@ -228,19 +228,19 @@ def test_conditioning_becomes_the_declared_tensor_inputs(adapters):
     with pytest.raises(adapters.ConditioningError, match="pooled_prompt_embeds is 8 wide but .* needs 16; .*DualCLIPLoader"):
         flux.pipeline_inputs([[cond, {"pooled_output": torch.randn(1, 8)}]], None, 1, widths)
     with pytest.raises(ValueError, match="no adapter for StableDiffusionPipeline"):
-        adapters.adapter_for("StableDiffusionPipeline")
+        adapters.adapter_for("StableDiffusionPipeline", 8)
 
 
 def test_reference_latents_become_the_declared_image_input(adapters):
     """ReferenceLatent's VAE-space latents reach FluxKontextPipeline's `image` in model space, unpacked."""
     cond, reference = torch.randn(1, 5, 32), torch.randn(1, 16, 6, 10)
     extras = {"pooled_output": torch.randn(1, 16), "reference_latents": [reference]}
-    kontext = adapters.adapter_for("FluxKontextPipeline")
+    kontext = adapters.adapter_for("FluxKontextPipeline", 8)
     tensors, _ = kontext.pipeline_inputs([[cond, extras]], [[cond, {"pooled_output": torch.randn(1, 16)}]], 2, {})
     assert torch.allclose(tensors["image"], ((reference - 0.1159) * 0.3611).expand(2, 16, 6, 10))
     without = kontext.pipeline_inputs([[cond, {"pooled_output": extras["pooled_output"]}]], None, 1, {})[0]
     assert "image" not in without  # no ReferenceLatent: the text alone, as ComfyUI's own Kontext
-    flux = adapters.adapter_for("FluxPipeline")  # declares no reference input: ReferenceLatent is not sent
+    flux = adapters.adapter_for("FluxPipeline", 8)  # declares no reference input: ReferenceLatent is not sent
     assert "image" not in flux.pipeline_inputs([[cond, extras]], None, 1, {})[0]
     with pytest.raises(adapters.ConditioningError, match="takes one reference image but the conditioning has 2"):
         kontext.pipeline_inputs([[cond, {**extras, "reference_latents": [reference, reference]}]], None, 1, {})
@@ -254,7 +254,7 @@ def test_wan21_i2v_takes_the_clip_vision_features_where_the_pool_lists_them(adap
     cond, start = torch.randn(1, 5, 32), torch.randn(1, 16, 2, 4, 4)
     features = torch.randn(1, 257, 1280)
     extras = {"concat_latent_image": start, "clip_vision_output": types.SimpleNamespace(penultimate_hidden_states=features)}
-    wan = adapters.adapter_for("WanImageToVideoPipeline")
+    wan = adapters.adapter_for("WanImageToVideoPipeline", 8)
     widths = {"prompt_embeds": 32, "image_embeds": 1280}
     tensors, _ = wan.pipeline_inputs([[cond, extras]], None, 2, widths)
     assert torch.equal(tensors["image_embeds"], features) and tensors["image_latents"].shape == (2, 16, 2, 4, 4)

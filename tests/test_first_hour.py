@@ -79,6 +79,15 @@ MISTAKES = {
                    "--output", str(w / "o.safetensors")], ["no such file", "parallel.make_inputs"]),
     "cli-no-inputs-nor-prompt": (
         lambda w: ["-m", "workers", "sample", "--model", TINY, "--output", str(w / "o.png")], ["--inputs", "--prompt", "--help"]),
+    "cli-image-without-prompt": (
+        lambda w: ["-m", "workers", "sample", "--model", TINY, "--inputs", str(w / "in.safetensors"), "--image",
+                   str(w / "in.safetensors"), "--output", str(w / "o.safetensors")], ["--image goes with --prompt", "`image`"]),
+    "cli-image-missing": (
+        lambda w: ["-m", "workers", "sample", "--model", TINY, "--prompt", "x", "--image", str(w / "nope.png"),
+                   "--output", str(w / "o.safetensors")], ["--image", "nope.png: no such file"]),
+    "cli-image-not-a-picture": (
+        lambda w: ["-m", "workers", "sample", "--model", TINY, "--prompt", "x", "--image", str(w / "in.safetensors"),
+                   "--output", str(w / "o.safetensors")], ["in.safetensors: not a picture"]),
     "cli-wrong-output-suffix": (
         lambda w: ["-m", "workers", "sample", "--model", TINY, "--prompt", "x", "--output", str(w / "o.jpg")],
         [".safetensors", ".png"]),
@@ -179,6 +188,66 @@ def test_make_inputs_then_contract_e_equals_diffusers_from_the_prompt(work):
         expected = pipeline(prompt="a blue car", generator=torch.Generator().manual_seed(3), num_inference_steps=2,
                             guidance_scale=4.5, height=64, width=64, output_type="latent", return_dict=False)[0]
     assert (load_file(output)["latents"] - expected).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("family", ["flux2-klein", "flux-kontext", "qwen-image-edit"])
+def test_make_inputs_for_the_newer_families_equal_the_pipeline_from_the_prompt(work, family):
+    """make_inputs' tensors (the Qwen-Image-Edit prompts encoded with their --image, its latents as `image`) give
+    what diffusers' pipeline gives from the prompt strings, the picture and the seed; another seed misses."""
+    import numpy as np
+    import PIL.Image
+
+    from xdit_test_helpers import diffusers_latents, diffusers_with_reference_latents, load_pipeline_folder
+
+    inputs, picture = work / f"{family}-in.safetensors", None
+    negative = "" if family == "flux2-klein" else "blurry"  # [klein]'s pipeline takes no negative prompt: always ""
+    command = ["-m", "parallel.make_inputs", "--model", f"xdit-tiny-{family}", "--prompt", "a blue car", "--negative-prompt",
+               negative, "--seed", "3", "--height", "64", "--width", "64", "--out", str(inputs)]
+    if family == "qwen-image-edit":
+        picture = PIL.Image.fromarray(np.random.default_rng(1).integers(0, 256, (40, 56, 3), dtype=np.uint8))
+        picture.save(work / "picture.png")
+        command += ["--image", str(work / "picture.png")]
+    made = run(*command)
+    assert made.returncode == 0, made.stderr[-3000:]
+    tensors = load_file(inputs)
+    folder = builtin_models.resolve_model(f"xdit-tiny-{family}")
+    pipeline = load_pipeline_folder(folder)
+    call = {"num_inference_steps": 2, "height": 64, "width": 64}
+    strings = {"prompt": "a blue car", **({"negative_prompt": negative} if negative else {}),
+               **({"image": picture} if picture else {})}
+    if picture:
+        from_inputs = diffusers_with_reference_latents(folder, family, tensors.pop("image"), **tensors, **call)
+    else:
+        from_inputs = diffusers_latents(pipeline, family, **tensors, **call)
+    expected = diffusers_latents(pipeline, family, **strings, generator=torch.Generator().manual_seed(3), **call)
+    other_seed = diffusers_latents(pipeline, family, **strings, generator=torch.Generator().manual_seed(4), **call)
+    assert (from_inputs - expected).abs().max().item() <= TOLERANCE
+    assert (from_inputs - other_seed).abs().max().item() > 100 * TOLERANCE
+
+
+def test_one_shot_edit_from_a_prompt_and_a_picture_equals_diffusers(work):
+    """`sample --prompt --image` on a Qwen-Image-Edit pool (Ulysses 2): both prompts encoded with the picture on the
+    pool, its latents the reference, the seed's noise: diffusers' pipeline from the strings and the picture."""
+    import numpy as np
+    import PIL.Image
+
+    from xdit_test_helpers import diffusers_latents, load_pipeline_folder
+
+    picture = PIL.Image.fromarray(np.random.default_rng(2).integers(0, 256, (40, 56, 3), dtype=np.uint8))
+    picture.save(work / "edit-me.png")
+    output = work / "edited.safetensors"
+    result = run("-m", "workers", "sample", "--model", "xdit-tiny-qwen-image-edit", "--nproc", "2", "--ulysses-degree", "2",
+                 "--prompt", "a blue car", "--negative-prompt", "blurry", "--image", str(work / "edit-me.png"), "--seed", "3",
+                 "--steps", "2", "--height", "64", "--width", "64", "--output", str(output))
+    assert result.returncode == 0, result.stderr[-3000:]
+    pipeline = load_pipeline_folder(builtin_models.resolve_model("xdit-tiny-qwen-image-edit"))
+    expected = diffusers_latents(pipeline, "qwen-image-edit", prompt="a blue car", negative_prompt="blurry", image=picture,
+                                 generator=torch.Generator().manual_seed(3), num_inference_steps=2, height=64, width=64)
+    assert (load_file(output)["latents"] - expected).abs().max().item() <= TOLERANCE
+    mirrored = diffusers_latents(pipeline, "qwen-image-edit", prompt="a blue car", negative_prompt="blurry",
+                                 image=picture.transpose(PIL.Image.Transpose.FLIP_LEFT_RIGHT),
+                                 generator=torch.Generator().manual_seed(3), num_inference_steps=2, height=64, width=64)
+    assert (load_file(output)["latents"] - mirrored).abs().max().item() > 100 * TOLERANCE
 
 
 SLOW_IDLE_HOOK = '''

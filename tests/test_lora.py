@@ -9,7 +9,7 @@ from diffusers import DiffusionPipeline
 from safetensors.torch import save_file
 
 from parallel import tiny_models
-from pool_helpers import PARAMS, free_endpoint, idle_client, start_serve, stop_serve
+from pool_helpers import PARAMS, free_endpoint, idle_client, serving, start_serve, stop_serve
 from workers.client import JobFailed
 from xdit_test_helpers import TOLERANCE, diffusers_latents
 
@@ -64,6 +64,18 @@ def bfl_and_peft_lora(bfl_path, peft_path, seed: int) -> tuple[str, str]:
     return str(bfl_path), str(peft_path)
 
 
+def peft_lora_for(transformer, path, layers: tuple[str, ...], seed: int = 5) -> str:
+    """A PEFT LoRA for `transformer`'s Linear layers named `layers`, of their own shapes (random A and B)."""
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in layers:
+        linear = transformer.get_submodule(layer)
+        weights[f"transformer.{layer}.lora_A.weight"] = torch.randn(RANK, linear.in_features, generator=g) * 0.3
+        weights[f"transformer.{layer}.lora_B.weight"] = torch.randn(linear.out_features, RANK, generator=g) * 0.3
+    save_file(weights, path)
+    return str(path)
+
+
 def pixart_lora(path) -> str:
     """A LoRA for PixArt's layer names (attn1 = self-attention), which Flux does not have."""
     g = torch.Generator().manual_seed(9)
@@ -73,16 +85,20 @@ def pixart_lora(path) -> str:
     return str(path)
 
 
-def fused_reference(model_dir, inputs, loras: list[tuple[str, float]]) -> torch.Tensor:
-    pipeline = DiffusionPipeline.from_pretrained(model_dir)
-    names = []
-    for i, (path, strength) in enumerate(loras):
-        pipeline.load_lora_weights(path, adapter_name=f"l{i}")
-        names.append(f"l{i}")
+def fuse_loras(pipeline, loras: list[tuple[str, float]]):
+    """diffusers' own LoRA path: load each file, weight them, fuse them into the weights; the pipeline back."""
+    names = [f"l{i}" for i in range(len(loras))]
+    for name, (path, _) in zip(names, loras):
+        pipeline.load_lora_weights(path, adapter_name=name)
     if names:
-        pipeline.set_adapters(names, adapter_weights=[s for _, s in loras])
+        pipeline.set_adapters(names, adapter_weights=[strength for _, strength in loras])
         pipeline.fuse_lora(adapter_names=names, lora_scale=1.0)
         pipeline.unload_lora_weights()
+    return pipeline
+
+
+def fused_reference(model_dir, inputs, loras: list[tuple[str, float]]) -> torch.Tensor:
+    pipeline = fuse_loras(DiffusionPipeline.from_pretrained(model_dir), loras)
     return diffusers_latents(pipeline, **inputs, num_inference_steps=4, guidance_scale=3.5, height=64, width=64)
 
 
@@ -135,3 +151,31 @@ def test_lora_on_a_parallel_pool(tiny_model_dirs, files, tmp_path, layout):
         client.close()
     finally:
         stop_serve(process)
+
+
+# Qwen-Image's transformer is Qwen-Image-Edit's too; FLUX.2 [klein]'s is [dev]'s (FLUX.1 Kontext's is Flux's, above)
+FAMILY_LORAS = {
+    "qwen-image": ("transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.add_v_proj", "transformer_blocks.1.img_mlp.net.2"),
+    "flux2-klein": ("transformer_blocks.0.attn.to_k", "transformer_blocks.0.ff.linear_in",
+                    "single_transformer_blocks.0.attn.to_qkv_mlp_proj"),
+}
+
+
+@pytest.mark.parametrize("family", FAMILY_LORAS)
+def test_lora_on_the_newer_families_equals_diffusers_fused(tiny_model_dirs, tmp_path, family):
+    """xDiT LoRA on a Qwen-Image or FLUX.2 pool (Ulysses 2; double-stream, feed-forward and fused single-block layers)
+    equals diffusers' own pipeline with the LoRA fused, and is removed exactly."""
+    model = tiny_model_dirs[family]
+    pipeline = DiffusionPipeline.from_pretrained(model)
+    lora = peft_lora_for(pipeline.transformer, tmp_path / "lora.safetensors", FAMILY_LORAS[family])
+    inputs = tiny_models.make_inputs(family, negative=False)
+    params = {**PARAMS, "guidance_scale": 1.0}
+    with serving(model, tmp_path, "--nproc", "2", "--ulysses-degree", "2") as client:
+        base = client.sample(inputs, params)
+        with_lora = client.sample(inputs, {**params, "loras": [{"path": lora, "strength": 0.8}]})
+        assert torch.equal(client.sample(inputs, params), base)
+    call = {**inputs, "num_inference_steps": PARAMS["steps"], "guidance_scale": 1.0, "height": 64, "width": 64}
+    assert (base - diffusers_latents(pipeline, family, **call)).abs().max().item() <= TOLERANCE
+    fused = diffusers_latents(fuse_loras(pipeline, [(lora, 0.8)]), family, **call)
+    assert (with_lora - fused).abs().max().item() <= TOLERANCE
+    assert (with_lora - base).abs().max().item() > 100 * TOLERANCE  # the LoRA takes part

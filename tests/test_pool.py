@@ -253,7 +253,8 @@ def test_text_encoding_on_the_pool_equals_the_pipelines_encode_prompt(tiny_model
 
 
 @pytest.mark.parametrize("family, layout", [("sd3", ("--ring-degree", "2")), ("flux", ("--ulysses-degree", "2")),
-                                            ("pixart-sigma", ("--cfg-parallel",)), ("z-image", ("--ulysses-degree", "2"))])
+                                            ("pixart-sigma", ("--cfg-parallel",)), ("z-image", ("--ulysses-degree", "2")),
+                                            ("qwen-image", ("--ring-degree", "2")), ("flux2-klein", ("--ulysses-degree", "2"))])
 def test_img2img_on_the_pool_equals_the_same_schedule_in_one_process(tiny_model_dirs, tmp_path, family, layout):
     """denoise < 1: the last `steps` of a steps/denoise schedule from noised init latents, computed in
     one process with the unwrapped pipeline (same sigmas/timesteps and start) as the reference."""
@@ -267,7 +268,7 @@ def test_img2img_on_the_pool_equals_the_same_schedule_in_one_process(tiny_model_
         client, _ = idle_client(endpoint)
         inputs = tiny_models.make_inputs(family)
         init = tiny_models.make_inputs(family, seed=5)["latents"]
-        guidance = {"flux": 3.5, "z-image": tiny_models.MODELS["z-image"].guidance}.get(family, 4.5)
+        guidance = tiny_models.MODELS[family].guidance
         params = {**PARAMS, "guidance_scale": guidance, "denoise": 0.5}
         parallel = client.sample({**inputs, "init_latents": init}, params)
         full = client.sample(inputs, {**params, "denoise": 1.0})
@@ -290,10 +291,14 @@ def test_img2img_on_the_pool_equals_the_same_schedule_in_one_process(tiny_model_
 
         if family == "z-image":  # its own sigmas, the scheduler's static shift
             sigmas, shift = np.linspace(1.0, 1 / total, total)[total - steps:], {}
-        elif family == "flux":
+        elif family in ("flux", "qwen-image"):  # the pipelines' own sigmas, shifted for 16 image tokens
             sigmas = np.linspace(1.0, 1 / total, total)[total - steps:]
             c = scheduler.config
             shift = {"mu": calculate_shift(16, c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)}
+        elif family == "flux2-klein":  # FLUX.2's empirical shift of the tokens and the steps the call runs
+            from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+
+            sigmas, shift = np.linspace(1.0, 1 / total, total)[total - steps:], {"mu": compute_empirical_mu(16, steps)}
         else:
             sigmas = np.linspace(scheduler.sigma_max, scheduler.sigma_min, total)[total - steps:]
             shift = {}
@@ -304,6 +309,10 @@ def test_img2img_on_the_pool_equals_the_same_schedule_in_one_process(tiny_model_
     expected = diffusers_latents(pipeline, family, **{**inputs, "latents": start}, **extra, num_inference_steps=steps,
                                  guidance_scale=guidance, height=64, width=64)
     assert (parallel - expected).abs().max().item() <= TOLERANCE
+    if family == "flux2-klein":  # [klein] returns its latents denormalised (the VAE's batch norm) and unpatchified
+        bn = pipeline.vae.bn
+        std = torch.sqrt(bn.running_var + pipeline.vae.config.batch_norm_eps).view(1, -1, 1, 1)
+        init = pipeline._unpatchify_latents(init * std + bn.running_mean.view(1, -1, 1, 1))
     # img2img keeps more of the init latents than text-to-image does
     assert (parallel - init).norm() < (full - init).norm()
 

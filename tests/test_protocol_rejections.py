@@ -232,6 +232,19 @@ def test_encode_prompt():
     rejects([pack(header("encode", params={"prompt": "cat", "steps": 2}))], r"encode does not take \['steps'\]")
 
 
+def test_encode_takes_reference_images_alone():
+    """An edit model's prompt travels with its reference images (`image`), with a seed too (a whole job's inputs);
+    no other tensor."""
+    image = torch.rand(1, 3, 8, 8)
+    message = decode(on_the_wire(encode(Message("encode", "", {"prompt": "cat"}, {"image": image}))))
+    assert torch.equal(message.tensors["image"], image)
+    rejects(on_the_wire(encode(Message("encode", "", {"prompt": "cat"}, {"latents": image}))),
+            r"tensor 'latents' is not accepted here; allowed: \['image'\]")
+    whole = decode(on_the_wire(encode(Message("encode", "", {"prompt": "cat", "seed": 1, "height": 8, "width": 8},
+                                              {"image": image}))))
+    assert torch.equal(whole.tensors["image"], image)
+
+
 @pytest.mark.parametrize("tensors", [{}, "latents", None, 3, b"", {"name": "latents"}])
 @pytest.mark.parametrize("from_client", [True, False])
 def test_tensors_not_a_list(tensors, from_client):
@@ -282,7 +295,7 @@ def test_tensor_name_not_accepted_for_submit(name):
     rejects([pack(submit_header(tensors=[spec(name)])), bytes(16)], r"tensor .* is not accepted here; allowed: \['latents'")
 
 
-@pytest.mark.parametrize("kind", [k for k in CLIENT_TYPES if k not in ("submit", "decode", "evaluate")])
+@pytest.mark.parametrize("kind", [k for k in CLIENT_TYPES if k not in ("submit", "decode", "evaluate", "encode")])
 def test_tensorless_client_types_accept_no_tensors(kind):
     rejects([pack(header(kind, params=minimal_params(kind), tensors=[spec()])), bytes(16)],
             r"tensor 'latents' is not accepted here; allowed: \[\]")

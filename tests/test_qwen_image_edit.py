@@ -121,10 +121,31 @@ def test_what_cannot_run_is_refused_in_one_line(runs, name):
     assert parallel is None and CASES[name][3] in error, error[-2000:]
 
 
-def test_a_pool_takes_the_reference_images(tiny_model_dirs, tmp_path):
+def test_a_pool_takes_the_reference_images_and_encodes_prompts_with_them(tiny_model_dirs, tmp_path):
+    """Plus on a pool (Ulysses 2) with its text encoders: reference pixels over the wire equal diffusers; prompts
+    encoded on the pool with two reference images (Qwen2.5-VL sees them; their latents come back as `image`) give
+    what diffusers' pipeline gives from the prompt strings and the pictures, and another picture misses by far more."""
+    from parallel.families.base import pictures
+    from workers.client import JobFailed
+
     inputs = edit_inputs(PLUS, 1, 2, 64, 64, seed=3)
-    with serving(tiny_model_dirs[PLUS], tmp_path, "--nproc", "2", "--ulysses-degree", "2") as client:
-        latents = client.sample(inputs, {"steps": STEPS, "guidance_scale": 1.0, "height": 64, "width": 64,
-                                         "call": {"true_cfg_scale": 4.0}})
+    with serving(tiny_model_dirs[PLUS], tmp_path, "--nproc", "2", "--ulysses-degree", "2", "--text-encoders") as client:
+        params = {"steps": STEPS, "guidance_scale": 1.0, "height": 64, "width": 64, "call": {"true_cfg_scale": 4.0}}
+        latents = client.sample(inputs, params)
+        positive, negative = (client.encode(text, image=inputs["image"]) for text in ("a cat on a mat", "blurry"))
+        job = {"latents": inputs["latents"], "image": positive["image"],
+               **{f"{prefix}{name}": encoded[name] for prefix, encoded in (("", positive), ("negative_", negative))
+                  for name in ("prompt_embeds", "prompt_embeds_mask") if name in encoded}}
+        from_prompts = client.sample(job, params)
+        with pytest.raises(JobFailed, match=r"image has shape \[1, 1, 8, 8\]; QwenImageEditPlusPipeline encodes text"):
+            client.encode("a cat", image=torch.rand(1, 1, 8, 8))
     expected = diffusers_latents(tiny_model_dirs[PLUS], PLUS, **inputs, **call())
     assert (latents - expected).abs().max().item() <= TOLERANCE
+    assert positive["image"].shape == (2, 16, 32, 32)  # ~1024² through the tiny ×32 VAE
+
+    def from_strings(image):
+        return diffusers_latents(tiny_model_dirs[PLUS], PLUS, prompt="a cat on a mat", negative_prompt="blurry",
+                                 image=pictures(image), latents=inputs["latents"], **call())
+
+    assert (from_prompts - from_strings(inputs["image"])).abs().max().item() <= TOLERANCE
+    assert (from_prompts - from_strings(inputs["image"].flip(-1))).abs().max().item() > 100 * TOLERANCE

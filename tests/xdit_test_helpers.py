@@ -86,15 +86,19 @@ def diffusers_with_reference_latents(model, family: str, references, **call):
 
 
 def load_pipeline_folder(model):
-    """DiffusionPipeline.from_pretrained, with the parts a folder saved as none (the tiny Qwen-Image-Edit models'
-    processor, which needs torchvision) given as none, as diffusers wants them."""
+    """DiffusionPipeline.from_pretrained, with the parts a folder saved as none given as none, as diffusers wants
+    them, and a Qwen2-VL processor (Qwen-Image-Edit's) for images only where torchvision is missing (transformers'
+    class without its video half: parallel/vl_processors.py)."""
     import json
     from pathlib import Path
 
     from diffusers import DiffusionPipeline
 
+    from parallel import vl_processors
+
     index = json.loads((Path(model) / "model_index.json").read_text())
-    return DiffusionPipeline.from_pretrained(model, **{name: None for name, entry in index.items() if entry == [None, None]})
+    return DiffusionPipeline.from_pretrained(model, **{name: None for name, entry in index.items() if entry == [None, None]},
+                                             **vl_processors.stand_ins(Path(model), index))
 
 
 def at_requested_size(pipeline, call: dict) -> dict:

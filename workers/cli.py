@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt", help="encode this prompt on the pool with the pipeline's own text encoders")
     sample.add_argument("--negative-prompt", default="", help="with --prompt (default: empty)")
     sample.add_argument("--seed", type=int, default=0, help="with --prompt: the initial noise, as the pipeline draws it")
+    sample.add_argument("--image", action="append", default=[], metavar="PICTURE",
+                        help="with --prompt: a reference picture for an edit model, encoded with both prompts "
+                             "(Qwen-Image-Edit; repeat for Edit Plus's several, one size)")
     sample.add_argument("--output", required=True, help="OUT.safetensors (latents) or OUT.png (decoded with the model's VAE)")
     request.add_request_arguments(sample)
     sample.add_argument("--scheduler", default=None)
@@ -156,6 +159,11 @@ def _check_sample_files(args) -> None:
     if args.inputs and not os.path.isfile(args.inputs):
         raise ValueError(f"--inputs {args.inputs}: no such file; write one with `python -m parallel.make_inputs "
                          "--model M --prompt ... --out IN.safetensors`, or pass --prompt instead")
+    if args.image and not args.prompt:
+        raise ValueError("--image goes with --prompt (the pictures are encoded with it); with --inputs, put them in "
+                         "the file as `image`, [N, 3, H, W] in [0, 1]")
+    if args.image:
+        engine("prompt_inputs").reference_pictures(args.image)  # readable, one size
     if not args.output.endswith((".safetensors", ".png")):
         raise ValueError(f"--output {args.output}: end it in .safetensors (latents) or .png (an image)")
     folder = os.path.dirname(os.path.abspath(args.output))
@@ -168,7 +176,8 @@ def _job_inputs(client: PoolClient, args) -> dict:
         from safetensors.torch import load_file
 
         return load_file(args.inputs)
-    return client.encode(args.prompt, negative_prompt=args.negative_prompt, seed=args.seed,
+    image = engine("prompt_inputs").reference_pictures(args.image) if args.image else None
+    return client.encode(args.prompt, image=image, negative_prompt=args.negative_prompt, seed=args.seed,
                          height=args.height, width=args.width)
 
 

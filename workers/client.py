@@ -248,12 +248,15 @@ class PoolClient:
         self._last_keys[name] = (tensor.detach().clone(), key)
         return key
 
-    def encode(self, prompt: str, **job_inputs) -> dict[str, torch.Tensor]:
-        """The pool pipeline's own text encoding of `prompt` (prompt_embeds, pooled / mask); with
-        `negative_prompt`, `seed`, `height` and `width`: a whole job's inputs, latents included."""
+    def encode(self, prompt: str, image: torch.Tensor | None = None, **job_inputs) -> dict[str, torch.Tensor]:
+        """The pool pipeline's own text encoding of `prompt` (prompt_embeds, pooled / mask); with `image`
+        ([N, 3, H, W] in [0, 1]), encoded with those reference images, their latents as `image` (edit models whose
+        text encoder sees images); with `negative_prompt`, `seed`, `height` and `width`: a whole job's inputs,
+        latents included."""
         self.check_listening()
         job = f"encode-{uuid.uuid4().hex[:16]}"
-        self.send(Message("encode", job, {"prompt": prompt, **job_inputs}))
+        tensors = {} if image is None else {"image": image.float().contiguous()}
+        self.send(Message("encode", job, {"prompt": prompt, **job_inputs}, tensors))
         return self._follow(job, None, None).tensors
 
     def decode(self, latents: torch.Tensor, tile: int = 0, on_step: Callable[[Message], None] | None = None,

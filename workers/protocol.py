@@ -55,7 +55,8 @@ POOL_PARAMS: dict[str, tuple[tuple[type, ...], bool]] = {
 }
 CLIENT_MESSAGES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "submit": {**{name: (spec.types, spec.required) for name, spec in request.FIELDS.items()}, **POOL_PARAMS},
-    # With seed (and height, width): the whole inputs of a job, negative prompt and initial noise included.
+    # With seed (and height, width): the whole inputs of a job, negative prompt and initial noise included. An `image`
+    # tensor ([N, 3, H, W] in [0, 1]) is encoded with the prompts where the text encoder sees images (edit models).
     "encode": {"prompt": ((str,), True), "negative_prompt": ((str,), False), "seed": ((int,), False),
                "height": ((int,), False), "width": ((int,), False)},
     # One model evaluation (ComfyUI's samplers through xDiT Model): latents, sigma and the conditioning, each
@@ -116,7 +117,8 @@ def decode(frames: list, *, from_client: bool = True) -> Message:
         raise ProtocolError(f"tensors must be a list of at most {MAX_TENSORS} specs")
     if len(specs) != len(frames) - 1:
         raise ProtocolError(f"header lists {len(specs)} tensors but {len(frames) - 1} frames arrived")
-    allowed = {"submit": JOB_INPUTS, "decode": ("latents",), "evaluate": MODEL_CALL_TENSORS}.get(kind, ()) if from_client else None
+    allowed = {"submit": JOB_INPUTS, "decode": ("latents",), "evaluate": MODEL_CALL_TENSORS,
+               "encode": ("image",)}.get(kind, ()) if from_client else None
     tensors = dict(tensor_of(spec, frame, i, allowed) for i, (spec, frame) in enumerate(zip(specs, frames[1:])))
     if len(tensors) != len(specs):
         raise ProtocolError("tensor names must be unique")

@@ -233,6 +233,7 @@ class Rank:
             "pipeline": type(self.pipeline.module).__name__ if self.state != "starting" else None,
             "inputs": self.pipeline.input_widths() if self.state != "starting" else {},
             "model_class": self.pipeline.comfy_model_class() if self.state != "starting" else "",
+            "latent_scale": self.pipeline.latent_scale() if self.state != "starting" else 0,
             "text_encoders": self.args.text_encoders,
             "dtype": self.args.dtype or "as saved",
             "storage": self.storage,
@@ -350,13 +351,14 @@ class Rank:
     def _encode(self, job) -> None:
         self.state = "busy"
         try:
-            params = job.message.params
+            params, image = job.message.params, job.message.tensors.get("image")
             if "seed" in params:  # a whole job's inputs: both prompts and the seed's noise
                 tensors = engine("prompt_inputs").prompt_inputs(self.pipeline, params["prompt"], params.get("negative_prompt", ""),
-                                                                params["seed"], params["height"], params["width"])
+                                                                params["seed"], params["height"], params["width"], image)
             else:
                 with torch.no_grad():
-                    tensors = self.pipeline.encode_text(params["prompt"])
+                    tensors = (self.pipeline.encode_text(params["prompt"]) if image is None
+                               else self.pipeline.encode_text_with_images(params["prompt"], image))
             self.server.send(job.client, Message("result", job.id, {}, tensors))
         except Exception as error:  # noqa: BLE001 - rank 0 alone: answer and go on
             self.server.send(job.client, Message("error", job.id, {"message": f"{type(error).__name__}: {error}", "rank": 0}))

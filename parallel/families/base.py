@@ -57,7 +57,6 @@ class ComfyData:
 
     latent_formats: latent channels → class name in `comfy.latent_formats` (its process_in/out convert
                     between ComfyUI's VAE space and the pipeline's model space).
-    spatial:        latent channels → pixels per latent pixel (VAE factor).
     packed:         the pipeline takes latents packed 2×2 into tokens [B, H/2·W/2, 4C] (Flux; see pack_2x2).
     loop_tokens:    the pipeline takes image-shaped latents [B, C, h, w] but keeps them in its loop (previews,
                     and results asked for with `model_latents`) as one token per latent pixel, [B, h·w, C] (FLUX.2).
@@ -92,7 +91,6 @@ class ComfyData:
     """
 
     latent_formats: dict[int, str]
-    spatial: dict[int, int] = field(default_factory=dict)
     packed: bool = False
     loop_tokens: bool = False
     declared_formats: dict[str, DeclaredLatentFormat] = field(default_factory=dict)
@@ -110,9 +108,6 @@ class ComfyData:
     clip_vision: str = ""
     model_class: str = ""
     model_call_conds: dict[str, str] = field(default_factory=dict)
-
-    def scale(self, channels: int) -> int:
-        return self.spatial.get(channels, 8)
 
 
 class Variant(NamedTuple):
@@ -245,10 +240,10 @@ def pictures(images: torch.Tensor) -> list:
     return [PIL.Image.fromarray(picture) for picture in pixels]
 
 
-def unpack_2x2(latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """pack_2x2 undone, for an image of height × width pixels (VAE factor 8)."""
+def unpack_2x2(latents: torch.Tensor, height: int, width: int, scale: int = 8) -> torch.Tensor:
+    """pack_2x2 undone, for an image of height × width pixels (VAE factor `scale`)."""
     b, _, d = latents.shape
-    h, w = height // 16, width // 16
+    h, w = height // (2 * scale), width // (2 * scale)
     return latents.view(b, h, w, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, h * 2, w * 2)
 
 

@@ -23,6 +23,7 @@ BFL names the undistilled ones (`flux-2-klein-base-4b`). [dev] is told by its gu
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 import numpy as np
@@ -64,7 +65,7 @@ class xFuserFlux2KleinPipeline(xFuserPipelineBaseWrapper):
     follow the image's in the sequence, split with them."""
 
     comfy = ComfyData(
-        latent_formats={128: "Flux2"}, spatial={128: 16}, loop_tokens=True, declared_formats={"Flux2": COMFY_FLUX2},
+        latent_formats={128: "Flux2"}, loop_tokens=True, declared_formats={"Flux2": COMFY_FLUX2},
         expects="encode with xDiT Text Encode on this pool (FLUX.2 [klein]: Qwen3, three hidden layers stacked)",
         empty_latent="xDiT Empty Latent (or EmptyFlux2LatentImage on a ComfyUI with FLUX.2): 128 channels at 1/16 size",
     )
@@ -96,8 +97,20 @@ class xFuserFlux2KleinPipeline(xFuserPipelineBaseWrapper):
     def flow_sigmas(self, total: int) -> np.ndarray:
         return np.linspace(1.0, 1 / total, total)  # Flux2KleinPipeline's own default
 
+    def shift_arguments(self, height: int, width: int, steps: int) -> dict[str, float]:
+        """FLUX.2's own shift: empirical, of the image tokens and the steps of the call (not calculate_shift's)."""
+        return {"mu": inspect.getmodule(type(self.module)).compute_empirical_mu(self.image_tokens(height, width), steps)}
+
+    def noise_input(self, prepared: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """prepare_latents packs its noise into tokens, [B, h·w, 128]; `latents` takes it unpacked, [B, 128, h, w]."""
+        scale = self.latent_scale()
+        return prepared.transpose(1, 2).reshape(prepared.shape[0], prepared.shape[2], height // scale, width // scale)
+
+    def latent_scale(self) -> int:
+        return self.module.vae_scale_factor * 2  # its LATENT is the VAE's latents 2×2-patchified: 1/16 size
+
     def expected_latents_shape(self, batch: int, height: int, width: int) -> tuple[int, ...]:
-        scale = self.module.vae_scale_factor * 2
+        scale = self.latent_scale()
         return (batch, self.module.transformer.config.in_channels, height // scale, width // scale)
 
     def uses_cfg(self, kwargs: dict[str, Any]) -> bool:

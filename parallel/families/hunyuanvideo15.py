@@ -53,7 +53,7 @@ class xFuserHunyuanVideo15Pipeline(xFuserWanPipeline):
     streams and guider."""
 
     comfy = ComfyData(
-        latent_formats={32: "HunyuanVideo15"}, spatial={32: 16}, temporal=4,
+        latent_formats={32: "HunyuanVideo15"}, temporal=4,
         declared_formats={"HunyuanVideo15": COMFY_HUNYUAN_VIDEO_15},
         expects="encode with xDiT Text Encode on this pool (its Qwen2.5-VL and byT5 encoders; ComfyUI 0.3.64 has none "
                 "for HunyuanVideo 1.5)",

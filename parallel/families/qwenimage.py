@@ -192,6 +192,33 @@ class xFuserQwenImageEditPipeline(xFuserQwenImagePipeline):
         embeds, mask = QwenImagePipeline(**parts).encode_prompt(prompt, device=self.module.transformer.device)
         return {"prompt_embeds": embeds} if mask is None else {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
 
+    def encode_text_with_images(self, prompt: str, image: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The prompt encoded with its reference images as the pipeline's `__call__` encodes them (Qwen2.5-VL sees
+        each at the size the pipeline gives it: Edit ~1024², Plus ~384²), and as `image` the references' latents in
+        model space, [N, 16, h, w], encoded by the pipeline's VAE at the size it encodes them (~1024²) — what ComfyUI's
+        TextEncodeQwenImageEdit(Plus) gives with its vae and image(s)."""
+        module, pipeline = inspect.getmodule(type(self.module)), self.module
+        if not isinstance(image, torch.Tensor) or image.ndim != 4 or image.shape[1] != 3 or not (
+                self._several() or image.shape[0] == 1):
+            raise ValueError(f"image has shape {list(getattr(image, 'shape', []))}; {type(pipeline).__name__} encodes "
+                             f"text with {'N' if self._several() else 'one'} reference image(s), [N, 3, H, W] in [0, 1]")
+        seen, encoded = [], []  # what the text encoder sees; what the VAE encodes
+        for picture in pictures(image):
+            ratio = picture.width / picture.height
+            width, height = self._sizing()(self.REFERENCE_AREA, ratio)[:2]
+            if self._several():
+                seen_width, seen_height = self._sizing()(module.CONDITION_IMAGE_SIZE, ratio)
+                seen.append(pipeline.image_processor.resize(picture, seen_height, seen_width))
+            else:  # Edit resizes first, then both encoders take the resized picture
+                picture = pipeline.image_processor.resize(picture, height, width)
+                seen.append(picture)
+            encoded.append(pipeline.image_processor.preprocess(picture, height, width).unsqueeze(2))
+        device = pipeline.transformer.device
+        embeds, mask = pipeline.encode_prompt(prompt, image=seen if self._several() else seen[0], device=device)
+        latents = torch.cat([pipeline._encode_vae_image(pixels.to(device, embeds.dtype), generator=None)[:, :, 0]
+                             for pixels in encoded])
+        return {"prompt_embeds": embeds, **({} if mask is None else {"prompt_embeds_mask": mask}), "image": latents}
+
     def call_context(self, kwargs: dict[str, Any]):
         image, several = kwargs["image"], self._several()
         if not self._latent_references(image):
@@ -242,15 +269,23 @@ def convert_checkpoint(state_dict: dict, config: dict) -> dict:
 
 
 # -- tiny built-in model ----------------------------------------------------------------------------------
+VISION_TOKENS = ("vision_start", "vision_end", "image_pad", "video_pad")  # Qwen2.5-VL's <|…|> tokens around pictures
+
+
 def tiny_text_encoder(seed: int, width: int, heads: int = 2, kv_heads: int = 1):
-    """Qwen2.5-VL on the byte-level Qwen tokenizer of the tiny models, `width` wide (its multimodal rotary
-    sections in Qwen2.5-VL's proportions of the head size: 16 + 24 + 24 of 64)."""
+    """Qwen2.5-VL on the byte-level Qwen tokenizer of the tiny models with Qwen2.5-VL's vision tokens, `width` wide
+    (its multimodal rotary sections in Qwen2.5-VL's proportions of the head size: 16 + 24 + 24 of 64), with a
+    one-block vision tower (the edit models encode each prompt with its reference images)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     from .. import tiny_models as tm
 
     tokenizer = tm._qwen_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [f"<|{name}|>" for name in VISION_TOKENS]},
+                                 replace_extra_special_tokens=False)
     ids = {"bos_token_id": None, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    vision_ids = {f"{name.removesuffix('_pad')}_token_id": tokenizer.convert_tokens_to_ids(f"<|{name}|>")
+                  for name in VISION_TOKENS}
     half = width // heads // 2
     config = Qwen2_5_VLConfig(
         text_config=dict(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2, num_attention_heads=heads,
@@ -258,8 +293,24 @@ def tiny_text_encoder(seed: int, width: int, heads: int = 2, kv_heads: int = 1):
                          rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [
                              half // 4, 3 * half // 8, 3 * half // 8]}),
         vision_config=dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=width,
-                           fullatt_block_indexes=[0]), **ids)
+                           fullatt_block_indexes=[0]), **ids, **vision_ids)
     return tokenizer, tm._seeded(seed, Qwen2_5_VLForConditionalGeneration, config)
+
+
+def tiny_processor(tokenizer):
+    """Qwen2.5-VL's processor on the tiny tokenizer, its images at most 112² pixels (16 image tokens; the real
+    one's limit is 3584²), without the video half where torchvision is missing (vl_processors)."""
+    from transformers import Qwen2VLImageProcessorPil, Qwen2VLProcessor
+    from transformers.utils import is_torchvision_available
+
+    images = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
+    if is_torchvision_available():
+        from transformers import Qwen2VLVideoProcessor
+
+        return Qwen2VLProcessor(images, tokenizer, Qwen2VLVideoProcessor())
+    from ..vl_processors import images_only
+
+    return images_only(Qwen2VLProcessor)(images, tokenizer)
 
 
 EDIT_VAE_SCALE = 32  # the tiny edit models' VAE factor (the real one's is 8)
@@ -267,7 +318,7 @@ EDIT_VAE_SCALE = 32  # the tiny edit models' VAE factor (the real one's is 8)
 
 def build_tiny(seed: int, edit: str | None = None):
     """Qwen-Image, or with `edit` the pipeline of that name (QwenImageEditPipeline, QwenImageEditPlusPipeline) on
-    the same parts; its Qwen2.5-VL processor is left out (the tiny models take prompt embeddings)."""
+    the same parts and Qwen2.5-VL's processor."""
     import diffusers
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
 
@@ -288,7 +339,7 @@ def build_tiny(seed: int, edit: str | None = None):
     parts = dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
     if edit is None:
         return QwenImagePipeline(**parts)
-    return getattr(diffusers, edit)(**parts, processor=None)
+    return getattr(diffusers, edit)(**parts, processor=tiny_processor(tokenizer))
 
 
 def tiny_inputs(**kwargs) -> dict:

@@ -49,7 +49,7 @@ PROMPT_TOKENS = 512  # WanPipeline.__call__'s max_sequence_length: what a text p
 
 class xFuserWanPipeline(xFuserPipelineBaseWrapper):
     comfy = ComfyData(
-        latent_formats={16: "Wan21", 48: "Wan22"}, spatial={16: 8, 48: 16}, temporal=4,
+        latent_formats={16: "Wan21", 48: "Wan22"}, temporal=4,
         expects="encode with xDiT Text Encode on this pool, or Wan's UMT5-XXL CLIP loader (4096 wide, 512 tokens)",
         empty_latent="EmptyHunyuanLatentVideo (Wan 2.1 / 2.2 A14B) or a Wan latent node",
     )

@@ -33,18 +33,25 @@ EXAMPLES = {  # file stem: (family, empty latent node, cfg, what the example say
     "xdit_flux2_klein": ("flux2-klein", "XDiTEmptyLatent", 4.0,
                          "FLUX.2 [klein] (cfg: classifier-free guidance of the base model; xDiT Empty Latent: "
                          "128 channels at 1/16 size, as ComfyUI's own FLUX.2 latents)"),
+    "xdit_flux2_dev": ("flux2-dev", "XDiTEmptyLatent", 1.0,
+                       "FLUX.2 [dev] (cfg 1: its guidance is distilled, FluxGuidance's default 4; xDiT Empty Latent: "
+                       "128 channels at 1/16 size)"),
     "xdit_hunyuan_video15": ("hunyuanvideo15", "XDiTEmptyLatent", 6.0,
                              "HunyuanVideo 1.5 text-to-video (9 frames; xDiT Empty Latent: 32 channels at 1/16 size)"),
     "xdit_flux_kontext": ("flux-kontext", "EmptySD3LatentImage", 1.0,
                           "FLUX.1 Kontext editing a first sampler's image (your own: LoadImage → VAEEncode)"),
+    "xdit_qwen_image_edit": ("qwen-image-edit", "EmptySD3LatentImage", 4.0,
+                             "Qwen-Image-Edit: the prompts encoded with ComfyUI's example.png, whose latents become "
+                             "the reference (your own: another LoadImage)"),
     "xdit_model_ksampler": ("sd3", "EmptySD3LatentImage", 4.5, "ComfyUI's KSampler on the pool through xDiT Model (SD3)"),
 }
 REFERENCE = {"xdit_flux_kontext"}  # edit models: a first sampler's LATENT → ReferenceLatent on the positive
+IMAGE = {"xdit_qwen_image_edit": "turn it into a watercolor painting, soft washes of colour"}  # prompt with a picture
 KSAMPLER = {"xdit_model_ksampler"}  # ComfyUI's own KSampler on xDiT Model instead of xDiT Sampler
 
 LENGTH = {"xdit_hunyuan_video15": 9}  # video frames, where the empty latent node takes them with a default of 1
 
-BUILD = """async ({ family, empty, cfg, name, stem, id, reference, ksampler, length }) => {
+BUILD = """async ({ family, empty, cfg, name, stem, id, reference, ksampler, length, image }) => {
     app.graph.clear();
     const add = (type, [x, y], values = {}, extra = {}) => {
         const node = LiteGraph.createNode(type);
@@ -63,7 +70,7 @@ BUILD = """async ({ family, empty, cfg, name, stem, id, reference, ksampler, len
         model: `xdit-tiny-${family} (built-in, no download)`, nproc: 2, ulysses_degree: 2, ring_degree: 1,
         pipefusion_degree: 1, num_patches: 0, warmup_steps: 1, cfg_parallel: false, dp_degree: 1,
         text_encoders: true, dtype: 'auto', devices: '', threads_per_rank: 1, endpoint: '' });
-    const positive = add('XDiTTextEncode', [360, 120], { text: 'a lighthouse on a cliff at sunset, dramatic clouds' },
+    const positive = add('XDiTTextEncode', [360, 120], { text: image ?? 'a lighthouse on a cliff at sunset, dramatic clouds' },
         { title: 'xDiT Text Encode (positive)', color: colours.green.color, bgcolor: colours.green.bgcolor });
     const negative = add('XDiTTextEncode', [360, 370], { text: 'blurry, low quality' },
         { title: 'xDiT Text Encode (negative)', color: colours.red.color, bgcolor: colours.red.bgcolor });
@@ -87,6 +94,11 @@ BUILD = """async ({ family, empty, cfg, name, stem, id, reference, ksampler, len
         wire(sampler);
     }
     sampler.connect(0, save, 0);
+    if (image) {  // the picture to edit, which xDiT Text Encode encodes with each prompt
+        const picture = add('LoadImage', [40, 680], { image: 'example.png' }, { title: 'Load Image (the picture to edit)' });
+        picture.connect(0, positive, positive.findInputSlot('image'));
+        picture.connect(0, negative, negative.findInputSlot('image'));
+    }
     if (reference) {
         const first = addSampler([810, 500], 7, { title: 'xDiT Sampler (the image to edit)' });
         const ref = add('ReferenceLatent', [1130, 500]);
@@ -97,7 +109,7 @@ BUILD = """async ({ family, empty, cfg, name, stem, id, reference, ksampler, len
     }
     const group = new LiteGraph.LGraphGroup(`xDiT: ${name}, built-in tiny model on 2 ranks (Ulysses 2)`);
     group.pos = [20, 40];
-    group.size = [1420, reference ? 900 : 740];
+    group.size = [1420, reference || image ? 1020 : 740];
     app.graph.add(group);
     app.graph.id = id ?? crypto.randomUUID();
     const workflow = app.graph.serialize();
@@ -120,9 +132,11 @@ def main() -> None:
                     path = ROOT / "example_workflows" / f"{stem}.json"
                     old_id = json.loads(path.read_text()).get("id") if path.exists() else None  # keep diffs small
                     spec = {"family": family, "empty": empty, "cfg": cfg, "name": name, "stem": stem, "id": old_id,
-                            "reference": stem in REFERENCE, "ksampler": stem in KSAMPLER, "length": LENGTH.get(stem)}
+                            "reference": stem in REFERENCE, "ksampler": stem in KSAMPLER, "length": LENGTH.get(stem),
+                            "image": IMAGE.get(stem)}
                     result = browser.eval(BUILD, spec)
-                    assert len(result["classes"]) == (8 if stem in REFERENCE else 7 if stem in KSAMPLER else 6), result["classes"]
+                    assert len(result["classes"]) == (8 if stem in REFERENCE else 7 if stem in KSAMPLER | set(IMAGE) else 6), \
+                        result["classes"]
                     path.parent.mkdir(exist_ok=True)
                     path.write_text(json.dumps(result["workflow"], indent=2) + "\n")
                     print(f"wrote {path.relative_to(ROOT)}")

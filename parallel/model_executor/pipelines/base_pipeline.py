@@ -156,6 +156,13 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
         """The pipeline's own `encode_prompt(prompt)` with its defaults, as named pipeline inputs."""
         raise NotImplementedError(f"{type(self.module).__name__} has no text encoding in this engine")
 
+    def encode_text_with_images(self, prompt: str, image: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The prompt encoded together with reference images [N, 3, H, W] in [0, 1], where the model's text encoder
+        sees them (Qwen-Image-Edit); the others refuse."""
+        name = type(self.module).__name__
+        references = " (its reference images go in as ReferenceLatent)" if self.comfy.reference_latents else ""
+        raise ValueError(f"{name}'s text encoders take no image{references}: encode the text alone, without an image")
+
     def input_widths(self) -> dict[str, int]:
         """Last-dimension size the model needs for each embedding input (for clients to check)."""
         config = self.module.transformer.config
@@ -187,6 +194,16 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
 
     def uses_cfg(self, kwargs: dict[str, Any]) -> bool:
         return kwargs.get("guidance_scale", 1.0) > 1.0
+
+    def noise_input(self, prepared: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """The initial noise as `prepare_latents` returns it (prompt_inputs.py), as this pipeline's `latents`
+        argument takes it: as returned, for most."""
+        return prepared
+
+    def latent_scale(self) -> int:
+        """Pixels per latent pixel of the image-shaped latents a client (ComfyUI's LATENT) holds for this pipeline:
+        its VAE's spatial factor, read off the loaded VAE rather than assumed (FLUX.2 doubles it)."""
+        return getattr(self.module, "vae_scale_factor_spatial", None) or self.module.vae_scale_factor
 
     def image_tokens(self, height: int, width: int) -> int:
         patch = self.latent_patch or self.module.transformer.config.patch_size
@@ -305,8 +322,9 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
         scheduler = self.module.scheduler
         return np.linspace(scheduler.sigma_max, scheduler.sigma_min, total)
 
-    def shift_arguments(self, height: int, width: int) -> dict[str, float]:
-        """`mu` for schedulers with resolution-dependent shifting, computed as the pipelines do."""
+    def shift_arguments(self, height: int, width: int, steps: int) -> dict[str, float]:
+        """`mu` for schedulers with resolution-dependent shifting, computed as the pipelines do for a call of
+        `steps` steps."""
         config = self.module.scheduler.config
         if not config.get("use_dynamic_shifting"):
             return {}
@@ -336,7 +354,7 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
             return {**kwargs, "latents": noised, SCHEDULE_TAIL_OF: total}
         if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
             sigmas = self.flow_sigmas(total)[total - steps :]
-            scheduler.set_timesteps(sigmas=sigmas, **self.shift_arguments(kwargs["height"], kwargs["width"]))
+            scheduler.set_timesteps(sigmas=sigmas, **self.shift_arguments(kwargs["height"], kwargs["width"], steps))
             sigma = scheduler.sigmas[0].to(noise.dtype)
             return {**kwargs, "latents": sigma * noise + (1 - sigma) * init_latents, "sigmas": sigmas.tolist()}
         takes_timesteps = "timesteps" in inspect.signature(scheduler.set_timesteps).parameters
