@@ -121,10 +121,9 @@ class FamilyAdapter:
     def comfy_references(self, latents: torch.Tensor) -> list[torch.Tensor]:
         """Model-space reference latents [N, C, h, w] (the pool VAE's encoding) as ReferenceLatent keeps them: one
         VAE-space latent per reference, shaped as ComfyUI's VAEEncode gives them (one frame of a video format)."""
-        latent_format = self.latent_format(latents.shape[1])
         if self._one_frame(latents.shape[1]):
-            return list(latent_format.process_out(latents[:, :, None]).split(1))
-        return list(latent_format.process_out(latents).split(1))
+            latents = latents[:, :, None]
+        return list(self.latent_format(latents.shape[1]).process_out(latents).split(1))
 
     def preview_latents(self, preview: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """Model-space latents of the first sample as an image latent [1, C, H, W] for ComfyUI's previewer

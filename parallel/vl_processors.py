@@ -4,7 +4,8 @@ Qwen-Image-Edit encodes each prompt together with its reference images through Q
 folder's `processor` is transformers' Qwen2VLProcessor. That processor also builds a video processor, and
 transformers builds video processors only with torchvision; its image processor has a PIL backend. Where
 torchvision is missing, such a processor loads as `images_only(its class)`: the same tokens and pixels for
-images, no videos (no diffusers pipeline gives it any).
+images, no videos (no diffusers pipeline gives it any). So does one saved where torchvision was missing (its
+folder holds no video processor), wherever it is loaded.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import json
 from pathlib import Path
 
 
@@ -32,18 +34,23 @@ def _needs_video(cls: type) -> bool:
     return "video_processor" in inspect.signature(cls.__init__).parameters
 
 
+def _has_video(folder: Path) -> bool:
+    """Whether the saved processor holds its video half (transformers 5 keeps it in processor_config.json)."""
+    config = folder / "processor_config.json"
+    return (folder / "video_preprocessor_config.json").is_file() or (
+        config.is_file() and "video_processor" in json.loads(config.read_text()))
+
+
 def stand_ins(model_dir: Path, components: dict) -> dict:
-    """The pipeline folder's processors that transformers cannot build here (a video half without torchvision),
-    loaded for images only: {component name: processor}, to pass to from_pretrained; {} with torchvision."""
+    """The pipeline folder's processors that transformers cannot build here (a video half without torchvision, or
+    saved without one), loaded for images only: {component name: processor}, to pass to from_pretrained."""
     from transformers.utils import is_torchvision_available
 
-    if is_torchvision_available():
-        return {}
     loaded = {}
     for name, entry in components.items():
         if not (isinstance(entry, list) and entry[:1] == ["transformers"] and name.startswith("processor")):
             continue
         cls = getattr(importlib.import_module("transformers"), entry[1], None)
-        if isinstance(cls, type) and _needs_video(cls):
+        if isinstance(cls, type) and _needs_video(cls) and not (is_torchvision_available() and _has_video(model_dir / name)):
             loaded[name] = images_only(cls).from_pretrained(model_dir / name)
     return loaded

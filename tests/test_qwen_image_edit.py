@@ -149,3 +149,25 @@ def test_a_pool_takes_the_reference_images_and_encodes_prompts_with_them(tiny_mo
 
     assert (from_prompts - from_strings(inputs["image"])).abs().max().item() <= TOLERANCE
     assert (from_prompts - from_strings(inputs["image"].flip(-1))).abs().max().item() > 100 * TOLERANCE
+
+
+def test_the_saved_processor_is_transformers_own_and_loads_for_images_alone(tiny_model_dirs):
+    """The tiny edit models save Qwen-Image-Edit's real layout (transformers' Qwen2VLProcessor); saved and loaded
+    without torchvision, it loads as that class for images alone (parallel/vl_processors.py) and encodes as the
+    pipeline it was saved from."""
+    import PIL.Image
+    from transformers import Qwen2VLProcessor
+
+    from parallel import tiny_models, vl_processors
+
+    folder = tiny_model_dirs[EDIT]
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["processor"] == ["transformers", "Qwen2VLProcessor"]
+    processor = vl_processors.stand_ins(folder, index)["processor"]
+    assert isinstance(processor, Qwen2VLProcessor) and type(processor).__name__ == "Qwen2VLProcessor"
+    built = tiny_models.build_tiny_pipeline(EDIT, seed=0)
+    picture = PIL.Image.new("RGB", (40, 24), (200, 30, 90))
+    text = "<|vision_start|><|image_pad|><|vision_end|> a cat"
+    ours, theirs = (p(text=[text], images=[picture], return_tensors="pt") for p in (processor, built.processor))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert (ours["input_ids"] == processor.image_token_id).sum() == ours["image_grid_thw"].prod() // 4

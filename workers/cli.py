@@ -82,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--negative-prompt", default="", help="with --prompt (default: empty)")
     sample.add_argument("--seed", type=int, default=0, help="with --prompt: the initial noise, as the pipeline draws it")
     sample.add_argument("--image", action="append", default=[], metavar="PICTURE",
-                        help="with --prompt: a reference picture for an edit model, encoded with both prompts "
-                             "(Qwen-Image-Edit; repeat for Edit Plus's several, one size)")
+                        help="with --prompt: a reference picture for an edit model whose text encoder sees it, "
+                             "encoded with both prompts (repeat it for several, of one size)")
     sample.add_argument("--output", required=True, help="OUT.safetensors (latents) or OUT.png (decoded with the model's VAE)")
     request.add_request_arguments(sample)
     sample.add_argument("--scheduler", default=None)
