@@ -25,8 +25,7 @@ def initial_latents(wrapper, seed: int, height: int, width: int, dtype: torch.dt
     if "num_frames" in parameters:
         raise ValueError(f"{type(pipeline).__name__} is a video pipeline: --prompt makes image inputs only; "
                          "write its IN file with 5-D latents (see the README's input shapes)")
-    # Flux packs 2×2 latent pixels into one token: its transformer takes 4× the latent channels.
-    channels = pipeline.transformer.config.in_channels // (wrapper.latent_patch or 1) ** 2
+    channels = wrapper.noise_channels()
     arguments = {"batch_size": 1, "height": height, "width": width, "dtype": dtype, "device": torch.device("cpu"),
                  "generator": torch.Generator("cpu").manual_seed(seed),
                  "num_latents_channels" if "num_latents_channels" in parameters else "num_channels_latents": channels}
@@ -46,9 +45,10 @@ def prompt_inputs(wrapper, prompt: str, negative_prompt: str, seed: int, height:
 
     with torch.no_grad():
         tensors = encode(prompt)
-        negative = encode(negative_prompt)
-        negative.pop("image", None)  # the same references' latents
-        tensors.update({NEGATIVE[name]: value for name, value in negative.items()})
+        if "negative_prompt_embeds" in inspect.signature(wrapper.module.__call__).parameters:  # FLUX.2 [dev]: none
+            negative = encode(negative_prompt)
+            negative.pop("image", None)  # the same references' latents
+            tensors.update({NEGATIVE[name]: value for name, value in negative.items()})
     tensors["latents"] = initial_latents(wrapper, seed, height, width, tensors["prompt_embeds"].dtype)
     return {name: value.cpu().contiguous() for name, value in tensors.items()}
 

@@ -190,7 +190,7 @@ def test_make_inputs_then_contract_e_equals_diffusers_from_the_prompt(work):
     assert (load_file(output)["latents"] - expected).abs().max().item() <= TOLERANCE
 
 
-@pytest.mark.parametrize("family", ["flux2-klein", "flux-kontext", "qwen-image-edit"])
+@pytest.mark.parametrize("family", ["flux2-klein", "flux2-dev", "flux-kontext", "qwen-image-edit", "z-image"])
 def test_make_inputs_for_the_newer_families_equal_the_pipeline_from_the_prompt(work, family):
     """make_inputs' tensors (the Qwen-Image-Edit prompts encoded with their --image, its latents as `image`) give
     what diffusers' pipeline gives from the prompt strings, the picture and the seed; another seed misses."""
@@ -200,7 +200,8 @@ def test_make_inputs_for_the_newer_families_equal_the_pipeline_from_the_prompt(w
     from xdit_test_helpers import diffusers_latents, diffusers_with_reference_latents, load_pipeline_folder
 
     inputs, picture = work / f"{family}-in.safetensors", None
-    negative = "" if family == "flux2-klein" else "blurry"  # [klein]'s pipeline takes no negative prompt: always ""
+    # FLUX.2's pipelines take no negative prompt ([klein] always encodes "", [dev] has no CFG)
+    negative = "" if family.startswith("flux2") else "blurry"
     command = ["-m", "parallel.make_inputs", "--model", f"xdit-tiny-{family}", "--prompt", "a blue car", "--negative-prompt",
                negative, "--seed", "3", "--height", "64", "--width", "64", "--out", str(inputs)]
     if family == "qwen-image-edit":
@@ -248,6 +249,33 @@ def test_one_shot_edit_from_a_prompt_and_a_picture_equals_diffusers(work):
                                  image=picture.transpose(PIL.Image.Transpose.FLIP_LEFT_RIGHT),
                                  generator=torch.Generator().manual_seed(3), num_inference_steps=2, height=64, width=64)
     assert (load_file(output)["latents"] - mirrored).abs().max().item() > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("family", ["qwen-image", "flux2-klein", "flux2-dev", "z-image", "flux", "sd3"])
+def test_png_output_is_the_pipelines_own_decode(work, family):
+    """`--output x.png` decodes the latents a job returns as the pipeline itself decodes them (each VAE kind:
+    AutoencoderKL's scale and shift, Qwen-Image's per-channel statistics, FLUX.2's batch norm and patches):
+    within one 8-bit level of diffusers' own `output_type="np"`; other latents miss by far more."""
+    import numpy as np
+    import PIL.Image
+
+    from parallel.decode import decode_to_png
+    from xdit_test_helpers import at_requested_size, diffusers_latents, load_pipeline_folder
+
+    folder = builtin_models.resolve_model(f"xdit-tiny-{family}")
+    pipeline = load_pipeline_folder(folder)
+    call = {**tiny_models.make_inputs(family, negative=tiny_models.MODELS[family].cfg), "num_inference_steps": 2,
+            "height": 64, "width": 64}
+    latents = diffusers_latents(pipeline, family, **call)
+    with torch.no_grad():
+        expected = pipeline(**tiny_models.PIPELINE_CALL_DEFAULTS.get(family, {}), **at_requested_size(pipeline, call),
+                            output_type="np", return_dict=False)[0][0]
+    for name, tensor in (("same", latents), ("other", latents.flip(-1))):
+        decode_to_png(folder, tensor, 64, 64, work / f"{family}-{name}.png")
+    same, other = (np.asarray(PIL.Image.open(work / f"{family}-{name}.png"), dtype=np.int16) for name in ("same", "other"))
+    reference = np.round(expected * 255).astype(np.int16)
+    assert np.abs(same - reference).max() <= 1
+    assert np.abs(other - reference).max() > 10
 
 
 SLOW_IDLE_HOOK = '''

@@ -53,6 +53,9 @@ class xFuserZImagePipeline(xFuserPipelineBaseWrapper):
     def attention_heads(self) -> int:
         return self.module.transformer.config.n_heads
 
+    def noise_channels(self) -> int:
+        return self.module.transformer.config.in_channels  # its transformer patchifies inside: latents stay unpacked
+
     def sequence_tokens(self, kwargs: dict[str, Any]) -> int:
         """The image tokens as the transformer pads them (what the split sees)."""
         tokens = super().sequence_tokens(kwargs)

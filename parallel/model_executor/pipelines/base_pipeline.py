@@ -195,6 +195,11 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
     def uses_cfg(self, kwargs: dict[str, Any]) -> bool:
         return kwargs.get("guidance_scale", 1.0) > 1.0
 
+    def noise_channels(self) -> int:
+        """The latent channels its `__call__` gives `prepare_latents`: the transformer's input channels, over the
+        2×2 patch where the pipeline packs latent pixels into tokens itself (Flux, Qwen-Image, FLUX.2)."""
+        return self.module.transformer.config.in_channels // (self.latent_patch or 1) ** 2
+
     def noise_input(self, prepared: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """The initial noise as `prepare_latents` returns it (prompt_inputs.py), as this pipeline's `latents`
         argument takes it: as returned, for most."""
