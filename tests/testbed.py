@@ -1,11 +1,15 @@
-"""The ComfyUI test bed: a real ComfyUI, its own venv with this pack's requirements, and Chromium with
-playwright-core for the browser tests. ComfyUI is not on the package registries, so it is built from the
+"""The ComfyUI test beds: real ComfyUIs, each in its own venv with this pack's requirements, and Chromium with
+playwright-core for the browser tests. ComfyUI is not on the package registries, so each bed is built from a
 source snapshot in ../shared/comfyui/ (beside the repository) into the cache, once, and reused.
+
+Two versions are tested: CURRENT (0.33.0), against which every ComfyUI and browser test runs, and OLDEST
+(0.3.64), the oldest version the pack supports, in a short compatibility leg (tests/test_comfyui_oldest.py).
 
 `python tests/testbed.py` builds whatever is missing (scripts/test.sh runs it before pytest); the tests
 only look things up here (`comfyui()`, `browser()`) and skip with the reason these give when there is
-nothing to find. COMFYUI_PATH / COMFYUI_PYTHON point the tests at a ComfyUI of your own instead;
-XDIT_CHROMIUM / XDIT_PLAYWRIGHT_DIR at your own browser and driver.
+nothing to find. COMFYUI_PATH / COMFYUI_PYTHON point the main tests at a ComfyUI of your own instead
+(COMFYUI_OLDEST_PATH / COMFYUI_OLDEST_PYTHON the compatibility leg); XDIT_CHROMIUM / XDIT_PLAYWRIGHT_DIR at
+your own browser and driver.
 """
 
 from __future__ import annotations
@@ -35,9 +39,13 @@ ENABLE = ("put the ComfyUI snapshot in ../shared/comfyui/ beside the repository 
           "COMFYUI_PYTHON to a ComfyUI of your own), then run `bash scripts/test.sh`")
 
 
-def snapshot() -> Path | None:
-    """The ComfyUI source tarball in ../shared/comfyui/, if there is one."""
-    return next(iter(sorted(SNAPSHOT.glob("ComfyUI-*.tar.gz"))), None)
+CURRENT, OLDEST = "0.33.0", "0.3.64"
+OVERRIDE = {CURRENT: ("COMFYUI_PATH", "COMFYUI_PYTHON"), OLDEST: ("COMFYUI_OLDEST_PATH", "COMFYUI_OLDEST_PYTHON")}
+
+
+def snapshot(version: str = CURRENT) -> Path | None:
+    """The source tarball of that ComfyUI version in ../shared/comfyui/, if there is one."""
+    return next(iter(sorted(SNAPSHOT.glob(f"ComfyUI-{version}-*.tar.gz"))), None)
 
 
 def bed_dir(tarball: Path) -> Path:
@@ -45,17 +53,19 @@ def bed_dir(tarball: Path) -> Path:
     return CACHE / f"testbed-{hashlib.sha256(tarball.read_bytes()).hexdigest()[:16]}"
 
 
-def comfyui() -> tuple[Path, Path] | str:
-    """(ComfyUI folder, its python) for the tests, else the one-line reason they are skipped."""
-    if os.environ.get("COMFYUI_PATH"):
-        comfy = Path(os.environ["COMFYUI_PATH"])
-        python = Path(os.environ.get("COMFYUI_PYTHON") or shutil.which("python3") or "python3")
+def comfyui(version: str = CURRENT) -> tuple[Path, Path] | str:
+    """(ComfyUI folder, its python) of that version for the tests, else the one-line reason they are skipped."""
+    path_var, python_var = OVERRIDE[version]
+    if os.environ.get(path_var):
+        comfy = Path(os.environ[path_var])
+        python = Path(os.environ.get(python_var) or shutil.which("python3") or "python3")
         if not (comfy / "main.py").is_file() or not python.is_file():
-            return f"COMFYUI_PATH={comfy} has no main.py or COMFYUI_PYTHON={python} does not exist: fix them, or unset both"
+            return f"{path_var}={comfy} has no main.py or {python_var}={python} does not exist: fix them, or unset both"
         return comfy, python
-    tarball = snapshot()
+    tarball = snapshot(version)
     if tarball is None:
-        return f"ComfyUI tests skipped: no ComfyUI snapshot in {SNAPSHOT} and no COMFYUI_PATH; to run them, {ENABLE}"
+        return (f"ComfyUI {version} tests skipped: no ComfyUI-{version}-*.tar.gz in {SNAPSHOT} and no {path_var}; "
+                f"to run them, {ENABLE}")
     bed = bed_dir(tarball)
     if not (bed / "complete").is_file():
         return f"ComfyUI tests skipped: the test bed {bed} is not built; run `python tests/testbed.py` (scripts/test.sh does)"
@@ -186,27 +196,33 @@ def build_browser() -> None:
             stamp.write_text("")
 
 
+def ensure_bed(version: str) -> None:
+    """The test bed of one ComfyUI version: the user's own, a reused one, or one built now."""
+    found = comfyui(version)
+    path_var = OVERRIDE[version][0]
+    if os.environ.get(path_var):
+        if isinstance(found, str):
+            sys.exit(f"error: {found}")
+        comfy, python = found
+        print(f"testbed: ComfyUI {version} from {path_var}: {comfy}")
+        refresh_pack_requirements(python, CACHE / f"pack-requirements-{hashlib.sha256(bytes(python)).hexdigest()[:16]}")
+    elif (tarball := snapshot(version)) is None:
+        print(f"testbed: no ComfyUI-{version}-*.tar.gz in {SNAPSHOT}: its tests will skip; to run them, {ENABLE}")
+    else:
+        bed = bed_dir(tarball)
+        if isinstance(found, str):
+            build_bed(tarball, bed)
+        else:
+            print(f"testbed: reusing {bed} (ComfyUI {version})")
+            refresh_pack_requirements(found[1], bed / "pack-requirements.sha256")
+
+
 def main() -> None:
     CACHE.mkdir(parents=True, exist_ok=True)
     with (CACHE / "build.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another run building the same cache waits, then reuses it
-        found = comfyui()
-        if os.environ.get("COMFYUI_PATH"):
-            if isinstance(found, str):
-                sys.exit(f"error: {found}")
-            comfy, python = found
-            print(f"testbed: ComfyUI from COMFYUI_PATH: {comfy}")
-            refresh_pack_requirements(python, CACHE / f"pack-requirements-{hashlib.sha256(bytes(python)).hexdigest()[:16]}")
-        elif (tarball := snapshot()) is None:
-            print(f"testbed: no ComfyUI snapshot in {SNAPSHOT}: the ComfyUI tests will skip; to run them, {ENABLE}")
-            return
-        else:
-            bed = bed_dir(tarball)
-            if isinstance(found, str):
-                build_bed(tarball, bed)
-            else:
-                print(f"testbed: reusing {bed}")
-                refresh_pack_requirements(found[1], bed / "pack-requirements.sha256")
+        for version in (CURRENT, OLDEST):
+            ensure_bed(version)
         build_browser()
 
 
