@@ -201,8 +201,8 @@ def one_rank_pool(pipeline):
     """A pool of one rank (one thread) serving `pipeline` from a temporary folder, and a client of it; on a
     GPU the pool computes in bf16, as `on_gpu` puts the in-process side."""
     from workers.client import PoolClient
-    from workers.endpoints import free_endpoint
-    from workers.launcher import Pool, PoolSpec
+    from workers.wire.endpoints import free_endpoint
+    from workers.supervisor.pool import Pool, PoolSpec
 
     with tempfile.TemporaryDirectory() as tmp:
         pipeline.save_pretrained(tmp)

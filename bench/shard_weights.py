@@ -27,7 +27,7 @@ def drive(spec: dict) -> None:
     from parallel.distributed import initialize_model_parallel
     from parallel.model_executor import wrap_pipeline
     from parallel.weight_sharding import shard_weights
-    from workers.memory import memory_of_this_rank
+    from workers.rank.memory import memory_of_this_rank
 
     from .model import start_drive, timed_rounds
 

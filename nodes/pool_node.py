@@ -1,4 +1,9 @@
-"""xDiT Pool: choose a model and a parallel layout; start (or reuse, or reach) a worker pool."""
+"""xDiT Pool: choose a model and a parallel layout; start (or reuse, or reach) a worker pool.
+
+The layout inputs are ParallelConfig's own declarations (parallel/config.py: each field's widget), read back into
+a ParallelConfig by `layout_of`, so the node, the pool CLI and contract E take the same layout and one check
+(`layout_error`, also asked by the panel through nodes/routes.py) judges it.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,11 @@ import folder_paths
 from comfy_api.latest import io
 
 from ..parallel.checkpoints import CHECKPOINT_SUFFIXES, checkpoint_variant
-from ..parallel.config import LayoutError, ParallelConfig
+from ..parallel.config import AutoLayout, LayoutError, ParallelConfig
+from ..parallel.fields import UNSET, fields_of
+from ..workers.supervisor import PoolSpec
 
-from .pools import POOLS, TINY_MODELS, TINY_PREFIX, PoolKey, tiny_model_dir
+from .pools import POOLS, TINY_MODELS, TINY_PREFIX, tiny_model_dir
 
 XDiTPoolType = io.Custom("XDIT_POOL")
 FILE_PREFIX = "file: "
@@ -88,39 +95,84 @@ def vae_path(kwargs) -> str | None:
     return path
 
 
+# Saved workflows keep widget values by position: these layout inputs stay right after nproc, in this order, and
+# these after curve_dir; every other ParallelConfig field is an optional input after `layout`, in declaration order
+# (a new field appends there, so saved workflows keep loading).
+FIRST_LAYOUT_INPUTS = ("ulysses_degree", "ring_degree", "pipefusion_degree", "num_patches", "warmup_steps", "cfg_degree",
+                       "dp_degree")
+LATER_LAYOUT_INPUTS = ("shard_weights", "offload", "compile")
+
+
+def layout_inputs(names=None, optional: bool = False) -> list:
+    """The inputs of ParallelConfig's fields `names` (None: those in neither list above), from their widgets."""
+    chosen = [f for f in fields_of(ParallelConfig)
+              if (f.name in names if names is not None else f.name not in FIRST_LAYOUT_INPUTS + LATER_LAYOUT_INPUTS)]
+    if names is not None:
+        chosen.sort(key=lambda f: names.index(f.name))
+    inputs = []
+    for f in chosen:
+        widget = f.rule.widget
+        name, default = widget.name or f.name, f.default if widget.default is UNSET else widget.default
+        if isinstance(default, bool):
+            inputs.append(io.Boolean.Input(name, default=default, optional=optional, tooltip=widget.tooltip))
+        else:
+            inputs.append(io.Int.Input(name, default=default, min=widget.minimum, max=widget.maximum or 256,
+                                       optional=optional, tooltip=widget.tooltip))
+    return inputs
+
+
 def _auto(kwargs) -> bool:
     return kwargs.get("layout", MANUAL) == AUTO
 
 
-def _config(kwargs) -> ParallelConfig:
-    """The degrees as set, or with layout auto all 1 (the pool chooses them per job size)."""
-    degrees = {} if _auto(kwargs) else dict(
-        dp_degree=kwargs["dp_degree"], cfg_degree=2 if kwargs["cfg_parallel"] else 1,
-        pipefusion_degree=kwargs["pipefusion_degree"], ring_degree=kwargs["ring_degree"],
-        ulysses_degree=kwargs["ulysses_degree"], num_patches=kwargs["num_patches"] or None)
-    return ParallelConfig(**degrees, warmup_steps=kwargs["warmup_steps"], shard_weights=kwargs.get("shard_weights", False),
-                          offload=kwargs.get("offload", False), compile=kwargs.get("compile", False))
+def layout_of(kwargs) -> ParallelConfig:
+    """The layout the node's inputs set; with layout auto the degrees stay 1 (the pool chooses them per job size)."""
+    values = {}
+    for f in fields_of(ParallelConfig):
+        widget = f.rule.widget
+        name = widget.name or f.name
+        if name not in kwargs or (_auto(kwargs) and (f.name.endswith("_degree") or f.name == "num_patches")):
+            continue
+        value = kwargs[name]
+        if widget.on is not UNSET:
+            value = widget.on if value else f.default
+        elif widget.unset is not UNSET and value == widget.unset:
+            value = None
+        values[f.name] = value
+    return ParallelConfig(**values)
 
 
-def pool_key(kwargs, resolve_model: bool = True) -> PoolKey:
+def layout_error(kwargs) -> str:
+    """What is wrong with the node's layout for its nproc, as one sentence with the numbers and the fix; "" if
+    nothing (a pool at an endpoint has its own layout)."""
+    if str(kwargs.get("endpoint", "")).strip():
+        return ""
+    try:
+        config, nproc = layout_of(kwargs), int(kwargs["nproc"])
+        (replace(config, dp_degree=nproc) if _auto(kwargs) else config).check(nproc, ranks_flag="nproc")
+    except (LayoutError, KeyError, TypeError, ValueError) as error:
+        return str(error)
+    return ""
+
+
+def pool_key(kwargs, resolve_model: bool = True) -> PoolSpec:
     endpoint = kwargs.get("endpoint", "").strip()
-    return PoolKey(
+    return PoolSpec(
         model=model_path(kwargs["model"]) if resolve_model and not endpoint else kwargs["model"],
         vae=vae_path(kwargs) if resolve_model and not endpoint else None,
-        nproc=kwargs["nproc"], parallel=_config(kwargs),
+        nproc=kwargs["nproc"], parallel=layout_of(kwargs), endpoint=endpoint or None,
         # a single-file checkpoint is the transformer alone: prompts are encoded in ComfyUI
         text_encoders=kwargs["text_encoders"] and not kwargs["model"].startswith(FILE_PREFIX),
         dtype=None if kwargs["dtype"] == "auto" else kwargs["dtype"],
         devices=kwargs["devices"].strip() or None, threads_per_rank=kwargs["threads_per_rank"] or None,
-        endpoint=endpoint, curve_dir=(kwargs.get("curve_dir") or "").strip() if endpoint else "",
-        auto=_auto(kwargs) and not endpoint,
+        curve_dir=(kwargs.get("curve_dir") or "").strip() or None if endpoint else None,
+        auto=AutoLayout() if _auto(kwargs) and not endpoint else None,
     )
 
 
 class XDiTPool(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        degree = "Degree of {}; all degrees multiply to nproc."
         return io.Schema(
             node_id="XDiTPool",
             display_name="xDiT Pool",
@@ -132,13 +184,7 @@ class XDiTPool(io.ComfyNode):
                                        "checkpoint (file: Flux.1 dev/schnell, SD3 medium, SD3.5 medium/large, PixArt-α/Σ "
                                        "1024; its prompts are encoded with ComfyUI's CLIPTextEncode), or a built-in tiny model."),
                 io.Int.Input("nproc", default=2, min=1, max=256, tooltip="Number of ranks (one per GPU)."),
-                io.Int.Input("ulysses_degree", default=2, min=1, max=256, tooltip=degree.format("Ulysses sequence parallelism")),
-                io.Int.Input("ring_degree", default=1, min=1, max=256, tooltip=degree.format("Ring attention")),
-                io.Int.Input("pipefusion_degree", default=1, min=1, max=64, tooltip=degree.format("PipeFusion stages")),
-                io.Int.Input("num_patches", default=0, min=0, max=64, tooltip="PipeFusion patches (0: the PipeFusion degree)."),
-                io.Int.Input("warmup_steps", default=1, min=0, max=100, tooltip="PipeFusion synchronous warm-up steps."),
-                io.Boolean.Input("cfg_parallel", default=False, tooltip="Run the two guidance branches on two ranks (counts as degree 2)."),
-                io.Int.Input("dp_degree", default=1, min=1, max=256, tooltip=degree.format("data parallelism over the batch")),
+                *layout_inputs(FIRST_LAYOUT_INPUTS),
                 io.Boolean.Input("text_encoders", default=True, tooltip="Load the text encoders on rank 0 for xDiT Text Encode."),
                 io.Combo.Input("dtype", options=["auto", "fp32", "bf16", "fp16", "fp8"], default="auto",
                                tooltip="Weights' dtype (auto: as saved; fp8: fp8 storage with bf16 compute)."),
@@ -148,16 +194,7 @@ class XDiTPool(io.ComfyNode):
                 io.String.Input("curve_dir", default="", optional=True,
                                 tooltip="With endpoint, for a pool served with --curve-dir: a folder holding its server.key and "
                                         "an allowed client.key_secret (from `python -m workers keys`). Empty: $XDIT_CURVE_DIR, if set."),
-                io.Boolean.Input("shard_weights", default=False, optional=True,
-                                 tooltip="Split every transformer block's weights over the ranks (FSDP2), for models larger "
-                                         "than one GPU; not with PipeFusion or fp8."),
-                io.Boolean.Input("offload", default=False, optional=True,
-                                 tooltip="With shard_weights: keep the shards in CPU memory, on the GPU only while their "
-                                         "block runs, for models that do not fit even sharded."),
-                io.Boolean.Input("compile", default=False, optional=True,
-                                 tooltip="torch.compile every transformer block: faster steps once the first job of each "
-                                         "size has paid the compilation."),
-                # last, as every later input: saved workflows keep their widget values by position
+                *layout_inputs(LATER_LAYOUT_INPUTS, optional=True),
                 io.Combo.Input("vae", options=vae_files(), default=NO_VAE, optional=True,
                                tooltip="With a single-file model: its VAE file from models/vae (wan_2.1_vae.safetensors for "
                                        "Wan image-to-video files, flux2-vae.safetensors for FLUX.2 [klein] files: they need "
@@ -166,20 +203,14 @@ class XDiTPool(io.ComfyNode):
                                tooltip="degrees: the degrees above. auto: ignore them; at the first job of each size the "
                                        "pool measures its link and compute, predicts every layout's step time and runs "
                                        "the fastest (the prediction table is in the xDiT panel)."),
+                *layout_inputs(optional=True),
             ],
             outputs=[XDiTPoolType.Output(display_name="pool")],
         )
 
     @classmethod
     def validate_inputs(cls, **kwargs):
-        if kwargs.get("endpoint", "").strip():
-            return True
-        try:
-            config = _config(kwargs)
-            (replace(config, dp_degree=kwargs["nproc"]) if _auto(kwargs) else config).check(kwargs["nproc"], ranks_flag="nproc")
-        except LayoutError as error:
-            return str(error)
-        return True
+        return layout_error(kwargs) or True
 
     @classmethod
     def fingerprint_inputs(cls, **kwargs):

@@ -1,6 +1,8 @@
 """The pools this ComfyUI process knows: started here (managed) or reached at an endpoint.
 
-One pool per (model, layout, options): a second xDiT Pool node with the same settings reuses it.
+One pool per PoolSpec (model, layout, options; the same structure the pool CLI builds): a second xDiT Pool
+node with the same settings reuses it. A managed pool's spec is its key without an endpoint (one is chosen
+when it starts); a pool reached at an endpoint is keyed by a spec naming that endpoint.
 Managed pools are stopped when ComfyUI exits (atexit; and the ranks' parent-death signal covers a
 killed ComfyUI). Every node and route gets its own PoolClient per thread (ZMQ sockets are not
 thread-safe). A pool reached at an endpoint may need CURVE keys (workers/auth.py): the registry
@@ -12,49 +14,33 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ..parallel import builtin_models
-from ..parallel.config import AutoLayout, ParallelConfig
-from ..workers.auth import ENV as CURVE_ENV
 from ..workers.client import PoolClient, PoolUnreachable
-from ..workers.endpoints import free_endpoint
-from ..workers.launcher import Pool, PoolSpec
+from ..workers.supervisor import Pool, PoolSpec
+from ..workers.wire.auth import ENV as CURVE_ENV
+from ..workers.wire.endpoints import free_endpoint
+from ..workers.wire.messages import PoolStatus
 
 TINY_PREFIX = builtin_models.PREFIX
 TINY_MODELS = [f"{name} (built-in, no download)" for name in builtin_models.NAMES]
 tiny_model_dir = builtin_models.builtin_model_dir
 
 
-@dataclass(frozen=True)
-class PoolKey:
-    model: str
-    nproc: int
-    parallel: ParallelConfig
-    vae: str | None = None  # the VAE file beside a single-file model
-    text_encoders: bool = True
-    dtype: str | None = None
-    devices: str | None = None
-    threads_per_rank: int | None = None
-    endpoint: str = ""  # set: a pool started elsewhere (python -m workers serve)
-    curve_dir: str = ""  # with endpoint: folder with the pool's server.key and a client.key_secret
-    auto: bool = False  # the layout chosen per job size from measurements (degrees in `parallel` all 1)
-
-    @property
-    def label(self) -> str:
-        where = self.endpoint or f"{self.nproc} rank(s)"
-        layout = "layout auto" if self.auto else self.parallel.describe()
-        return f"{Path(self.model).name or self.model} · {layout} · {where}"
+def label(key: PoolSpec) -> str:
+    where = key.endpoint or f"{key.nproc} rank(s)"
+    return f"{Path(key.model).name or key.model} · {key.describe_layout()} · {where}"
 
 
 @dataclass
 class PoolHandle:
     """What flows along an XDIT_POOL connection."""
 
-    key: PoolKey
+    key: PoolSpec
     endpoint: str
-    status: dict = field(default_factory=dict)
+    status: PoolStatus
     loras: tuple[tuple[str, float, str], ...] = ()  # (file, strength, expert), applied on every rank per job
     cache: dict = field(default_factory=dict)  # the step cache each job asks for (CacheSettings.to_params)
 
@@ -66,22 +52,22 @@ class PoolHandle:
 
     @property
     def pipeline(self) -> str:
-        return self.status.get("pipeline") or "?"
+        return self.status.pipeline or "?"
 
     @property
     def latent_scale(self) -> int:
-        return int(self.status.get("latent_scale") or 8)  # 8: a status from before the model loaded
+        return self.status.latent_scale or 8  # 8: a status from before the model loaded
 
 
 class PoolRegistry:
     def __init__(self):
         self._lock = threading.Lock()
-        self._pools: dict[PoolKey, Pool] = {}
-        self._endpoints: dict[PoolKey, str] = {}
+        self._pools: dict[PoolSpec, Pool] = {}
+        self._endpoints: dict[PoolSpec, str] = {}
         self._curve_dirs: dict[str, str | None] = {}  # endpoint -> key folder of its clients
         self._local = threading.local()
 
-    def acquire(self, key: PoolKey, timeout_s: float = 1800) -> PoolHandle:
+    def acquire(self, key: PoolSpec, timeout_s: float = 1800) -> PoolHandle:
         """The running pool for `key`, started (and waited for) if needed."""
         if key.endpoint:
             endpoint = key.endpoint
@@ -91,11 +77,7 @@ class PoolRegistry:
                 pool = self._pools.get(key)
                 if pool is None or not pool.running:
                     endpoint = free_endpoint()
-                    spec = PoolSpec(model=key.model, vae=key.vae, nproc=key.nproc, endpoint=endpoint,
-                                    parallel=key.parallel, text_encoders=key.text_encoders, dtype=key.dtype,
-                                    devices=key.devices, threads_per_rank=key.threads_per_rank,
-                                    auto=AutoLayout() if key.auto else None)
-                    pool = self._pools[key] = Pool(spec)
+                    pool = self._pools[key] = Pool(replace(key, endpoint=endpoint))
                     self._endpoints[key] = endpoint
                     pool.start(timeout_s)
                 endpoint = self._endpoints[key]
@@ -109,7 +91,7 @@ class PoolRegistry:
             clients[endpoint, curve_dir] = PoolClient(endpoint, curve_dir=curve_dir)
         return clients[endpoint, curve_dir]
 
-    def fingerprint(self, key: PoolKey) -> str:
+    def fingerprint(self, key: PoolSpec) -> str:
         """Changes when the pool for `key` is gone, so ComfyUI re-runs the xDiT Pool node."""
         pool = self._pools.get(key)
         return f"{id(pool)}-{pool.running}" if pool is not None else "none"
@@ -122,34 +104,35 @@ class PoolRegistry:
         for key, endpoint in items:
             pool = self._pools.get(key)
             try:
-                status = self.client(endpoint).status(timeout_s=2.0) if pool is None or pool.running else {"state": "stopped"}
+                status = (self.client(endpoint).status(timeout_s=2.0).params() if pool is None or pool.running
+                          else {"state": "stopped"})
             except PoolUnreachable:
                 status = {"state": "unreachable"}
-            rows.append({"id": self.pool_id(key), "label": key.label, "endpoint": endpoint, "managed": pool is not None,
-                         "key": {**asdict(key), "parallel": asdict(key.parallel)}, "status": status})
+            rows.append({"id": self.pool_id(key), "label": label(key), "endpoint": endpoint, "managed": pool is not None,
+                         "key": asdict(key), "status": status})
         return rows
 
-    def remember(self, key: PoolKey, endpoint: str) -> None:
+    def remember(self, key: PoolSpec, endpoint: str) -> None:
         """Show a pool reached by endpoint in the panel too."""
         with self._lock:
             self._endpoints.setdefault(key, endpoint)
 
     @staticmethod
-    def pool_id(key: PoolKey) -> str:
+    def pool_id(key: PoolSpec) -> str:
         return f"{abs(hash(key)):x}"
 
-    def find(self, pool_id: str) -> PoolKey | None:
+    def find(self, pool_id: str) -> PoolSpec | None:
         with self._lock:
             return next((k for k in self._endpoints if self.pool_id(k) == pool_id), None)
 
-    def stop(self, key: PoolKey) -> None:
+    def stop(self, key: PoolSpec) -> None:
         pool = self._pools.get(key)
         if pool is not None:
             pool.stop()
         else:
             self.client(self._endpoints[key]).stop()
 
-    def restart(self, key: PoolKey) -> PoolHandle:
+    def restart(self, key: PoolSpec) -> PoolHandle:
         self.stop(key)
         return self.acquire(key)
 

@@ -1,4 +1,4 @@
-"""REST routes for the web panel: list pools with live status, stop or restart one."""
+"""REST routes for the web panel: list pools with live status, stop or restart one, check an xDiT Pool layout."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 from aiohttp import web
 from server import PromptServer
 
+from .pool_node import layout_error
 from .pools import POOLS
 from .progress import publish
 
@@ -18,6 +19,16 @@ def _snapshot() -> dict:
 @PromptServer.instance.routes.get("/xdit/pools")
 async def list_pools(request):
     return web.json_response(await asyncio.to_thread(_snapshot))
+
+
+@PromptServer.instance.routes.post("/xdit/layout/check")
+async def check_layout(request):
+    """An xDiT Pool node's widget values → {"error": "..."} ("" when its layout fits its nproc): the graph flags a
+    node and refuses to queue with the server's own check (ParallelConfig.check), not a copy of it."""
+    values = await request.json()
+    if not isinstance(values, dict):
+        return web.json_response({"error": "send the node's widget values as a JSON object"}, status=400)
+    return web.json_response({"error": layout_error(values)})
 
 
 async def _act(request, action) -> web.Response:

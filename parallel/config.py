@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict, dataclass
 
+from .fields import Flag, Widget, add_flags, declared, from_flags
+
 
 class LayoutError(ValueError):
     """A layout that cannot work. The message is one line naming the numbers and the fix."""
@@ -54,24 +56,53 @@ class AutoLayout:
         return ["--layout", "auto", *(["--link", self.link] if self.link else [])]
 
 
+def _degree(what: str, flag: str, widget_default: int = 1, maximum: int = 256):
+    """A degree's declaration: 1 by default, its flag, and its xDiT Pool input."""
+    return declared(1, flag=Flag(flag, help=f"{what}."),
+                    widget=Widget(f"Degree of {what.lower()}; all degrees multiply to nproc.", default=widget_default,
+                                  maximum=maximum))
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Degrees of each parallel dimension; their product is the world size.
 
-    The mesh is dp × cfg × pp × sp with sp = ring × ulysses (outermost first), as in xDiT.
+    The mesh is dp × cfg × pp × sp with sp = ring × ulysses (outermost first), as in xDiT. Each field is declared
+    once: the contract E and pool flags, the rank command line, the xDiT Pool node's inputs and the pool's status
+    all come from these declarations (fields.py).
     """
 
-    dp_degree: int = 1
-    cfg_degree: int = 1
-    pipefusion_degree: int = 1
-    ring_degree: int = 1
-    ulysses_degree: int = 1
-    num_patches: int | None = None
-    warmup_steps: int = 1
-    patch_flow: bool = True  # PipeFusion's patches flow across steps where the call allows (pipefusion.py); False: every step ends on every stage
-    shard_weights: bool = False  # FSDP2: each rank keeps 1/world of every transformer block (weight_sharding.py)
-    offload: bool = False  # with shard_weights: the shards wait in CPU memory, on the GPU only while their block runs
-    compile: bool = False  # torch.compile of every transformer block's forward (compile.py)
+    dp_degree: int = _degree("Data parallel: split the batch over replicas", "--dp-degree")
+    cfg_degree: int = declared(1, flag=Flag("--cfg-parallel", on=2, help="Run the two guidance branches on two ranks."),
+                               widget=Widget("Run the two guidance branches on two ranks (counts as degree 2).",
+                                             name="cfg_parallel", default=False, on=2))
+    pipefusion_degree: int = _degree("PipeFusion patch pipeline stages", "--pipefusion-degree", maximum=64)
+    ring_degree: int = _degree("Ring attention sequence parallel", "--ring-degree")
+    ulysses_degree: int = _degree("Ulysses sequence parallel (heads ↔ tokens)", "--ulysses-degree", widget_default=2)
+    num_patches: int | None = declared(None, flag=Flag("--num-patches", help="PipeFusion patches (default: pp degree)."),
+                                       widget=Widget("PipeFusion patches (0: the PipeFusion degree).", default=0,
+                                                     minimum=0, maximum=64, unset=0))
+    warmup_steps: int = declared(1, flag=Flag("--warmup-steps", help="PipeFusion synchronous warm-up steps."),
+                                 widget=Widget("PipeFusion synchronous warm-up steps.", default=1, minimum=0,
+                                               maximum=100))
+    # PipeFusion's patches flow across steps where the call allows (pipefusion.py); False: every step ends on every stage
+    patch_flow: bool = declared(True, flag=Flag("--no-patch-flow", on=False, help=(
+        "PipeFusion: end every step on every stage instead of letting the patches flow across steps.")), widget=Widget(
+        "PipeFusion: the patches flow across steps where the call allows; off: every step ends on every stage."))
+    # FSDP2: each rank keeps 1/world of every transformer block (weight_sharding.py)
+    shard_weights: bool = declared(False, flag=Flag("--shard-weights", on=True, help=(
+        "Split every transformer block's weights over the ranks (FSDP2); not with PipeFusion.")), widget=Widget(
+        "Split every transformer block's weights over the ranks (FSDP2), for models larger than one GPU; not with "
+        "PipeFusion or fp8."))
+    # with shard_weights: the shards wait in CPU memory, on the GPU only while their block runs
+    offload: bool = declared(False, flag=Flag("--offload", on=True, help=(
+        "With --shard-weights: keep the shards in CPU memory, on the GPU only while their block runs.")), widget=Widget(
+        "With shard_weights: keep the shards in CPU memory, on the GPU only while their block runs, for models that do "
+        "not fit even sharded."))
+    # torch.compile of every transformer block's forward (compile.py)
+    compile: bool = declared(False, flag=Flag("--compile", on=True, help=(
+        "torch.compile every transformer block (the first job of each size pays the compilation).")), widget=Widget(
+        "torch.compile every transformer block: faster steps once the first job of each size has paid the compilation."))
 
     @property
     def sp_degree(self) -> int:
@@ -104,8 +135,9 @@ class ParallelConfig:
         return f"{layout}, compiled" if self.compile else layout
 
     def check(self, world_size: int, ranks_flag: str = "--nproc-per-node") -> None:
-        """Raise LayoutError unless these degrees can run on `world_size` ranks (`ranks_flag`: how the
-        caller's entry point spells the number of ranks, for the fix the message suggests)."""
+        """Raise LayoutError unless these degrees can run on `world_size` ranks (`ranks_flag`: how the caller's entry
+        point spells the number of ranks, a flag or a node input, for the fix the message suggests). The xDiT Pool
+        node and its panel ask this too (nodes/routes.py): one check, one message, wherever a layout is set."""
         for name, value in asdict(self).items():
             if name.endswith("_degree") and (not isinstance(value, int) or value < 1):
                 raise LayoutError(f"--{name.replace('_', '-')} is {value}; every degree must be an integer >= 1.")
@@ -128,29 +160,21 @@ class ParallelConfig:
         if self.num_patches is not None and self.num_patches < 1:
             raise LayoutError(f"--num-patches is {self.num_patches}; use 1 or more (default: the pipefusion degree).")
         if self.world_size != world_size:
+            others = self.world_size // self.ulysses_degree
+            ulysses = "--ulysses-degree" if ranks_flag.startswith("--") else "ulysses_degree"
+            fix = f"set {ulysses} to {world_size // others}, or " if world_size % others == 0 else ""
             raise LayoutError(
                 f"dp {self.dp_degree} × cfg {self.cfg_degree} × pipefusion {self.pipefusion_degree} × "
                 f"ring {self.ring_degree} × ulysses {self.ulysses_degree} = {self.world_size}, but there are "
-                f"{world_size} ranks; change the degrees (or {ranks_flag}) so the product is {world_size}."
+                f"{world_size} ranks ({ranks_flag} is {world_size}); {fix}change the degrees (or {ranks_flag}) so the "
+                f"product is {world_size}."
             )
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     """The layout flags shared by the one-shot runner and the pool CLI (contracts E and P)."""
     group = parser.add_argument_group("parallel layout (degrees multiply to the number of ranks)")
-    group.add_argument("--ulysses-degree", type=int, default=1, help="Ulysses sequence parallel (heads ↔ tokens).")
-    group.add_argument("--ring-degree", type=int, default=1, help="Ring attention sequence parallel.")
-    group.add_argument("--pipefusion-degree", type=int, default=1, help="PipeFusion patch pipeline stages.")
-    group.add_argument("--num-patches", type=int, default=None, help="PipeFusion patches (default: pp degree).")
-    group.add_argument("--warmup-steps", type=int, default=1, help="PipeFusion synchronous warm-up steps.")
-    group.add_argument("--cfg-parallel", action="store_true", help="Run the two guidance branches on two ranks.")
-    group.add_argument("--dp-degree", type=int, default=1, help="Data parallel: split the batch over replicas.")
-    group.add_argument("--shard-weights", action="store_true",
-                       help="Split every transformer block's weights over the ranks (FSDP2); not with PipeFusion.")
-    group.add_argument("--offload", action="store_true",
-                       help="With --shard-weights: keep the shards in CPU memory, on the GPU only while their block runs.")
-    group.add_argument("--compile", action="store_true",
-                       help="torch.compile every transformer block (the first job of each size pays the compilation).")
+    add_flags(group, ParallelConfig)
     group.add_argument("--layout", choices=["auto"], default=None,
                        help="auto: measure the link and the compute, predict each layout's step time, run the fastest "
                             "(instead of the degrees; a pool chooses again for each new job size)")
@@ -175,15 +199,4 @@ def auto_layout_from_args(args: argparse.Namespace) -> AutoLayout | None:
 
 
 def config_from_args(args: argparse.Namespace) -> ParallelConfig:
-    return ParallelConfig(
-        dp_degree=args.dp_degree,
-        cfg_degree=2 if args.cfg_parallel else 1,
-        pipefusion_degree=args.pipefusion_degree,
-        ring_degree=args.ring_degree,
-        ulysses_degree=args.ulysses_degree,
-        num_patches=args.num_patches,
-        warmup_steps=args.warmup_steps,
-        shard_weights=args.shard_weights,
-        offload=args.offload,
-        compile=args.compile,
-    )
+    return from_flags(ParallelConfig, args)

@@ -16,21 +16,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
 
 import torch
 
 from .families import FAMILIES
+from .request import LoraSpec
 
 
 EXPERTS = ("transformer", "transformer_2")  # the pipeline attributes that hold a transformer
-
-
-@dataclass(frozen=True)
-class LoraSpec:
-    path: str
-    strength: float
-    expert: str = ""  # "transformer" / "transformer_2" (Wan 2.2 A14B's low-noise expert); "": every expert
 
 
 class LoraManager:

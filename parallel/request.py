@@ -11,107 +11,40 @@ against the family (call_parameters.py).
 from __future__ import annotations
 
 import argparse
-import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
-
-import torch
 
 from .cache_settings import CacheSettings, add_cache_arguments, cache_from_args
 from .call_parameters import CallParameter, check_call
-
-
-@dataclass(frozen=True)
-class Field:
-    """A common request field: its wire types, whether it is required, and its range."""
-
-    types: tuple[type, ...]
-    required: bool
-    minimum: float | None = None
-    maximum: float | None = None
-    above_minimum: bool = False  # the minimum itself is excluded (denoise > 0)
-
-    def check(self, name: str, value: Any) -> None:
-        if isinstance(value, bool) and bool not in self.types or not isinstance(value, self.types):
-            raise ValueError(f"{name} must be {' or '.join(t.__name__ for t in self.types)}, not {type(value).__name__}")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{name} must be finite")
-        low, high = self.minimum, self.maximum
-        if low is None or high is None:
-            return
-        if (value <= low if self.above_minimum else value < low) or value > high:
-            span = f"a value above {low:g} and at most {high:g}" if self.above_minimum else f"{low:g} to {high:g}"
-            raise ValueError(f"{name} is {value}; use {span}")
-
-
-def check_fields(fields: dict[str, Field], params: dict[str, Any]) -> None:
-    """Every field present if required, of its types and in its range (keys beyond `fields` are the caller's)."""
-    for name, spec in fields.items():
-        if name not in params:
-            if spec.required:
-                raise ValueError(f"needs {name!r}")
-            continue
-        spec.check(name, params[name])
-
-
-_NUMBER = (int, float)
-FIELDS: dict[str, Field] = {
-    "steps": Field((int,), True, 1, 1000),
-    "guidance_scale": Field(_NUMBER, True),
-    "height": Field((int,), True, 8, 16384),
-    "width": Field((int,), True, 8, 16384),
-    "denoise": Field(_NUMBER, False, 0.0, 1.0, above_minimum=True),  # below 1: img2img from init_latents
-    "call": Field((dict,), False),  # the family's own scalars, checked against its call_parameters
-    "cache": Field((dict,), False),  # step cache settings (cache_settings.py)
-}
-
-
-def _check_call_values(call: dict[str, Any]) -> None:
-    """What can be said of a call map without the family: string names, finite numbers."""
-    for name, value in call.items():
-        if not isinstance(name, str):
-            raise ValueError(f"call parameter names must be strings, not {type(name).__name__}")
-        Field(_NUMBER, False).check(f"call {name}", value)
+from .fields import Flag, add_flags, declared, from_flags, from_plain, to_plain
 
 
 @dataclass(frozen=True)
 class SampleRequest:
     """What one sampling job asks for, whoever sends it; `call` holds the family's own scalars."""
 
-    steps: int
-    guidance_scale: float
-    height: int
-    width: int
-    denoise: float = 1.0
-    call: dict[str, int | float] = field(default_factory=dict)
-    cache: CacheSettings = CacheSettings()
+    steps: int = declared(minimum=1, maximum=1000, flag=Flag("--steps", default=20))
+    guidance_scale: float = declared(flag=Flag("--guidance-scale", default=4.5))
+    height: int = declared(minimum=8, maximum=16384, flag=Flag("--height", default=1024))
+    width: int = declared(minimum=8, maximum=16384, flag=Flag("--width", default=1024))
+    denoise: float = declared(1.0, minimum=0.0, maximum=1.0, above_minimum=True)  # below 1: img2img from init_latents
+    call: dict[str, int | float] = declared(factory=dict)  # the family's own scalars, checked against its call_parameters
+    cache: CacheSettings = declared(CacheSettings())  # step cache settings (cache_settings.py)
 
     @classmethod
     def from_params(cls, params: dict[str, Any], declared: dict[str, CallParameter] | None = None,
                     model: str = "this model") -> "SampleRequest":
         """The request in `params`, validated; `declared`: the family's call_parameters, if known here."""
-        unknown = sorted(set(params) - set(FIELDS), key=str)
-        if unknown:
-            raise ValueError(f"a sample request does not take {unknown}; it takes {sorted(FIELDS)}")
-        check_fields(FIELDS, params)
-        call = dict(params.get("call", {}))
-        _check_call_values(call)
-        if declared is not None:
-            call = check_call(declared, call, model)
-        return cls(params["steps"], float(params["guidance_scale"]), params["height"], params["width"],
-                   float(params.get("denoise", 1.0)), call, CacheSettings.from_params(params.get("cache", {})))
+        return from_plain(cls, params, "a sample request").for_family(declared, model)
+
+    def for_family(self, declared: dict[str, CallParameter] | None, model: str = "this model") -> "SampleRequest":
+        """This request with its call map checked against what the family of `model` declares (None: unknown
+        here, only the values' kinds are judged, as the wire does)."""
+        return self if declared is None else replace(self, call=check_call(declared, self.call, model))
 
     def to_params(self) -> dict[str, Any]:
         """The plain map `from_params` reads (what travels on the wire), defaults left out."""
-        params = asdict(self)
-        if self.denoise == 1.0:
-            del params["denoise"]
-        if not self.call:
-            del params["call"]
-        params["cache"] = self.cache.to_params()
-        if not params["cache"]:
-            del params["cache"]
-        return params
+        return to_plain(self)
 
     def pipeline_kwargs(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """The diffusers pipeline's keyword arguments for this request and its tensor inputs (their values
@@ -128,10 +61,21 @@ class SampleRequest:
         }
 
 
+@dataclass(frozen=True)
+class LoraSpec:
+    """One LoRA of a job: its file on the pool's machine, its strength, and the expert it goes into."""
+
+    path: str = declared()
+    strength: float = declared()
+    expert: str = declared("")  # "transformer" / "transformer_2" (Wan 2.2 A14B's low-noise expert); "": every expert
+
+
 def check_tensor_values(tensors: dict[str, Any]) -> None:
     """Refuse, before any compute, values no pipeline can use: latents, embeddings and images that are not
     floating point (a cast would silently change them), non-finite values (the result would be NaN),
     embeddings of no token. Masks (`*_mask`, `*_mask_2`) are integer or boolean and pass as they are."""
+    import torch  # here: the request's plain fields travel through processes that never hold a tensor
+
     for name, tensor in tensors.items():
         if not isinstance(tensor, torch.Tensor) or name.rstrip("_0123456789").endswith("_mask"):
             continue
@@ -175,10 +119,7 @@ CALL_SHORTHANDS = {
 
 def add_request_arguments(parser: argparse.ArgumentParser) -> None:
     """The request's flags, shared by contract E and `python -m workers sample`."""
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--guidance-scale", type=float, default=4.5)
-    parser.add_argument("--height", type=int, default=1024)
-    parser.add_argument("--width", type=int, default=1024)
+    add_flags(parser, SampleRequest)
     for name, options in CALL_SHORTHANDS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", default=None, **options)
     parser.add_argument("--call", type=parse_call, action="append", default=[], metavar="NAME=VALUE",
@@ -193,7 +134,5 @@ def request_from_args(args: argparse.Namespace, declared: dict[str, CallParamete
     for name in CALL_SHORTHANDS:
         if getattr(args, name) is not None:
             call[name] = getattr(args, name)
-    params = {"steps": args.steps, "guidance_scale": args.guidance_scale, "height": args.height, "width": args.width}
-    cache = cache_from_args(args)
-    params = {**params, **({"call": call} if call else {}), **({"cache": cache} if cache else {})}
-    return SampleRequest.from_params(params, declared, model)
+    request = from_flags(SampleRequest, args, "a sample request", call=call, cache=cache_from_args(args))
+    return request.for_family(declared, model)

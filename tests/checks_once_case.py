@@ -20,7 +20,11 @@ from parallel.config import ParallelConfig
 from parallel.distributed import destroy_distributed_environment, init_distributed_environment, initialize_model_parallel
 from parallel.loading import load_pipeline
 from parallel.model_executor import wrap_pipeline
-from workers.jobs import JobRunner, Work, broadcast_work
+from parallel.fields import from_plain
+from workers.rank.runner import JobRunner
+from workers.rank.work import broadcast_work
+from workers.wire.messages import Submit
+from workers.wire.protocol import Message
 
 PARAMS = {"steps": 3, "guidance_scale": 5.0, "height": 64, "width": 64, "call": {"guidance_scale_2": 2.0}}
 
@@ -50,9 +54,10 @@ def main(model: str, inputs: str, prefix: str) -> None:
         checks.clear()
         work, prepared = None, None
         if world.rank == 0:
-            validated = runner.prepare(PARAMS, tensors)  # what rank 0's server does at submit
+            submit = runner.for_family(from_plain(Submit, PARAMS, "submit"))  # what rank 0's server does at submit
+            validated = runner.prepare(submit, tensors)
             prepared = validated if mode == "prepared" else None
-            work = Work("sample", f"job-{mode}", PARAMS, tensors)
+            work = Message.of(submit, f"job-{mode}", tensors)
         latents = runner.run(broadcast_work(work, None), None, prepared)
         every = [torch.zeros(1, dtype=torch.int64) for _ in range(world.world_size)]
         torch.distributed.all_gather(every, torch.tensor([len(checks)]))

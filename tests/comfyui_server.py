@@ -18,7 +18,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from workers.endpoints import free_port
+from workers.wire.endpoints import free_port
 from xdit_test_helpers import ROOT
 
 PROBE = Path(__file__).resolve().parent / "comfyui_probe"

@@ -14,8 +14,8 @@ import torch
 
 from parallel.launch import rank_environment
 from workers.client import PoolClient
-from workers.endpoints import free_endpoint  # noqa: F401 - the pool tests take it from here
-from workers.processes import is_alive
+from workers.wire.endpoints import free_endpoint  # noqa: F401 - the pool tests take it from here
+from workers.supervisor.processes import is_alive
 
 from xdit_test_helpers import ROOT, diffusers_latents
 PARAMS = {"steps": 4, "guidance_scale": 4.5, "height": 64, "width": 64}

@@ -11,7 +11,7 @@ import msgpack
 import pytest
 import torch
 
-from workers.protocol import CLIENT_MESSAGES, PROTOCOL_VERSION, SERVER_MESSAGES, ProtocolError, decode
+from workers.wire.protocol import CLIENT_MESSAGES, PROTOCOL_VERSION, SERVER_MESSAGES, ProtocolError, decode
 
 CLIENT_TYPES = sorted(CLIENT_MESSAGES)
 ALL_TYPES = sorted(set(CLIENT_MESSAGES) | set(SERVER_MESSAGES))

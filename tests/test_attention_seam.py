@@ -24,7 +24,7 @@ from parallel.model_executor.attention import TextLayout
 from parallel.model_executor.layers import attention_seam
 from parallel.model_executor.plans import Gather, Split
 from parallel.model_executor.register import xFuserLayerWrappersRegister
-from workers.endpoints import free_port
+from workers.wire.endpoints import free_port
 
 LAYERS = {
     "classic": lambda: Attention(query_dim=32, heads=4, dim_head=8),

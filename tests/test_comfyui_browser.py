@@ -86,7 +86,7 @@ def page(comfy):
 
 
 # The layout error the extension shows on the graph's xDiT Pool node ("" when valid).
-POOL_ERROR = "() => app.graph.nodes.find((n) => n.comfyClass === 'XDiTPool').xditError"
+POOL_ERROR = "() => app.graph.nodes.find((n) => n.comfyClass === 'XDiTPool').xditCheck"  # the server's answer
 
 # Load a saved workflow, convert it, and queue it the way the Run button does (app.queuePrompt, through the
 # xDiT validation hook); a spy on api.queuePrompt catches the server's answer for the prompt id.
@@ -266,10 +266,11 @@ def test_bad_degree_product_is_flagged_and_not_queued(comfy, page):
     before = (len(comfy.get("/history")), comfy.get("/queue"))
     page.call("requests", reset=True)
 
-    flagged = page.eval("""() => {
+    flagged = page.eval("""async () => {
         const node = app.graph.nodes.find((n) => n.comfyClass === 'XDiTPool');
         const widget = node.widgets.find((w) => w.name === 'ulysses_degree');
         widget.setValue(3, { node, canvas: app.canvas });
+        await node.xditCheck;
         return node.xditError;
     }""")
     assert flagged and "= 3" in flagged and "nproc is 2" in flagged and "ulysses_degree to 2" in flagged
@@ -287,20 +288,22 @@ def test_bad_degree_product_is_flagged_and_not_queued(comfy, page):
     assert page.call("requests") == [], "the frontend sent the invalid prompt to the server"
     assert (len(comfy.get("/history")), comfy.get("/queue")) == before
 
-    fixed = page.eval("""() => {
+    fixed = page.eval("""async () => {
         const node = app.graph.nodes.find((n) => n.comfyClass === 'XDiTPool');
         node.widgets.find((w) => w.name === 'ulysses_degree').setValue(1, { node, canvas: app.canvas });
         node.widgets.find((w) => w.name === 'nproc').setValue(1, { node, canvas: app.canvas });
-        return node.xditError;
+        return await node.xditCheck;
     }""")
     assert fixed == ""
 
     for node in workflow["nodes"]:  # model, nproc, ulysses, ring, pipefusion, patches, warmup, cfg_parallel, dp, …
         if node["type"] == "XDiTPool":
             node["widgets_values"][7] = True  # cfg 2 × ulysses 2 on 2 ranks
-    loaded = page.eval("async (workflow) => { await app.loadGraphData(workflow); return app.graph.nodes"
-                       ".find((n) => n.comfyClass === 'XDiTPool').xditError; }", workflow)
-    assert "cfg 2 = 4, but nproc is 2" in loaded and "set ulysses_degree to 1" in loaded
+    loaded = page.eval("async (workflow) => { await app.loadGraphData(workflow); return await app.graph.nodes"
+                       ".find((n) => n.comfyClass === 'XDiTPool').xditCheck; }", workflow)
+    # the server's one message (ParallelConfig.check) since the panel stopped re-implementing it in JavaScript
+    assert "cfg 2 × pipefusion 1 × ring 1 × ulysses 2 = 4, but there are 2 ranks (nproc is 2)" in loaded
+    assert "set ulysses_degree to 1" in loaded
 
 
 def test_the_extension_raised_no_errors_in_the_page(page):

@@ -15,7 +15,7 @@ import pytest
 
 from pool_helpers import free_endpoint, start_serve, stop_serve
 from test_comfyui import reference, saved_latent, workflow
-from workers.auth import create_keys
+from workers.wire.auth import create_keys
 from workers.client import PoolClient
 from xdit_test_helpers import TOLERANCE
 

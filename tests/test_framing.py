@@ -10,7 +10,7 @@ import msgpack
 import pytest
 import torch
 
-from workers import control, framing
+from workers.wire import control, framing
 
 
 def test_control_messages_round_trip_with_a_long_traceback():

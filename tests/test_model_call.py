@@ -13,7 +13,7 @@ from diffusers import DiffusionPipeline
 
 from parallel import tiny_models
 from workers.client import JobFailed
-from workers.conditioning import key_of
+from workers.rank.conditioning import key_of
 
 from pool_helpers import serving
 from xdit_test_helpers import TOLERANCE
@@ -174,7 +174,7 @@ def test_pipefusion_pools_refuse_model_calls(tiny_model_dirs, references, tmp_pa
 def test_every_rank_keeps_the_conditioning_rank_0_leaves_out():
     """RankConditioning: copies fed the same calls agree on what is held, so rank 0 sends a prompt once and
     every rank fills it back in; evicted conditioning travels again; a rank that lost a copy fails loudly."""
-    from workers.conditioning import RankConditioning
+    from workers.rank.conditioning import RankConditioning
 
     prompts = [torch.randn(1, 4, 8) + i for i in range(3)]
     rank0, rank1 = RankConditioning(max_entries=2), RankConditioning(max_entries=2)

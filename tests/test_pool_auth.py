@@ -20,11 +20,11 @@ import zmq
 from parallel import tiny_models
 from parallel.config import ParallelConfig
 from parallel.launch import rank_environment
-from workers import protocol
-from workers.auth import ClientKeys, create_keys, is_loopback
+from workers.wire import protocol
+from workers.wire.auth import ClientKeys, create_keys, is_loopback
 from workers.client import PoolClient, PoolRefused, PoolUnreachable
-from workers.launcher import PoolSpec
-from workers.protocol import Message
+from workers.supervisor.pool import PoolSpec
+from workers.wire.protocol import Message
 
 from xdit_test_helpers import TOLERANCE, import_node_module
 from pool_helpers import PARAMS, ROOT, free_endpoint, reference, start_serve, stop_serve
@@ -160,8 +160,8 @@ def test_the_node_registry_reaches_a_keyed_pool(pool, keys, monkeypatch):
     """nodes/pools.py (the xDiT Pool node's endpoint mode): every client of the endpoint gets its keys."""
     pools = import_node_module(monkeypatch, "pools")
     registry = pools.PoolRegistry()
-    key = pools.PoolKey(model="remote", nproc=1, parallel=ParallelConfig(), endpoint=pool["endpoint"],
-                        curve_dir=str(keys / "pool"))
+    key = PoolSpec(model="remote", nproc=1, parallel=ParallelConfig(), endpoint=pool["endpoint"],
+                   curve_dir=str(keys / "pool"))
     handle = registry.acquire(key, timeout_s=30)
     assert handle.status["state"] == "idle"
     latents = registry.client(handle.endpoint).sample(pool["inputs"], PARAMS)

@@ -22,10 +22,10 @@ import zmq
 
 from parallel import tiny_models
 from workers import client as client_module
-from workers import protocol
-from workers.admission import Admission
+from workers.wire import protocol
+from workers.rank.admission import Admission
 from workers.client import JobFailed, PoolClient, PoolRefused, PoolUnreachable
-from workers.protocol import Message
+from workers.wire.protocol import Message
 
 from xdit_test_helpers import TOLERANCE
 from pool_helpers import (PARAMS, free_endpoint, idle_client, pool_processes, reference, start_serve, stop_serve,

@@ -22,11 +22,11 @@ import pytest
 from parallel import tiny_models
 from parallel.launch import rank_environment
 from workers.client import JobFailed, PoolClient
-from workers.endpoints import free_port
+from workers.wire.endpoints import free_port
 
 from xdit_test_helpers import TOLERANCE
 from pool_helpers import PARAMS, ROOT, free_endpoint, reference, start_serve, stop_serve, wait_gone
-from workers.processes import is_alive as alive
+from workers.supervisor.processes import is_alive as alive
 
 FAMILY = "pixart-alpha"
 

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from parallel import tiny_models
-from workers import protocol
-from workers.protocol import Message
+from workers.wire import protocol
+from workers.wire.protocol import Message
 
 from xdit_test_helpers import TOLERANCE
 from pool_helpers import PARAMS, free_endpoint, idle_client, reference, start_serve, stop_serve

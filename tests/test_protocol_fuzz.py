@@ -20,12 +20,12 @@ from protocol_helpers import (
     random_tensor,
     raw_bytes,
 )
-from workers import protocol
-from workers.protocol import (
+from workers.wire import protocol
+from parallel.fields import wire_fields
+from workers.wire.framing import DTYPE_NAMES, DTYPES
+from workers.wire.messages import CLIENT_KINDS
+from workers.wire.protocol import (
     CLIENT_MESSAGES,
-    DTYPES,
-    DTYPE_NAMES,
-    JOB_INPUTS,
     MAX_DIMS,
     MAX_PROMPT_CHARS,
     PROTOCOL_VERSION,
@@ -56,11 +56,12 @@ def check_decode(frames, from_client: bool):
         assert tensor.dtype in DTYPE_NAMES and tensor.dim() <= MAX_DIMS
         assert raw_bytes(tensor) == bytes(frame)
         if from_client:
-            assert name in JOB_INPUTS and message.type == "submit"
+            assert name in CLIENT_KINDS[message.type].tensor_names()
     if from_client:
-        schema = CLIENT_MESSAGES[message.type]
-        assert set(message.params) <= set(schema)
-        assert all(needed <= (name in message.params) for name, (_, needed) in schema.items())
+        schema = wire_fields(CLIENT_KINDS[message.type])
+        assert set(message.params) <= {f.name for f in schema}
+        assert all(f.required <= (f.name in message.params) for f in schema)
+        assert isinstance(message.body, CLIENT_KINDS[message.type])
     if from_client and message.type == "submit":
         assert 1 <= message.params["steps"] <= 1000
     if from_client and message.type == "encode":
@@ -162,10 +163,11 @@ def structured_cases(draw):
         params = minimal_params(kind)
     else:
         params = draw(st.dictionaries(st.text(max_size=8), anything, max_size=4))
-    if from_client and kind != "submit":
+    accepted = CLIENT_KINDS[kind].tensor_names() if from_client else ()
+    if from_client and not accepted:
         names = []
-    elif from_client:
-        names = draw(st.lists(st.sampled_from(JOB_INPUTS), unique=True, max_size=4))
+    elif from_client:  # every kind's own tensors: submit's job inputs, evaluate's model call, decode's, encode's
+        names = draw(st.lists(st.sampled_from(accepted), unique=True, max_size=4))
     else:
         names = draw(st.lists(st.text(max_size=8), unique=True, max_size=4))
     specs, frames = [], []
@@ -248,7 +250,7 @@ def test_fuzz_structured_headers(case):
 
 
 def _valid_messages():
-    tensors = {name: random_tensor(dtype, (2, 3), seed=i) for i, (name, dtype) in enumerate(zip(JOB_INPUTS, DTYPES.values()))}
+    tensors = {name: random_tensor(dtype, (2, 3), seed=i) for i, (name, dtype) in enumerate(zip(CLIENT_KINDS['submit'].tensor_names(), DTYPES.values()))}
     submit = Message("submit", "job-1", {**SUBMIT_PARAMS, "call": {"true_cfg_scale": 2.0}, "scheduler": "x", "preview": True}, tensors)
     result = Message("result", "job-1", {"step": 3, "nested": [1, {"a": b"b"}]}, {"image": torch.rand(1, 3, 4, 4)})
     return [(on_the_wire(encode(submit)), True), (on_the_wire(encode(Message("cancel", "job-1"))), True),

@@ -28,8 +28,8 @@ from protocol_helpers import (
     spec,
     submit_header,
 )
-from workers import framing, protocol
-from workers.protocol import (
+from workers.wire import framing, protocol
+from workers.wire.protocol import (
     CLIENT_MESSAGES,
     MAX_DIMS,
     MAX_HEADER_BYTES,

@@ -21,11 +21,12 @@ from protocol_helpers import (
     random_tensor,
     rejects,
 )
-from workers import protocol
-from workers.protocol import (
+from workers.wire import protocol
+from workers.wire.framing import DTYPES
+from parallel.fields import wire_fields
+from workers.wire.messages import CLIENT_KINDS, job_inputs
+from workers.wire.protocol import (
     CLIENT_MESSAGES,
-    DTYPES,
-    JOB_INPUTS,
     MAX_TENSORS,
     MAX_DIMS,
     SERVER_MESSAGES,
@@ -33,6 +34,8 @@ from workers.protocol import (
     decode,
     encode,
 )
+
+JOB_INPUTS = job_inputs()
 
 
 SHAPES = [(3,), (2, 3), (1, 2, 1, 3), (2, 1, 2, 1, 2, 1), (0,), (2, 0, 3), (1,) * MAX_DIMS, (4, 0, 1, 1, 1, 2)]
@@ -98,8 +101,8 @@ def test_non_contiguous_and_grad_tensors_are_sent_in_c_order():
 
 def test_minimal_params_cover_schema():
     """Every client type's required params are in MINIMAL_PARAMS, so the tests below build valid messages."""
-    for kind, schema in CLIENT_MESSAGES.items():
-        required = {name for name, (_, needed) in schema.items() if needed}
+    for kind, body in CLIENT_KINDS.items():
+        required = {f.name for f in wire_fields(body) if f.required}
         assert required <= set(minimal_params(kind)), f"add {kind!r} to MINIMAL_PARAMS"
         assert decode([pack(header(kind, params=minimal_params(kind)))]).params == minimal_params(kind)
 

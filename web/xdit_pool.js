@@ -1,50 +1,34 @@
-// xDiT Pool for ComfyUI: client-side degree validation of XDiTPool nodes, and the "xDiT" sidebar tab.
+// xDiT Pool for ComfyUI: degree validation of XDiTPool nodes by the server's own check, and the "xDiT" sidebar tab.
 //
-// The validation (the rules of the server's ParallelConfig.check) flags an XDiTPool node whose degrees do
-// not multiply to nproc as soon as a widget changes, and refuses to queue while any such node exists, so
-// the user sees the numbers and the fix before anything is sent. The tab shows the pool panel
-// (xdit_pool_panel.js).
+// Whenever a widget of an XDiTPool node changes, its values go to POST /xdit/layout/check, which answers with
+// the pool's own ParallelConfig.check (one sentence with the numbers and the fix, or ""). A node whose layout does
+// not fit its nproc is flagged, and queueing is refused while any such node exists, so the user sees the numbers
+// and the fix before anything runs. The tab shows the pool panel (xdit_pool_panel.js).
 import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
 import { PoolPanel } from "./xdit_pool_panel.js";
 
 // -- validation ---------------------------------------------------------------------------------------
 
-function widgetValue(node, name) {
-  return node.widgets?.find((w) => w.name === name)?.value;
+/** The server's verdict on this XDiTPool node's layout: "" when it fits. */
+async function layoutError(node) {
+  const values = Object.fromEntries((node.widgets ?? []).map((widget) => [widget.name, widget.value]));
+  const response = await api.fetchApi("/xdit/layout/check", { method: "POST", body: JSON.stringify(values) });
+  return (await response.json()).error ?? "";
 }
 
-/** The problem with this XDiTPool node's layout, as one sentence with the numbers and the fix; "" if none. */
-function layoutError(node) {
-  if (String(widgetValue(node, "endpoint") ?? "").trim()) return ""; // the remote pool owns its layout
-  if (widgetValue(node, "layout") === "auto") return ""; // the pool chooses the degrees per job size
-  const nproc = Number(widgetValue(node, "nproc"));
-  const degrees = {
-    ulysses: Number(widgetValue(node, "ulysses_degree")),
-    ring: Number(widgetValue(node, "ring_degree")),
-    pipefusion: Number(widgetValue(node, "pipefusion_degree")),
-    dp: Number(widgetValue(node, "dp_degree")),
-    cfg: widgetValue(node, "cfg_parallel") ? 2 : 1,
-  };
-  const warmup = Number(widgetValue(node, "warmup_steps"));
-  if (degrees.pipefusion > 1 && warmup < 1) {
-    return `warmup_steps is ${warmup}; PipeFusion needs at least 1 synchronous step to fill its stale K/V, `
-      + "so set warmup_steps to 1 or more.";
-  }
-  const product = Object.values(degrees).reduce((a, b) => a * b, 1);
-  if (product === nproc) return "";
-  const terms = Object.entries(degrees).map(([name, value]) => `${name} ${value}`).join(" × ");
-  const others = product / degrees.ulysses;
-  const fix = nproc % others === 0
-    ? `set ulysses_degree to ${nproc / others}`
-    : `change the degrees (or nproc) so they multiply to ${nproc}`;
-  return `${terms} = ${product}, but nproc is ${nproc}; ${fix}.`;
-}
-
+/** Ask the server about `node` and flag it; only the answer to the newest question counts. The node keeps the
+ * pending answer as `xditCheck`, so whoever reads `xditError` can wait for it. */
 function validate(node) {
-  const error = layoutError(node);
-  if (error !== node.xditError) node.setDirtyCanvas?.(true, true);
-  node.xditError = error;
-  return error;
+  const asked = (node.xditAsked = (node.xditAsked ?? 0) + 1);
+  node.xditCheck = layoutError(node).then((error) => {
+    if (asked === node.xditAsked) {
+      if (error !== node.xditError) node.setDirtyCanvas?.(true, true);
+      node.xditError = error;
+    }
+    return node.xditError;
+  });
+  return node.xditCheck;
 }
 
 function allNodes() {
@@ -54,8 +38,10 @@ function allNodes() {
 
 const SKIPPED_MODES = new Set([2, 4]); // muted or bypassed: not part of the prompt
 
-function invalidPools() {
-  return allNodes().filter((node) => node.comfyClass === "XDiTPool" && !SKIPPED_MODES.has(node.mode) && validate(node));
+async function invalidPools() {
+  const pools = allNodes().filter((node) => node.comfyClass === "XDiTPool" && !SKIPPED_MODES.has(node.mode));
+  const errors = await Promise.all(pools.map(validate));
+  return pools.filter((node, index) => errors[index]);
 }
 
 function notify(detail) {
@@ -122,7 +108,7 @@ function drawWarning(ctx, message, width, top) {
 function guardQueue() {
   const queuePrompt = app.queuePrompt.bind(app);
   app.queuePrompt = async function (...args) {
-    const invalid = invalidPools();
+    const invalid = await invalidPools();
     if (invalid.length) {
       const which = invalid.map((node) => `#${node.id}: ${node.xditError}`).join(" ");
       notify(`Not queued: an xDiT Pool layout does not fit its ranks. ${which}`);

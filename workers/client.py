@@ -15,16 +15,19 @@ import socket
 import time
 import uuid
 from urllib.parse import urlsplit
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from . import protocol
-from .auth import ENV, HANDSHAKE_FAILURES, ClientKeys
-from .conditioning import key_of
-from .protocol import Message
+from .engine import fields
+from .wire import protocol
+from .wire.auth import ENV, HANDSHAKE_FAILURES, ClientKeys
+from .wire.messages import Cancel, Decode, Encode, PoolStatus, StatusQuery, Stop, key_of
+from .wire.protocol import Message
+
+if TYPE_CHECKING:  # torch only where tensors are: `status` and `stop` run without it
+    import torch
 
 PING_EVERY_S = 5.0
 MISSED_PINGS = 3
@@ -146,11 +149,11 @@ class PoolClient:
             raise NothingListening(f"nothing is listening at {self.endpoint}: no pool runs there; start one with "
                                    "`python -m workers serve --model M --endpoint ...` or check the address")
 
-    def request(self, kind: str, job: str = "", timeout_s: float = 10.0) -> Message:
-        """Send a status/stop/cancel message and return the reply that belongs to it."""
+    def request(self, kind: StatusQuery | Stop, job: str = "", timeout_s: float = 10.0) -> Message:
+        """Send a status or stop message and return the reply that belongs to it."""
         self.check_listening()
-        tag = job or f"{kind}-{uuid.uuid4().hex[:12]}"
-        self.send(Message(kind, tag))
+        tag = job or f"{kind.TYPE}-{uuid.uuid4().hex[:12]}"
+        self.send(Message.of(kind, tag))
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             reply = self.receive(left)
@@ -161,20 +164,20 @@ class PoolClient:
         keys = "" if self.curve_dir else f"; a pool with CURVE keys answers only clients with an allowed key (--curve-dir or {ENV})"
         raise PoolUnreachable(f"no reply from the pool at {self.endpoint} within {timeout_s:.0f} s: it may be hung or overloaded{keys}")
 
-    def status(self, timeout_s: float = 10.0) -> dict:
-        return self.request("status", timeout_s=timeout_s).params
+    def status(self, timeout_s: float = 10.0) -> PoolStatus:
+        return fields.from_plain(PoolStatus, self.request(StatusQuery(), timeout_s=timeout_s).params, "status")
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        self.request("stop", timeout_s=timeout_s)
+        self.request(Stop(), timeout_s=timeout_s)
 
-    def wait_until_idle(self, timeout_s: float = 120.0) -> dict:
+    def wait_until_idle(self, timeout_s: float = 120.0) -> PoolStatus:
         """Poll status until the pool says idle (after start-up or a restart)."""
         return self.wait_for_state("idle", timeout_s)
 
-    def wait_for_state(self, state: str, timeout_s: float = 120.0) -> dict:
+    def wait_for_state(self, state: str, timeout_s: float = 120.0) -> PoolStatus:
         """Poll status until the pool is in `state` (idle, busy); a pool that failed raises."""
         deadline = time.monotonic() + timeout_s
-        last = {}
+        last = None
         while time.monotonic() < deadline:
             try:
                 last = self.status(timeout_s=2.0)
@@ -183,10 +186,10 @@ class PoolClient:
             except PoolUnreachable:  # not up yet, or restarting: ask again
                 time.sleep(0.1)
                 continue
-            if last.get("state") == state:
+            if last.state == state:
                 return last
-            if last.get("state") == "error":
-                raise PoolUnreachable(f"the pool failed: {last.get('error')}")
+            if last.state == "error":
+                raise PoolUnreachable(f"the pool failed: {last.error}")
             time.sleep(0.1)
         raise PoolUnreachable(f"the pool at {self.endpoint} did not become {state} in {timeout_s:.0f} s (last: {last})")
 
@@ -198,7 +201,7 @@ class PoolClient:
         return job
 
     def cancel(self, job: str) -> None:
-        self.send(Message("cancel", job))
+        self.send(Message.of(Cancel(), job))
 
     def sample(
         self,
@@ -242,7 +245,7 @@ class PoolClient:
         conditioning every step, and comparing is ~20× cheaper than hashing (10 MB: ~1 ms against ~20 ms)."""
         last = self._last_keys.get(name)
         same = last is not None and last[0].shape == tensor.shape and last[0].dtype == tensor.dtype
-        if same and torch.equal(last[0], tensor):
+        if same and last[0].equal(tensor):
             return last[1]
         key = key_of(tensor)
         self._last_keys[name] = (tensor.detach().clone(), key)
@@ -256,7 +259,7 @@ class PoolClient:
         self.check_listening()
         job = f"encode-{uuid.uuid4().hex[:16]}"
         tensors = {} if image is None else {"image": image.float().contiguous()}
-        self.send(Message("encode", job, {"prompt": prompt, **job_inputs}, tensors))
+        self.send(Message.of(Encode(prompt=prompt, **job_inputs), job, tensors))
         return self._follow(job, None, None).tensors
 
     def decode(self, latents: torch.Tensor, tile: int = 0, on_step: Callable[[Message], None] | None = None,
@@ -265,7 +268,7 @@ class PoolClient:
         tile side in latent pixels, a multiple of 8; 0: about 1/⌈√ranks⌉ of the longer side, a tile per rank at least); the VAE's sample in [-1, 1] and what each rank held."""
         self.check_listening()
         job = f"decode-{uuid.uuid4().hex[:16]}"
-        self.send(Message("decode", job, {"tile": tile} if tile else {}, {"latents": latents}))
+        self.send(Message.of(Decode(tile=tile), job, {"latents": latents}))
         reply = self._follow(job, on_step, should_cancel)
         return reply.tensors["images"], reply.params
 
@@ -297,7 +300,7 @@ class PoolClient:
                             self.check_listening()
                             raise PoolUnreachable(f"the pool at {self.endpoint} stopped answering during job {job}")
                     ping = f"ping-{uuid.uuid4().hex[:12]}"
-                    self.send(Message("status", ping, {"job": job}))
+                    self.send(Message.of(StatusQuery(job=job), ping))
                     last_heard = time.monotonic()
                 continue
             last_heard, missed = time.monotonic(), 0

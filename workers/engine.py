@@ -3,8 +3,8 @@
 The pool runs in two settings: as the top-level package `workers` (rank processes, the CLI, tests: the
 repo root is on sys.path) and as a subpackage of the pack inside ComfyUI, which must not add `parallel`
 or `workers` to sys.modules nor touch sys.path. So the engine is imported next to this package: from the
-pack when there is one above us, else top-level. Heavy engine modules are imported by `engine(name)`
-where they are used (rank processes only).
+pack when there is one above us, else top-level. Only its plain modules (no torch, no diffusers) are imported
+here, for the wire, the supervisor and the light commands; the rest by `engine(name)` where it is used.
 """
 
 from __future__ import annotations
@@ -20,18 +20,15 @@ def engine(module: str) -> ModuleType:
     return importlib.import_module(f"{_ENGINE}.{module}")
 
 
-config = engine("config")
-builtin_models = engine("builtin_models")
-launch = engine("launch")
+fields = engine("fields")  # declared fields: every typed structure's checks, plain maps and flags
+request = engine("request")  # the one request type: SampleRequest, LoraSpec, their flags and checks
+config = engine("config")  # the parallel layout: ParallelConfig, AutoLayout, LayoutError
+launch = engine("launch")  # torchrun's command line and the ranks' environment
 ArgumentParser = engine("arguments").ArgumentParser
+LayoutError, ParallelConfig, AutoLayout = config.LayoutError, config.ParallelConfig, config.AutoLayout
 
-LayoutError = config.LayoutError
-ParallelConfig = config.ParallelConfig
-AutoLayout = config.AutoLayout
-PIPELINE_TENSOR_INPUTS = engine("families").FAMILIES.tensor_inputs()  # every registered pipeline's
-MODEL_CALL_TENSORS = engine("families").FAMILIES.model_call_tensors()  # single model calls (xDiT Model)
-add_parallel_arguments = config.add_parallel_arguments
-config_from_args = config.config_from_args
-auto_layout_from_args = config.auto_layout_from_args
 
-request = engine("request")  # the one request type: SampleRequest, its fields, flags and checks
+def tensor_inputs() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(every registered pipeline's tensor inputs, a single model call's): the families' own lists."""
+    families = engine("families").FAMILIES
+    return families.tensor_inputs(), families.model_call_tensors()

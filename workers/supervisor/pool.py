@@ -36,11 +36,13 @@ import time
 
 import zmq
 
-from .control import MAX_CONTROL_BYTES, pack, unpack
-from .framing import ProtocolError
-from .engine import launch
+from ..engine import launch
+from ..wire import control
+from ..wire.control import MAX_CONTROL_BYTES, Report, order, read_report
+from ..wire.framing import ProtocolError
+from ..wire.messages import Error, PoolStatus
+from ..wire.protocol import Message
 from .processes import is_alive
-from .protocol import Message
 from .spec import PoolSpec
 from .standin import StandIn
 
@@ -213,60 +215,75 @@ class Pool:
                 return
             try:
                 identity, raw = frames
-                message = unpack(raw)
+                report = read_report(raw)
             except (ValueError, ProtocolError) as error:  # only this pool's ranks speak here; still, never die of it
                 log.warning("dropped a malformed control message (%d frames): %s", len(frames), error)
                 continue
-            self._on_control(identity, message)
+            if report.launch == self.restarts:  # else sent by a rank of a launch that has since been stopped
+                self._handlers[type(report.body)](identity, report)
 
-    def _on_control(self, identity: bytes, message: dict) -> None:
-        kind, rank = message["type"], message.get("rank", -1)
-        if message.get("launch") != self.restarts:
-            return  # sent by a rank of a launch that has since been stopped
-        if kind == "beat":
-            self._beats[rank] = time.monotonic()
-            if message.get("stopping") and self._stop_deadline is None:
-                self._stop_deadline = time.monotonic() + STOP_GRACE_S
-        elif kind == "hello":
-            self.pids[rank] = message["pid"]
-            if self.state == WAITING:  # torchrun starts ranks only once every node is in the rendezvous
-                self.state = "starting"
-        elif kind == "bind_request":
-            if self._standin is not None:
-                self._standin.close()
-            self._control.send_multipart([identity, pack({"type": "bind_ok"})])
-        elif kind == "ready":
-            self._beats[rank] = time.monotonic()
-            self._ranks_ready.add(rank)
-            self.nodes = message.get("nodes") or self.nodes
-            if len(self._ranks_ready) == self.spec.nproc:
-                self.state = "ready"
-                self._ready.set()
-                log.info("pool ready: %d of %d ranks here, restarts=%d", self.spec.nproc, self.spec.world_size, self.restarts)
-        elif kind == "failed":
-            if message.get("fatal", True):
-                self._start_failed(f"rank {rank} failed to start: {message['error']}")
-            else:
-                self._world_broke(rank, message["error"])
-        elif kind == "world_lost":
-            self._world_broke(rank, message["error"])
-        elif kind == "job_started":
-            self._current_job = (message["job"], message["client"])
-            self._job_errors = {}
-        elif kind == "job_ended":
-            self._current_job = None
-            self.jobs_done = message["jobs_done"]
-        elif kind == "stopped":  # a client asked rank 0 to stop the pool; ranks are exiting cleanly
-            self._stop_requested.set()
-        elif kind == "job_error":
-            self._job_errors.setdefault(rank, message["error"])
-            self._job_error_since = self._job_error_since or time.monotonic()
-            if len(self._job_errors) == self.spec.nproc:  # every rank here failed alike: resume (ranks confirm world-wide)
-                first = min(self._job_errors)
-                verdict = pack({"type": "resume", "rank": first, "error": self._job_errors[first]})
-                for r in self.spec.local_ranks:
-                    self._control.send_multipart([f"rank{r}".encode(), verdict])
-                self._job_errors, self._job_error_since = {}, 0.0
+    @functools.cached_property
+    def _handlers(self):
+        """What the supervisor does with each kind of report (wire/control.py)."""
+        return {control.Beat: self._on_beat, control.Hello: self._on_hello, control.BindRequest: self._on_bind_request,
+                control.Ready: self._on_ready, control.Failed: self._on_failed, control.WorldLost: self._on_world_lost,
+                control.JobStarted: self._on_job_started, control.JobEnded: self._on_job_ended,
+                control.Stopped: self._on_stopped, control.JobError: self._on_job_error}
+
+    def _on_beat(self, identity: bytes, report: Report) -> None:
+        self._beats[report.rank] = time.monotonic()
+        if report.body.stopping and self._stop_deadline is None:
+            self._stop_deadline = time.monotonic() + STOP_GRACE_S
+
+    def _on_hello(self, identity: bytes, report: Report) -> None:
+        self.pids[report.rank] = report.body.pid
+        if self.state == WAITING:  # torchrun starts ranks only once every node is in the rendezvous
+            self.state = "starting"
+
+    def _on_bind_request(self, identity: bytes, report: Report) -> None:
+        if self._standin is not None:
+            self._standin.close()
+        self._control.send_multipart([identity, order(control.BindOk())])
+
+    def _on_ready(self, identity: bytes, report: Report) -> None:
+        self._beats[report.rank] = time.monotonic()
+        self._ranks_ready.add(report.rank)
+        self.nodes = list(report.body.nodes) or self.nodes
+        if len(self._ranks_ready) == self.spec.nproc:
+            self.state = "ready"
+            self._ready.set()
+            log.info("pool ready: %d of %d ranks here, restarts=%d", self.spec.nproc, self.spec.world_size, self.restarts)
+
+    def _on_failed(self, identity: bytes, report: Report) -> None:
+        if report.body.fatal:
+            self._start_failed(f"rank {report.rank} failed to start: {report.body.error}")
+        else:
+            self._world_broke(report.rank, report.body.error)
+
+    def _on_world_lost(self, identity: bytes, report: Report) -> None:
+        self._world_broke(report.rank, report.body.error)
+
+    def _on_job_started(self, identity: bytes, report: Report) -> None:
+        self._current_job = (report.body.job, report.body.client)
+        self._job_errors = {}
+
+    def _on_job_ended(self, identity: bytes, report: Report) -> None:
+        self._current_job = None
+        self.jobs_done = report.body.jobs_done
+
+    def _on_stopped(self, identity: bytes, report: Report) -> None:
+        """A client asked rank 0 to stop the pool; ranks are exiting cleanly."""
+        self._stop_requested.set()
+
+    def _on_job_error(self, identity: bytes, report: Report) -> None:
+        self._job_errors.setdefault(report.rank, report.body.error)
+        self._job_error_since = self._job_error_since or time.monotonic()
+        if len(self._job_errors) == self.spec.nproc:  # every rank here failed alike: resume (ranks confirm world-wide)
+            first = min(self._job_errors)
+            verdict = order(control.Resume(rank=first, error=self._job_errors[first]))
+            for r in self.spec.local_ranks:
+                self._control.send_multipart([f"rank{r}".encode(), verdict])
+            self._job_errors, self._job_error_since = {}, 0.0
 
     def _dead_ranks(self) -> list[int]:
         return sorted(r for r, pid in self.pids.items() if not is_alive(pid))
@@ -346,7 +363,7 @@ class Pool:
             self._standin.bind()
             if self._current_job is not None:
                 job, client = self._current_job
-                self._standin.send(client, Message("error", job, {"message": reason, "rank": -1}))
+                self._standin.send(client, Message.of(Error(message=reason, rank=-1), job))
         self.restarts += 1
         self._relaunch_after(JOIN_RELAUNCH_DELAY_S if self.spec.node_rank else 0.0)
 
@@ -404,19 +421,14 @@ class Pool:
             time.sleep(0.02)
 
     # -- what the stand-in answers ------------------------------------------------------------------
-    def status(self) -> dict:
-        return {
-            "state": {"error": "error", WAITING: WAITING}.get(self.state, "starting"),
-            "world_size": self.spec.world_size,
-            "ranks_alive": sum(is_alive(p) for p in self.pids.values()),
-            "jobs_done": self.jobs_done,
-            "restarts": self.restarts,
-            "model": str(self.spec.model),
-            "parallel": {**vars(self.spec.parallel), "description": self.spec.describe_layout()},
-            "nodes": self.node_table(),
-            "error": self.error,
-            "restart_reason": self.restart_reason,
-        }
+    def status(self) -> PoolStatus:
+        return PoolStatus(
+            state={"error": "error", WAITING: WAITING}.get(self.state, "starting"),
+            world_size=self.spec.world_size, ranks_alive=sum(is_alive(p) for p in self.pids.values()),
+            jobs_done=self.jobs_done, restarts=self.restarts, model=str(self.spec.model),
+            parallel=self.spec.layout_status(), nodes=tuple(self.node_table()), error=self.error,
+            restart_reason=self.restart_reason,
+        )
 
     def node_table(self) -> list[dict]:
         """Nodes as last reported; this one takes part while its supervisor runs, others once the world formed."""

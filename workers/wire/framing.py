@@ -1,33 +1,42 @@
 """The pool's one msgpack framing: a header map plus one raw frame per tensor. No pickle, ever.
 
 Every channel uses it: client ↔ rank 0 (protocol.py), the supervisor's control channel (control.py)
-and the job broadcast between ranks (jobs.py). A header holds only plain msgpack values (maps with
-string keys, lists, strings, bytes, numbers, booleans, nil); a tensor travels as a spec
+and the work broadcast from rank 0 to the other ranks (rank/work.py). A header holds only plain msgpack
+values (maps with string keys, lists, strings, bytes, numbers, booleans, nil); a tensor travels as a spec
 {"name", "dtype", "shape"} in the header and its bytes (C order, little endian) in its own frame.
+torch is imported only where a tensor is made or read, so the pool's light commands (status, stop) run
+without it.
 """
 
 from __future__ import annotations
 
 import math
+from functools import cache
 from typing import Any
 
 import msgpack
-import torch
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 MAX_DIMS = 6
 MAX_DEPTH = 16
+WIRE_DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "bool")
 
-DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "bool": torch.bool,
-}
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+@cache
+def _dtypes() -> dict:
+    import torch
+
+    return {name: getattr(torch, name) for name in WIRE_DTYPES}
+
+
+def __getattr__(name: str):
+    """DTYPES (wire name → torch dtype) and DTYPE_NAMES (its inverse), made when first read."""
+    if name == "DTYPES":
+        return _dtypes()
+    if name == "DTYPE_NAMES":
+        return {dtype: key for key, dtype in _dtypes().items()}
+    raise AttributeError(name)
 
 
 class ProtocolError(ValueError):
@@ -74,32 +83,35 @@ def _check_plain(value: Any, depth: int = 0) -> None:
         raise ProtocolError(f"header holds a {type(value).__name__}; only plain msgpack values are allowed")
 
 
-def tensor_specs(tensors: dict[str, torch.Tensor]) -> tuple[list[dict[str, Any]], list[torch.Tensor]]:
+def tensor_specs(tensors: dict) -> tuple[list[dict[str, Any]], list]:
     """Header specs and the contiguous CPU tensors whose bytes are the frames."""
     specs, contiguous = [], []
+    names = {dtype: key for key, dtype in _dtypes().items()} if tensors else {}
     for name, tensor in tensors.items():
-        if tensor.dtype not in DTYPE_NAMES:
-            raise ProtocolError(f"tensor {name} has dtype {tensor.dtype}; the wire carries {list(DTYPES)}")
+        if tensor.dtype not in names:
+            raise ProtocolError(f"tensor {name} has dtype {tensor.dtype}; the wire carries {list(WIRE_DTYPES)}")
         tensor = tensor.detach().to("cpu").contiguous()
-        specs.append({"name": name, "dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape)})
+        specs.append({"name": name, "dtype": names[tensor.dtype], "shape": list(tensor.shape)})
         contiguous.append(tensor)
     return specs, contiguous
 
 
-def frame_of(tensor: torch.Tensor):
+def frame_of(tensor):
     """A zero-copy buffer of a contiguous CPU tensor's bytes."""
+    import torch
+
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else b""
 
 
-def check_spec(spec: Any, index: int, allowed_names: tuple[str, ...] | None = None) -> tuple[str, torch.dtype, list[int]]:
+def check_spec(spec: Any, index: int, allowed_names: tuple[str, ...] | None = None) -> tuple[str, Any, list[int]]:
     """A tensor spec's name, dtype and shape, checked before any memory is given to it."""
     if not isinstance(spec, dict) or set(spec) != {"name", "dtype", "shape"}:
         raise ProtocolError(f"tensor spec {index} must be a map with exactly name, dtype and shape")
     name, dtype, shape = spec["name"], spec["dtype"], spec["shape"]
     if not isinstance(name, str) or (allowed_names is not None and name not in allowed_names):
         raise ProtocolError(f"tensor {name!r} is not accepted here; allowed: {list(allowed_names or [])}")
-    if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise ProtocolError(f"tensor {name} has dtype {dtype!r}; allowed: {list(DTYPES)}")
+    if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
+        raise ProtocolError(f"tensor {name} has dtype {dtype!r}; allowed: {list(WIRE_DTYPES)}")
     if (
         not isinstance(shape, list)
         or len(shape) > MAX_DIMS
@@ -107,11 +119,13 @@ def check_spec(spec: Any, index: int, allowed_names: tuple[str, ...] | None = No
         or math.prod(d for d in shape if d) > MAX_FRAME_BYTES
     ):
         raise ProtocolError(f"tensor {name} has shape {shape!r}; expected a list of at most {MAX_DIMS} sizes >= 0")
-    return name, DTYPES[dtype], shape
+    return name, _dtypes()[dtype], shape
 
 
-def tensor_of(spec: Any, frame, index: int, allowed_names: tuple[str, ...] | None = None) -> tuple[str, torch.Tensor]:
+def tensor_of(spec: Any, frame, index: int, allowed_names: tuple[str, ...] | None = None) -> tuple[str, Any]:
     """The named tensor a spec and its frame describe; the frame's length must match the spec."""
+    import torch
+
     name, dtype, shape = check_spec(spec, index, allowed_names)
     expected = math.prod(shape) * dtype.itemsize
     size = len(frame)

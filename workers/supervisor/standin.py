@@ -13,9 +13,10 @@ from typing import Callable
 
 import zmq
 
-from . import protocol
-from .auth import ServerGuard, ServerKeys, release
-from .protocol import Message, ProtocolError
+from ..wire import protocol
+from ..wire.auth import ServerGuard, ServerKeys, release
+from ..wire.messages import Error, PoolStatus, Stopping
+from ..wire.protocol import Message, ProtocolError
 
 DELIVERY_RETRY_S = 5.0
 BIND_RETRY_S = 10.0  # the port may still be held by a rank 0 that is exiting
@@ -24,7 +25,7 @@ BIND_RETRY_S = 10.0  # the port may still be held by a rank 0 that is exiting
 class StandIn:
     """Owned by the supervisor thread, like every socket of its context."""
 
-    def __init__(self, context: zmq.Context, endpoint: str, status: Callable[[], dict], on_stop: Callable[[], None],
+    def __init__(self, context: zmq.Context, endpoint: str, status: Callable[[], PoolStatus], on_stop: Callable[[], None],
                  curve_dir: str | None = None):
         self.context, self.endpoint = context, endpoint
         self.status, self.on_stop = status, on_stop
@@ -83,16 +84,16 @@ class StandIn:
         try:
             message = protocol.decode(frames[1:])
         except ProtocolError as error:
-            return self.send(client, Message("error", params={"message": str(error), "rank": -1}))
+            return self.send(client, Message.of(Error(message=str(error), rank=-1)))
         status = self.status()
         if message.type == "status":
-            reply = Message("status", message.job, status)
+            reply = Message.of(status, message.job)
         elif message.type == "stop":
             self.on_stop()
-            reply = Message("stopping", message.job)
+            reply = Message.of(Stopping(), message.job)
         else:
-            text = f"the pool is {status['state']} (restarts: {status['restarts']}); retry when status says idle"
-            reply = Message("error", message.job, {"message": text, "rank": -1})
+            text = f"the pool is {status.state} (restarts: {status.restarts}); retry when status says idle"
+            reply = Message.of(Error(message=text, rank=-1), message.job)
         self.send(client, reply)
 
     def send(self, client: bytes, message: Message) -> None:

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .engine import AutoLayout, LayoutError, ParallelConfig
+from ..engine import AutoLayout, LayoutError, ParallelConfig, fields
+from ..wire.auth import ServerKeys, check_endpoint
 
-from .auth import ServerKeys, check_endpoint
 
-
-@dataclass
+@dataclass(frozen=True)
 class PoolSpec:
     model: str
     nproc: int  # ranks on this machine
@@ -52,6 +51,10 @@ class PoolSpec:
             return self.parallel.describe()
         return "layout auto" + (f" for {self.auto.link}" if self.auto.link else "") + " (chosen per job size)"
 
+    def layout_status(self) -> dict:
+        """The layout as the pool's status shows it: every field, and its description."""
+        return {**fields.to_plain(self.parallel, defaults=True), "description": self.describe_layout()}
+
     def check(self) -> None:
         try:
             # auto: the settings beside the degrees, as data parallel over the world would run them
@@ -78,29 +81,15 @@ class PoolSpec:
                 ServerKeys.load(self.curve_dir)
 
     def rank_arguments(self) -> list[str]:
-        p = self.parallel
-        args = [
-            "--model", str(self.model), "--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank),
-            "--ulysses-degree", str(p.ulysses_degree), "--ring-degree", str(p.ring_degree),
-            "--pipefusion-degree", str(p.pipefusion_degree), "--warmup-steps", str(p.warmup_steps),
-            "--dp-degree", str(p.dp_degree),
-        ]
+        """The rank command line (workers/rank/process.py parses it): the layout travels as its own flags."""
+        args = ["--model", str(self.model), "--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank),
+                *fields.to_flags(self.parallel)]
         if self.auto is not None:
             args += self.auto.rank_arguments()
         if self.endpoint is not None:
             args += ["--endpoint", self.endpoint]
         if self.curve_dir and self.endpoint is not None:
             args += ["--curve-dir", str(self.curve_dir)]
-        if p.num_patches:
-            args += ["--num-patches", str(p.num_patches)]
-        if p.cfg_degree > 1:
-            args.append("--cfg-parallel")
-        if p.shard_weights:
-            args.append("--shard-weights")
-        if p.offload:
-            args.append("--offload")
-        if p.compile:
-            args.append("--compile")
         if self.max_megapixels:
             args += ["--max-megapixels", str(self.max_megapixels)]
         if self.max_job_seconds:

@@ -16,14 +16,15 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import zmq
 
-from . import protocol
-from .auth import ServerGuard, ServerKeys
-from .protocol import Message, ProtocolError
+from ..wire import protocol
+from ..wire.auth import ServerGuard, ServerKeys
+from ..wire.messages import Accepted, Cancelled, Error, PoolStatus, Stopping
+from ..wire.protocol import Message, ProtocolError
 
 log = logging.getLogger("xdit.server")
 MAX_QUEUED_PER_CLIENT = 16
@@ -49,7 +50,7 @@ class ClientServer(threading.Thread):
     With `curve_dir`, only clients holding an allowed key get through (auth.ServerGuard).
     """
 
-    def __init__(self, context: zmq.Context, endpoint: str, status: Callable[[], dict[str, Any]],
+    def __init__(self, context: zmq.Context, endpoint: str, status: Callable[[], PoolStatus],
                  validate: Callable[[Message], Any], curve_dir: str | None = None,
                  on_stop: Callable[[], None] = lambda: None):
         super().__init__(name="xdit-client-server", daemon=True)
@@ -166,9 +167,9 @@ class ClientServer(threading.Thread):
             log.warning("client %r does not read its replies: dropping them and cancelling its jobs", client)
         jobs = self._cancel_jobs_of(client)
         if jobs:
-            self._owed[client] = Message("error", jobs[0], {"rank": 0, "message": (
+            self._owed[client] = Message.of(Error(rank=0, message=(
                 f"job {jobs[0]} was cancelled: this client stopped reading the pool's replies "
-                f"({dropped} dropped); read replies while a job runs")})
+                f"({dropped} dropped); read replies while a job runs")), jobs[0])
 
     def _cancel_jobs_of(self, client: bytes) -> list[str]:
         with self._lock:
@@ -190,13 +191,13 @@ class ClientServer(threading.Thread):
         try:
             message = protocol.decode(body)
         except ProtocolError as error:
-            self._reply(client, Message("error", params={"message": str(error), "rank": 0}))
+            self._reply(client, Message.of(Error(message=str(error), rank=0)))
             return
         try:
             getattr(self, f"_on_{message.type}")(client, message)
         except (ProtocolError, ValueError) as error:
-            params = {"message": str(error), "rank": 0, **getattr(error, "reply_params", {})}
-            self._reply(client, Message("error", message.job, params))
+            missing = getattr(error, "missing", False)  # conditioning.NotHeld: the client sends it again
+            self._reply(client, Message.of(Error(message=str(error), rank=0, missing=missing), message.job))
 
     def _on_submit(self, client: bytes, message: Message) -> None:
         if not message.job:
@@ -219,7 +220,7 @@ class ClientServer(threading.Thread):
             self._queued[job.id] = job
             position = len(self._queued) + (self.running is not None) - 1
         self.jobs.put(job)
-        self._reply(client, Message("accepted", job.id, {"position": position}))
+        self._reply(client, Message.of(Accepted(position=position), job.id))
 
     def _on_encode(self, client: bytes, message: Message) -> None:
         """Text encoding runs on rank 0 alone, between sampling jobs, in FIFO order with them."""
@@ -240,15 +241,15 @@ class ClientServer(threading.Thread):
             if running:
                 self.cancelled.add(message.job)
         if queued is not None:
-            self._reply(queued.client, Message("cancelled", message.job, {"step": 0}))
+            self._reply(queued.client, Message.of(Cancelled(step=0), message.job))
         elif not running:
-            self._reply(client, Message("error", message.job, {"message": f"no job {message.job!r} to cancel", "rank": 0}))
+            self._reply(client, Message.of(Error(message=f"no job {message.job!r} to cancel", rank=0), message.job))
 
     def _on_status(self, client: bytes, message: Message) -> None:
-        status = self.status()
-        if "job" in message.params:
-            status["job_state"] = self._state_of(message.params["job"])
-        self._reply(client, Message("status", message.job, status))
+        status, asked = self.status(), message.body.job
+        if asked is not None:
+            status = replace(status, job_state=self._state_of(asked))
+        self._reply(client, Message.of(status, message.job))
 
     def _state_of(self, job_id: str) -> str:
         with self._lock:
@@ -265,6 +266,6 @@ class ClientServer(threading.Thread):
             if self.running is not None:
                 self.cancelled.add(self.running.id)
         for job in queued:
-            self._reply(job.client, Message("error", job.id, {"message": "the pool is stopping; the job did not run", "rank": 0}))
-        self._reply(client, Message("stopping", message.job))
+            self._reply(job.client, Message.of(Error(message="the pool is stopping; the job did not run", rank=0), job.id))
+        self._reply(client, Message.of(Stopping(), message.job))
         self.jobs.put(None)

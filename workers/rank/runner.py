@@ -1,9 +1,8 @@
-"""The job loop every rank runs: receive the job from rank 0, sample, stream steps, obey cancels.
+"""How every rank runs a job it was given (work.py): sample, decode or one model call, streaming steps and
+obeying cancels.
 
-Rank 0 takes the next job from its client server and broadcasts it (a framing.py header, then tensors)
-over a gloo group, so the same code works under NCCL. At every step boundary, and inside a step
-between transformer blocks (CancelPoints), rank 0 decides whether the job goes on and broadcasts that
-decision, so all ranks stop at the same point.
+At every step boundary, and inside a step between transformer blocks (CancelPoints), rank 0 decides whether
+the job goes on and broadcasts that decision, so all ranks stop at the same point.
 """
 
 from __future__ import annotations
@@ -11,18 +10,17 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..engine import engine
+from ..wire.messages import Step, Submit
+from ..wire.protocol import Message
 from .conditioning import RankConditioning
-from .engine import engine
-from .framing import check_spec, pack_header, tensor_specs, unpack_header
 from .memory import PeakMemory
-from .protocol import Message, sample_request
 
 log = logging.getLogger("xdit.jobs")
 PREVIEW_SIDE = 64  # latent pixels per side in step previews
@@ -33,38 +31,6 @@ class JobCancelled(Exception):
     def __init__(self, step: int):
         super().__init__(f"cancelled at step {step}")
         self.step = step
-
-
-@dataclass
-class Work:
-    """What every rank knows about the current job."""
-
-    kind: str  # "sample" | "decode" | "probe" | "stop"
-    job: str = ""
-    params: dict[str, Any] | None = None
-    tensors: dict[str, torch.Tensor] | None = None
-
-
-def broadcast_work(work: Work | None, group: dist.ProcessGroup | None) -> Work:
-    """Rank 0 passes `work`; every rank returns the same Work."""
-    if dist.get_rank() == 0:
-        assert work is not None
-        specs, tensors = tensor_specs(work.tensors or {})
-        header = pack_header({"kind": work.kind, "job": work.job, "params": work.params or {}, "specs": specs})
-        length = torch.tensor([len(header)], dtype=torch.int64)
-    else:
-        length = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(length, src=0, group=group)
-    payload = torch.frombuffer(bytearray(header), dtype=torch.uint8) if dist.get_rank() == 0 else torch.empty(int(length), dtype=torch.uint8)
-    dist.broadcast(payload, src=0, group=group)
-    meta = unpack_header(payload.numpy().tobytes(), max_bytes=int(length))
-    received = {}
-    for index, spec in enumerate(meta["specs"]):
-        name, dtype, shape = check_spec(spec, index)
-        tensor = tensors[index] if dist.get_rank() == 0 else torch.empty(shape, dtype=dtype)
-        dist.broadcast(tensor, src=0, group=group)
-        received[name] = tensor
-    return Work(meta["kind"], meta["job"], meta["params"], received)
 
 
 def preview_of(latents: torch.Tensor) -> torch.Tensor:
@@ -172,35 +138,34 @@ class JobRunner:
         self.conditioning = RankConditioning()  # model calls: this rank's copy of their conditioning, by key
         self._placed = None  # (transformer, its device, its dtype)
 
-    def request(self, params: dict[str, Any]):
-        """The job's SampleRequest, its call map checked against what this pipeline's family declares."""
-        return sample_request(params, self.pipeline.call_parameters, type(self.pipeline.module).__name__)
+    def for_family(self, submit: Submit) -> Submit:
+        """The job with its call map checked against what this pipeline's family declares."""
+        return submit.for_family(self.pipeline.call_parameters, type(self.pipeline.module).__name__)
 
-    def outcome(self) -> dict[str, Any]:
+    def cache_outcome(self) -> dict[str, Any] | None:
         """What the last job reports beside its latents: the step cache's full and cached model calls."""
         report = self.pipeline.cache_report
         if report is None:
-            return {}
-        return {"cache": {"method": report.settings.method, "full": report.full, "cached": report.cached,
-                          "text": report.describe()}}
+            return None
+        return {"method": report.settings.method, "full": report.full, "cached": report.cached, "text": report.describe()}
 
-    def prepare(self, params: dict[str, Any], tensors: dict[str, torch.Tensor],
+    def prepare(self, submit: Submit, tensors: dict[str, torch.Tensor],
                 check_layout: bool = True) -> tuple[dict[str, Any], int, int] | None:
-        """Rank 0, at submit: the request and the pipeline's own checks, once; `run` reuses the result.
-        Without `check_layout` (the layout is chosen when the job runs): the checks of the inputs alone, and None."""
-        kwargs = self.request(params).pipeline_kwargs(tensors)
+        """Rank 0, at submit: the pipeline's own checks, once; `run` reuses the result. Without `check_layout` (the
+        layout is chosen when the job runs): the checks of the inputs alone, and None."""
+        kwargs = submit.pipeline_kwargs(tensors)
         kwargs.pop("init_latents", None)
         prepared = self.pipeline.prepare(kwargs, check_layout)
         return prepared if check_layout else None
 
-    def run(self, work: Work, client: bytes | None, prepared: tuple[dict[str, Any], int, int] | None = None) -> torch.Tensor:
-        """Sample `work`; `prepared`: what `prepare` returned for it on this rank, if it ran here."""
-        request = self.request(work.params)
+    def run(self, work: Message, client: bytes | None, prepared: tuple[dict[str, Any], int, int] | None = None) -> torch.Tensor:
+        """Sample `work` (a Submit); `prepared`: what `prepare` returned for it on this rank, if it ran here."""
+        request: Submit = work.body
         device, dtype = self._placement()
         inputs = {k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in work.tensors.items()}
         started = time.perf_counter()
         total = request.steps
-        preview = work.params.get("preview", True)
+        preview = request.preview
         messages = StepMessages(lambda message: self.server.send(client, message))
 
         self.step = 0
@@ -211,8 +176,8 @@ class JobRunner:
             self.step = index + 1
             cancelled = points.step_ended()
             if self.rank == 0 and not cancelled:
-                info = {"index": index + 1, "total": total, "elapsed": time.perf_counter() - started}
-                messages.step(Message("step", work.job, info, {}), latents if preview else None)
+                step = Step(index=index + 1, total=total, elapsed=time.perf_counter() - started)
+                messages.step(Message.of(step, work.job), latents if preview else None)
             if cancelled:
                 raise JobCancelled(index + 1)
 
@@ -224,15 +189,15 @@ class JobRunner:
             latents = self.pipeline(**kwargs, output_type="latent", return_dict=False, step_callback=on_step,
                                     prepared=prepared)[0]
             messages.flush()
-            return self.pipeline.model_latents(latents) if work.params.get("model_latents") else latents
+            return self.pipeline.model_latents(latents) if request.model_latents else latents
         except JobCancelled as cancelled:
             raise JobCancelled(self.step if cancelled.step < 0 else cancelled.step) from None
         finally:
             points.close()
 
-    def evaluate(self, work: Work) -> torch.Tensor:
+    def evaluate(self, work: Message) -> torch.Tensor:
         """One model call (model_call.py), cancellable between transformer blocks like a step."""
-        tensors = self.conditioning.on_device(work.params.get("conditioning", {}), work.tensors, *self._placement())
+        tensors = self.conditioning.on_device(work.body.conditioning, work.tensors, *self._placement())
         points = CancelPoints(self._transformers(), lambda: self.server.is_cancelled(work.job), self.group, self.rank,
                               self.cancel_inside_steps)
         points.every = self.call_every
@@ -259,19 +224,19 @@ class JobRunner:
         return [getattr(t, "module", t) for name in ("transformer", "transformer_2")
                 if (t := getattr(self.pipeline.module, name, None)) is not None]
 
-    def decode(self, work: Work, client: bytes | None) -> tuple[torch.Tensor | None, dict]:
+    def decode(self, work: Message, client: bytes | None) -> tuple[torch.Tensor | None, int, tuple[dict, ...]]:
         """Decode the work's latents with the pipeline's VAE, its tiles over every rank (parallel/vae_decode.py);
         rank 0 returns the image and, per rank, the tiles it decoded and its peak memory above its resting one."""
         vae_decode = engine("vae_decode")
         vae = self.pipeline.module.vae
         latents = work.tensors["latents"].to(vae.device, vae.dtype)
         rank, world = dist.get_rank(), dist.get_world_size()
-        tiles = vae_decode.fit_tiles(vae, latents, world, work.params.get("tile", 0))
+        tiles = vae_decode.fit_tiles(vae, latents, world, work.body.tile)
         started = time.perf_counter()
 
         def on_tile(tile: int) -> None:  # rank 0's tiles start about when the others' of that round do
-            info = {"index": min(tile + world, tiles), "total": tiles, "elapsed": time.perf_counter() - started}
-            self.server.send(client, Message("step", work.job, info))
+            step = Step(index=min(tile + world, tiles), total=tiles, elapsed=time.perf_counter() - started)
+            self.server.send(client, Message.of(step, work.job))
 
         with PeakMemory() as peak:
             image = vae_decode.tiled_decode(vae, latents, rank, world, on_tile=on_tile if rank == 0 else None)
@@ -279,5 +244,5 @@ class JobRunner:
         flat = torch.tensor([mine, peak.bytes], dtype=torch.int64)
         every = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(every, flat, group=self.group)
-        ranks = [{"rank": r, "tiles": int(t[0]), "peak_bytes": int(t[1])} for r, t in enumerate(every)]
-        return image, {"tiles": tiles, "ranks": ranks}
+        ranks = tuple({"rank": r, "tiles": int(t[0]), "peak_bytes": int(t[1])} for r, t in enumerate(every))
+        return image, tiles, ranks

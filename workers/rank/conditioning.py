@@ -13,29 +13,21 @@ the ranks and from the host to the GPU.
 
 from __future__ import annotations
 
-import hashlib
-import re
 from collections import OrderedDict
 
 import torch
 
+from ..wire.messages import key_of
+
 MAX_ENTRIES = 64
 MAX_BYTES = 2 << 30
 MAX_DEVICE_BYTES = 512 << 20  # per rank, in the compute dtype: a 512-token prompt 4096 wide is 4 MiB in bf16
-KEY = re.compile(r"[0-9a-f]{32}")
-
-
-def key_of(tensor: torch.Tensor) -> str:
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(f"{tensor.dtype}|{list(tensor.shape)}|".encode())
-    digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().data)
-    return digest.hexdigest()
 
 
 class NotHeld(ValueError):
     """A call names conditioning the pool does not hold (evicted, or the pool restarted): send it again."""
 
-    reply_params = {"missing": True}
+    missing = True
 
 
 class _RecentTensors:

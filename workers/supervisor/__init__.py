@@ -1,0 +1,7 @@
+"""This machine's share of a pool, supervised: what it is made of (spec.py), torchrun and its ranks watched and
+restarted (pool.py), and the stand-in that answers clients while rank 0 cannot (standin.py)."""
+
+from .pool import Pool, PoolError
+from .spec import PoolSpec
+
+__all__ = ["Pool", "PoolError", "PoolSpec"]
