@@ -22,7 +22,7 @@ import tempfile
 from importlib.metadata import version
 from pathlib import Path
 
-from parallel.launch import ROOT, rank_environment, torchrun_command
+from parallel.cli.launch import ROOT, rank_environment, torchrun_command
 
 from . import machine, report
 from .analytic import ModelDims

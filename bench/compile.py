@@ -6,7 +6,7 @@ On a GPU each rank runs on its own device in bf16 (`--large --ranks 1` where the
 
 One torchrun job per rank count (1 rank; Ulysses-2 on 2 ranks), one thread per rank. Each job loads the
 model twice under the same layout, once eager and once with every transformer block compiled
-(parallel/compile.py), runs both once untimed (the compiled one pays its compilation there: reported), then
+(parallel/model_executor/compile.py), runs both once untimed (the compiled one pays its compilation there: reported), then
 times them interleaved round by round, so the ratio compiled / eager comes from one run. Also reported: the
 compiled graphs and graph breaks, and the largest difference between the two outputs.
 """
@@ -21,8 +21,8 @@ from .model import launch_per_rank_count, model_key, parse_or_drive, side_by_sid
 
 
 def drive(spec: dict) -> None:
-    from parallel.compile import compile_blocks, report
-    from parallel.config import ParallelConfig
+    from parallel.model_executor.compile import compile_blocks, report
+    from parallel.layout.config import ParallelConfig
     from parallel.distributed import initialize_model_parallel
     from parallel.model_executor import wrap_pipeline
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.distributed import destroy_distributed_environment, init_distributed_environment
-from parallel.torchrun_exit import exit_after_work
+from parallel.cli.torchrun_exit import exit_after_work
 from parallel.distributed.parallel_state import all_coordinators
 from parallel.model_executor.layout_scope import under_layout
 

@@ -4,7 +4,7 @@
 
 One torchrun job: the medium model (bench/model.py) with a batch of 2 and true CFG, so that every 2-rank layout
 (Ulysses, Ring, PipeFusion, CFG and data parallel) can run the same job. Each rank first measures the link and
-the synthetic blocks exactly as `--layout auto` does at start (parallel/layout_choice.py) and predicts every
+the synthetic blocks exactly as `--layout auto` does at start (parallel/layout/choice.py) and predicts every
 layout; then each layout is timed (one warm-up, then `--runs` rounds, interleaved, median), from a world barrier
 to the slowest rank's return, divided by the steps. The table says how far each prediction is from the clock and
 whether the layout auto chose is the one that measured fastest.
@@ -21,16 +21,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from parallel.launch import ROOT, rank_environment, torchrun_command
+from parallel.cli.launch import ROOT, rank_environment, torchrun_command
 
 
 def drive(spec_path: str, result_path: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from parallel.config import ParallelConfig
+    from parallel.layout.config import ParallelConfig
     from parallel.distributed import destroy_distributed_environment, init_distributed_environment
-    from parallel.layout_choice import auto_layout, describe
+    from parallel.layout.choice import auto_layout, describe
     from parallel.model_executor.layout_scope import under_layout
 
     from .model import MODELS

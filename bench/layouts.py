@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel.config import ParallelConfig
+from parallel.layout.config import ParallelConfig
 
 
 @dataclass(frozen=True)

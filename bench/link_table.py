@@ -3,8 +3,8 @@
     python -m bench.link_table [--tflops 400] [--json OUT.json]
 
 For FLUX.1-dev at 1024² and Wan 2.2 A14B at 720p (81 frames), on 2, 4 and 8 GPUs joined by NVLink, PCIe 4.0 ×16,
-25 GbE or 10 GbE (parallel/config.py's published bandwidths and latencies), every valid dp × cfg × pp × ring ×
-ulysses layout is predicted with parallel/layout_choice.py's `predict` — the bytes each method sends per step
+25 GbE or 10 GbE (parallel/layout/config.py's published bandwidths and latencies), every valid dp × cfg × pp × ring ×
+ulysses layout is predicted with parallel/layout/choice.py's `predict` — the bytes each method sends per step
 (the counts the benchmarks check against the wire to the byte) over the link, and the blocks' compute priced
 from their multiply-accumulates at `--tflops` (dense bf16 that a GPU sustains; attention in several pieces 3%
 dearer, as measured ones are). Each cell is the fastest layout, its predicted time per step and its speed-up over
@@ -18,8 +18,8 @@ import argparse
 import json
 from pathlib import Path
 
-from parallel.config import LINKS, Link, ParallelConfig
-from parallel.layout_choice import BlockShape, Job, block_shapes, candidate_layouts, predict
+from parallel.layout.config import LINKS, Link, ParallelConfig
+from parallel.layout.choice import BlockShape, Job, block_shapes, candidate_layouts, predict
 
 JOBS = {
     # 1024² → 64 × 64 packed tokens; 512 T5 tokens joined with them; 19 double + 38 single blocks; guidance-distilled

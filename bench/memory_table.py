@@ -21,7 +21,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from parallel.launch import ROOT, rank_environment, torchrun_command
+from parallel.cli.launch import ROOT, rank_environment, torchrun_command
 
 from . import wan_memory
 
@@ -126,7 +126,7 @@ def mini_pipeline(family: str):
     import torch
     from diffusers import Flux2Transformer2DModel, QwenImageTransformer2DModel
 
-    from parallel import tiny_models
+    from parallel.loading import tiny_models
 
     m = MINI[family]
     if family == "flux2":
@@ -146,7 +146,7 @@ def mini_pipeline(family: str):
 def mini_call(family: str, cfg: bool) -> dict:
     import torch
 
-    from parallel import tiny_models
+    from parallel.loading import tiny_models
 
     m = MINI[family]
     side = math.isqrt(m.image_tokens) * 16  # 2×2-packed latent tokens of a side × side image
@@ -163,7 +163,7 @@ def worker(spec_path: str) -> int:
     """torchrun entry: the transformer call's peak per rank for every layout of this launch's world size."""
     import torch
 
-    from parallel.config import ParallelConfig
+    from parallel.layout.config import ParallelConfig
     from parallel.distributed import destroy_distributed_environment, init_distributed_environment
     from parallel.model_executor.layout_scope import under_layout
 
@@ -227,7 +227,7 @@ def weight_bytes(cls_name: str, config: dict, experts: int, ranks: int, act: int
     import diffusers
     import torch
 
-    from parallel.weight_sharding import transformer_blocks
+    from parallel.loading.weight_sharding import transformer_blocks
 
     with torch.device("meta"):
         model = getattr(diffusers, cls_name)(**config)

@@ -1,6 +1,6 @@
 """The benchmarked model: a medium Flux.1-like pipeline built in code, big enough to be compute-bound.
 
-The test models in parallel/tiny_models.py run a step in about a millisecond, so timing them measures
+The test models in parallel/loading/tiny_models.py run a step in about a millisecond, so timing them measures
 Python and collective latency, not parallel speed-up. MEDIUM keeps Flux.1's structure (double- then
 single-stream blocks, joint attention with the text in front, packed 2×2 latents, RoPE, distilled
 guidance embedding) at 8 heads × 64 and 4 + 4 blocks. At 512×512 that is 1024 image tokens; 128 text
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from diffusers import FluxPipeline, FluxTransformer2DModel
 
-from parallel import tiny_models
+from parallel.loading import tiny_models
 
 from .analytic import ModelDims
 
@@ -143,7 +143,7 @@ def launch_per_rank_count(module: str, spec: dict, json_out, nprocs=(1, 2)) -> d
     import json
     import subprocess
 
-    from parallel.launch import ROOT, rank_environment, torchrun_command
+    from parallel.cli.launch import ROOT, rank_environment, torchrun_command
 
     raws = {}
     for nproc in nprocs:
@@ -244,7 +244,7 @@ def parse_or_drive(parser, argv, drive):
 
     args = parser.parse_args(argv)
     if args.drive:
-        from parallel.torchrun_exit import exit_after_work
+        from parallel.cli.torchrun_exit import exit_after_work
 
         drive(json.loads(args.drive.read_text()))
         exit_after_work(0)

@@ -21,7 +21,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from parallel.launch import ROOT, rank_environment, torchrun_command
+from parallel.cli.launch import ROOT, rank_environment, torchrun_command
 
 from .model import model_key, parse_or_drive, side_by_side_arguments
 
@@ -59,7 +59,7 @@ def drive(spec: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from parallel.config import ParallelConfig
+    from parallel.layout.config import ParallelConfig
     from parallel.distributed.parallel_state import all_coordinators
     from parallel.model_executor.layout_scope import under_layout
 

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from parallel.checkpoints.fp8 import storage_of
-from parallel.launch import ROOT
-from parallel.loading import load_pipeline
+from parallel.loading.checkpoints.fp8 import storage_of
+from parallel.cli.launch import ROOT
+from parallel.loading.pipelines import load_pipeline
 
 from .model import MODELS, alternating
 

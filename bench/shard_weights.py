@@ -23,10 +23,10 @@ RUNS = ("unsharded", "sharded")
 
 
 def drive(spec: dict) -> None:
-    from parallel.config import ParallelConfig
+    from parallel.layout.config import ParallelConfig
     from parallel.distributed import initialize_model_parallel
     from parallel.model_executor import wrap_pipeline
-    from parallel.weight_sharding import shard_weights
+    from parallel.loading.weight_sharding import shard_weights
     from workers.rank.memory import memory_of_this_rank
 
     from .model import start_drive, timed_rounds

@@ -5,7 +5,7 @@
 A clip of latents is decoded by a Wan 2.1 VAE of the real architecture (diffusers' AutoencoderKLWan with
 its default widths, base_dim 96; random weights, so only memory and time mean anything; 16 channels, ×8
 spatial, ×4 temporal; default 17 frames of 256×256 → 5 latent frames of 32×32) is decoded (a) by diffusers' plain `decode` on one rank and (b) by
-parallel/vae_decode.py's tiled decode on 1, 2 and 4 torchrun ranks (one tile per rank). Peak memory is
+parallel/model_executor/vae_decode.py's tiled decode on 1, 2 and 4 torchrun ranks (one tile per rank). Peak memory is
 the peak of the tensors the decode allocates and still holds (bench.wan_memory's storage tracker, which
 counts every op's output storage until it is freed; the gathered output on rank 0 included), after one
 untimed warm-up decode. Process RSS is no measure here: the allocator keeps freed pages.
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from parallel.launch import rank_environment, torchrun_command
+from parallel.cli.launch import rank_environment, torchrun_command
 
 
 def worker(spec_path: str) -> int:
@@ -29,7 +29,7 @@ def worker(spec_path: str) -> int:
     import torch.distributed as dist
 
     from bench.wan_memory import _tracker
-    from parallel import vae_decode
+    from parallel.model_executor import vae_decode
 
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(1)

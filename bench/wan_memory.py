@@ -27,7 +27,7 @@ import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from parallel.launch import ROOT, rank_environment, torchrun_command
+from parallel.cli.launch import ROOT, rank_environment, torchrun_command
 
 
 @dataclass(frozen=True)
@@ -163,8 +163,8 @@ def _save_mini(directory: Path) -> None:
     import torch
     from diffusers import WanPipeline, WanTransformer3DModel
 
-    from parallel import tiny_models
-    from parallel.families import wan
+    from parallel.loading import tiny_models
+    from parallel.families.wan import tiny as wan
 
     tok, umt5 = wan.tiny_umt5(1)
     with torch.random.fork_rng(devices=[]):
@@ -210,9 +210,9 @@ def worker(spec_path: str) -> int:
     """torchrun entry: measure every layout of the spec whose world size is this launch's."""
     import torch
 
-    from parallel.config import ParallelConfig
+    from parallel.layout.config import ParallelConfig
     from parallel.distributed import destroy_distributed_environment, init_distributed_environment
-    from parallel.loading import load_pipeline
+    from parallel.loading.pipelines import load_pipeline
     from parallel.model_executor.layout_scope import under_layout
 
     spec = json.loads(Path(spec_path).read_text())

@@ -58,8 +58,7 @@ class PoolTransformer(torch.nn.Module):
         if "guidance" in conditioning:
             conditioning["guidance"] = conditioning["guidance"].reshape(-1).expand(batch).contiguous()
         tensors = {"latents": x.float().contiguous(), "sigma": sigma.float().reshape(-1).expand(batch).contiguous()}
-        loras = [{"path": path, "strength": strength, **({"expert": expert} if expert else {})}
-                 for path, strength, expert in self.pool.loras]
+        loras = self.pool.lora_params()
 
         from ..workers.client import JobCancelledError
 

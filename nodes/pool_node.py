@@ -1,6 +1,6 @@
 """xDiT Pool: choose a model and a parallel layout; start (or reuse, or reach) a worker pool.
 
-The layout inputs are ParallelConfig's own declarations (parallel/config.py: each field's widget), read back into
+The layout inputs are ParallelConfig's own declarations (parallel/layout/config.py: each field's widget), read back into
 a ParallelConfig by `layout_of`, so the node, the pool CLI and contract E take the same layout and one check
 (`layout_error`, also asked by the panel through nodes/routes.py) judges it.
 """
@@ -13,8 +13,8 @@ from dataclasses import replace
 import folder_paths
 from comfy_api.latest import io
 
-from ..parallel.checkpoints import CHECKPOINT_SUFFIXES, checkpoint_variant
-from ..parallel.config import AutoLayout, LayoutError, ParallelConfig
+from ..parallel.loading.checkpoints import CHECKPOINT_SUFFIXES, checkpoint_variant
+from ..parallel.layout.config import AutoLayout, LayoutError, ParallelConfig
 from ..parallel.fields import UNSET, fields_of
 from ..workers.supervisor import PoolSpec
 

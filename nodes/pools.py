@@ -5,7 +5,7 @@ node with the same settings reuses it. A managed pool's spec is its key without 
 when it starts); a pool reached at an endpoint is keyed by a spec naming that endpoint.
 Managed pools are stopped when ComfyUI exits (atexit; and the ranks' parent-death signal covers a
 killed ComfyUI). Every node and route gets its own PoolClient per thread (ZMQ sockets are not
-thread-safe). A pool reached at an endpoint may need CURVE keys (workers/auth.py): the registry
+thread-safe). A pool reached at an endpoint may need CURVE keys (workers/wire/auth.py): the registry
 remembers each endpoint's key folder, so every client of that endpoint uses it.
 """
 
@@ -14,10 +14,12 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from ..parallel import builtin_models
+from ..parallel.fields import to_plain
+from ..parallel.loading import builtin_models
+from ..parallel.request import LoraSpec
 from ..workers.client import PoolClient, PoolUnreachable
 from ..workers.supervisor import Pool, PoolSpec
 from ..workers.wire.auth import ENV as CURVE_ENV
@@ -41,11 +43,15 @@ class PoolHandle:
     key: PoolSpec
     endpoint: str
     status: PoolStatus
-    loras: tuple[tuple[str, float, str], ...] = ()  # (file, strength, expert), applied on every rank per job
+    loras: tuple[LoraSpec, ...] = ()  # applied on every rank per job
     cache: dict = field(default_factory=dict)  # the step cache each job asks for (CacheSettings.to_params)
 
     def with_lora(self, path: str, strength: float, expert: str = "") -> "PoolHandle":
-        return replace(self, loras=self.loras + ((path, strength, expert),))
+        return replace(self, loras=self.loras + (LoraSpec(path, strength, expert),))
+
+    def lora_params(self) -> list[dict]:
+        """The LoRAs as a job's `loras` carry them."""
+        return to_plain(self.loras)
 
     def with_cache(self, cache: dict) -> "PoolHandle":
         return replace(self, cache=cache)

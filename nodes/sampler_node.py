@@ -82,8 +82,7 @@ class XDiTSampler(io.ComfyNode):
         tensors["latents"] = adapter.noise_to_model(noise).float()
         params = {"steps": steps, "height": height, "width": width, "preview": preview, "scheduler": sampler,
                   "model_latents": True,
-                  "loras": [{"path": path, "strength": strength, **({"expert": expert} if expert else {})}
-                            for path, strength, expert in pool.loras]}
+                  "loras": pool.lora_params()}
         if denoise < 1.0:  # img2img: start from the given latent, noised to the schedule's point
             tensors["init_latents"] = adapter.to_model(samples.float())
             params["denoise"] = denoise

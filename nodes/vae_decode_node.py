@@ -2,7 +2,7 @@
 
 The step that runs out of memory first on a long clip is the decode, on one device. Here each rank
 decodes about one tile (diffusers' tiled decode, blended exactly as in one process; see
-parallel/vae_decode.py), so a rank holds about 1/world of the activations. The LATENT is in the VAE's own
+parallel/model_executor/vae_decode.py), so a rank holds about 1/world of the activations. The LATENT is in the VAE's own
 space, as every ComfyUI LATENT is; video comes back as its frames.
 """
 

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from . import builtin_models, tiny_models
-from .arguments import ArgumentParser
-from .decode import decode_to_png
-from .launch import rank_environment, torchrun_command
+from .loading import builtin_models, tiny_models
+from .cli.arguments import ArgumentParser
+from .cli.decode import decode_to_png
+from .cli.launch import rank_environment, torchrun_command
 
 THREADS = 1  # per rank, and for the single-process run
 

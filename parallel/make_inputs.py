@@ -13,8 +13,8 @@ import os
 import socket
 import sys
 
-from . import builtin_models
-from .arguments import ArgumentParser
+from .loading import builtin_models
+from .cli.arguments import ArgumentParser
 
 
 def parse_args(argv=None):
@@ -49,11 +49,11 @@ def main(argv=None) -> int:
             raise ValueError(f"--out {args.out}: the folder {folder} does not exist; create it first")
         from safetensors.torch import save_file
 
-        from .config import ParallelConfig
+        from .layout.config import ParallelConfig
         from .distributed import destroy_distributed_environment, initialize_model_parallel
-        from .loading import load_pipeline
+        from .loading.pipelines import load_pipeline
         from .model_executor import wrap_pipeline
-        from .prompt_inputs import prompt_inputs, reference_pictures
+        from .model_executor.prompt_inputs import prompt_inputs, reference_pictures
 
         image = reference_pictures(args.image) if args.image else None
         _one_rank_world()

@@ -22,14 +22,14 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from . import builtin_models
-from .arguments import ArgumentParser
-from .config import LayoutError, Link, add_parallel_arguments, auto_layout_from_args, config_from_args
+from .loading import builtin_models
+from .cli.arguments import ArgumentParser
+from .layout.config import LayoutError, Link, add_parallel_arguments, auto_layout_from_args, config_from_args
 from .families import FAMILIES
-from .launch import apply_threads_per_rank, die_with_parent
-from .loading import DTYPES, FLOW_SCHEDULERS, SCHEDULERS, load_pipeline, set_scheduler
+from .cli.launch import apply_threads_per_rank, die_with_parent
+from .loading.pipelines import DTYPES, FLOW_SCHEDULERS, SCHEDULERS, load_pipeline, set_scheduler
 from .request import add_request_arguments, request_from_args
-from .torchrun_exit import exit_after_work, exit_quietly
+from .cli.torchrun_exit import exit_after_work, exit_quietly
 
 INPUT_NAMES = FAMILIES.tensor_inputs()
 
@@ -99,7 +99,7 @@ def read_inputs(path: str) -> dict[str, torch.Tensor]:
 
 def _auto_layout(pipeline, base, args: argparse.Namespace, inputs: dict[str, torch.Tensor], world):
     """--layout auto: the fastest predicted layout for this job; rank 0 prints the prediction table."""
-    from .layout_choice import auto_layout, describe
+    from .layout.choice import auto_layout, describe
 
     link = Link.parse(args.auto.link) if args.auto.link else None
     request = request_from_args(args, None, type(pipeline).__name__)  # checked against the family after
@@ -117,7 +117,7 @@ def _auto_layout(pipeline, base, args: argparse.Namespace, inputs: dict[str, tor
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     args = parse_args(argv)
-    from .model_executor import capability_table, wrap_pipeline  # heavy imports after argument errors
+    from .model_executor import capability_table, wrap_pipeline
 
     if args.list_supported:
         print(capability_table())
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             if parallel.cache_report is not None:
                 print(f"xdit: {parallel.cache_report.describe()}", flush=True)
             if config.compile:
-                from .compile import describe, report
+                from .model_executor.compile import describe, report
 
                 print(f"xdit: {describe(report())}", flush=True)
         return 0

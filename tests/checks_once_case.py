@@ -16,9 +16,9 @@ import sys
 import torch
 from safetensors.torch import load_file, save_file
 
-from parallel.config import ParallelConfig
+from parallel.layout.config import ParallelConfig
 from parallel.distributed import destroy_distributed_environment, init_distributed_environment, initialize_model_parallel
-from parallel.loading import load_pipeline
+from parallel.loading.pipelines import load_pipeline
 from parallel.model_executor import wrap_pipeline
 from parallel.fields import from_plain
 from workers.rank.runner import JobRunner

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel import tiny_models
+from parallel.loading import tiny_models
 
 
 @pytest.fixture(scope="session")

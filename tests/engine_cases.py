@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from parallel.config import ParallelConfig
+from parallel.layout.config import ParallelConfig
 from parallel.distributed import destroy_distributed_environment, init_distributed_environment
-from parallel.loading import load_pipeline, set_scheduler
+from parallel.loading.pipelines import load_pipeline, set_scheduler
 from parallel.model_executor.layout_scope import under_layout
-from parallel.torchrun_exit import exit_after_work
+from parallel.cli.torchrun_exit import exit_after_work
 from parallel.model_executor import pipefusion
-from parallel.model_executor.layers import attention_seam
+from parallel.model_executor.attention import seam as attention_seam
 
 _USP = attention_seam.usp_attention
 _PATCH_COPY = pipefusion.patch_copy

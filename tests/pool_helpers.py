@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from parallel.launch import rank_environment
+from parallel.cli.launch import rank_environment
 from workers.client import PoolClient
 from workers.wire.endpoints import free_endpoint  # noqa: F401 - the pool tests take it from here
 from workers.supervisor.processes import is_alive

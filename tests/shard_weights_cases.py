@@ -16,12 +16,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from parallel.cache_settings import CacheSettings
-from parallel.config import ParallelConfig
+from parallel.layout.config import ParallelConfig
 from parallel.distributed import destroy_model_parallel, initialize_model_parallel
-from parallel.loading import load_pipeline
+from parallel.loading.pipelines import load_pipeline
 from parallel.model_executor import wrap_pipeline
 from parallel.request import STEP_CACHE
-from parallel.weight_sharding import transformer_blocks
+from parallel.loading.weight_sharding import transformer_blocks
 
 import engine_cases
 

@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from parallel.cache_settings import CacheSettings
-from parallel.config import ParallelConfig
-from parallel.loading import load_pipeline
+from parallel.layout.config import ParallelConfig
+from parallel.loading.pipelines import load_pipeline
 from parallel.model_executor import step_cache
 from parallel.model_executor.layout_scope import under_layout
 from parallel.request import STEP_CACHE

@@ -16,15 +16,14 @@ from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.transformer_flux import FluxAttention
 from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor
 
-from parallel.config import LayoutError, ParallelConfig
-from parallel.distributed import destroy_distributed_environment, initialize_model_parallel
+from parallel.layout.config import LayoutError, ParallelConfig
 from parallel.distributed.group_coordinator import GroupCoordinator
 from parallel.model_executor import hooks
 from parallel.model_executor.attention import TextLayout
-from parallel.model_executor.layers import attention_seam
+from parallel.model_executor.attention import seam as attention_seam
 from parallel.model_executor.plans import Gather, Split
 from parallel.model_executor.register import xFuserLayerWrappersRegister
-from workers.wire.endpoints import free_port
+from xdit_test_helpers import one_rank
 
 LAYERS = {
     "classic": lambda: Attention(query_dim=32, heads=4, dim_head=8),
@@ -35,15 +34,10 @@ SITES = {"classic": (classic_site, "F"), "flux": (flux_site, "dispatch_attention
          "wan": (wan_site, "dispatch_attention_fn")}
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
-                            "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
-            env.setenv(name, value)
-        initialize_model_parallel(ParallelConfig())
+@pytest.fixture(scope="module", name="one_rank")
+def one_rank_fixture():
+    with one_rank(ParallelConfig()):
         yield
-        destroy_distributed_environment()
 
 
 def layer(kind: str) -> torch.nn.Module:

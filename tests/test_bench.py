@@ -10,7 +10,7 @@ import math
 import subprocess
 import sys
 
-from parallel.launch import ROOT, rank_environment
+from parallel.cli.launch import ROOT, rank_environment
 
 ROW_NUMBERS = ("median_s", "spread", "step_ms", "efficiency", "work_ceiling", "bytes_per_step",
                "bytes_per_step_analytic", "max_abs_diff", "foreign_cores")

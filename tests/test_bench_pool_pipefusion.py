@@ -7,7 +7,7 @@ import math
 import subprocess
 import sys
 
-from parallel.launch import ROOT, rank_environment
+from parallel.cli.launch import ROOT, rank_environment
 
 
 def run(module: str, out, *args: str) -> dict:

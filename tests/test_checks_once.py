@@ -10,7 +10,7 @@ import torch
 from diffusers import DiffusionPipeline
 from safetensors.torch import load_file, save_file
 
-from parallel import tiny_models
+from parallel.loading import tiny_models
 from xdit_test_helpers import TOLERANCE, torchrun
 
 FAMILY = "wan22"

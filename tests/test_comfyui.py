@@ -277,7 +277,7 @@ def qwen_edit_model(comfy):
     built-in tiny edit models' ×32 VAE fits pixel references encoded at ~1024², not ComfyUI's latents)."""
     from diffusers import QwenImageEditPipeline
 
-    from parallel import tiny_models
+    from parallel.loading import tiny_models
 
     parts = tiny_models.build_tiny_pipeline("qwen-image", seed=6).components
     folder = comfy.work / "models" / "diffusers" / QWEN_EDIT
@@ -369,7 +369,7 @@ def test_qwen_image_edit_prompts_are_encoded_with_their_image_on_the_pool(comfy)
     import numpy as np
     import PIL.Image
 
-    from parallel import builtin_models
+    from parallel.loading import builtin_models
 
     rng = np.random.default_rng(5)
     for name in ("edit-ref.png", "edit-other.png"):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from parallel import tiny_models
+from parallel.loading import tiny_models
 from original_layouts import original_layout
 from test_comfyui import saved_latent
 from xdit_test_helpers import TOLERANCE
@@ -206,7 +206,7 @@ def qwen_checkpoint(comfy):
     24 heads of 128, text 3584 wide) with one block, as a diffusers folder and a Comfy-Org single file."""
     from diffusers import QwenImageTransformer2DModel
 
-    from parallel.families.qwenimage import tiny_text_encoder
+    from parallel.families.qwenimage.tiny import tiny_text_encoder
 
     pipe = tiny_models.build_tiny_pipeline("qwen-image", seed=4)
     transformer = tiny_models._peak_attention(

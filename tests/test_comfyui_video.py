@@ -171,7 +171,7 @@ START_COLOR = 0x4080C0
 def test_wan_image_to_video_from_comfyuis_node_equals_diffusers(comfy, tmp_path):
     from diffusers import AutoencoderKLWan
 
-    from parallel import tiny_models
+    from parallel.loading import tiny_models
 
     vae_file = comfy.work / "models" / "vae" / "xdit_wan21_vae_random.safetensors"
     subprocess.run([str(comfy.python), "-c", WAN_VAE_SCRIPT, str(vae_file)], cwd=comfy.comfy, check=True,

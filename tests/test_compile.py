@@ -11,7 +11,7 @@ import re
 
 from safetensors.torch import load_file, save_file
 
-from parallel import tiny_models
+from parallel.loading import tiny_models
 
 from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
 

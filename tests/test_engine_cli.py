@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from safetensors.torch import load_file, save_file
 
-from parallel import tiny_models
+from parallel.loading import tiny_models
 
 from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel.config import LayoutError, ParallelConfig
+from parallel.layout.config import LayoutError, ParallelConfig
 from parallel.distributed.parallel_state import RankLayout
 from parallel.model_executor import capability_table
 from parallel.model_executor.attention import KERNELS
@@ -74,7 +74,7 @@ def test_pipefusion_degree_above_the_block_count_fails_before_compute():
 
     from parallel.model_executor.pipefusion import PipeFusionStage
     from parallel.families.pixart import PIXART
-    from parallel import tiny_models
+    from parallel.loading import tiny_models
 
     transformer = tiny_models.build_tiny_pipeline("pixart-alpha").transformer
     five_stages = SimpleNamespace(world_size=5, rank_in_group=0)
@@ -92,8 +92,8 @@ def test_stages_take_equal_block_counts():
 
 @pytest.mark.parametrize("dtype, share", [("bf16", 0.5), ("fp8", 0.35)])  # fp8: norms stay bf16
 def test_weight_dtypes_shrink_the_transformer_and_still_sample(tiny_model_dirs, dtype, share):
-    from parallel import tiny_models
-    from parallel.loading import load_pipeline
+    from parallel.loading import tiny_models
+    from parallel.loading.pipelines import load_pipeline
 
     def transformer_bytes(pipeline):
         return sum(p.numel() * p.element_size() for p in pipeline.transformer.parameters())

@@ -19,7 +19,7 @@ import torch
 from diffusers import DiffusionPipeline
 from safetensors.torch import load_file, save_file
 
-from parallel import tiny_models
+from parallel.loading import tiny_models
 from parallel.model_executor.token_split import UnevenSplit
 
 from test_engine_layouts import LAYOUTS  # the same layouts as the image families

@@ -25,7 +25,7 @@ COMFYUI_SOURCE = ROOT.parent / "shared" / "comfyui" / "ComfyUI-0.3.64-a125cd84.t
 
 def test_importing_the_families_imports_no_diffusers():
     """The ComfyUI process reads the families' data: that must not pull diffusers or transformers in."""
-    code = ("import sys, parallel.families, parallel.model_executor, parallel.builtin_models, parallel.checkpoints; "
+    code = ("import sys, parallel.families, parallel.model_executor, parallel.loading.builtin_models, parallel.loading.checkpoints; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('diffusers', 'transformers')))")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -56,7 +56,7 @@ def test_declared_attention_layers_get_one_dispatch_wrapper_each():
     """A family's `attention_layers` is all the engine needs to wrap its attention (no shared file names it)."""
     import importlib
 
-    from parallel.model_executor.layers import attention_dispatch
+    from parallel.model_executor.attention import dispatch as attention_dispatch
     from parallel.model_executor.register import xFuserLayerWrappersRegister
 
     declared = {name: site for family in FAMILIES for name, site in family.attention_layers.items()}

@@ -17,7 +17,7 @@ import torch
 from diffusers import DiffusionPipeline
 from safetensors.torch import load_file, save_file
 
-from parallel import builtin_models, tiny_models
+from parallel.loading import builtin_models, tiny_models
 
 from xdit_test_helpers import ROOT, TOLERANCE
 from pool_helpers import free_endpoint
@@ -259,7 +259,7 @@ def test_png_output_is_the_pipelines_own_decode(work, family):
     import numpy as np
     import PIL.Image
 
-    from parallel.decode import decode_to_png
+    from parallel.cli.decode import decode_to_png
     from xdit_test_helpers import at_requested_size, diffusers_latents, load_pipeline_folder
 
     folder = builtin_models.resolve_model(f"xdit-tiny-{family}")

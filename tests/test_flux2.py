@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from parallel import tiny_models
+from parallel.loading import tiny_models
 
 from pool_helpers import serving
 from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun

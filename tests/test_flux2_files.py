@@ -18,9 +18,9 @@ import torch
 from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Transformer2DModel
 from safetensors.torch import load_file, save_file
 
-from parallel import tiny_models
-from parallel.checkpoints import CheckpointFile, detect_checkpoint
-from parallel.loading import load_pipeline
+from parallel.loading import tiny_models
+from parallel.loading.checkpoints import CheckpointFile, detect_checkpoint
+from parallel.loading.pipelines import load_pipeline
 
 from original_layouts import flux2_to_bfl, flux2_vae_to_original, fp8_scaled, gguf_file
 from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
@@ -96,7 +96,7 @@ def test_the_files_equal_the_pipeline_they_came_from(files):
 
 @pytest.mark.parametrize("kind", ["fp8_scaled", "gguf_q8_0"])
 def test_quantized_files_equal_the_weights_they_mean(files, tmp_path, kind):
-    from parallel.checkpoints.fp8 import storage_of
+    from parallel.loading.checkpoints.fp8 import storage_of
 
     weights = CheckpointFile(files["base"]).state_dict()
     quantized = tmp_path / ("flux-2-klein-base-4b-Q8_0.gguf" if kind == "gguf_q8_0" else "flux-2-klein-base-4b-fp8.safetensors")

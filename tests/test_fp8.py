@@ -1,4 +1,4 @@
-"""fp8 single files kept in fp8 on every rank (parallel/checkpoints/fp8.py).
+"""fp8 single files kept in fp8 on every rank (parallel/loading/checkpoints/fp8.py).
 
 A tiny Flux.1 [dev] in BFL's layout written the three ways fp8 files come (ComfyUI's `*_fp8_scaled` with the
 `scaled_fp8` marker, its per-layer `comfy_quant` metadata, and plain fp8 without scales; 2-D weights fp8, per-tensor
@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from parallel import tiny_models
-from parallel.checkpoints.fp8 import Fp8Linear, storage_of
-from parallel.loading import load_pipeline
+from parallel.loading import tiny_models
+from parallel.loading.checkpoints.fp8 import Fp8Linear, storage_of
+from parallel.loading.pipelines import load_pipeline
 
 from original_layouts import fp8_scaled, original_layout
 from pool_helpers import serving
@@ -119,7 +119,7 @@ def test_lora_on_fp8_layers_equals_lora_on_the_dequantized_model(files, tmp_path
 def test_a_converter_joining_two_scales_dequantizes_that_weight_element_by_element():
     """Where a family's converter joins fp8 tensors of different scales, that weight cannot keep one scale: it loads
     dequantized, each part with its own; a weight renamed whole stays fp8 with its scale."""
-    from parallel.checkpoints.fp8 import converted_scales, load_keeping_fp8
+    from parallel.loading.checkpoints.fp8 import converted_scales, load_keeping_fp8
 
     parts = {name: torch.randn(4, 8, generator=torch.Generator().manual_seed(seed)) for seed, name in enumerate("ab")}
     scales = {name: part.abs().max() / 448 for name, part in parts.items()}

@@ -1,4 +1,4 @@
-"""One msgpack framing (workers/framing.py) for every channel: the supervisor's control channel refuses
+"""One msgpack framing (workers/wire/framing.py) for every channel: the supervisor's control channel refuses
 what the client protocol refuses (no pickle, no extension types, plain maps only), with room for a
 rank's traceback; the rank broadcast's specs are checked like the wire's."""
 

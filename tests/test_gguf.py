@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from parallel import tiny_models
+from parallel.loading import tiny_models
 
 from xdit_test_helpers import TOLERANCE, diffusers_latents, flux_file_on_two_ranks, torchrun
 
@@ -53,7 +53,7 @@ def files(tmp_path_factory):
 def reference(files):
     """diffusers' own pipeline, single process, around the GGUF transformer as diffusers' GGUF support loads it
     (its layers dequantize on the fly), in fp32."""
-    from parallel.checkpoints.load import load_single_file_pipeline
+    from parallel.loading.checkpoints.load import load_single_file_pipeline
 
     pipeline = tiny_models.build_tiny_pipeline("flux", seed=3)
     pipeline.transformer = load_single_file_pipeline(files["gguf"], dtype=torch.float32).transformer
@@ -63,8 +63,8 @@ def reference(files):
 def test_detected_and_kept_quantized_with_the_written_values(files):
     from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
 
-    from parallel.checkpoints.detect import CheckpointFile, detect_checkpoint
-    from parallel.checkpoints.load import load_single_file_pipeline
+    from parallel.loading.checkpoints.detect import CheckpointFile, detect_checkpoint
+    from parallel.loading.checkpoints.load import load_single_file_pipeline
 
     checkpoint = CheckpointFile(files["gguf"])
     assert detect_checkpoint(checkpoint).variant == "flux1-dev"
@@ -129,7 +129,7 @@ def test_lora_on_gguf_layers_equals_lora_on_the_dequantized_model(files, tmp_pat
     """ComfyUI applies LoRAs on top of GGUF layers; so does the pack (PEFT around diffusers' GGUF linear)."""
     from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
 
-    from parallel.checkpoints.load import load_single_file_pipeline
+    from parallel.loading.checkpoints.load import load_single_file_pipeline
 
     from test_lora import peft_lora
 
@@ -154,7 +154,7 @@ def test_unsupported_quantization_and_truncated_gguf_are_named(files, tmp_path):
 
     from original_layouts import original_layout
 
-    from parallel.loading import load_pipeline
+    from parallel.loading.pipelines import load_pipeline
 
     kind = gguf.GGMLQuantizationType.IQ2_XXS  # no dequantizer in diffusers
     writer = gguf.GGUFWriter(str(tmp_path / "flux1-dev-IQ2_XXS.gguf"), "flux")
@@ -190,8 +190,8 @@ def test_every_quant_type_reads_as_written_and_runs_exactly(files, tmp_path, kin
 
     from original_layouts import gguf_file, original_layout
 
-    from parallel.checkpoints.fp8 import storage_of
-    from parallel.checkpoints.load import load_single_file_pipeline
+    from parallel.loading.checkpoints.fp8 import storage_of
+    from parallel.loading.checkpoints.load import load_single_file_pipeline
 
     path = tmp_path / f"flux1-dev-{kind}.gguf"
     meant = gguf_file(original_layout("flux", files["plain"].transformer), path, "flux", kind)

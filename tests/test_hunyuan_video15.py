@@ -25,8 +25,8 @@ import torch
 from diffusers import ClassifierFreeGuidance, DiffusionPipeline
 from safetensors.torch import load_file, save_file
 
-from parallel import tiny_models
-from parallel.loading import make_scheduler
+from parallel.loading import tiny_models
+from parallel.loading.pipelines import make_scheduler
 
 from pool_helpers import serving
 from test_engine_layouts import LAYOUTS

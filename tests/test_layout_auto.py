@@ -19,9 +19,9 @@ from safetensors.torch import load_file, save_file
 
 from bench import link_table
 from bench.link_table import JOBS, block_seconds, winners
-from parallel import tiny_models
-from parallel.config import ParallelConfig
-from parallel.layout_choice import Link, block_shapes, predict
+from parallel.loading import tiny_models
+from parallel.layout.config import ParallelConfig
+from parallel.layout.choice import Link, block_shapes, predict
 
 from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
 

@@ -8,7 +8,7 @@ import torch
 from diffusers import DiffusionPipeline
 from safetensors.torch import save_file
 
-from parallel import tiny_models
+from parallel.loading import tiny_models
 from pool_helpers import PARAMS, free_endpoint, idle_client, serving, start_serve, stop_serve
 from workers.client import JobFailed
 from xdit_test_helpers import TOLERANCE, diffusers_latents

@@ -11,7 +11,7 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 
-from parallel import tiny_models
+from parallel.loading import tiny_models
 from workers.client import JobFailed
 from workers.rank.conditioning import key_of
 

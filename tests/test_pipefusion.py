@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from parallel import tiny_models
+from parallel.loading import tiny_models
 from test_engine_layouts import STEPS, SIZE, reference
 from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
 

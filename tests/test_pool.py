@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from parallel import tiny_models
-from parallel.launch import rank_environment
+from parallel.loading import tiny_models
+from parallel.cli.launch import rank_environment
 from workers.client import JobCancelledError, JobFailed, PoolClient
 
 from xdit_test_helpers import TOLERANCE, diffusers_latents

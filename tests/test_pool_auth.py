@@ -17,9 +17,9 @@ import uuid
 import pytest
 import zmq
 
-from parallel import tiny_models
-from parallel.config import ParallelConfig
-from parallel.launch import rank_environment
+from parallel.loading import tiny_models
+from parallel.layout.config import ParallelConfig
+from parallel.cli.launch import rank_environment
 from workers.wire import protocol
 from workers.wire.auth import ClientKeys, create_keys, is_loopback
 from workers.client import PoolClient, PoolRefused, PoolUnreachable

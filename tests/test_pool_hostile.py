@@ -20,7 +20,7 @@ import pytest
 import torch
 import zmq
 
-from parallel import tiny_models
+from parallel.loading import tiny_models
 from workers import client as client_module
 from workers.wire import protocol
 from workers.rank.admission import Admission

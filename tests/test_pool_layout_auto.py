@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from parallel import tiny_models
-from parallel.launch import rank_environment
+from parallel.loading import tiny_models
+from parallel.cli.launch import rank_environment
 
 from xdit_test_helpers import TOLERANCE
 from pool_helpers import ROOT, reference, serving

@@ -19,8 +19,8 @@ import time
 
 import pytest
 
-from parallel import tiny_models
-from parallel.launch import rank_environment
+from parallel.loading import tiny_models
+from parallel.cli.launch import rank_environment
 from workers.client import JobFailed, PoolClient
 from workers.wire.endpoints import free_port
 

@@ -19,7 +19,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from parallel import tiny_models
+from parallel.loading import tiny_models
 from workers.wire import protocol
 from workers.wire.protocol import Message
 

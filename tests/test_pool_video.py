@@ -18,7 +18,7 @@ import torch
 from diffusers import DiffusionPipeline
 from safetensors.torch import save_file
 
-from parallel import tiny_models
+from parallel.loading import tiny_models
 import pytest
 
 from pool_helpers import free_endpoint, idle_client, pool_processes, reference, start_serve, stop_serve, wait_gone
@@ -135,7 +135,7 @@ def lora_reference(model, inputs: dict, params: dict, lora: str, strength: float
 
 def tiled_reference(model, latents: torch.Tensor, world: int) -> torch.Tensor:
     """diffusers' own tiled decode in one process, with the tiles the pool chose for `world` ranks."""
-    from parallel.vae_decode import fit_tiles
+    from parallel.model_executor.vae_decode import fit_tiles
 
     vae = DiffusionPipeline.from_pretrained(model).vae
     fit_tiles(vae, latents, world)

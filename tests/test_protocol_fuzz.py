@@ -1,4 +1,4 @@
-"""The pool's wire format (workers/protocol.py) under fuzzing: decode returns a well-formed message or
+"""The pool's wire format (workers/wire/protocol.py) under fuzzing: decode returns a well-formed message or
 raises ProtocolError, whatever the bytes."""
 
 from __future__ import annotations

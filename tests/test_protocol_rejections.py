@@ -1,4 +1,4 @@
-"""The pool's wire format (workers/protocol.py): every rejection path, one line each, and no pickle.
+"""The pool's wire format (workers/wire/protocol.py): every rejection path, one line each, and no pickle.
 
 The "Regressions" section keeps the minimal reproductions of defects the fuzzing found (and that are
 fixed) so they stay fixed.
@@ -459,7 +459,7 @@ def test_pickle_payloads_are_never_unpickled(tmp_path, pickle_protocol, monkeypa
 
 
 # ---------------------------------------------------------------------------------------------- regressions
-# Minimal reproductions of defects the fuzzing found in workers/protocol.py, fixed since.
+# Minimal reproductions of defects the fuzzing found in workers/wire/protocol.py, fixed since.
 
 
 def _unhashable_type_frames():

@@ -1,4 +1,4 @@
-"""The pool's wire format (workers/protocol.py): every message type and dtype round-trips bit for bit."""
+"""The pool's wire format (workers/wire/protocol.py): every message type and dtype round-trips bit for bit."""
 
 from __future__ import annotations
 

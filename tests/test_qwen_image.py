@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from parallel import tiny_models
+from parallel.loading import tiny_models
 
 from pool_helpers import serving
 from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
@@ -78,7 +78,7 @@ def test_the_padding_is_masked_not_ignored(runs, tiny_model_dirs):
 def test_prompts_of_different_lengths_are_refused_under_ulysses(runs):
     work, _ = runs
     error = (work / "ulysses2-batch.safetensors.error").read_text().strip().splitlines()[-1]
-    assert error.startswith("parallel.config.LayoutError: prompt_embeds_mask pads the shorter prompts of this batch")
+    assert error.startswith("parallel.layout.config.LayoutError: prompt_embeds_mask pads the shorter prompts of this batch")
 
 
 def test_the_pools_text_encoder_matches_diffusers(tiny_model_dirs, tmp_path):

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from parallel import tiny_models
+from parallel.loading import tiny_models
 
 from pool_helpers import serving
 from xdit_test_helpers import TOLERANCE, diffusers_latents, diffusers_with_reference_latents, torchrun
@@ -153,12 +153,12 @@ def test_a_pool_takes_the_reference_images_and_encodes_prompts_with_them(tiny_mo
 
 def test_the_saved_processor_is_transformers_own_and_loads_for_images_alone(tiny_model_dirs):
     """The tiny edit models save Qwen-Image-Edit's real layout (transformers' Qwen2VLProcessor); saved and loaded
-    without torchvision, it loads as that class for images alone (parallel/vl_processors.py) and encodes as the
+    without torchvision, it loads as that class for images alone (parallel/loading/vl_processors.py) and encodes as the
     pipeline it was saved from."""
     import PIL.Image
     from transformers import Qwen2VLProcessor
 
-    from parallel import tiny_models, vl_processors
+    from parallel.loading import tiny_models, vl_processors
 
     folder = tiny_model_dirs[EDIT]
     index = json.loads((folder / "model_index.json").read_text())

@@ -22,7 +22,7 @@ FLUX = {"true_cfg_scale": CallParameter(float, "real CFG", 0.0, 100.0)}
 
 
 def old_job_kwargs(params: dict, inputs: dict) -> dict:
-    """workers/jobs.py's mapping before SampleRequest (family scalars were top-level params then)."""
+    """workers/rank/runner.py's mapping before SampleRequest (family scalars were top-level params then)."""
     extra = {"true_cfg_scale": params["true_cfg_scale"]} if "true_cfg_scale" in params else {}
     return {
         **inputs,

@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from parallel import tiny_models
-from parallel.config import LayoutError, ParallelConfig
+from parallel.loading import tiny_models
+from parallel.layout.config import LayoutError, ParallelConfig
 
 from pool_helpers import free_endpoint, idle_client, pool_processes, start_serve, stop_serve, wait_gone
 from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun

@@ -1,4 +1,4 @@
-"""Single-file transformer checkpoints (parallel/checkpoints): detection, loading, and the clear errors.
+"""Single-file transformer checkpoints (parallel/loading/checkpoints): detection, loading, and the clear errors.
 
 Tiny checkpoints are written in the ORIGINAL single-file layouts (BFL Flux, SAI SD3, PixArt's own) by the
 inverse of diffusers' key conversion, from a tiny diffusers transformer; loading the file must give the
@@ -20,10 +20,10 @@ import torch
 from diffusers import DPMSolverMultistepScheduler
 from safetensors.torch import save_file
 
-from parallel import tiny_models
-from parallel.checkpoints import CheckpointFile, detect_checkpoint
-from parallel.checkpoints.detect import CONFIGS, supported_variants
-from parallel.loading import load_pipeline
+from parallel.loading import tiny_models
+from parallel.loading.checkpoints import CheckpointFile, detect_checkpoint
+from parallel.loading.checkpoints.detect import CONFIGS, supported_variants
+from parallel.loading.pipelines import load_pipeline
 from original_layouts import fp8_scaled, original_layout
 from xdit_test_helpers import TOLERANCE, at_requested_size, import_node_module, torchrun
 
@@ -277,7 +277,7 @@ def test_incomplete_or_mismatching_weights(checkpoints, tmp_path):
 def test_comfyui_scaled_fp8_reads_as_comfyui_does_and_stays_fp8(checkpoints, tmp_path, per_layer):
     """ComfyUI's fp8_scaled files: the weights are stored · scale, exactly as a plain file of those values;
     the linear layers keep the fp8 bytes (under half the bf16 load), other tensors load in the compute dtype."""
-    from parallel.checkpoints.fp8 import Fp8Linear, storage_of
+    from parallel.loading.checkpoints.fp8 import Fp8Linear, storage_of
 
     _, path = checkpoints["flux1-dev"]
     stored, meant = fp8_scaled(CheckpointFile(path).state_dict(), per_layer)
@@ -305,7 +305,7 @@ QUANTIZED = [(variant, kind) for variant in VARIANTS for kind in ("fp8_scaled", 
 def test_quantized_files_of_every_family_equal_their_dequantized_weights(checkpoints, tmp_path, variant, kind):
     """Every family's file as ComfyUI's scaled fp8 and as city96's Q8_0 GGUF: kept quantized, and sampling equal
     to a plain file of the weights it means; the quantization is real (the original weights differ)."""
-    from parallel.checkpoints.fp8 import storage_of
+    from parallel.loading.checkpoints.fp8 import storage_of
 
     from original_layouts import gguf_file
 

@@ -18,8 +18,8 @@ from typing import NamedTuple
 import pytest
 from safetensors.torch import load_file, save_file
 
-from parallel import tiny_models
-from parallel.launch import ROOT, rank_environment
+from parallel.loading import tiny_models
+from parallel.cli.launch import ROOT, rank_environment
 
 from pool_helpers import free_endpoint, idle_client, start_serve, stop_serve
 from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
@@ -238,7 +238,7 @@ def test_models_without_diffusers_cache_and_pipefusion_are_refused(tiny_model_di
     from diffusers import DiffusionPipeline
 
     from parallel.cache_settings import CacheSettings
-    from parallel.config import LayoutError
+    from parallel.layout.config import LayoutError
     from parallel.model_executor.step_cache import check_cache
 
     cache = CacheSettings("first-block", 0.2)

@@ -1,4 +1,4 @@
-"""Tests for parallel/tiny_models.py: the tiny offline pipelines the engine's tests compare against."""
+"""Tests for parallel/loading/tiny_models.py: the tiny offline pipelines the engine's tests compare against."""
 
 import functools
 import pathlib
@@ -6,9 +6,9 @@ import pathlib
 import pytest
 import torch
 
-from parallel import tiny_models
+from parallel.loading import tiny_models
 from parallel.model_executor.hooks import as_keyword_arguments
-from parallel.tiny_models import FAMILIES, build_tiny_pipeline, make_inputs, save_tiny_pipeline
+from parallel.loading.tiny_models import FAMILIES, build_tiny_pipeline, make_inputs, save_tiny_pipeline
 
 from xdit_test_helpers import at_requested_size, diffusers_latents, load_pipeline_folder
 

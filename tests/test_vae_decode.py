@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from parallel import tiny_models, vae_decode
+from parallel.loading import tiny_models
+from parallel.model_executor import vae_decode
 
 from vae_decode_cases import CASES, latents
 from xdit_test_helpers import TOLERANCE, torchrun

@@ -2,7 +2,7 @@
 (`wan2.2_t2v_high_noise_14B_*` / `..._low_noise_...`, `..._HIGH_...` / `..._LOW_...`).
 
 Either file loads the pair: the high-noise expert as `transformer`, the low-noise one as `transformer_2`,
-with Wan 2.2 A14B's boundary and scheduler (parallel/configs/wan2.2-t2v-a14b). Through contract E on
+with Wan 2.2 A14B's boundary and scheduler (parallel/loading/checkpoints/configs/wan2.2-t2v-a14b). Through contract E on
 Ulysses 2 the result equals diffusers' single-process pipeline on the same files, which equals the tiny
 two-expert pipeline the files were written from (its scheduler set to the shipped one); with the experts
 swapped it does not. A missing partner or a partner of another model is one clear error.
@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from parallel import tiny_models
-from parallel.checkpoints.load import load_single_file_pipeline
-from parallel.loading import load_pipeline
+from parallel.loading import tiny_models
+from parallel.loading.checkpoints.load import load_single_file_pipeline
+from parallel.loading.pipelines import load_pipeline
 
 from original_layouts import fp8_scaled, original_layout
 from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
@@ -88,7 +88,7 @@ def test_the_pair_through_contract_e_equals_diffusers(files, tmp_path):
 
 
 def test_scaled_fp8_expert_files_stay_fp8(files):
-    from parallel.checkpoints.fp8 import storage_of
+    from parallel.loading.checkpoints.fp8 import storage_of
 
     pipeline = load_pipeline(files["high_fp8"])
     assert storage_of(pipeline.transformer).keys() == storage_of(pipeline.transformer_2).keys() == {

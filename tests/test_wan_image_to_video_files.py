@@ -19,9 +19,9 @@ import torch
 from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanTransformer3DModel
 from safetensors.torch import load_file, save_file
 
-from parallel import tiny_models
-from parallel.loading import load_pipeline
-from parallel.vae_decode import fit_tiles
+from parallel.loading import tiny_models
+from parallel.loading.pipelines import load_pipeline
+from parallel.model_executor.vae_decode import fit_tiles
 
 from original_layouts import original_layout, wan_vae_to_original
 from pool_helpers import serving

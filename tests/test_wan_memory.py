@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from bench import wan_memory
-from parallel.loading import load_pipeline
+from parallel.loading.pipelines import load_pipeline
 
 
 def test_single_rank_peak_matches_the_analytic_model(tmp_path):

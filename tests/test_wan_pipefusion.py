@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from parallel import tiny_models
+from parallel.loading import tiny_models
 
 from test_engine_video import STEPS, call_kwargs, reference, video_of
 from xdit_test_helpers import TOLERANCE, torchrun

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from diffusers import DiffusionPipeline
 
-from parallel import tiny_models
+from parallel.loading import tiny_models
 from parallel.model_executor.hooks import modules_at
 
 from pool_helpers import serving

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from parallel import tiny_models, vae_decode
+from parallel.loading import tiny_models
+from parallel.model_executor import vae_decode
 
 CASES = {"wan": (1, 16, 5, 32, 32), "flux": (1, 16, 48, 64), "sd3": (2, 16, 32, 32)}
 

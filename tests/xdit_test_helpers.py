@@ -4,10 +4,34 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from contextlib import contextmanager
 
-from parallel.launch import ROOT, rank_environment, torchrun_command
+from parallel.cli.launch import ROOT, rank_environment, torchrun_command
 
 TOLERANCE = 1e-4
+
+
+@contextmanager
+def one_rank(config):
+    """This process as a world of one gloo rank under `config` (in-process tests of the engine's wrappers)."""
+    import os
+
+    from parallel.distributed import destroy_distributed_environment, initialize_model_parallel
+    from workers.wire.endpoints import free_port
+
+    saved = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+                       "LOCAL_RANK": "0"})
+    try:
+        initialize_model_parallel(config)
+        yield
+    finally:
+        destroy_distributed_environment()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -36,8 +60,8 @@ def diffusers_latents(model, family: str | None = None, *, scheduler: str | None
     import torch
     from diffusers import DiffusionPipeline
 
-    from parallel import tiny_models
-    from parallel.loading import set_scheduler
+    from parallel.loading import tiny_models
+    from parallel.loading.pipelines import set_scheduler
 
     pipeline = model if isinstance(model, DiffusionPipeline) else load_pipeline_folder(model)
     batch = call["latents"].shape[0] if isinstance(call.get("latents"), torch.Tensor) else 1
@@ -88,13 +112,13 @@ def diffusers_with_reference_latents(model, family: str, references, **call):
 def load_pipeline_folder(model):
     """DiffusionPipeline.from_pretrained, with the parts a folder saved as none given as none, as diffusers wants
     them, and a Qwen2-VL processor (Qwen-Image-Edit's) for images only where torchvision is missing (transformers'
-    class without its video half: parallel/vl_processors.py)."""
+    class without its video half: parallel/loading/vl_processors.py)."""
     import json
     from pathlib import Path
 
     from diffusers import DiffusionPipeline
 
-    from parallel import vl_processors
+    from parallel.loading import vl_processors
 
     index = json.loads((Path(model) / "model_index.json").read_text())
     return DiffusionPipeline.from_pretrained(model, **{name: None for name, entry in index.items() if entry == [None, None]},

@@ -22,9 +22,9 @@ def engine(module: str) -> ModuleType:
 
 fields = engine("fields")  # declared fields: every typed structure's checks, plain maps and flags
 request = engine("request")  # the one request type: SampleRequest, LoraSpec, their flags and checks
-config = engine("config")  # the parallel layout: ParallelConfig, AutoLayout, LayoutError
-launch = engine("launch")  # torchrun's command line and the ranks' environment
-ArgumentParser = engine("arguments").ArgumentParser
+config = engine("layout.config")  # the parallel layout: ParallelConfig, AutoLayout, LayoutError
+launch = engine("cli.launch")  # torchrun's command line and the ranks' environment
+ArgumentParser = engine("cli.arguments").ArgumentParser
 LayoutError, ParallelConfig, AutoLayout = config.LayoutError, config.ParallelConfig, config.AutoLayout
 
 

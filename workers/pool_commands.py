@@ -20,7 +20,7 @@ from .engine import config, engine, request
 from .supervisor import Pool, PoolError, PoolSpec
 from .wire.endpoints import free_endpoint
 
-builtin_models = engine("builtin_models")
+builtin_models = engine("loading.builtin_models")
 
 
 def _pool_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
@@ -146,7 +146,7 @@ def _check_sample_files(args) -> None:
         raise ValueError("--image goes with --prompt (the pictures are encoded with it); with --inputs, put them in "
                          "the file as `image`, [N, 3, H, W] in [0, 1]")
     if args.image:
-        engine("prompt_inputs").reference_pictures(args.image)  # readable, one size
+        engine("model_executor.prompt_inputs").reference_pictures(args.image)  # readable, one size
     if not args.output.endswith((".safetensors", ".png")):
         raise ValueError(f"--output {args.output}: end it in .safetensors (latents) or .png (an image)")
     folder = os.path.dirname(os.path.abspath(args.output))
@@ -159,7 +159,7 @@ def _job_inputs(client: PoolClient, args) -> dict:
         from safetensors.torch import load_file
 
         return load_file(args.inputs)
-    image = engine("prompt_inputs").reference_pictures(args.image) if args.image else None
+    image = engine("model_executor.prompt_inputs").reference_pictures(args.image) if args.image else None
     return client.encode(args.prompt, image=image, negative_prompt=args.negative_prompt, seed=args.seed,
                          height=args.height, width=args.width)
 
@@ -167,7 +167,7 @@ def _job_inputs(client: PoolClient, args) -> dict:
 def _write_output(latents, args, model: str) -> None:
     if args.output.endswith(".png"):
         folder = builtin_models.resolve_model(model)
-        engine("decode").decode_to_png(folder, latents, args.height, args.width, args.output)
+        engine("cli.decode").decode_to_png(folder, latents, args.height, args.width, args.output)
     else:
         from safetensors.torch import save_file
 

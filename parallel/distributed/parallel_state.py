@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..config import ParallelConfig
+from ..layout.config import ParallelConfig
 from .group_coordinator import GroupCoordinator
 
 AXES = ("dp", "cfg", "pp", "ring", "ulysses")

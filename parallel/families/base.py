@@ -111,7 +111,7 @@ class ComfyData:
 
 
 class Variant(NamedTuple):
-    """A released model a single-file checkpoint can hold; its shipped configs are parallel/configs/<variant>/."""
+    """A released model a single-file checkpoint can hold; its shipped configs are parallel/loading/checkpoints/configs/<variant>/."""
 
     model: str  # the kind of model, as the built-in tiny models name it ("pixart-sigma", "flux")
     title: str  # what users call it
@@ -148,7 +148,7 @@ class ExpertPair:
 class VaeFile:
     """The VAE file that goes beside a family's single-file transformers (ComfyUI's models/vae), for pipelines
     that encode a start image and for decoding on the pool (`--vae`). Its diffusers class and config are the
-    shipped `vae/` of the detected variant (parallel/configs/<variant>/vae).
+    shipped `vae/` of the detected variant (parallel/loading/checkpoints/configs/<variant>/vae).
 
     marker:  a tensor name only this VAE layout has.
     title:   the VAE as users call it, with the file ComfyUI users have ("Wan 2.1 VAE (wan_2.1_vae.safetensors)").
@@ -167,7 +167,7 @@ class VaeFile:
 
 @dataclass(frozen=True)
 class SingleFile:
-    """How a family's original single-file layout is recognised and converted (parallel/checkpoints/).
+    """How a family's original single-file layout is recognised and converted (parallel/loading/checkpoints/).
 
     marker:   a tensor name only this layout has.
     title:    the family as error messages name it.
@@ -190,7 +190,7 @@ class SingleFile:
 
 @dataclass(frozen=True)
 class TinyModel:
-    """A built-in tiny model (`xdit-tiny-<name>`, parallel/tiny_models.py): random weights, offline tokenizers.
+    """A built-in tiny model (`xdit-tiny-<name>`, parallel/loading/tiny_models.py): random weights, offline tokenizers.
 
     pipeline: the diffusers pipeline class name it builds (its wrapper says what inputs it takes).
     build:    seed → the fp32 diffusers pipeline (imports diffusers when called).
@@ -323,10 +323,6 @@ class FamilyRegistry:
         their noise level and the families' conditioning."""
         names = (name for family in self for wrapper in family.pipelines.values() for name in wrapper.model_call_inputs)
         return tuple(dict.fromkeys((*MODEL_CALL_TENSORS, *names)))
-
-    def comfy_data(self, pipeline: str) -> ComfyData:
-        """What the ComfyUI side needs for the pipeline class named `pipeline`."""
-        return self.pipeline_wrapper(pipeline).comfy
 
 
 FAMILIES = FamilyRegistry()

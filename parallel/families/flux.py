@@ -20,19 +20,20 @@ import dataclasses
 import re
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..call_parameters import CallParameter
-from ..checkpoints.shapes import Shapes
-from ..config import LayoutError
+from ..loading.checkpoints.shapes import Shapes
+from ..layout.config import LayoutError
 from ..model_executor.attention import TextLayout
-from ..model_executor.pipelines import xFuserPipelineBaseWrapper
+from ..model_executor.pipeline import xFuserPipelineBaseWrapper
+from ..model_executor.pipeline.img2img import linear_sigmas
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PatchFlow, PipeFusionPlan, Split, TokenRows
 from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant, pack_2x2, unpack_2x2
 
 
 class xFuserFluxPipeline(xFuserPipelineBaseWrapper):
+    default_sigmas = staticmethod(linear_sigmas)
     comfy = ComfyData(
         latent_formats={16: "Flux"}, packed=True, guidance_in_conditioning=True, model_class="Flux",
         model_call_conds={"context": "prompt_embeds", "y": "pooled_prompt_embeds", "guidance": "guidance"},
@@ -49,6 +50,8 @@ class xFuserFluxPipeline(xFuserPipelineBaseWrapper):
     call_parameters = {
         "true_cfg_scale": CallParameter(float, "real classifier-free guidance with negative embeddings (1: off)", 0.0, 100.0),
     }
+    # guidance_scale is distilled guidance; real CFG is true_cfg_scale with a negative prompt
+    guidance, guidance_needs_negative = ("true_cfg_scale", 1.0), True
 
     # guidance: the distilled guidance per sample (FluxGuidance); models without guidance_embeds ignore it
     model_call_inputs = ("prompt_embeds", "pooled_prompt_embeds", "guidance")
@@ -72,16 +75,8 @@ class xFuserFluxPipeline(xFuserPipelineBaseWrapper):
     def model_call_output(self, output, latents):
         return unpack_2x2(output, latents.shape[2] * 8, latents.shape[3] * 8)
 
-    def flow_sigmas(self, total: int) -> np.ndarray:
-        return np.linspace(1.0, 1 / total, total)  # FluxPipeline's own default
-
     def expected_latents_shape(self, batch: int, height: int, width: int) -> tuple[int, ...]:
         return (batch, self.image_tokens(height, width), self.module.transformer.config.in_channels)
-
-    def uses_cfg(self, kwargs: dict[str, Any]) -> bool:
-        """Flux's guidance_scale is distilled guidance; real CFG is true_cfg_scale with a negative prompt."""
-        has_negative = kwargs.get("negative_prompt_embeds") is not None or kwargs.get("negative_prompt") is not None
-        return kwargs.get("true_cfg_scale", 1.0) > 1.0 and has_negative
 
     def guidance_combine(self, kwargs: dict[str, Any]):
         """FluxPipeline's true CFG."""
@@ -266,7 +261,7 @@ def build_tiny(seed: int, pipeline: str = "FluxPipeline"):
     import diffusers
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 
-    from .. import tiny_models as tm
+    from ..loading import tiny_models as tm
 
     tok, clip = tm._clip(seed + 1, False)
     tok2, t5 = tm._t5(seed + 2)
@@ -280,7 +275,7 @@ def build_tiny(seed: int, pipeline: str = "FluxPipeline"):
 
 
 def tiny_inputs(**kwargs) -> dict:
-    from .. import tiny_models as tm
+    from ..loading import tiny_models as tm
 
     return tm.image_inputs(latent_channels=16, packed=True, pooled_dim=tm.CLIP_DIM, **kwargs)
 

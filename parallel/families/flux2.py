@@ -26,15 +26,15 @@ import dataclasses
 import inspect
 from typing import Any
 
-import numpy as np
 import torch
 
-from ..checkpoints.shapes import Shapes
-from ..config import LayoutError
-from ..model_executor.attention import TextLayout
-from ..model_executor.pipelines import xFuserPipelineBaseWrapper
-from ..model_executor.plans import CfgMode, Gather, JoinedStream, ParallelPlan, PipeFusionPlan, Split, TokenRows
+from ..loading.checkpoints.shapes import Shapes
+from ..layout.config import LayoutError
+from ..model_executor.pipeline import xFuserPipelineBaseWrapper
+from ..model_executor.pipeline.img2img import linear_sigmas
+from ..model_executor.plans import JoinedStream, Split
 from .base import FAMILIES, ComfyData, DeclaredLatentFormat, Family, SingleFile, TinyModel, Variant, VaeFile
+from .flux import FLUX
 
 TRANSFORMER_MODULE = "diffusers.models.transformers.transformer_flux2"
 
@@ -63,6 +63,7 @@ class xFuserFlux2KleinPipeline(xFuserPipelineBaseWrapper):
     """Reference images (`image`, [N, 3, H, W] in [0, 1]: N references of one size) reach the pipeline as the PIL
     images it takes, each sized by its own rules (at most 1 MP, cropped to whole 16-pixel tokens); their tokens
     follow the image's in the sequence, split with them."""
+    default_sigmas = staticmethod(linear_sigmas)
 
     comfy = ComfyData(
         latent_formats={128: "Flux2"}, loop_tokens=True, declared_formats={"Flux2": COMFY_FLUX2},
@@ -93,9 +94,6 @@ class xFuserFlux2KleinPipeline(xFuserPipelineBaseWrapper):
             raise LayoutError("PipeFusion does not take FLUX.2 reference images yet (their tokens follow the image's "
                               "patches in the sequence); use Ulysses, Ring, CFG or data parallel for them")
         return super().check_layout(kwargs, batch)
-
-    def flow_sigmas(self, total: int) -> np.ndarray:
-        return np.linspace(1.0, 1 / total, total)  # Flux2KleinPipeline's own default
 
     def shift_arguments(self, height: int, width: int, steps: int) -> dict[str, float]:
         """FLUX.2's own shift: empirical, of the image tokens and the steps of the call (not calculate_shift's)."""
@@ -176,7 +174,7 @@ def _tiny_text_encoder(seed: int, width: int):
     """Qwen3 with a byte-level vocabulary and a chat template, 28 narrow layers (hidden states 9, 18, 27 used)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from .. import tiny_models as tm
+    from ..loading import tiny_models as tm
 
     tokenizer = tm._qwen_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -196,7 +194,7 @@ def _tiny_mistral3(seed: int, width: int):
     the pipeline's [{"type": "text", ...}] messages; 30 narrow text layers (hidden states 10, 20, 30 used)."""
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
 
-    from .. import tiny_models as tm
+    from ..loading import tiny_models as tm
 
     tokenizer = tm._qwen_tokenizer()
     tokenizer.chat_template = MISTRAL_CHAT_TEMPLATE
@@ -213,7 +211,7 @@ def _build_tiny(seed: int, pipeline: str):
     import diffusers
     from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel, FlowMatchEulerDiscreteScheduler
 
-    from .. import tiny_models as tm
+    from ..loading import tiny_models as tm
 
     text_width, dev = 16, pipeline == "Flux2Pipeline"
     transformer = tm._transformer(seed, Flux2Transformer2DModel, in_channels=128, num_layers=tm.BLOCKS // 2,
@@ -315,29 +313,17 @@ FLUX2 = FAMILIES.register(Family(
     name="flux2",
     pipelines={"Flux2KleinPipeline": xFuserFlux2KleinPipeline, "Flux2Pipeline": xFuserFlux2Pipeline},
     transformer="Flux2Transformer2DModel",
-    plan=ParallelPlan(
-        inputs={"": {"hidden_states": Split(dim=1, expected_dims=3), "img_ids": Split(dim=1, expected_dims=3),
-                     # the text too, where it divides (its rotary ids carry their positions)
-                     "encoder_hidden_states": Split(dim=1, expected_dims=3, text=True),
+    # Flux.1's plan, except that the rotary ids are batched ([B, tokens, 4]) and the single blocks take [text; image]
+    # joined (the transformer concatenates them between the two lists), with their own modulation computed once
+    # per call; its patches do not flow across steps (no PatchFlow yet) and its blocks take a stream of one token.
+    plan=dataclasses.replace(
+        FLUX.plan,
+        inputs={"": {**FLUX.plan.inputs[""], "img_ids": Split(dim=1, expected_dims=3),
                      "txt_ids": Split(dim=1, expected_dims=3, text=True)}},
-        outputs={"proj_out": Gather(dim=1, expected_dims=3)},
-        attention={
-            "transformer_blocks.*.attn": TextLayout.PREFIX,
-            "single_transformer_blocks.*.attn": TextLayout.PREFIX,
-        },
-        cfg=CfgMode.SEQUENTIAL,
-        cfg_branches=("cond", "uncond"),
-        uneven_tokens=True,
-        # As Flux.1's, except that the single blocks take [text; image] joined (the transformer concatenates
-        # them between the two lists), with their own modulation computed once per call.
-        pipefusion=PipeFusionPlan(
-            blocks=("transformer_blocks", "single_transformer_blocks"),
-            carried=("hidden_states", "encoder_hidden_states"),
-            returns=("encoder_hidden_states", "hidden_states"),
-            token_inputs={"image_rotary_emb": TokenRows(text=TextLayout.PREFIX)},
+        pipefusion=dataclasses.replace(
+            FLUX.plan.pipefusion, stand_in=1, flow=None,
             joined={"single_transformer_blocks": JoinedStream(text="encoder_hidden_states",
-                                                              inputs={"temb_mod": "single_stream_modulation"})},
-        ),
+                                                              inputs={"temb_mod": "single_stream_modulation"})}),
     ),
     single_file=SingleFile(
         marker="single_stream_modulation.lin.weight",

@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 from ..call_parameters import CallParameter
-from ..config import LayoutError
+from ..layout.config import LayoutError
 from ..model_executor.attention import TextLayout
+from ..model_executor.pipeline.img2img import linear_sigmas
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split, TextPadding, TokenRows
 from .base import FAMILIES, ComfyData, DeclaredLatentFormat, Family, TinyModel, pictures, replaced
 from .wan import xFuserWanPipeline
@@ -51,6 +52,8 @@ COMFY_HUNYUAN_VIDEO_15 = DeclaredLatentFormat(
 class xFuserHunyuanVideo15Pipeline(xFuserWanPipeline):
     """Wan's video shapes (latent frames from the latents or num_frames, 4k + 1), with this model's patches, text
     streams and guider."""
+
+    default_sigmas = staticmethod(linear_sigmas)
 
     comfy = ComfyData(
         latent_formats={32: "HunyuanVideo15"}, temporal=4,
@@ -191,7 +194,7 @@ def build_tiny(seed: int, image_to_video: bool = False):
     from transformers import (ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, SiglipImageProcessor,
                               SiglipVisionConfig, SiglipVisionModel, T5Config, T5EncoderModel)
 
-    from .. import tiny_models as tm
+    from ..loading import tiny_models as tm
 
     transformer = tm._transformer(seed, HunyuanVideo15Transformer3DModel, in_channels=2 * LATENT + 1, out_channels=LATENT,
                                   num_layers=tm.BLOCKS, num_refiner_layers=1, mlp_ratio=2.0,

@@ -14,9 +14,9 @@ import math
 
 import torch
 
-from ..checkpoints.shapes import Shapes
+from ..loading.checkpoints.shapes import Shapes
 from ..model_executor.attention import TextLayout
-from ..model_executor.pipelines import xFuserPipelineBaseWrapper
+from ..model_executor.pipeline import xFuserPipelineBaseWrapper
 from ..model_executor.plans import Gather, ParallelPlan, PipeFusionPlan, Split
 from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant
 
@@ -48,7 +48,7 @@ CAPTION_TOKENS = {120: "pixart-alpha-1024", 300: "pixart-sigma-1024"}  # T5 leng
 
 def read_checkpoint(shape: Shapes) -> tuple[str, dict]:
     if any(".q_norm." in k or ".k_norm." in k or ".sr." in k for k in shape.shapes):
-        from ..checkpoints.detect import supported_list
+        from ..loading.checkpoints.detect import supported_list
 
         raise shape.error("a PixArt with q/k norm or KV compression, which diffusers' PixArt transformer does not "
                           "implement; supported: " + supported_list())
@@ -119,7 +119,7 @@ def _tiny(alpha: bool) -> TinyModel:
     def build(seed: int):
         from diffusers import DPMSolverMultistepScheduler, PixArtAlphaPipeline, PixArtSigmaPipeline, PixArtTransformer2DModel
 
-        from .. import tiny_models as tm
+        from ..loading import tiny_models as tm
 
         tok, t5 = tm._t5(seed + 1)
         # out_channels = 2 * in_channels: learned sigma, as in the real checkpoints (the pipeline drops it).
@@ -133,7 +133,7 @@ def _tiny(alpha: bool) -> TinyModel:
         return cls(tokenizer=tok, text_encoder=t5, vae=vae, transformer=transformer, scheduler=scheduler)
 
     def inputs(**kwargs) -> dict:
-        from .. import tiny_models as tm
+        from ..loading import tiny_models as tm
 
         return tm.image_inputs(latent_channels=4, packed=False, pooled_dim=None, **kwargs)
 

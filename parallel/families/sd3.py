@@ -12,9 +12,9 @@ import math
 
 import torch
 
-from ..checkpoints.shapes import Shapes, block_indices
+from ..loading.checkpoints.shapes import Shapes, block_indices
 from ..model_executor.attention import TextLayout
-from ..model_executor.pipelines import xFuserPipelineBaseWrapper
+from ..model_executor.pipeline import xFuserPipelineBaseWrapper
 from ..model_executor.plans import Gather, ParallelPlan, PipeFusionPlan, Split
 from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant
 
@@ -74,7 +74,7 @@ def convert_checkpoint(state_dict: dict, config: dict) -> dict:
 def build_tiny(seed: int):
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
-    from .. import tiny_models as tm
+    from ..loading import tiny_models as tm
 
     (tok1, clip1), (tok2, clip2) = tm._clip(seed + 1, True), tm._clip(seed + 2, True)
     tok3, t5 = tm._t5(seed + 3)
@@ -89,7 +89,7 @@ def build_tiny(seed: int):
 
 
 def tiny_inputs(**kwargs) -> dict:
-    from .. import tiny_models as tm
+    from ..loading import tiny_models as tm
 
     return tm.image_inputs(latent_channels=16, packed=False, pooled_dim=2 * tm.CLIP_DIM, default_tokens=24, **kwargs)
 

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
-from ..checkpoints.shapes import Shapes
+from ..loading.checkpoints.shapes import Shapes
 from ..model_executor.attention import TextLayout
-from ..model_executor.pipelines import xFuserPipelineBaseWrapper
+from ..model_executor.pipeline import xFuserPipelineBaseWrapper
+from ..model_executor.pipeline.img2img import linear_sigmas
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split, TokenRows
 from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant
 
@@ -40,6 +40,7 @@ EMBEDDINGS = ("prompt_embeds", "negative_prompt_embeds")
 
 
 class xFuserZImagePipeline(xFuserPipelineBaseWrapper):
+    default_sigmas = staticmethod(linear_sigmas)
     # ComfyUI 0.3.64 has no Z-Image model; its VAE is FLUX.1's, so its latents are in Flux's format.
     comfy = ComfyData(
         latent_formats={16: "Flux"}, cfg_offset=1.0,
@@ -60,9 +61,6 @@ class xFuserZImagePipeline(xFuserPipelineBaseWrapper):
         """The image tokens as the transformer pads them (what the split sees)."""
         tokens = super().sequence_tokens(kwargs)
         return -(-tokens // TOKEN_MULTIPLE) * TOKEN_MULTIPLE
-
-    def flow_sigmas(self, total: int) -> np.ndarray:
-        return np.linspace(1.0, 1 / total, total)  # ZImagePipeline's get_default_z_image_sigmas
 
     def uses_cfg(self, kwargs: dict[str, Any]) -> bool:
         return kwargs.get("guidance_scale", 5.0) > 0 and kwargs.get("negative_prompt_embeds") is not None
@@ -117,7 +115,7 @@ def build_tiny(seed: int):
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
-    from .. import tiny_models as tm
+    from ..loading import tiny_models as tm
 
     transformer = tm._peak_attention(tm._seeded(
         seed, ZImageTransformer2DModel, all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=tm.HEADS * tm.HEAD_DIM,

@@ -8,7 +8,7 @@ Importing this package imports no diffusers: the ComfyUI process reads the famil
 
 
 def wrap_pipeline(pipeline, attention_kernel: str | None = None, reversible: bool = False):
-    from .pipelines import xFuserPipelineBaseWrapper
+    from .pipeline import xFuserPipelineBaseWrapper
 
     return xFuserPipelineBaseWrapper.wrap(pipeline, attention_kernel, reversible)
 

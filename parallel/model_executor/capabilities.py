@@ -8,17 +8,21 @@ from .register import xFuserSchedulerWrappersRegister
 
 
 def capability_table() -> str:
-    """A markdown table: pipeline, transformer, ulysses/ring/cfg/dp/pipefusion support, schedulers."""
-    from . import schedulers  # noqa: F401 - registers the scheduler wrappers
+    """A markdown table: pipeline, transformer, what each parallel method does for it, and the schedulers. Data
+    parallel and weight sharding work for every pipeline (they need nothing of the plan), so they have no column."""
+    from . import scheduler  # noqa: F401 - registers the scheduler wrappers
 
-    rows = ["| pipeline | transformer | ulysses | ring | cfg parallel | dp | pipefusion |", "|---|---|---|---|---|---|---|"]
+    rows = ["| pipeline | transformer | sequence parallel (Ulysses, Ring, USP) | cfg parallel | pipefusion |",
+            "|---|---|---|---|---|"]
     entries = sorted(((p, f) for f in FAMILIES for p in f.pipelines), key=lambda entry: entry[0])
     for pipeline, family in entries:
         plan = family.plan
         sp = "yes" if plan.sequence_parallel else "no"
         cfg = "yes (batched)" if plan.cfg is CfgMode.BATCHED else "yes (two calls)"
-        pipefusion = "yes" if plan.pipefusion else "no"
-        rows.append(f"| {pipeline} | {family.transformer} | {sp} | {sp} | {cfg} | yes | {pipefusion} |")
+        pipefusion = ("no" if plan.pipefusion is None else
+                      "yes, patches flow across steps" if plan.pipefusion.flow is not None else "yes")
+        rows.append(f"| {pipeline} | {family.transformer} | {sp} | {cfg} | {pipefusion} |")
     rows.append("")
-    rows.append(f"Schedulers: {', '.join(xFuserSchedulerWrappersRegister.supported_names())}.")
+    rows.append("Data parallel: every pipeline. "
+                f"Schedulers: {', '.join(xFuserSchedulerWrappersRegister.supported_names())}.")
     return "\n".join(rows)

@@ -8,9 +8,10 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import LayoutError
+from ..layout.config import LayoutError
 from ..distributed import GroupCoordinator, get_runtime_state, get_ulysses_group
-from .layers import xFuserAttentionBaseWrapper, xFuserLayerBaseWrapper
+from .attention import dispatch, processor  # noqa: F401 - their attention wrappers register themselves
+from .attention.seam import xFuserAttentionBaseWrapper, xFuserLayerBaseWrapper
 from .plans import Gather, ParallelPlan, Split, TextPadding, check_dims
 from .register import xFuserLayerWrappersRegister
 from .token_split import UnevenSplit

@@ -12,9 +12,9 @@ from typing import Iterator
 
 from diffusers import DiffusionPipeline
 
-from ..config import ParallelConfig
+from ..layout.config import ParallelConfig
 from ..distributed import destroy_model_parallel, initialize_model_parallel
-from .pipelines import xFuserPipelineBaseWrapper
+from .pipeline import xFuserPipelineBaseWrapper
 
 
 @contextlib.contextmanager

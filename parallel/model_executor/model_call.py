@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import LayoutError
+from ..layout.config import LayoutError
 from ..distributed import get_dp_group, get_runtime_state
 from ..families.base import MODEL_CALL_TENSORS
 from ..request import check_tensor_values

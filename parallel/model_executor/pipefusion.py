@@ -30,8 +30,6 @@ the latents it used (previews run one step behind) and, after the last step, wit
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import inspect
 from dataclasses import dataclass, field
@@ -39,26 +37,13 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import LayoutError
+from ..layout.config import LayoutError
 from ..distributed import GroupCoordinator, get_runtime_state, get_sp_group
 from .attention import TextLayout
 from .hooks import as_keyword_arguments
 from .plans import JoinedStream, PipeFusionPlan, TokenRows
-from .schedulers.base_scheduler import patch_copy
-
-
-@dataclass(frozen=True)
-class PatchContext:
-    index: int  # the image patch (-1: the text patch)
-    count: int  # image patches
-    asynchronous: bool  # False in warm-up: the whole sequence as one patch, caches refreshed
-    branch: str
-    text_apart: bool = False  # the text is a patch of its own (image patches hold `stand_in` text tokens)
-    stand_in: int = 1  # tokens a patch holds of the stream it does not carry
-
-    @property
-    def text_only(self) -> bool:
-        return self.index < 0
+from .scheduler import patch_copy
+from .stale_kv import PatchContext, StaleKVCache, running
 
 
 LATENTS = "_latents"  # the embedder's input, captured each call where patches may flow
@@ -74,9 +59,6 @@ class _Flow:
     predictions: dict[int, torch.Tensor] = field(default_factory=dict)  # the last stage: each patch's "cond" prediction
 
 
-_PATCH: contextvars.ContextVar[PatchContext | None] = contextvars.ContextVar("xdit_patch", default=None)
-
-
 def even_stages(blocks: int, stages: int) -> list[tuple[int, int]]:
     """Contiguous [start, end) block ranges of equal count (one block more in the later stages where they do not
     divide). Equal counts balance the compute: a token costs about the same in every family's pipeline blocks,
@@ -84,51 +66,6 @@ def even_stages(blocks: int, stages: int) -> list[tuple[int, int]]:
     (the image's or the text's) and their modulation is per sample. Parameter-balanced stages gave a Flux stage
     0 three of the medium model's 8 blocks and left it idle 40% of each step."""
     return [(k * blocks // stages, (k + 1) * blocks // stages) for k in range(stages)]
-
-
-class StaleKVCache:
-    """Per (guidance branch, attention layer): the whole image's K/V, each patch's slice from its latest
-    computation, and with the text apart, the text's K/V from this step's text patch.
-
-    K/V arrive in the layout attention uses after the Ulysses all-to-all: [B, H/U, U × tokens, D],
-    the U token groups being each Ulysses rank's share. A patch is the same slice of every share. A patch's
-    fresh K/V are written into its slice in place, so a patch moves its own K/V, not the whole sequence's
-    (joining the patches anew for each one copied all of them: M patches, M whole copies per layer).
-    """
-
-    def __init__(self, ulysses_degree: int):
-        self.ulysses = ulysses_degree
-        self._store: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._text: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}  # this step's, from the text patch
-
-    def _slot(self, whole: torch.Tensor, context: PatchContext) -> torch.Tensor:
-        b, h, s, d = whole.shape
-        return whole.view(b, h, self.ulysses, context.count, s // (self.ulysses * context.count), d)[:, :, :, context.index]
-
-    def text_tokens(self, whole: int) -> int:
-        """The text tokens in the running patch's attention: an image patch with the text apart holds its stand-ins."""
-        context = _PATCH.get()
-        return context.stand_in if context is not None and context.text_apart and not context.text_only else whole
-
-    def exchange(self, layer: str, kt: torch.Tensor, vt: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor):
-        """Record this patch's fresh K/V; return the text and image K/V to attend to: the whole image's (and,
-        for an image patch with the text apart, this step's text K/V from the text patch). The stand-ins' K/V
-        (the text patch's image token, an image patch's text token) are left out."""
-        context = _PATCH.get()
-        if context is None:
-            return kt, vt, ki, vi
-        key = (context.branch, layer)
-        if not context.asynchronous:
-            self._store[key] = (ki.contiguous(), vi.contiguous())
-            return kt, vt, ki, vi
-        whole = self._store[key]
-        if context.text_only:
-            self._text[key] = (kt, vt)
-            return (kt, vt, *whole)
-        for stored, fresh in zip(whole, (ki, vi)):
-            b, h, s, d = fresh.shape
-            self._slot(stored, context).copy_(fresh.reshape(b, h, self.ulysses, s // self.ulysses, d))
-        return (*(self._text[key] if context.text_apart else (kt, vt)), *whole)
 
 
 class PipeFusionStage:
@@ -233,7 +170,7 @@ class PipeFusionStage:
                     state[image_name] = self._transformer.get_submodule(self.plan.flow.embedder)(flow.inputs[p])
             tokens = {n: _rows(named[n], rows, runtime.text_tokens, window, keep)
                       for n, rows in self.plan.token_inputs.items() if named.get(n) is not None}
-            with _patch(PatchContext(p, count, asynchronous, self.branch(), text_apart, stand_in)):
+            with running(PatchContext(p, count, asynchronous, self.branch(), text_apart, stand_in)):
                 for forward, joined, parameters in zip(self._forwards, self._joined, self._parameters):
                     if joined is not None:
                         state = self._run_joined(forward, joined, parameters, {**named, **tokens}, state)
@@ -367,15 +304,6 @@ def _signed(run: Callable, like: Callable) -> Callable:
 
     forward.__signature__ = inspect.signature(like)
     return forward
-
-
-@contextlib.contextmanager
-def _patch(context: PatchContext):
-    token = _PATCH.set(context)
-    try:
-        yield
-    finally:
-        _PATCH.reset(token)
 
 
 def _capture(store: dict, name: str, module, args, output) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import LayoutError
+from ..layout.config import LayoutError
 from .attention import TextLayout
 
 

@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 
 from ..cache_settings import CacheSettings
-from ..config import LayoutError
+from ..layout.config import LayoutError
 from ..distributed import GroupCoordinator, get_cfg_group, get_dp_group, get_pp_group, get_runtime_state, get_sp_group
 from .plans import CfgMode
 

@@ -83,7 +83,7 @@ class JobLoop:
         try:
             request, image = job.message.body, job.message.tensors.get("image")
             if request.seed is not None:  # a whole job's inputs: both prompts and the seed's noise
-                tensors = engine("prompt_inputs").prompt_inputs(rank.pipeline, request.prompt, request.negative_prompt,
+                tensors = engine("model_executor.prompt_inputs").prompt_inputs(rank.pipeline, request.prompt, request.negative_prompt,
                                                                 request.seed, request.height, request.width, image)
             else:
                 with torch.no_grad():
@@ -134,7 +134,7 @@ class JobLoop:
         if rank.layouts is not None:
             self._choose_layout(work)
         if submit.scheduler != rank.scheduler_name:
-            rank.pipeline.use_scheduler(engine("loading").make_scheduler(rank.default_scheduler, submit.scheduler))
+            rank.pipeline.use_scheduler(engine("loading.pipelines").make_scheduler(rank.default_scheduler, submit.scheduler))
             rank.scheduler_name = submit.scheduler
         rank.loras.apply(submit.loras)
         started = time.perf_counter()

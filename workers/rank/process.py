@@ -108,7 +108,7 @@ class Rank:
     # -- start-up -----------------------------------------------------------------------------------
     def start(self) -> None:
         distributed = engine("distributed")
-        load_pipeline = engine("loading").load_pipeline
+        load_pipeline = engine("loading.pipelines").load_pipeline
         wrap_pipeline = engine("model_executor").wrap_pipeline
 
         nodes_nproc = self.args.nnodes * int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -127,7 +127,7 @@ class Rank:
         self.nodes, self.pids = self._census()
         if self.auto is None:
             self.layout = distributed.initialize_model_parallel(self.config)
-        model = engine("builtin_models").resolve_model_on_ranks(
+        model = engine("loading.builtin_models").resolve_model_on_ranks(
             self.args.model, int(os.environ.get("LOCAL_RANK", 0)), distributed.get_world_group().barrier)
         self.phase = "load"
         if self.rank == 0:
@@ -140,13 +140,13 @@ class Rank:
             self.pipeline = wrap_pipeline(pipeline)
         else:  # the start layout now (collective: the world phase); a layout per job size from the first job on
             self.phase = "world"
-            self.layouts = engine("auto_layouts").AutoLayouts(pipeline, self.config, self.world_size, self.auto)
+            self.layouts = engine("layout.auto").AutoLayouts(pipeline, self.config, self.world_size, self.auto)
             self.pipeline, self.config, self.layout = self.layouts.wrapped, self.layouts.config, self.layouts.rank_layout
         self.default_scheduler = self.pipeline.module.scheduler.module
         self.scheduler_name = "default"
         self.runner = JobRunner(self.pipeline, self.group, self.server,
                                 cancel_inside_steps=self.config.pipefusion_degree == 1)
-        self.loras = engine("lora").LoraManager(self.pipeline.module)
+        self.loras = engine("loading.lora").LoraManager(self.pipeline.module)
         self.phase = "world"
         take_census(self)
         # Ready only once every rank has loaded and rank 0 takes jobs: a pool that says it started
@@ -224,10 +224,10 @@ def exit_at_sigterm() -> None:
 
 
 def main(argv=None) -> int:
-    engine("launch").die_with_parent()
+    engine("cli.launch").die_with_parent()
     exit_at_sigterm()
     logging.basicConfig(level=logging.INFO, format=f"[rank {os.environ.get('RANK')}] %(levelname)s %(message)s")
-    engine("launch").apply_threads_per_rank()
+    engine("cli.launch").apply_threads_per_rank()
     rank = Rank(parse_args(argv))
     try:
         rank.start()

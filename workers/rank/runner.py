@@ -89,7 +89,7 @@ class CancelPoints:
         self.every, self.blocks, self.step_started = 1, 0, time.perf_counter()
         self.lagged = lagged
         self._travelling: tuple[dist.Work, torch.Tensor] | None = None  # lagged: the last step's decision
-        blocks = engine("weight_sharding").transformer_blocks
+        blocks = engine("loading.weight_sharding").transformer_blocks
         # prepend: before FSDP2's own pre-forward, so a cancel never leaves a block's weights gathered
         self._hooks = [block.register_forward_pre_hook(self._before_block, prepend=True)
                        for transformer in (transformers if inside_steps else []) for block in blocks(transformer)]
@@ -225,9 +225,9 @@ class JobRunner:
                 if (t := getattr(self.pipeline.module, name, None)) is not None]
 
     def decode(self, work: Message, client: bytes | None) -> tuple[torch.Tensor | None, int, tuple[dict, ...]]:
-        """Decode the work's latents with the pipeline's VAE, its tiles over every rank (parallel/vae_decode.py);
+        """Decode the work's latents with the pipeline's VAE, its tiles over every rank (parallel/model_executor/vae_decode.py);
         rank 0 returns the image and, per rank, the tiles it decoded and its peak memory above its resting one."""
-        vae_decode = engine("vae_decode")
+        vae_decode = engine("model_executor.vae_decode")
         vae = self.pipeline.module.vae
         latents = work.tensors["latents"].to(vae.device, vae.dtype)
         rank, world = dist.get_rank(), dist.get_world_size()

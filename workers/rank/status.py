@@ -42,7 +42,7 @@ def status_of(rank: "Rank") -> PoolStatus:
         loads={"pipeline": 1, "lora": rank.loras.loads}, loras=tuple(fields.to_plain(spec, defaults=True) for spec in rank.loras.active),
         layout_auto=rank.layouts.report() if rank.layouts is not None else None,
         step=rank.runner.step if rank.state == "busy" else 0,
-        compile=engine("compile").report() if rank.config.compile else None,
+        compile=engine("model_executor.compile").report() if rank.config.compile else None,
     )
 
 
@@ -50,7 +50,7 @@ def take_census(rank: "Rank") -> None:
     """Every rank's memory (RSS, device, parameters) and rank 0's storage per format, for the status."""
     rank.census_at = time.monotonic()
     transformer = rank.pipeline.module.transformer.module
-    rank.storage = engine("checkpoints.fp8").storage_of(transformer)  # e.g. float8_e4m3fn + bfloat16 bytes
+    rank.storage = engine("loading.checkpoints.fp8").storage_of(transformer)  # e.g. float8_e4m3fn + bfloat16 bytes
     own = memory_of_this_rank(transformer)
     flat = rank.gather_ints([own["rss_bytes"], own["device_bytes"], own["parameter_bytes"]])
     rank.memory = [

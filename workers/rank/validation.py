@@ -56,7 +56,7 @@ class Validator:
         if init is not None and init.shape != message.tensors["latents"].shape:
             latents = message.tensors["latents"]
             raise ValueError(f"init_latents {list(init.shape)} must have the shape of latents {list(latents.shape)}")
-        engine("loading").make_scheduler(rank.default_scheduler, submit.scheduler)
+        engine("loading.pipelines").make_scheduler(rank.default_scheduler, submit.scheduler)
         return prepared
 
     def _check_model_call(self, message: Message) -> dict[str, torch.Tensor]:
@@ -83,4 +83,4 @@ class Validator:
             layout = "[batch, channels, frames, height, width]" if dims == 5 else "[batch, channels, height, width]"
             raise ValueError(f"this pool's {type(vae).__name__} decodes {dims}-D latents {layout} with {channels} channels, "
                              f"got {list(latents.shape)}; decode latents of this pool's model")
-        engine("vae_decode").fit_tiles(vae, latents, rank.world_size, message.body.tile)
+        engine("model_executor.vae_decode").fit_tiles(vae, latents, rank.world_size, message.body.tile)

@@ -2,7 +2,7 @@
 
 `check()` turns every mistake that would only show up later on some rank into one clear error
 before anything starts; `rank_arguments()` is the rank command line the supervisor builds from it
-(torchrun's own comes from parallel/launch.py).
+(torchrun's own comes from parallel/cli/launch.py).
 """
 
 from __future__ import annotations

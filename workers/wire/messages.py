@@ -140,7 +140,7 @@ class Evaluate(Kind):
 
 @dataclass(frozen=True)
 class Decode(Kind):
-    """LATENT tensors decoded with the pool's VAE, tiles over the ranks (parallel/vae_decode.py); tile in latent
+    """LATENT tensors decoded with the pool's VAE, tiles over the ranks (parallel/model_executor/vae_decode.py); tile in latent
     pixels, 0: about one tile per rank."""
 
     TYPE: ClassVar[str] = "decode"

@@ -1,0 +1,113 @@
+"""LoRA on a parallel pipeline: load once per file, stack by strength, remove without reloading.
+
+Files are read with the pipeline family's own diffusers converter (`lora_state_dict`), which takes
+diffusers/PEFT, Kohya and XLabs layouts; layouts it does not read (BFL's Flux layout) go through the
+family's `convert_lora` (parallel/families/). Then they are injected into this rank's transformer with
+PEFT (`load_lora_adapter`). Our parallel hooks sit on attention modules, not on the Linear layers
+PEFT wraps, so every layout keeps working. Under PipeFusion each stage takes only the weights of
+the blocks it holds; weights that match no layer of the model at all mean a LoRA for another model.
+
+A pipeline with two experts (Wan 2.2 A14B: `transformer` for high noise, `transformer_2` for low
+noise) takes a LoRA into the expert it names, or into every expert by default, as a ComfyUI user who
+loads the same LoRA onto both models expects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import torch
+
+from ..families import FAMILIES
+from ..request import LoraSpec
+
+
+EXPERTS = ("transformer", "transformer_2")  # the pipeline attributes that hold a transformer
+
+
+class LoraManager:
+    """The adapters loaded on one rank's transformers and the stack that is active."""
+
+    def __init__(self, pipeline):
+        self.pipeline = pipeline  # the diffusers pipeline (its class converts LoRA formats)
+        wrapped = {name: getattr(pipeline, name, None) for name in EXPERTS}
+        # each expert's every layer, also those another PipeFusion stage holds, so all ranks judge a file alike
+        self.experts = {name: (t.module, t.module_names) for name, t in wrapped.items() if t is not None}
+        self.loaded: dict[tuple[str, str], str] = {}  # (file, expert) -> adapter name ("": no layer on this rank)
+        self.loads = 0
+        self.active: tuple[LoraSpec, ...] = ()
+
+    def apply(self, stack: list[LoraSpec]) -> None:
+        """Make exactly `stack` active (in order, at its strengths); an empty stack is the base model."""
+        stack = tuple(stack)
+        if stack == self.active:
+            return
+        for spec in stack:
+            self._load(spec)
+        for expert, (transformer, _) in self.experts.items():
+            active = [(self.loaded[spec.path, expert], spec.strength) for spec in stack
+                      if spec.expert in ("", expert) and self.loaded.get((spec.path, expert))]
+            if active:
+                transformer.set_adapters([name for name, _ in active], weights=[strength for _, strength in active])
+                transformer.enable_lora()
+            elif any(name for (_, e), name in self.loaded.items() if e == expert):
+                transformer.disable_lora()
+        self.active = stack
+
+    def _load(self, spec: LoraSpec) -> None:
+        """Load the file into the experts it targets (once per file and expert)."""
+        if spec.expert and spec.expert not in self.experts:
+            raise ValueError(f"this {type(self.pipeline).__name__} has no {spec.expert}; its transformers are "
+                             f"{', '.join(self.experts)}")
+        targets = [spec.expert] if spec.expert else list(self.experts)
+        if all((spec.path, expert) in self.loaded for expert in targets):
+            return
+        if not os.path.isfile(spec.path):
+            raise FileNotFoundError(f"LoRA file {spec.path} does not exist")
+        state = self._read(spec.path)
+        weights = {k.removeprefix("transformer."): v for k, v in state.items() if k.startswith("transformer.")}
+        for expert in targets:
+            transformer, layers = self.experts[expert]
+            mine = self._select(spec.path, weights, transformer, layers)
+            name = "lora_" + hashlib.sha1(spec.path.encode()).hexdigest()[:12]
+            if mine:  # empty when another PipeFusion stage holds every layer this LoRA changes
+                transformer.load_lora_adapter(mine, adapter_name=name, prefix=None)
+            self.loaded[spec.path, expert] = name if mine else ""
+        self.loads += 1
+
+    def _read(self, path: str) -> dict[str, torch.Tensor]:
+        """The file's weights with diffusers' names, converted from Kohya/XLabs/family layouts."""
+        loader = getattr(type(self.pipeline), "lora_state_dict", None)
+        if loader is None:
+            raise ValueError(
+                f"{type(self.pipeline).__name__} has no LoRA support in diffusers; LoRA works with SD3, FLUX.1 (Kontext), "
+                "FLUX.2, Qwen-Image (Edit), Z-Image and Wan pools"
+            )
+        try:
+            state = loader(path)
+        except Exception as error:  # noqa: BLE001 - diffusers raises many kinds for bad files
+            raise ValueError(f"{os.path.basename(path)} is not a readable LoRA file ({type(error).__name__}: {error})") from None
+        state = state[0] if isinstance(state, tuple) else state
+        transformer = next(iter(self.experts.values()))[0]
+        convert = FAMILIES.for_transformer(transformer).convert_lora
+        return convert(state, transformer) if convert else state
+
+    @staticmethod
+    def _select(path: str, weights: dict[str, torch.Tensor], transformer, layers) -> dict[str, torch.Tensor]:
+        """The weights whose layers this rank holds; refuse a LoRA made for another model."""
+        here = dict(transformer.named_modules())
+        mine, foreign = {}, []
+        for key, value in weights.items():
+            layer = key.split(".lora_")[0]
+            if layer not in layers:
+                foreign.append(key)
+            elif layer in here:
+                mine[key] = value
+        if not weights or foreign:
+            example = f" (e.g. {foreign[0]})" if foreign else ""
+            raise ValueError(
+                f"{os.path.basename(path)} is not a LoRA for this {type(transformer).__name__}: "
+                f"{len(foreign) or len(weights)} of its weights match none of the model's layers{example}"
+            )
+        return mine

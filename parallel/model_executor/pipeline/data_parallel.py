@@ -1,0 +1,52 @@
+"""Data parallel over the batch: each dp rank takes its slice of every per-sample argument (uneven splits
+allowed), and the outputs are gathered back in order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def batch_size(kwargs: dict[str, Any]) -> int:
+    for key in ("latents", "prompt_embeds"):
+        if isinstance(kwargs.get(key), torch.Tensor):
+            return kwargs[key].shape[0]
+    prompt = kwargs.get("prompt")
+    return len(prompt) if isinstance(prompt, list) else 1
+
+
+PER_SAMPLE_LISTS = ("prompt", "prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negative_prompt_3", "generator")
+
+
+def split_batch(kwargs: dict[str, Any], batch: int, shared: tuple[str, ...], dp) -> tuple[dict[str, Any], list[int]]:
+    """This dp rank's arguments (`shared`: inputs every sample shares, never split) and every rank's sample count."""
+    counts = [len(part) for part in torch.arange(batch).tensor_split(dp.world_size)]
+    start = sum(counts[: dp.rank_in_group])
+    local = {k: v if k in shared else take(k, v, batch, start, counts[dp.rank_in_group]) for k, v in kwargs.items()}
+    return local, counts
+
+
+def take(name: str, value: Any, batch: int, start: int, count: int) -> Any:
+    """This dp rank's slice of a per-sample argument (batched tensors, per-prompt lists)."""
+    if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == batch:
+        return value[start : start + count]
+    if name in PER_SAMPLE_LISTS and isinstance(value, list) and len(value) == batch:
+        return value[start : start + count]
+    return value
+
+
+def gather_batch(output: Any, counts: list[int], dp) -> Any:
+    """Reassemble the batch from every dp rank (padded to equal size for the collective)."""
+    images = output[0] if isinstance(output, tuple) else output.images
+    if not isinstance(images, torch.Tensor):
+        raise ValueError("data parallel returns tensors only: call with output_type='latent' or 'pt'")
+    padded = torch.zeros((max(counts), *images.shape[1:]), dtype=images.dtype, device=images.device)
+    padded[: images.shape[0]] = images
+    gathered = dp.all_gather(padded.unsqueeze(0), dim=0)
+    images = torch.cat([gathered[i, :n] for i, n in enumerate(counts)])
+    if isinstance(output, tuple):
+        return (images, *output[1:])
+    output.images = images
+    return output
+

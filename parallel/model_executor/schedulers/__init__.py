@@ -1,5 +1,0 @@
-"""Scheduler wrappers."""
-
-from .base_scheduler import xFuserSchedulerBaseWrapper, xFuserSchedulerWrapper
-
-__all__ = ["xFuserSchedulerBaseWrapper", "xFuserSchedulerWrapper"]

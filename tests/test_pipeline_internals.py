@@ -1,0 +1,173 @@
+"""What a family states about the inside of its diffusers pipeline's `__call__`, held against that `__call__`.
+
+Three things have no diffusers function to call, so the families state them: the schedule img2img starts from
+(`flow_sigmas` and `shift_arguments`), the guidance combination PipeFusion's flowing patches apply per token
+(`guidance_combine`), and the transformer call a single model call makes (`model_call_arguments`). Each is
+checked here against the tiny pipeline's own `__call__` (schedule at two step counts, predictions on random
+outputs, the transformer's keyword arguments), for every registered family that states it, so a diffusers
+release that changes its pipeline fails here first. Each has a negative control that must miss.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+from parallel.families import FAMILIES
+from parallel.families.base import unpack_2x2
+from parallel.layout.config import ParallelConfig
+from parallel.loading import tiny_models
+from parallel.model_executor import wrap_pipeline
+from parallel.model_executor.pipeline.img2img import linear_sigmas
+from xdit_test_helpers import one_rank
+
+
+class Stop(Exception):
+    """Ends the pipeline's call once what the test reads has happened."""
+
+
+def _takes_sigmas(family: str) -> bool:
+    pipeline = tiny_models.build_tiny_pipeline(family)
+    return ("sigmas" in inspect.signature(pipeline.__call__).parameters
+            and isinstance(pipeline.scheduler, FlowMatchEulerDiscreteScheduler))
+
+
+SIGMA_FAMILIES = [f for f in tiny_models.FAMILIES + tiny_models.VIDEO_FAMILIES if _takes_sigmas(f)]
+
+
+def _call(wrapper, family: str, steps: int, negative: bool = True, **extra):
+    """The pipeline's own `__call__` on the tiny inputs, given them as our wrapper gives them on one rank (edit
+    models' reference images as the pictures the pipeline takes), until Stop."""
+    inputs = tiny_models.make_inputs(family, height=64, width=64, negative=negative)
+    try:
+        wrapper(**inputs, num_inference_steps=steps, height=64, width=64, output_type="latent", **extra)
+    except Stop:
+        pass
+
+
+@pytest.fixture(scope="module")
+def rank():
+    with one_rank(ParallelConfig()):
+        yield
+
+
+@pytest.mark.parametrize("family", SIGMA_FAMILIES)
+def test_the_img2img_schedule_is_the_pipelines_own(rank, family):
+    """The schedule the pipeline's `__call__` gives its scheduler equals the one our sigmas and shift make."""
+    assert {"flux", "qwen-image", "z-image", "flux2-klein", "sd3"} <= set(SIGMA_FAMILIES)
+    for steps in (3, 7):
+        wrapper = wrap_pipeline(tiny_models.build_tiny_pipeline(family))
+        scheduler = wrapper.module.scheduler.module
+        fresh, pristine = copy.deepcopy(scheduler), copy.deepcopy(scheduler)
+        set_timesteps = scheduler.set_timesteps
+
+        @functools.wraps(set_timesteps)  # its signature, which the pipeline reads
+        def recorded(*args, **kwargs):
+            set_timesteps(*args, **kwargs)
+            raise Stop
+
+        scheduler.set_timesteps = recorded
+        _call(wrapper, family, steps)
+        own = scheduler.sigmas.clone()
+        fresh.set_timesteps(sigmas=wrapper.flow_sigmas(steps).tolist(), **wrapper.shift_arguments(64, 64, steps))
+        assert torch.allclose(fresh.sigmas, own, atol=1e-6), (family, steps, fresh.sigmas, own)
+
+        # negative control: the other convention (the scheduler's own range, or the linear one)
+        other = (linear_sigmas(steps) if wrapper.default_sigmas is None
+                 else np.linspace(pristine.sigma_max, pristine.sigma_min, steps))
+        wrong = copy.deepcopy(fresh)
+        wrong.set_timesteps(sigmas=other.tolist(), **wrapper.shift_arguments(64, 64, steps))
+        assert not torch.allclose(wrong.sigmas, own, atol=1e-3)
+        wrapper.unwrap()
+
+
+@contextmanager
+def stub_transformer(wrapper, outputs: list[torch.Tensor], calls: list[dict]):
+    """The transformer answers each call with the next of `outputs` and records its keyword arguments."""
+    transformer = wrapper.module.transformer.module
+
+    def forward(*args, **kwargs):
+        calls.append(kwargs)
+        return (outputs[min(len(calls), len(outputs)) - 1].to(kwargs["hidden_states"].dtype),)
+
+    transformer.forward = forward
+    try:
+        yield
+    finally:
+        del transformer.forward
+
+
+GUIDED = {"flux": {"true_cfg_scale": 3.0}, "qwen-image": {"true_cfg_scale": 3.0}}
+
+
+@pytest.mark.parametrize("family", sorted(GUIDED))
+def test_the_guidance_combination_is_the_pipelines_own(rank, family):
+    """One step of the pipeline's true CFG on two known predictions equals our `guidance_combine` of them."""
+    wrapper = wrap_pipeline(tiny_models.build_tiny_pipeline(family))
+    inputs = tiny_models.make_inputs(family, height=64, width=64)
+    shape = inputs["latents"].shape
+    cond, uncond = (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) for seed in (1, 2))
+    calls: list[dict] = []
+    scheduler = wrapper.module.scheduler.module
+
+    @functools.wraps(scheduler.step)
+    def record_step(model_output, *args, **kwargs):
+        calls.append({"model_output": model_output.clone()})
+        raise Stop
+
+    scheduler.step = record_step
+    with stub_transformer(wrapper, [cond, uncond], calls):
+        _call(wrapper, family, 2, **GUIDED[family])
+    assert len(calls) == 3, "cond, uncond, then the scheduler's step"
+    combine = wrapper.guidance_combine({**inputs, **GUIDED[family]})
+    own = calls[2]["model_output"]
+    assert torch.allclose(combine(cond, uncond), own, atol=1e-6)
+    assert not torch.allclose(combine(uncond, cond), own, atol=1e-3)  # negative control: the branches swapped
+    wrapper.unwrap()
+
+
+def _model_calls(family: str) -> bool:
+    """Families a model call serves as their pipeline's loop calls the transformer (edit models' reference images
+    are the loader-swap issue's)."""
+    wrapper = FAMILIES.pipeline_wrapper(tiny_models.build_tiny_pipeline(family))
+    return bool(wrapper.model_call_inputs) and not wrapper.comfy.reference_latents
+
+
+MODEL_CALLS = [f for f in tiny_models.FAMILIES if _model_calls(f)]
+
+
+@pytest.mark.parametrize("family", MODEL_CALLS)
+def test_a_model_calls_arguments_are_the_pipelines_own(rank, family):
+    """The transformer call of a model call (latents unpacked, the scheduler's timestep) equals the one the
+    pipeline's loop makes at its first step."""
+    assert {"flux", "qwen-image", "sd3"} <= set(MODEL_CALLS)
+    wrapper = wrap_pipeline(tiny_models.build_tiny_pipeline(family))
+    pipeline = wrapper.module
+    inputs = tiny_models.make_inputs(family, height=64, width=64, negative=False)
+    calls: list[dict] = []
+    guidance = {"guidance_scale": 1.0} if family == "sd3" else {}
+    with stub_transformer(wrapper, [torch.zeros(inputs["latents"].shape)], calls):
+        _call(wrapper, family, 2, negative=False, **guidance)
+    own = calls[0]
+    latents = own["hidden_states"]
+    if wrapper.comfy.packed:
+        latents = unpack_2x2(latents, 64, 64, pipeline.vae_scale_factor)
+    timestep = pipeline.scheduler.timesteps[:1].expand(latents.shape[0])
+    conditioning = {name: inputs[name] for name in wrapper.model_call_inputs if name in inputs}
+    if "guidance" in wrapper.model_call_inputs and own.get("guidance") is not None:
+        conditioning["guidance"] = own["guidance"]
+    ours = wrapper.model_call_arguments(latents, timestep, conditioning)
+    tensors = {name for name, value in own.items() if isinstance(value, torch.Tensor)}
+    assert tensors <= set(ours), f"the pipeline passes {sorted(tensors - set(ours))} that a model call does not"
+    for name in tensors:
+        assert torch.allclose(ours[name].float(), own[name].float(), atol=1e-6), name
+    late = wrapper.model_call_arguments(latents, timestep * 0.99, conditioning)  # negative control: another timestep
+    assert not torch.allclose(late["timestep"].float(), own["timestep"].float(), atol=1e-6)
+    wrapper.unwrap()
