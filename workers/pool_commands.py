@@ -52,16 +52,6 @@ def _node_arguments(parser: argparse.ArgumentParser, join: bool) -> None:
     group.add_argument("--rdzv-id", default="xdit-pool", help="the pool's rendezvous id (the same on every machine)")
 
 
-def _node_arguments(parser: argparse.ArgumentParser, join: bool) -> None:
-    """Several machines: passed to torchrun's elastic launcher (c10d rendezvous hosted by node 0)."""
-    group = parser.add_argument_group("several machines (torchrun c10d rendezvous)")
-    group.add_argument("--nnodes", type=int, required=join, default=1, help="machines in the pool")
-    group.add_argument("--node-rank", type=int, required=join, default=0,
-                       help="this machine's number: 0 serves clients, 1 … nnodes-1 join")
-    group.add_argument("--rdzv-endpoint", required=join, default=None, help="HOST:PORT of node 0's rendezvous")
-    group.add_argument("--rdzv-id", default="xdit-pool", help="the pool's rendezvous id (the same on every machine)")
-
-
 def add_parsers(commands, client_keys) -> None:
     """serve, join and sample; `client_keys(parser)` adds the client's --curve-dir."""
     serve = commands.add_parser("serve", help="run a pool in the foreground (SIGTERM stops every rank)")

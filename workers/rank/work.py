@@ -21,25 +21,21 @@ from ..wire.messages import Decode, Evaluate, Kind, Submit
 from ..wire.protocol import Message
 
 
-@dataclass(frozen=True)
-class ModelCall(Evaluate):
+class ModelCall(Evaluate, kind="model_call"):
     """A model call as the ranks run it: its conditioning filled in from what earlier calls sent (rank 0's cache),
     and whether the ranks gather their memory for the status afterwards (at most once a second)."""
 
-    TYPE: ClassVar[str] = "model_call"
     census: bool = fields.declared(False)
 
 
-@dataclass(frozen=True)
-class Probe(Kind):
+class Probe(Kind, kind="probe"):
     """Between jobs, every second: an all-reduce that notices a lost peer (and keeps gloo's timeout away)."""
 
-    TYPE: ClassVar[str] = "probe"
 
 
-@dataclass(frozen=True)
-class Shutdown(Kind):
-    TYPE: ClassVar[str] = "shutdown"
+class Shutdown(Kind, kind="shutdown"):
+    """The pool stops: every rank leaves the job loop."""
+
 
 
 WORK_KINDS: dict[str, type[Kind]] = {kind.TYPE: kind for kind in (Submit, Decode, ModelCall, Probe, Shutdown)}

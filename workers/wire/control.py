@@ -38,94 +38,94 @@ def unpack(raw: bytes) -> dict[str, Any]:
 
 
 class Control:
+    """A typed control message: `class Hello(Control, kind="hello")` names its kind and is made a frozen dataclass of
+    its declared fields (see wire/messages.py's Kind)."""
+
     TYPE: ClassVar[str]
+
+    def __init_subclass__(cls, kind: str, **options):
+        super().__init_subclass__(**options)
+        cls.TYPE = kind
+        dataclass(frozen=True)(cls)
 
 
 # -- rank → supervisor ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Hello(Control):
-    TYPE: ClassVar[str] = "hello"
+class Hello(Control, kind="hello"):
+    """A rank started; its pid, for the supervisor's watch."""
+
     pid: int = declared()
 
 
-@dataclass(frozen=True)
-class Ready(Control):
+class Ready(Control, kind="ready"):
     """Every rank has loaded and rank 0 takes jobs; `nodes`: the world's machines (status), from rank 0."""
 
-    TYPE: ClassVar[str] = "ready"
     pid: int = declared()
     memory: dict[str, int] = declared(factory=dict)
     nodes: tuple[dict[str, Any], ...] = declared(())
 
 
-@dataclass(frozen=True)
-class Failed(Control):
+class Failed(Control, kind="failed"):
     """Start-up failed; `fatal`: retrying cannot help (one machine, or a refused world), else the world broke."""
 
-    TYPE: ClassVar[str] = "failed"
     error: str = declared()
     traceback: str = declared("")
     fatal: bool = declared(True)
 
 
-@dataclass(frozen=True)
-class WorldLost(Control):
-    TYPE: ClassVar[str] = "world_lost"
+class WorldLost(Control, kind="world_lost"):
+    """A collective failed: a peer died or its machine is gone."""
+
     error: str = declared()
 
 
-@dataclass(frozen=True)
-class JobStarted(Control):
-    TYPE: ClassVar[str] = "job_started"
+class JobStarted(Control, kind="job_started"):
+    """Rank 0 started a job of this client."""
+
     job: str = declared()
     client: bytes = declared()
 
 
-@dataclass(frozen=True)
-class JobEnded(Control):
-    TYPE: ClassVar[str] = "job_ended"
+class JobEnded(Control, kind="job_ended"):
+    """Rank 0 finished a job."""
+
     job: str = declared()
     jobs_done: int = declared()
 
 
-@dataclass(frozen=True)
-class JobError(Control):
-    TYPE: ClassVar[str] = "job_error"
+class JobError(Control, kind="job_error"):
+    """A job failed on this rank (the supervisor judges whether every rank failed alike)."""
+
     job: str = declared()
     error: str = declared()
 
 
-@dataclass(frozen=True)
-class Stopped(Control):
+class Stopped(Control, kind="stopped"):
     """A client asked rank 0 to stop the pool; the ranks are exiting cleanly."""
 
-    TYPE: ClassVar[str] = "stopped"
 
 
-@dataclass(frozen=True)
-class Beat(Control):
-    TYPE: ClassVar[str] = "beat"
+class Beat(Control, kind="beat"):
+    """A rank's heartbeat: its state and step, and whether a client asked to stop."""
+
     state: str = declared()
     step: int = declared(0)
     stopping: bool = declared(False)
 
 
-@dataclass(frozen=True)
-class BindRequest(Control):
-    TYPE: ClassVar[str] = "bind_request"
+class BindRequest(Control, kind="bind_request"):
+    """Rank 0 asks for the client endpoint the supervisor's stand-in holds."""
+
 
 
 # -- supervisor → rank ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class BindOk(Control):
-    TYPE: ClassVar[str] = "bind_ok"
+class BindOk(Control, kind="bind_ok"):
+    """The stand-in let the endpoint go: rank 0 binds it."""
 
 
-@dataclass(frozen=True)
-class Resume(Control):
+
+class Resume(Control, kind="resume"):
     """Every rank failed the job alike: answer the client with the first rank's error and go on."""
 
-    TYPE: ClassVar[str] = "resume"
     rank: int = declared()
     error: str = declared()
 

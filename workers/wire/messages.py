@@ -75,9 +75,18 @@ def _conditioning(name: str, keys: dict) -> None:
 
 
 class Kind:
-    """A typed message: `TYPE` on the wire, its declared fields as params, `tensor_names()` it may carry."""
+    """A typed message: `TYPE` on the wire, its declared fields as params, `tensor_names()` it may carry.
+
+    A subclass names its kind, `class Stop(Kind, kind="stop")`, and is made a frozen dataclass of its declared fields
+    (as msgspec's Struct or pydantic's models are), so a message kind is its name and its fields, nothing else."""
 
     TYPE: ClassVar[str]
+
+    def __init_subclass__(cls, kind: str | None = None, **options):
+        super().__init_subclass__(**options)
+        if kind is not None:
+            cls.TYPE = kind
+        dataclass(frozen=True)(cls)
 
     @classmethod
     def tensor_names(cls) -> tuple[str, ...]:
@@ -91,11 +100,9 @@ class Kind:
 
 
 # -- client → pool -------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Submit(SampleRequest, Kind):
+class Submit(SampleRequest, Kind, kind="submit"):
     """A sampling job: the request (parallel/request.py), and what the pool adds to it."""
 
-    TYPE: ClassVar[str] = "submit"
     scheduler: str = declared("default")
     preview: bool = declared(True)
     model_latents: bool = declared(False)  # the result as the pipeline's loop keeps latents (xDiT Sampler's conversion)
@@ -104,13 +111,11 @@ class Submit(SampleRequest, Kind):
     tensor_names = staticmethod(job_inputs)
 
 
-@dataclass(frozen=True)
-class Encode(Kind):
+class Encode(Kind, kind="encode"):
     """The pool pipeline's own text encoding; with a seed (and height, width), a whole job's inputs, negative prompt
     and initial noise included. An `image` ([N, 3, H, W] in [0, 1]) is encoded with the prompts where the text
     encoder sees images (edit models)."""
 
-    TYPE: ClassVar[str] = "encode"
     prompt: str = declared(check=_prompt)
     negative_prompt: str = declared("", check=_prompt)
     seed: int | None = declared(None)
@@ -126,24 +131,20 @@ class Encode(Kind):
             raise ValueError("encode with a seed needs height and width (the size of the initial noise)")
 
 
-@dataclass(frozen=True)
-class Evaluate(Kind):
+class Evaluate(Kind, kind="evaluate"):
     """One model evaluation (ComfyUI's samplers through xDiT Model): latents, sigma and the conditioning, each
     conditioning tensor named by its key (conditioning.py) and sent only when the pool may not hold it."""
 
-    TYPE: ClassVar[str] = "evaluate"
     conditioning: dict[str, Any] = declared(factory=dict, check=_conditioning)  # tensor name → key: each checked there
     loras: tuple[LoraSpec, ...] = declared((), check=_loras)
 
     tensor_names = staticmethod(model_call_tensors)
 
 
-@dataclass(frozen=True)
-class Decode(Kind):
+class Decode(Kind, kind="decode"):
     """LATENT tensors decoded with the pool's VAE, tiles over the ranks (parallel/model_executor/vae_decode.py); tile in latent
     pixels, 0: about one tile per rank."""
 
-    TYPE: ClassVar[str] = "decode"
     tile: int = declared(0)
 
     @classmethod
@@ -151,82 +152,72 @@ class Decode(Kind):
         return ("latents",)
 
 
-@dataclass(frozen=True)
-class Cancel(Kind):
-    TYPE: ClassVar[str] = "cancel"
+class Cancel(Kind, kind="cancel"):
+    """Cancel the job named by the message's job id, queued or running."""
 
 
-@dataclass(frozen=True)
-class StatusQuery(Kind):
+
+class StatusQuery(Kind, kind="status"):
     """With `job`: also that job's state (queued, running, unknown)."""
 
-    TYPE: ClassVar[str] = "status"
     job: str | None = declared(None)
 
 
-@dataclass(frozen=True)
-class Stop(Kind):
-    TYPE: ClassVar[str] = "stop"
+class Stop(Kind, kind="stop"):
+    """Stop the pool: waiting jobs are refused, the running one cancelled."""
+
 
 
 # -- pool → client -------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Accepted(Kind):
-    TYPE: ClassVar[str] = "accepted"
+class Accepted(Kind, kind="accepted"):
+    """The job is queued at this position."""
+
     position: int = declared()
 
 
-@dataclass(frozen=True)
-class Step(Kind):
+class Step(Kind, kind="step"):
     """A sampling step (or a decoded tile) done; with a `preview` tensor where the job asked for previews."""
 
-    TYPE: ClassVar[str] = "step"
     index: int = declared()
     total: int = declared()
     elapsed: float = declared()
 
 
-@dataclass(frozen=True)
-class Result(Kind):
+class Result(Kind, kind="result"):
     """A job's tensors, with what it reports beside them: its step cache's full and cached model calls, or a
     decode's tiles and each rank's share."""
 
-    TYPE: ClassVar[str] = "result"
     cache: dict[str, Any] | None = declared(None)
     tiles: int = declared(0)
     ranks: tuple[dict[str, Any], ...] = declared(())
 
 
-@dataclass(frozen=True)
-class Error(Kind):
+class Error(Kind, kind="error"):
     """rank: the rank whose error it is (-1: the supervisor); missing: a model call named conditioning the pool
     does not hold (the client sends it again)."""
 
-    TYPE: ClassVar[str] = "error"
     message: str = declared()
     rank: int = declared()
     missing: bool = declared(False)
 
 
-@dataclass(frozen=True)
-class Cancelled(Kind):
-    TYPE: ClassVar[str] = "cancelled"
+class Cancelled(Kind, kind="cancelled"):
+    """The job was cancelled at this step."""
+
     step: int = declared(0)
 
 
-@dataclass(frozen=True)
-class Stopping(Kind):
-    TYPE: ClassVar[str] = "stopping"
+class Stopping(Kind, kind="stopping"):
+    """The pool is stopping (the answer to Stop)."""
 
 
-@dataclass(frozen=True)
-class PoolStatus(Kind, Mapping):
+
+class PoolStatus(Kind, Mapping, kind="status"):
     """What `status` answers, from rank 0 (a loaded pool) or the supervisor's stand-in (starting, restarting,
     waiting for nodes): the supervisor knows only the fields up to `nodes`. Nodes, the panel and the CLI read it
     as this structure (`PoolClient.status`): by attribute, or as a read-only mapping of its fields, named as the
     JSON of `status --json` names them. On the wire it is a map with every field."""
 
-    TYPE: ClassVar[str] = "status"
     state: str = declared()  # idle | busy | starting | restarting | waiting for nodes | error
     world_size: int = declared(0)
     ranks_alive: int = declared(0)
