@@ -7,6 +7,7 @@ from comfy_api.latest import ComfyExtension, io
 from . import routes  # noqa: F401 - registers the /xdit routes on ComfyUI's server
 from .cache_node import XDiTCache
 from .empty_latent_node import XDiTEmptyLatent
+from .loader_node import XDiTLoadDiffusionModel
 from .lora_node import XDiTLoRA
 from .model_node import XDiTModel
 from .pool_node import XDiTPool
@@ -18,7 +19,7 @@ from .vae_decode_node import XDiTVAEDecode
 class XDiTExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         return [XDiTPool, XDiTTextEncode, XDiTSampler, XDiTLoRA, XDiTCache, XDiTVAEDecode, XDiTModel,
-                XDiTEmptyLatent]
+                XDiTEmptyLatent, XDiTLoadDiffusionModel]
 
 
 async def comfy_entrypoint() -> XDiTExtension:

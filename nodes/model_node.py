@@ -7,8 +7,10 @@ latent format and conditioning), holding PoolTransformer where its diffusion mod
 schedulers, ModelSamplingSD3 / ModelSamplingFlux and guiders see a normal model. ComfyUI batches cond and
 uncond into one call where memory allows; the pool splits that batch over its cfg and dp ranks.
 
-What the pool cannot honour is refused with one error: a ControlNet, an attention replacement or patch,
-a weight patch (LoraLoader: use xDiT LoRA before xDiT Model), a conditioning the model call does not take.
+ComfyUI's LoRA loaders (LoraLoaderModelOnly, LoraLoader) work on it: their patches become a LoRA the pool applies
+(lora_patches.py). What the pool cannot honour is refused with one error by the node that adds it: a model merge
+or a non-LoRA weight patch, a block or attention replacement or patch; at sampling, a ControlNet or a
+conditioning the model call does not take.
 """
 
 from __future__ import annotations
@@ -20,23 +22,27 @@ import comfy.supported_models
 from comfy_api.latest import io
 
 from .adapters import ConditioningError, adapter_for
+from .lora_patches import UnsupportedPatch, lora_file, peft_lora
 from .pool_node import XDiTPoolType
 from .pools import POOLS
 
 CPU = torch.device("cpu")  # the pool holds the weights; ComfyUI keeps only the sampler's latents
-
-
-class UnsupportedPatch(ValueError):
-    """A model patch the pool cannot apply (its transformer runs on the pool, not in ComfyUI)."""
+LORAS = "xdit_loras"  # transformer_options: the LoRA files ComfyUI's LoRA loaders added, with their strengths
 
 
 class PoolTransformer(torch.nn.Module):
-    """Stands where ComfyUI's diffusion model would: each call is one model call on the pool."""
+    """Stands where ComfyUI's diffusion model would: each call is one model call on the pool. It holds no weights
+    but reports the names of the weights ComfyUI's own model has (`weights`, from the file), so ComfyUI's LoRA
+    loaders find what to patch; `expert`: the pool's transformer it calls (Wan 2.2's low-noise `transformer_2`)."""
 
-    def __init__(self, pool, conds: dict[str, str]):
+    def __init__(self, pool, conds: dict[str, str], weights: dict[str, torch.Size] | None = None, expert: str = ""):
         super().__init__()
-        self.pool, self.conds = pool, conds
+        self.pool, self.conds, self.weights, self.expert = pool, conds, weights or {}, expert
         self.dtype = torch.float32  # ComfyUI casts the call's tensors to this; the pool casts to its own
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for name, shape in self.weights.items():
+            destination[prefix + name] = torch.empty(shape, device="meta")
 
     def forward(self, x, timesteps, context=None, control=None, transformer_options=None, **kwargs):
         options = transformer_options or {}
@@ -58,13 +64,14 @@ class PoolTransformer(torch.nn.Module):
         if "guidance" in conditioning:
             conditioning["guidance"] = conditioning["guidance"].reshape(-1).expand(batch).contiguous()
         tensors = {"latents": x.float().contiguous(), "sigma": sigma.float().reshape(-1).expand(batch).contiguous()}
-        loras = self.pool.lora_params()
+        loras = self.pool.lora_params() + [{"path": path, "strength": strength} for path, strength in options.get(LORAS, ())]
 
         from ..workers.client import JobCancelledError
 
         try:
             prediction = POOLS.client(self.pool.endpoint).evaluate(
-                tensors, conditioning, loras, should_cancel=comfy.model_management.processing_interrupted)
+                tensors, conditioning, loras, should_cancel=comfy.model_management.processing_interrupted,
+                expert=self.expert)
             return prediction[:, :, None] if one_frame else prediction
         except JobCancelledError:
             raise comfy.model_management.InterruptProcessingException() from None
@@ -84,29 +91,55 @@ def _refuse_patches(control, options: dict) -> None:
 
 
 class PoolModelPatcher(comfy.model_patcher.ModelPatcher):
-    """A ModelPatcher without weights in ComfyUI: weight patches (LoraLoader, merges) are refused at once."""
+    """A ModelPatcher without weights in ComfyUI. ComfyUI's LoRA loaders' patches become a LoRA file the pool applies
+    (kept in the model options, so every clone carries its own stack); anything else that would change the model's
+    weights or its blocks is refused by the node that tries it."""
 
     def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
-        raise UnsupportedPatch("xDiT Model holds no weights in ComfyUI, so ComfyUI's LoRA loaders and model merges "
-                               "cannot patch it; load LoRAs with xDiT LoRA between xDiT Pool and xDiT Model")
+        if strength_model != 1.0:
+            raise UnsupportedPatch("xDiT: a model merge scales the model's own weights, which live on the pool; merge "
+                                   "the files beforehand, or sample with ComfyUI's own model")
+        if not self.model.diffusion_model.weights:  # a pipeline folder's pool: ComfyUI knows no names to patch
+            raise UnsupportedPatch("xDiT Model of a pipeline folder's pool holds no weights ComfyUI can name, so "
+                                   "ComfyUI's LoRA loaders cannot patch it; load LoRAs with xDiT LoRA between xDiT Pool "
+                                   "and xDiT Model, or load the transformer file with Load Diffusion Model (xDiT Pool)")
+        if not patches:
+            return []
+        path = lora_file(peft_lora(self.model, patches))
+        options = self.model_options.setdefault("transformer_options", {})
+        options[LORAS] = (*options.get(LORAS, ()), (path, float(strength_patch)))
+        return list(patches)
+
+    def set_model_patch(self, patch, name):
+        raise UnsupportedPatch(f"xDiT: a `{name}` model patch changes the transformer's blocks, which run on the pool; "
+                               "remove the node that adds it, or sample with ComfyUI's own model")
+
+    def set_model_patch_replace(self, patch, name, block_name, number, transformer_index=None):
+        raise UnsupportedPatch(f"xDiT: a `{name}` replacement of {block_name} {number} changes the transformer's blocks, "
+                               "which run on the pool; remove the node that adds it, or sample with ComfyUI's own model")
 
 
-def comfy_model(pool) -> PoolModelPatcher:
-    """ComfyUI's model for the pool's family, its diffusion model replaced by PoolTransformer."""
+def comfy_model(pool, comfy_file=None, expert: str = "") -> PoolModelPatcher:
+    """ComfyUI's model for the pool's family, its diffusion model replaced by PoolTransformer: as ComfyUI detects
+    `comfy_file` (comfy_files.read: its model sampling and weight names), or for a pipeline folder, from the
+    family's ComfyUI model class."""
     adapter = adapter_for(pool.pipeline, pool.latent_scale)
-    name = pool.status.get("model_class") or adapter.data.model_class
-    if not name or not adapter.data.model_call_conds:
-        raise ConditioningError(f"xDiT Model does not run {pool.pipeline} yet (it runs SD3, Flux.1 and Qwen-Image "
-                                "pools); "
-                                "sample it with xDiT Sampler")
-    channels = next(iter(adapter.data.latent_formats))
-    config_class = getattr(comfy.supported_models, name)
-    unet_config = {**config_class.unet_config, "in_channels": channels, "out_channels": channels,
-                   "disable_unet_model_creation": True}
-    model_config = config_class(unet_config)
-    model_config.set_inference_dtype(torch.float32, None)
+    if not adapter.data.model_call_conds:
+        raise ConditioningError(f"the pool's {pool.pipeline} takes no model calls yet (SD3, Flux.1 and Qwen-Image "
+                                "do); sample it with xDiT Sampler")
+    if comfy_file is not None:
+        model_config, weights = comfy_file.model_config, comfy_file.weights
+        model_config.unet_config["disable_unet_model_creation"] = True
+    else:
+        name = pool.status.get("model_class") or adapter.data.model_class
+        channels = next(iter(adapter.data.latent_formats))
+        config_class = getattr(comfy.supported_models, name)
+        model_config = config_class({**config_class.unet_config, "in_channels": channels, "out_channels": channels,
+                                     "disable_unet_model_creation": True})
+        model_config.set_inference_dtype(torch.float32, None)
+        weights = None
     model = model_config.get_model({}, device=CPU)
-    model.diffusion_model = PoolTransformer(pool, adapter.data.model_call_conds)
+    model.diffusion_model = PoolTransformer(pool, adapter.data.model_call_conds, weights, expert)
     return PoolModelPatcher(model, load_device=CPU, offload_device=CPU)
 
 
@@ -115,7 +148,7 @@ class XDiTModel(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="XDiTModel",
-            display_name="xDiT Model",
+            display_name="Model from xDiT Pool",
             category="sampling/xDiT",
             description="The pool as a MODEL for KSampler, SamplerCustomAdvanced and guiders: ComfyUI's samplers "
                         "step here, each model call runs in parallel on the pool (SD3, Flux.1, Qwen-Image).",

@@ -217,12 +217,14 @@ class PoolClient:
         return result.tensors["latents"]
 
     def evaluate(self, tensors: dict[str, torch.Tensor], conditioning: dict[str, torch.Tensor],
-                 loras: list[dict] | tuple = (), should_cancel: Callable[[], bool] | None = None) -> torch.Tensor:
-        """One model call (xDiT Model): `tensors` latents and sigma, `conditioning` by name. Conditioning
-        travels once: later calls name it by key, and send it again only if the pool no longer holds it."""
+                 loras: list[dict] | tuple = (), should_cancel: Callable[[], bool] | None = None,
+                 expert: str = "") -> torch.Tensor:
+        """One model call (xDiT Model): `tensors` latents and sigma, `conditioning` by name, on the pipeline's
+        `expert` transformer ("": its first). Conditioning travels once: later calls name it by key, and send it
+        again only if the pool no longer holds it."""
         keys = {name: self._key(name, tensor) for name, tensor in conditioning.items()}
         send = {name: tensor for name, tensor in conditioning.items() if keys[name] not in self._held}
-        params = {"conditioning": keys, **({"loras": list(loras)} if loras else {})}
+        params = {"conditioning": keys, **({"loras": list(loras)} if loras else {}), **({"expert": expert} if expert else {})}
         while True:
             self.check_listening()
             job = f"call-{uuid.uuid4().hex[:16]}"

@@ -23,9 +23,19 @@ from ..families.base import MODEL_CALL_TENSORS
 from ..request import check_tensor_values
 
 
-def check_model_call(wrapper, tensors: dict[str, torch.Tensor]) -> None:
+def expert_of(wrapper, expert: str):
+    """The pipeline's transformer a call names ("": its first; "transformer_2": Wan 2.2's low-noise expert)."""
+    name = expert or "transformer"
+    if name not in ("transformer", "transformer_2") or getattr(wrapper.module, name, None) is None:
+        experts = [n for n in ("transformer", "transformer_2") if getattr(wrapper.module, n, None) is not None]
+        raise ValueError(f"this pool's {type(wrapper.module).__name__} has no {name}; its transformers are {experts}")
+    return getattr(wrapper.module, name)
+
+
+def check_model_call(wrapper, tensors: dict[str, torch.Tensor], expert: str = "") -> None:
     """Raise ValueError / LayoutError, before any rank computes, for a call this pool cannot evaluate."""
     pipeline = type(wrapper.module).__name__
+    expert_of(wrapper, expert)
     if not wrapper.model_call_inputs:
         raise ValueError(f"{pipeline} takes no single model calls on this pool yet (xDiT Model supports "
                          "SD3, Flux.1 and Qwen-Image pipelines); sample it with xDiT Sampler")
@@ -67,8 +77,9 @@ def _split(dp, batch: int) -> list[int] | None:
     return [len(part) for part in torch.arange(batch).tensor_split(dp.world_size)]
 
 
-def evaluate(wrapper, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The family's prediction for `tensors` (checked by check_model_call), shaped like `latents`."""
+def evaluate(wrapper, tensors: dict[str, torch.Tensor], expert: str = "") -> torch.Tensor:
+    """The family's prediction for `tensors` (checked by check_model_call) by its `expert` transformer, shaped like
+    `latents`."""
     latents, sigma = tensors["latents"], tensors["sigma"]
     inputs = {k: v for k, v in tensors.items() if k not in MODEL_CALL_TENSORS}
     batch = latents.shape[0]
@@ -86,7 +97,7 @@ def evaluate(wrapper, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     timestep = sigma * wrapper.module.scheduler.config.num_train_timesteps
     arguments = wrapper.model_call_arguments(latents, timestep, inputs)
     with torch.no_grad():
-        output = wrapper.module.transformer.evaluate(**arguments, return_dict=False)[0]
+        output = expert_of(wrapper, expert).evaluate(**arguments, return_dict=False)[0]
     prediction = wrapper.model_call_output(output, latents)
     if counts is None:
         return prediction

@@ -60,8 +60,8 @@ class JobLoop:
                     # the ranks' memory census (a collective) at most once a second, not after every call
                     census = time.monotonic() - rank.census_at >= CENSUS_EVERY_S
                     tensors = rank.runner.conditioning.to_send(call.conditioning, job.prepared)
-                    work = Message.of(ModelCall(conditioning=call.conditioning, loras=call.loras, census=census),
-                                      job.id, tensors)
+                    work = Message.of(ModelCall(conditioning=call.conditioning, loras=call.loras, expert=call.expert,
+                                                census=census), job.id, tensors)
                     client = job.client
                 else:  # submit or decode: the message as the server read and checked it
                     work, client, prepared = job.message, job.client, job.prepared

@@ -202,7 +202,7 @@ class JobRunner:
                               self.cancel_inside_steps)
         points.every = self.call_every
         try:
-            prediction = engine("model_executor.model_call").evaluate(self.pipeline, tensors)
+            prediction = engine("model_executor.model_call").evaluate(self.pipeline, tensors, work.body.expert)
             if points.step_ended():
                 raise JobCancelled(0)
             self.call_every = points.every

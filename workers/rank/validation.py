@@ -63,7 +63,7 @@ class Validator:
         """The call's tensors, its conditioning filled in from what earlier calls sent, checked once."""
         rank = self.rank
         tensors = rank.conditioning.resolve(message.body.conditioning, message.tensors)
-        engine("model_executor.model_call").check_model_call(rank.pipeline, tensors)
+        engine("model_executor.model_call").check_model_call(rank.pipeline, tensors, message.body.expert)
         latents = tensors["latents"]
         scale = rank.pipeline.module.vae_scale_factor
         rank.admission.check(megapixels(latents.shape[0], latents.shape[2] * scale, latents.shape[3] * scale), 1)

@@ -66,6 +66,16 @@ class Detected:
     def config_dir(self) -> Path:
         return CONFIGS / self.variant
 
+    def expert(self) -> tuple[Path, str]:
+        """(the file the model loads from, the pipeline's transformer this file is): a file that is one expert of a
+        pair (Wan 2.2 A14B, its partner beside it) names the pair's first file and its own expert, so both files
+        load one pool; any other file names itself and ""."""
+        pair = self.single_file.experts
+        files = pair.files(self.path) if pair and self.variant in pair.variants else None
+        if files is None:
+            return self.path, ""
+        return files[0], "transformer" if self.path == files[0] else "transformer_2"
+
     def describe(self) -> str:
         dims = ", ".join(f"{k}={v}" for k, v in sorted(self.overrides.items()))
         return f"{self.single_file.variants[self.variant].title} ({self.variant}: {dims})"

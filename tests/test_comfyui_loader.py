@@ -1,0 +1,114 @@
+"""Load Diffusion Model (xDiT Pool) in a real ComfyUI 0.33: a workflow built for UNETLoader runs with only the
+loader swapped, and gives what ComfyUI's own model gives on the same file.
+
+The file is test_comfyui_model's tiny SD3 in SAI's layout, which ComfyUI's UNETLoader detects natively; the
+conditioning is xDiT Text Encode's (native shape) from a pool of the same weights as a diffusers folder. The
+sampling part is the official templates': KSampler (two samplers) and SamplerCustomAdvanced with CFGGuider,
+LoraLoaderModelOnly between loader and sampler.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import save_file
+
+from test_comfyui_model import MODEL, SAMPLERS, _graph, _latents, checkpoint, stock  # noqa: F401 - fixtures
+from xdit_test_helpers import TOLERANCE
+
+
+def _loader(**layout) -> dict:
+    return {"class_type": "XDiTLoadDiffusionModel", "inputs": {
+        "unet_name": f"{MODEL}.safetensors", "weight_dtype": "default", "nproc": 2, "ulysses_degree": 1,
+        "ring_degree": 1, "pipefusion_degree": 1, "num_patches": 0, "warmup_steps": 1, "cfg_parallel": False,
+        "dp_degree": 1, "devices": "", "threads_per_rank": 1, "endpoint": "", **layout}}
+
+
+def _swapped(layout: dict) -> dict:
+    """test_comfyui_model's graph with xDiT Model replaced by the loader (its samplers, guider and scheduler)."""
+    prompt = _graph({"ulysses_degree": 2}, stock=False)
+    prompt["5"] = _loader(**layout)
+    return prompt
+
+
+def _run(comfy, prompt) -> dict[str, torch.Tensor]:
+    entry = comfy.wait(comfy.queue(prompt), 600)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+    return _latents(comfy, entry)
+
+
+def _equal(latents, stock, names=None) -> None:
+    for name in names or [sampler for sampler, _ in SAMPLERS] + ["custom"]:
+        assert (latents[f"xdit-{name}"] - stock[f"stock-{name}"]).abs().max().item() <= TOLERANCE, name
+
+
+def test_the_swapped_loader_on_ulysses_2_equals_comfyuis_own_model(comfy, stock):
+    latents = _run(comfy, _swapped({"ulysses_degree": 2}))
+    _equal(latents, stock)
+    # negative control: the loader's result is not what ComfyUI gives with another sampler
+    assert (latents["xdit-euler"] - stock["stock-dpmpp_2m"]).abs().max().item() > 1e-2
+
+
+def test_the_swapped_loader_on_cfg_2_equals_comfyuis_own_model(comfy, stock):
+    _equal(_run(comfy, _swapped({"cfg_parallel": True})), stock)
+
+
+def test_the_loader_and_xdit_pool_share_one_pool_for_one_file_and_layout(comfy, stock):
+    """A second prompt with the loader on the same file and layout starts nothing new."""
+    before = [p["key"] for p in comfy.get("/xdit/pools")["pools"]]
+    _run(comfy, _swapped({"ulysses_degree": 2}))
+    after = [p["key"] for p in comfy.get("/xdit/pools")["pools"]]
+    assert after == before and sum(key["model"].endswith(f"{MODEL}.safetensors") for key in after) == 2, after
+
+
+def _lora(comfy, name: str, seed: int) -> str:
+    """A diffusers-format SD3 LoRA on block 0's attention (ComfyUI maps it onto its fused q/k/v weights)."""
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"):
+        weights[f"transformer.transformer_blocks.0.{layer}.lora_A.weight"] = torch.randn(4, 128, generator=g) * 0.2
+        weights[f"transformer.transformer_blocks.0.{layer}.lora_B.weight"] = torch.randn(128, 4, generator=g) * 0.2
+    save_file(weights, comfy.work / "models" / "loras" / name)
+    return name
+
+
+def _with_loras(prompt: dict, model: str, sampler: str, loras: list[tuple[str, float]]) -> None:
+    """LoraLoaderModelOnly nodes chained between `model` and `sampler`, as the templates chain them."""
+    source = [model, 0]
+    for index, (name, strength) in enumerate(loras):
+        node = f"{sampler}-lora{index}"
+        prompt[node] = {"class_type": "LoraLoaderModelOnly", "inputs": {
+            "model": source, "lora_name": name, "strength_model": strength}}
+        source = [node, 0]
+    prompt[sampler]["inputs"]["model"] = source
+
+
+def test_comfyuis_lora_loaders_on_the_loaders_model_equal_them_on_comfyuis_own(comfy, stock):
+    """Strength 1 and 0.5, two stacked, then switched to another: each equals the same LoRA nodes on ComfyUI's
+    own model; the LoRA changes the result (against no LoRA); the pool loads each file once."""
+    first, second = _lora(comfy, "xdit_loader_a.safetensors", 21), _lora(comfy, "xdit_loader_b.safetensors", 22)
+    keep = ("1", "2", "3", "4", "5", "6", "xdit-euler", "stock-euler", "save-xdit-euler", "save-stock-euler")
+    for loras in ([(first, 1.0)], [(first, 0.5)], [(first, 1.0), (second, 0.5)], [(second, 1.0)]):
+        prompt = {k: v for k, v in _graph({"ulysses_degree": 2}, stock=True).items() if k in keep}
+        prompt["5"] = _loader(ulysses_degree=2)
+        for model, sampler in (("5", "xdit-euler"), ("6", "stock-euler")):
+            _with_loras(prompt, model, sampler, loras)
+        latents = _run(comfy, prompt)
+        assert (latents["xdit-euler"] - latents["stock-euler"]).abs().max().item() <= TOLERANCE, loras
+        assert (latents["xdit-euler"] - stock["stock-euler"]).abs().max().item() > 1e-3, loras  # the LoRA acted
+    pool = next(p for p in comfy.get("/xdit/pools")["pools"] if p["key"]["model"].endswith(f"{MODEL}.safetensors")
+                and p["key"]["parallel"]["ulysses_degree"] == 2)
+    assert pool["status"]["loads"]["lora"] == 2  # each file once, whatever its strengths and stacks
+
+
+def test_a_model_merge_on_the_loaders_model_is_one_error_of_the_merge_node(comfy, stock):
+    prompt = _swapped({"ulysses_degree": 2})
+    prompt["merge"] = {"class_type": "ModelMergeSimple", "inputs": {"model1": ["5", 0], "model2": ["6", 0], "ratio": 0.5}}
+    prompt["6"] = {"class_type": "UNETLoader", "inputs": {"unet_name": f"{MODEL}.safetensors", "weight_dtype": "default"}}
+    prompt["xdit-euler"]["inputs"]["model"] = ["merge", 0]
+    entry = comfy.wait(comfy.queue(prompt), 600)
+    assert entry["status"]["status_str"] == "error"
+    errors = [m[1] for m in entry["status"]["messages"] if m[0] == "execution_error"]
+    assert errors and errors[0]["node_type"] == "ModelMergeSimple", errors
+    assert "a model merge scales the model's own weights, which live on the pool" in errors[0]["exception_message"]
