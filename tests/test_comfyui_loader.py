@@ -112,3 +112,75 @@ def test_a_model_merge_on_the_loaders_model_is_one_error_of_the_merge_node(comfy
     errors = [m[1] for m in entry["status"]["messages"] if m[0] == "execution_error"]
     assert errors and errors[0]["node_type"] == "ModelMergeSimple", errors
     assert "a model merge scales the model's own weights, which live on the pool" in errors[0]["exception_message"]
+
+
+# -------------------------------------------------------------------------------------------- FLUX.1 [dev]
+FLUX = "tiny-flux-dev-comfy"
+FLUX_STEPS, FLUX_GUIDANCE = 4, 3.5
+
+
+def _flux_files(comfy) -> str:
+    """A FLUX.1 [dev] of ComfyUI's own head size (128; ComfyUI reads the rest from the file): a diffusers folder
+    with the tiny text encoders (for xDiT Text Encode) and BFL's single file (for both loaders)."""
+    from diffusers import FluxTransformer2DModel
+
+    from original_layouts import original_layout
+    from parallel.loading import tiny_models
+
+    pipe = tiny_models.build_tiny_pipeline("flux", seed=6)
+    transformer = tiny_models._peak_attention(tiny_models._seeded(
+        6, FluxTransformer2DModel, patch_size=1, in_channels=64, num_layers=1, num_single_layers=1,
+        attention_head_dim=128, num_attention_heads=2, joint_attention_dim=tiny_models.T5_DIM,
+        pooled_projection_dim=tiny_models.CLIP_DIM, guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
+        tiny_models.QK_SCALE)
+    pipe = type(pipe)(**{**pipe.components, "transformer": transformer})
+    pipe.save_pretrained(comfy.work / "models" / "diffusers" / FLUX, safe_serialization=True)
+    weights = original_layout("flux", transformer)
+    save_file({k: v.contiguous() for k, v in weights.items()}, comfy.work / "models" / "diffusion_models" / f"{FLUX}.safetensors")
+    return FLUX
+
+
+def _flux_template(model: dict, size: int = 64) -> dict:
+    """The sampling part of ComfyUI's FLUX.1 [dev] template: the prompt through FluxGuidance, ModelSamplingFlux,
+    KSampler at cfg 1, and SamplerCustomAdvanced with BasicGuider and Flux's own scheduler."""
+    return {
+        "pool": {"class_type": "XDiTPool", "inputs": {**_graph({}, stock=False)["1"]["inputs"], "model": FLUX,
+                                                       "nproc": 1, "ulysses_degree": 1}},
+        "text": {"class_type": "XDiTTextEncode", "inputs": {"pool": ["pool", 0], "text": "a lighthouse at dusk"}},
+        "guided": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["text", 0], "guidance": FLUX_GUIDANCE}},
+        "latent": {"class_type": "EmptySD3LatentImage", "inputs": {"width": size, "height": size, "batch_size": 1}},
+        "unet": model,
+        "shift": {"class_type": "ModelSamplingFlux", "inputs": {"model": ["unet", 0], "max_shift": 1.15, "base_shift": 0.5,
+                                                                "width": size, "height": size}},
+        "ksampler": {"class_type": "KSampler", "inputs": {
+            "model": ["shift", 0], "seed": 5, "steps": FLUX_STEPS, "cfg": 1.0, "sampler_name": "euler",
+            "scheduler": "simple", "positive": ["guided", 0], "negative": ["guided", 0], "latent_image": ["latent", 0],
+            "denoise": 1.0}},
+        "save-ksampler": {"class_type": "SaveLatent", "inputs": {"samples": ["ksampler", 0], "filename_prefix": "ks"}},
+        "guider": {"class_type": "BasicGuider", "inputs": {"model": ["shift", 0], "conditioning": ["guided", 0]}},
+        "sigmas": {"class_type": "BasicScheduler", "inputs": {"model": ["shift", 0], "scheduler": "simple",
+                                                              "steps": FLUX_STEPS, "denoise": 1.0}},
+        "noise": {"class_type": "RandomNoise", "inputs": {"noise_seed": 5}},
+        "sampler": {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "euler"}},
+        "custom": {"class_type": "SamplerCustomAdvanced", "inputs": {
+            "noise": ["noise", 0], "guider": ["guider", 0], "sampler": ["sampler", 0], "sigmas": ["sigmas", 0],
+            "latent_image": ["latent", 0]}},
+        "save-custom": {"class_type": "SaveLatent", "inputs": {"samples": ["custom", 0], "filename_prefix": "custom"}},
+    }
+
+
+def test_flux_dev_with_the_loader_swapped_equals_comfyuis_own_flux(comfy):
+    _flux_files(comfy)
+    stock = _run(comfy, _flux_template({"class_type": "UNETLoader", "inputs": {
+        "unet_name": f"{FLUX}.safetensors", "weight_dtype": "default"}}))
+    swapped = _run(comfy, _flux_template({**_loader(ulysses_degree=2), "inputs": {
+        **_loader(ulysses_degree=2)["inputs"], "unet_name": f"{FLUX}.safetensors"}}))
+    for name in ("ksampler", "custom"):
+        assert (swapped[name] - stock[name]).abs().max().item() <= TOLERANCE, name
+        assert stock[name].abs().max().item() > 0.1
+    assert (swapped["ksampler"] - stock["custom"]).abs().max().item() <= TOLERANCE  # the two samplers agree here
+    # negative control: without FluxGuidance's value the distilled model samples otherwise
+    unguided = _flux_template(_loader(ulysses_degree=2) | {"inputs": {**_loader(ulysses_degree=2)["inputs"],
+                                                                        "unet_name": f"{FLUX}.safetensors"}})
+    unguided["guided"]["inputs"]["guidance"] = 1.0
+    assert (_run(comfy, unguided)["ksampler"] - stock["ksampler"]).abs().max().item() > 1e-3
