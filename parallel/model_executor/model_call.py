@@ -38,7 +38,7 @@ def check_model_call(wrapper, tensors: dict[str, torch.Tensor], expert: str = ""
     expert_of(wrapper, expert)
     if not wrapper.model_call_inputs:
         raise ValueError(f"{pipeline} takes no single model calls on this pool yet (xDiT Model supports "
-                         "SD3, Flux.1 and Qwen-Image pipelines); sample it with xDiT Sampler")
+                         "SD3, Flux.1, Qwen-Image and Wan 2.1 / 2.2 text-to-video); sample it with xDiT Sampler")
     c = wrapper.parallel_config
     if c.pipefusion_degree > 1:
         raise LayoutError("PipeFusion pipelines patches across the steps of one sampling run, which single model "
@@ -53,21 +53,29 @@ def check_model_call(wrapper, tensors: dict[str, torch.Tensor], expert: str = ""
     check_tensor_values(tensors)
     latents, sigma = tensors["latents"], tensors["sigma"]
     batch = latents.shape[0]
-    channels = wrapper.module.transformer.config.in_channels // (4 if wrapper.comfy.packed else 1)
-    if latents.ndim != 4 or latents.shape[1] != channels:
-        raise ValueError(f"latents have shape {list(latents.shape)}; {pipeline} takes [batch, {channels}, height, width] "
-                         "in its model space")
+    channels = expert_of(wrapper, expert).config.in_channels // (4 if wrapper.comfy.packed else 1)
+    video = wrapper.comfy.temporal > 0
+    if latents.ndim != (5 if video else 4) or latents.shape[1] != channels:
+        layout = f"[batch, {channels}, frames, height, width]" if video else f"[batch, {channels}, height, width]"
+        raise ValueError(f"latents have shape {list(latents.shape)}; {pipeline} takes {layout} in its model space")
     if sigma.shape != (batch,):
         raise ValueError(f"sigma must hold one noise level per sample, shape [{batch}], not {list(sigma.shape)}")
     for name in wrapper.model_call_inputs:
         if name in tensors and tensors[name].shape[0] != batch:
             raise ValueError(f"{name} has batch {tensors[name].shape[0]} but latents have {batch}: send one per sample")
-    scale = wrapper.module.vae_scale_factor
-    height, width = latents.shape[2] * scale, latents.shape[3] * scale
-    tokens = wrapper.image_tokens(height, width)
+    size = call_size(wrapper, latents)
+    tokens = wrapper.sequence_tokens(size)
     if not wrapper.tokens_split(tokens):
-        raise LayoutError(f"{height}x{width} gives {tokens} image tokens, which do not split over sequence-parallel "
-                          f"degree {c.sp_degree}; choose a resolution whose token count divides by {c.sp_degree}")
+        raise LayoutError(f"{size['height']}x{size['width']} gives {tokens} tokens, which do not split over sequence-"
+                          f"parallel degree {c.sp_degree}; choose a resolution whose token count divides by {c.sp_degree}")
+
+
+def call_size(wrapper, latents: torch.Tensor) -> dict:
+    """A call's size as the pipeline's own checks read it: height and width in pixels, and a video's latents
+    (their frames)."""
+    scale = wrapper.latent_scale()
+    size = {"height": latents.shape[-2] * scale, "width": latents.shape[-1] * scale}
+    return {**size, "latents": latents} if latents.ndim == 5 else size
 
 
 def _split(dp, batch: int) -> list[int] | None:
@@ -89,10 +97,9 @@ def evaluate(wrapper, tensors: dict[str, torch.Tensor], expert: str = "") -> tor
         start, count = sum(counts[: dp.rank_in_group]), counts[dp.rank_in_group]
         latents, sigma = latents[start : start + count], sigma[start : start + count]
         inputs = {k: v[start : start + count] for k, v in inputs.items()}
-    scale = wrapper.module.vae_scale_factor
-    height, width = latents.shape[2] * scale, latents.shape[3] * scale
-    get_runtime_state().set_input_parameters(height=height, width=width, batch_size=latents.shape[0],
-                                             num_inference_steps=0, image_tokens=wrapper.image_tokens(height, width))
+    size = call_size(wrapper, latents)
+    get_runtime_state().set_input_parameters(height=size["height"], width=size["width"], batch_size=latents.shape[0],
+                                             num_inference_steps=0, image_tokens=wrapper.sequence_tokens(size))
     # The pipelines' loops pass the scheduler's timestep: sigma × num_train_timesteps for flow matching.
     timestep = sigma * wrapper.module.scheduler.config.num_train_timesteps
     arguments = wrapper.model_call_arguments(latents, timestep, inputs)

@@ -140,7 +140,7 @@ class JobLoop:
         started = time.perf_counter()
         with PeakMemory() as peak:
             latents = rank.runner.run(work, client, prepared)
-        rank.admission.record(rank.job_megapixels(submit, work.tensors["latents"]), submit.steps,
+        rank.admission.record(rank.job_megapixels(submit.height, submit.width, work.tensors["latents"]), submit.steps,
                               time.perf_counter() - started, peak.bytes)
         rank.last_cache = rank.runner.cache_outcome()
         if rank.last_cache is not None and rank.rank == 0:

@@ -99,11 +99,11 @@ class Rank:
         stopping = self.server is not None and self.server.stop_requested.is_set()
         return control.Beat(state=self.state, step=self.runner.step if self.state == "busy" else 0, stopping=stopping)
 
-    def job_megapixels(self, request, latents: torch.Tensor) -> float:
+    def job_megapixels(self, height: int, width: int, latents: torch.Tensor) -> float:
         """Output megapixels: video latents [B, C, T', H, W] hold (T' - 1) × the pipeline's frames per latent frame + 1."""
         temporal = self.pipeline.comfy.temporal
         frames = (latents.shape[2] - 1) * temporal + 1 if temporal and latents.ndim == 5 else 1
-        return megapixels(latents.shape[0], request.height, request.width, frames)
+        return megapixels(latents.shape[0], height, width, frames)
 
     # -- start-up -----------------------------------------------------------------------------------
     def start(self) -> None:

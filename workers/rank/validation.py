@@ -15,7 +15,6 @@ import torch
 
 from ..engine import engine
 from ..wire.protocol import Message
-from .admission import megapixels
 
 if TYPE_CHECKING:
     from .process import Rank
@@ -49,7 +48,7 @@ class Validator:
         if "latents" not in message.tensors:
             raise ValueError("submit needs a 'latents' tensor (the initial noise)")
         message.body = submit = rank.runner.for_family(message.body)
-        rank.admission.check(rank.job_megapixels(submit, message.tensors["latents"]), submit.steps)
+        rank.admission.check(rank.job_megapixels(submit.height, submit.width, message.tensors["latents"]), submit.steps)
         # with --layout auto the layout is chosen when the job runs: here only what every layout checks
         prepared = rank.runner.prepare(submit, message.tensors, check_layout=rank.layouts is None)
         init = message.tensors.get("init_latents")
@@ -63,10 +62,10 @@ class Validator:
         """The call's tensors, its conditioning filled in from what earlier calls sent, checked once."""
         rank = self.rank
         tensors = rank.conditioning.resolve(message.body.conditioning, message.tensors)
-        engine("model_executor.model_call").check_model_call(rank.pipeline, tensors, message.body.expert)
-        latents = tensors["latents"]
-        scale = rank.pipeline.module.vae_scale_factor
-        rank.admission.check(megapixels(latents.shape[0], latents.shape[2] * scale, latents.shape[3] * scale), 1)
+        model_call = engine("model_executor.model_call")
+        model_call.check_model_call(rank.pipeline, tensors, message.body.expert)
+        size = model_call.call_size(rank.pipeline, tensors["latents"])
+        rank.admission.check(rank.job_megapixels(size["height"], size["width"], tensors["latents"]), 1)
         return tensors
 
     def _check_decode(self, message: Message) -> None:

@@ -24,8 +24,10 @@ class xFuserWanPipeline(xFuserPipelineBaseWrapper):
         latent_formats={16: "Wan21", 48: "Wan22"}, temporal=4,
         expects="encode with xDiT Text Encode on this pool, or Wan's UMT5-XXL CLIP loader (4096 wide, 512 tokens)",
         empty_latent="EmptyHunyuanLatentVideo (Wan 2.1 / 2.2 A14B) or a Wan latent node",
+        model_class="WAN21_T2V", model_call_conds={"context": "prompt_embeds"},
     )
     embedding_sizes = {"prompt_embeds": "text_dim", "negative_prompt_embeds": "text_dim"}
+    model_call_inputs = model_call_required = ("prompt_embeds",)
     call_parameters = {
         "num_frames": CallParameter(int, "video frames, 4k+1 (default: as many as the latents hold)", 1, 10_000),
         "guidance_scale_2": CallParameter(float, "Wan 2.2 A14B: guidance of the low-noise expert (default: guidance_scale)",
@@ -35,6 +37,14 @@ class xFuserWanPipeline(xFuserPipelineBaseWrapper):
     def _config(self):
         transformer = self.module.transformer if self.module.transformer is not None else self.module.transformer_2
         return transformer.config
+
+    def model_call_arguments(self, latents, timestep, inputs):
+        """WanPipeline's loop: the 5-D latents as they are, the scheduler's timestep per sample, the text (Wan 2.2 TI2V's
+        per-token timesteps are the pipeline's loop only)."""
+        if self.module.config.get("expand_timesteps"):
+            raise ValueError("a model call of Wan 2.2 TI2V 5B (one timestep per token) is not supported yet; sample it "
+                             "with xDiT Sampler")
+        return {"hidden_states": latents, "timestep": timestep, "encoder_hidden_states": inputs["prompt_embeds"]}
 
     def encode_text(self, prompt: str) -> dict[str, torch.Tensor]:
         """As `WanPipeline(prompt=...)` encodes it: UMT5, padded with zeros to 512 tokens."""
