@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 
 class LayoutError(ValueError):
@@ -72,6 +72,8 @@ class ParallelConfig:
     shard_weights: bool = False  # FSDP2: each rank keeps 1/world of every transformer block (weight_sharding.py)
     offload: bool = False  # with shard_weights: the shards wait in CPU memory, on the GPU only while their block runs
     compile: bool = False  # torch.compile of every transformer block's forward (compile.py)
+    # --shard-weights alone on N ranks (for_world): the dp ranks split a batch only where it divides, else each runs it whole
+    dp_when_divisible: bool = False
 
     @property
     def sp_degree(self) -> int:
@@ -86,6 +88,23 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.dp_degree * self.cfg_degree * self.pipefusion_degree * self.sp_degree
 
+    def for_world(self, world_size: int) -> "ParallelConfig":
+        """The layout the ranks run: as given, except `--shard-weights` with every degree 1 on several ranks, where the
+        world holds one copy of the weights (FSDP2 over every rank) and its ranks are data-parallel replicas that split
+        a batch where it divides and otherwise each compute the whole step on the gathered blocks."""
+        if self.shard_weights and self.world_size == 1 and world_size > 1:
+            return replace(self, dp_degree=world_size, dp_when_divisible=True)
+        return self
+
+    def batch_split(self, batch: int) -> list[int] | None:
+        """Samples per data-parallel rank (in rank order, uneven where the batch does not divide), or None where every
+        dp rank runs the whole batch (no data parallelism, or `dp_when_divisible` and a batch that does not divide)."""
+        n = self.dp_degree
+        if n == 1 or (self.dp_when_divisible and batch % n):
+            return None
+        q, r = divmod(batch, n)
+        return [q + 1] * r + [q] * (n - r)
+
     def describe(self) -> str:
         parts = [
             f"{name}={value}"
@@ -98,7 +117,11 @@ class ParallelConfig:
             )
             if value > 1
         ]
+        if self.dp_when_divisible:
+            parts = [f"dp={self.dp_degree} where the batch divides"]
         layout = " × ".join(parts) or "single rank"
+        if self.shard_weights and self.world_size == 1:  # every degree 1: see for_world
+            layout = "dp over every rank where the batch divides"
         if self.shard_weights:
             layout += ", sharded weights offloaded to CPU" if self.offload else ", sharded weights"
         return f"{layout}, compiled" if self.compile else layout
@@ -127,11 +150,12 @@ class ParallelConfig:
             raise LayoutError("--offload moves the sharded blocks' weights to CPU memory between uses: add --shard-weights.")
         if self.num_patches is not None and self.num_patches < 1:
             raise LayoutError(f"--num-patches is {self.num_patches}; use 1 or more (default: the pipefusion degree).")
-        if self.world_size != world_size:
+        if self.world_size != world_size and self.for_world(world_size).world_size != world_size:
             raise LayoutError(
                 f"dp {self.dp_degree} × cfg {self.cfg_degree} × pipefusion {self.pipefusion_degree} × "
                 f"ring {self.ring_degree} × ulysses {self.ulysses_degree} = {self.world_size}, but there are "
-                f"{world_size} ranks; change the degrees (or {ranks_flag}) so the product is {world_size}."
+                f"{world_size} ranks; change the degrees (or {ranks_flag}) so the product is {world_size}"
+                + (", or give them all as 1 to shard the weights over every rank." if self.shard_weights else ".")
             )
 
 

@@ -29,6 +29,7 @@ from .families import FAMILIES
 from .launch import apply_threads_per_rank, die_with_parent
 from .loading import DTYPES, FLOW_SCHEDULERS, SCHEDULERS, load_pipeline, set_scheduler
 from .request import add_request_arguments, request_from_args
+from .weight_sharding import parameter_shares
 from .torchrun_exit import exit_after_work, exit_quietly
 
 INPUT_NAMES = FAMILIES.tensor_inputs()
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         request = request_from_args(args, parallel.call_parameters, type(pipeline).__name__)
         device, dtype = pipeline.transformer.device, pipeline.transformer.dtype
         tensors = {k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
+        shares = parameter_shares(pipeline) if config.shard_weights else None
         for _ in range(max(1, args.repeat)):
             start = time.perf_counter()
             latents = parallel(**request.pipeline_kwargs(tensors), output_type="latent", return_dict=False)[0]
@@ -156,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"-> {args.output}",
                 flush=True,
             )
+            if shares is not None:
+                print(f"xdit: each rank holds {', '.join(f'{s:.3f}' for s in shares)} of the transformer's parameter bytes",
+                      flush=True)
             if parallel.cache_report is not None:
                 print(f"xdit: {parallel.cache_report.describe()}", flush=True)
             if config.compile:

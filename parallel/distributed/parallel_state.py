@@ -72,6 +72,7 @@ def initialize_model_parallel(config: ParallelConfig) -> RankLayout:
     global _LAYOUT
     world = init_distributed_environment()
     config.check(world.world_size)
+    config = config.for_world(world.world_size)
     if _LAYOUT is not None:
         destroy_model_parallel()
     layout = RankLayout(config)

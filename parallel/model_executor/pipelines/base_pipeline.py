@@ -308,7 +308,7 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
             check_cache(kwargs[STEP_CACHE], c.pipefusion_degree, self.module.transformer.module)
         if c.cfg_degree > 1 and not self.uses_cfg(kwargs):
             raise LayoutError(self.cfg_parallel_hint(kwargs))
-        if batch < c.dp_degree:
+        if batch < c.dp_degree and not c.dp_when_divisible:
             raise LayoutError(
                 f"data parallel degree {c.dp_degree} needs at least {c.dp_degree} samples, but the batch is {batch}; "
                 f"lower --dp-degree or send {c.dp_degree} or more samples."
@@ -429,15 +429,14 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
         schedule = self.module.scheduler.tail_of(total) if total else contextlib.nullcontext()
         caching = self._step_cache(kwargs.pop(STEP_CACHE, None))
         dp = get_dp_group()
-        counts = [len(part) for part in torch.arange(batch).tensor_split(dp.world_size)]
-        start = sum(counts[: dp.rank_in_group])
-        local = {k: v if k in self.shared_inputs else _take(k, v, batch, start, counts[dp.rank_in_group])
-                 for k, v in kwargs.items()}
+        counts = self.parallel_config.batch_split(batch)  # None: this rank runs the whole batch
+        start, mine = (0, batch) if counts is None else (sum(counts[: dp.rank_in_group]), counts[dp.rank_in_group])
+        local = {k: v if k in self.shared_inputs else _take(k, v, batch, start, mine) for k, v in kwargs.items()}
         runtime = get_runtime_state()
         runtime.set_input_parameters(
             height=kwargs["height"],
             width=kwargs["width"],
-            batch_size=counts[dp.rank_in_group],
+            batch_size=mine,
             num_inference_steps=kwargs.get("num_inference_steps", 0),
             image_tokens=tokens,
         )
@@ -452,7 +451,7 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
                 if name in self._original:
                     getattr(self.module, name).settle()
             runtime.flow_scheduler = runtime.step_result = runtime.flow_combine = None  # the flow ends with the call
-        if dp.world_size == 1:
+        if counts is None:
             return output
         return _gather_batch(output, counts, dp)
 
