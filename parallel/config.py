@@ -74,6 +74,7 @@ class ParallelConfig:
     compile: bool = False  # torch.compile of every transformer block's forward (compile.py)
     # --shard-weights alone on N ranks (for_world): the dp ranks split a batch only where it divides, else each runs it whole
     dp_when_divisible: bool = False
+    share_gpus: bool = False  # more ranks than CUDA cards: the cards shared round-robin, the world over gloo (devices.py)
 
     @property
     def sp_degree(self) -> int:
@@ -146,6 +147,10 @@ class ParallelConfig:
                 f"--shard-weights with --pipefusion-degree {self.pipefusion_degree}: PipeFusion stages already hold "
                 "only their own blocks and run different blocks at once, so drop one of the two."
             )
+        if self.share_gpus and (self.ring_degree > 1 or self.pipefusion_degree > 1 or self.shard_weights):
+            raise LayoutError("--share-gpus runs the world over gloo, which sends no CUDA tensor point to point and has "
+                              "no FSDP collectives on them: use Ulysses, CFG or data parallel with it (no --ring-degree, "
+                              "--pipefusion-degree or --shard-weights)")
         if self.offload and not self.shard_weights:
             raise LayoutError("--offload moves the sharded blocks' weights to CPU memory between uses: add --shard-weights.")
         if self.num_patches is not None and self.num_patches < 1:
@@ -175,6 +180,8 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                        help="With --shard-weights: keep the shards in CPU memory, on the GPU only while their block runs.")
     group.add_argument("--compile", action="store_true",
                        help="torch.compile every transformer block (the first job of each size pays the compilation).")
+    group.add_argument("--share-gpus", action="store_true",
+                       help="allow more ranks than CUDA cards: they share the cards over gloo (slow; Ulysses, CFG, dp)")
     group.add_argument("--layout", choices=["auto"], default=None,
                        help="auto: measure the link and the compute, predict each layout's step time, run the fastest "
                             "(instead of the degrees; a pool chooses again for each new job size)")
@@ -190,6 +197,8 @@ def auto_layout_from_args(args: argparse.Namespace) -> AutoLayout | None:
             raise LayoutError("--link is for --layout auto")
         return None
     degrees = ("ulysses_degree", "ring_degree", "pipefusion_degree", "dp_degree")
+    if args.share_gpus:
+        raise LayoutError("--layout auto measures one card per rank: drop --share-gpus")
     if any(getattr(args, d) != 1 for d in degrees) or args.cfg_parallel or args.num_patches:
         raise LayoutError("--layout auto chooses the degrees itself: drop --ulysses/--ring/--pipefusion/--dp-degree, "
                           "--cfg-parallel and --num-patches")
@@ -210,4 +219,5 @@ def config_from_args(args: argparse.Namespace) -> ParallelConfig:
         shard_weights=args.shard_weights,
         offload=args.offload,
         compile=args.compile,
+        share_gpus=args.share_gpus,
     )

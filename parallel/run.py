@@ -24,13 +24,14 @@ from safetensors.torch import load_file, save_file
 
 from . import builtin_models
 from .arguments import ArgumentParser
+from .devices import DeviceError
 from .config import LayoutError, Link, add_parallel_arguments, auto_layout_from_args, config_from_args
 from .families import FAMILIES
 from .launch import apply_threads_per_rank, die_with_parent
 from .loading import DTYPES, FLOW_SCHEDULERS, SCHEDULERS, load_pipeline, set_scheduler
 from .request import add_request_arguments, request_from_args
-from .weight_sharding import parameter_shares
 from .torchrun_exit import exit_after_work, exit_quietly
+from .weight_sharding import parameter_shares
 
 INPUT_NAMES = FAMILIES.tensor_inputs()
 
@@ -126,7 +127,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from .distributed import destroy_distributed_environment, init_distributed_environment, initialize_model_parallel
 
-    world = init_distributed_environment()
+    try:
+        world = init_distributed_environment(share_gpus=args.share_gpus)
+    except DeviceError as error:  # before the world exists: every rank of this machine says it alike; one prints
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        exit_quietly(2)
     apply_threads_per_rank()
     try:
         check_files(args)

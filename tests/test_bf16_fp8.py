@@ -178,7 +178,9 @@ def test_a_pool_in_low_precision_is_within_diffusers_own_error(model_dirs, input
     job = {"steps": STEPS, "guidance_scale": call["guidance_scale"], "height": call["height"], "width": call["width"],
            **({"call": {"num_frames": call["num_frames"]}} if "num_frames" in call else {})}
     with serving(model_dirs[model], tmp_path, "--nproc", "2", *MODELS[model][0], "--dtype", dtype) as client:
-        assert client.status()["dtype"] == dtype
+        status = client.status()
+        assert status["dtype"] == dtype
+        assert (status["p2p"], status["cards"], status["mixed_cards"]) == ("n/a", [], False)  # CPU ranks: parallel/devices.py
         ours = client.sample(load_file(inputs[model]), job)
     own, bound = _bound(references, model, dtype)
     error = relative_l2(ours, references[model][None])

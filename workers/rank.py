@@ -119,7 +119,7 @@ class Rank:
         if self.args.nnodes > 1 and int(os.environ["WORLD_SIZE"]) != nodes_nproc:
             raise StartRefused(f"the world has {os.environ['WORLD_SIZE']} ranks but {self.args.nnodes} nodes × "
                                f"--nproc {os.environ['LOCAL_WORLD_SIZE']} = {nodes_nproc}: give every node the same --nproc")
-        world = distributed.init_distributed_environment()
+        world = distributed.init_distributed_environment(share_gpus=self.args.share_gpus)
         self.world_size = world.world_size
         self.config = config_from_args(self.args)
         self.auto = auto_layout_from_args(self.args)  # None: the degrees as given
@@ -248,6 +248,7 @@ class Rank:
             "compile": engine("compile").report() if self.config.compile and self.state != "starting" else None,
             "pids": self.pids,
             "nodes": nodes,
+            **engine("devices").status_fields(),  # p2p, cards, mixed_cards: this machine's (parallel/devices.py)
         }
 
     def validate(self, message: Message):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import devices
 from ..config import ParallelConfig
 from .group_coordinator import GroupCoordinator
 
@@ -53,13 +54,16 @@ _GROUPS: dict[str, GroupCoordinator] = {}
 _LAYOUT: RankLayout | None = None
 
 
-def init_distributed_environment(backend: str | None = None) -> GroupCoordinator:
-    """Join the torchrun world (env://): NCCL when CUDA is present, gloo otherwise."""
+def init_distributed_environment(backend: str | None = None, share_gpus: bool = False) -> GroupCoordinator:
+    """Join the torchrun world (env://): NCCL when CUDA is present, gloo otherwise. Before NCCL starts, this machine's
+    cards are checked and each rank placed (devices.py: peer access, mixed cards, more ranks than cards, which
+    `share_gpus` allows over gloo); a DeviceError is one line naming the fix."""
     global _WORLD
     if not dist.is_initialized():
         if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
+            plan = devices.apply(devices.plan_devices(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), share_gpus=share_gpus))
+            backend = plan.backend
+        elif backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend=backend)
     if _WORLD is None:
