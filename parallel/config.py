@@ -75,6 +75,7 @@ class ParallelConfig:
     # --shard-weights alone on N ranks (for_world): the dp ranks split a batch only where it divides, else each runs it whole
     dp_when_divisible: bool = False
     share_gpus: bool = False  # more ranks than CUDA cards: the cards shared round-robin, the world over gloo (devices.py)
+    fp8_matmul: bool | None = None  # fp8 weights multiplied in fp8 on cards that can; None: where ComfyUI would (fp8_matmul.py)
 
     @property
     def sp_degree(self) -> int:
@@ -180,6 +181,9 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                        help="With --shard-weights: keep the shards in CPU memory, on the GPU only while their block runs.")
     group.add_argument("--compile", action="store_true",
                        help="torch.compile every transformer block (the first job of each size pays the compilation).")
+    group.add_argument("--fp8-matmul", action=argparse.BooleanOptionalAction, default=None,
+                       help="multiply fp8 weights in fp8 (torch._scaled_mm) on cards with fp8 tensor cores (compute "
+                            "capability 8.9+); default: for the files ComfyUI runs that way (its scaled fp8)")
     group.add_argument("--share-gpus", action="store_true",
                        help="allow more ranks than CUDA cards: they share the cards over gloo (slow; Ulysses, CFG, dp)")
     group.add_argument("--layout", choices=["auto"], default=None,
@@ -220,4 +224,5 @@ def config_from_args(args: argparse.Namespace) -> ParallelConfig:
         offload=args.offload,
         compile=args.compile,
         share_gpus=args.share_gpus,
+        fp8_matmul=args.fp8_matmul,
     )

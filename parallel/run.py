@@ -164,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"-> {args.output}",
                 flush=True,
             )
+            if parallel.fp8_matmul:
+                print(f"xdit: {parallel.fp8_matmul} fp8 layers multiply in fp8 (torch._scaled_mm)", flush=True)
             if shares is not None:
                 print(f"xdit: each rank holds {', '.join(f'{s:.3f}' for s in shares)} of the transformer's parameter bytes",
                       flush=True)

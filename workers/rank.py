@@ -237,6 +237,7 @@ class Rank:
             "text_encoders": self.args.text_encoders,
             "dtype": self.args.dtype or "as saved",
             "storage": self.storage,
+            "fp8_matmul": self.pipeline.fp8_matmul if self.state != "starting" else 0,  # fp8 layers multiplying in fp8
             "loads": {"pipeline": 1, "lora": self.loras.loads if self.state != "starting" else 0},
             "loras": [vars(spec) for spec in self.loras.active] if self.state != "starting" else [],
             "mesh": [self.layout.coordinates(r) for r in range(self.world_size)] if self.layout else [],

@@ -104,6 +104,8 @@ class PoolSpec:
             args.append("--compile")
         if p.share_gpus:
             args.append("--share-gpus")
+        if p.fp8_matmul is not None:
+            args.append("--fp8-matmul" if p.fp8_matmul else "--no-fp8-matmul")
         if self.max_megapixels:
             args += ["--max-megapixels", str(self.max_megapixels)]
         if self.max_job_seconds:

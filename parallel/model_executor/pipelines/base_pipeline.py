@@ -66,7 +66,10 @@ class xFuserPipelineBaseWrapper(xFuserBaseWrapper):
         from ..models.transformers import xFuserTransformerBaseWrapper
 
         super().__init__(pipeline)
+        from ...checkpoints.fp8_matmul import use_fp8_matmul
+
         self.parallel_config: ParallelConfig = get_layout().config
+        self.fp8_matmul = use_fp8_matmul(pipeline, self.parallel_config.fp8_matmul)  # fp8 layers multiplying in fp8
         self.cache_report = None  # the last call's step_cache.CacheReport, when it asked for a cache
         self._original = {"scheduler": pipeline.scheduler}
         pipeline.scheduler = xFuserSchedulerWrappersRegister.get_wrapper(pipeline.scheduler)(pipeline.scheduler)
