@@ -110,9 +110,13 @@ def section(folder: Path, card: str, seconds: float, torch_version: str = "") ->
     return "\n".join(lines) + "\n"
 
 
+PLACEHOLDER = "## GPU check (`bash scripts/gpu_check.sh`): ready, awaiting a lent GPU"
+
+
 def write(results: Path, card: str, text: str) -> None:
-    """Put `text` in place of the card's earlier section, or at the end."""
+    """Put `text` in place of the card's earlier section, or at the end (the waiting note goes: a card has run it)."""
     old = results.read_text() if results.is_file() else "# Benchmark results\n"
+    old = re.sub(re.escape(PLACEHOLDER) + r".*?(?=\n## |\n<!-- gpu_check: |\Z)", "", old, flags=re.S)
     marker = f"<!-- gpu_check: {card} -->"
     pattern = re.compile(re.escape(marker) + r".*?(?=\n<!-- gpu_check: |\n## (?!GPU check on " + re.escape(card) + r")|\Z)",
                          re.S)

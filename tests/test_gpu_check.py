@@ -45,13 +45,13 @@ def _stand_in_outputs(folder, speedup: float) -> None:
 
 def test_gpu_report_writes_the_cards_section_and_replaces_it_on_a_rerun(tmp_path):
     results = tmp_path / "RESULTS.md"
-    results.write_text("# Benchmark results\n\n## Earlier section\n\nkept\n")
+    results.write_text(f"# Benchmark results\n\n## Earlier section\n\nkept\n\n{gpu_report.PLACEHOLDER}\n\nnot yet\n")
     _stand_in_outputs(tmp_path, 1.5)
     card = "NVIDIA H100 80GB HBM3"
     args = [str(tmp_path), "--card", card, "--seconds", "400", "--results", str(results)]
     assert gpu_report.main(args) == 0
     text = results.read_text()
-    assert "## Earlier section\n\nkept" in text and f"## GPU check on {card}" in text
+    assert "## Earlier section\n\nkept" in text and f"## GPU check on {card}" in text and "not yet" not in text
     assert "| 1-rank pool (NCCL, bf16) vs the same pipeline in-process, large-flux, 4 steps | +1.0%" in text
     assert "0.200 s vs 0.300 s: 1.50×" in text and "| tests/gpu (pytest) | 2 of 2 passed in 95 s |" in text
     assert "| bench.link_table calibrated | did not finish |" in text  # a stage without output says so
