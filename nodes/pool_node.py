@@ -105,15 +105,18 @@ LATER_LAYOUT_INPUTS = ("shard_weights", "offload", "compile")
 
 def layout_inputs(names=None, optional: bool = False) -> list:
     """The inputs of ParallelConfig's fields `names` (None: those in neither list above), from their widgets."""
-    chosen = [f for f in fields_of(ParallelConfig)
-              if (f.name in names if names is not None else f.name not in FIRST_LAYOUT_INPUTS + LATER_LAYOUT_INPUTS)]
+    chosen = [f for f in fields_of(ParallelConfig) if f.rule.widget is not None
+              and (f.name in names if names is not None else f.name not in FIRST_LAYOUT_INPUTS + LATER_LAYOUT_INPUTS)]
     if names is not None:
         chosen.sort(key=lambda f: names.index(f.name))
     inputs = []
     for f in chosen:
         widget = f.rule.widget
         name, default = widget.name or f.name, f.default if widget.default is UNSET else widget.default
-        if isinstance(default, bool):
+        if widget.choices is not None:
+            inputs.append(io.Combo.Input(name, options=list(widget.choices), default=next(iter(widget.choices)),
+                                         optional=optional, tooltip=widget.tooltip))
+        elif isinstance(default, bool):
             inputs.append(io.Boolean.Input(name, default=default, optional=optional, tooltip=widget.tooltip))
         else:
             inputs.append(io.Int.Input(name, default=default, min=widget.minimum, max=widget.maximum or 256,
@@ -130,11 +133,15 @@ def layout_of(kwargs) -> ParallelConfig:
     values = {}
     for f in fields_of(ParallelConfig):
         widget = f.rule.widget
+        if widget is None:  # derived by the ranks (for_world), never set by a user
+            continue
         name = widget.name or f.name
         if name not in kwargs or (_auto(kwargs) and (f.name.endswith("_degree") or f.name == "num_patches")):
             continue
         value = kwargs[name]
-        if widget.on is not UNSET:
+        if widget.choices is not None:
+            value = widget.choices[value]
+        elif widget.on is not UNSET:
             value = widget.on if value else f.default
         elif widget.unset is not UNSET and value == widget.unset:
             value = None

@@ -51,7 +51,7 @@ class Flag:
 class Widget:
     """How a ComfyUI node shows a field: its input's name (default: the field's), default, bounds and tooltip.
     `on`: a boolean input standing for the field's value `on` (cfg_parallel for cfg_degree 2); `unset`: the
-    widget value that means the field's None (num_patches 0)."""
+    widget value that means the field's None (num_patches 0); `choices`: a combo of named values (auto / on / off)."""
 
     tooltip: str
     name: str = ""
@@ -60,6 +60,7 @@ class Widget:
     maximum: int | None = None
     on: Any = UNSET
     unset: Any = UNSET
+    choices: dict[str, Any] | None = None  # a combo: each choice's field value (the first is the default)
 
 
 @dataclass(frozen=True)
@@ -227,6 +228,11 @@ def _scalar(kind: Any) -> type:
     return args[0] if args else kind
 
 
+def _tristate(f: Declared) -> bool:
+    """A `bool | None` field: `--name` / `--no-name`, neither leaving it None (decided elsewhere)."""
+    return _scalar(f.type) is bool and f.rule.flag.on is UNSET
+
+
 def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type) -> None:
     """The flags of `cls`'s fields that declare one, defaults as declared."""
     for f in fields_of(cls):
@@ -235,6 +241,8 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
             continue
         if flag.on is not UNSET:
             parser.add_argument(flag.name, action="store_true", help=flag.help)
+        elif _tristate(f):
+            parser.add_argument(flag.name, action=argparse.BooleanOptionalAction, default=f.default, help=flag.help)
         else:
             default = flag.default if flag.default is not UNSET else f.default
             parser.add_argument(flag.name, type=_scalar(f.type), default=None if default is MISSING else default,
@@ -263,5 +271,8 @@ def to_flags(value: Any) -> list[str]:
         flag, current = f.rule.flag, getattr(value, f.name)
         if flag is None or current == f.default:
             continue
-        argv += [flag.name] if flag.on is not UNSET else [flag.name, str(current)]
+        if flag.on is not UNSET or _tristate(f):
+            argv.append(flag.name if current or flag.on is not UNSET else "--no-" + flag.name.removeprefix("--"))
+        else:
+            argv += [flag.name, str(current)]
     return argv

@@ -22,14 +22,16 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .loading import builtin_models
 from .cli.arguments import ArgumentParser
+from .distributed.devices import DeviceError
 from .layout.config import LayoutError, Link, add_parallel_arguments, auto_layout_from_args, config_from_args
+from .loading import builtin_models
 from .families import FAMILIES
 from .cli.launch import apply_threads_per_rank, die_with_parent
 from .loading.pipelines import DTYPES, FLOW_SCHEDULERS, SCHEDULERS, load_pipeline, set_scheduler
 from .request import add_request_arguments, request_from_args
 from .cli.torchrun_exit import exit_after_work, exit_quietly
+from .loading.weight_sharding import parameter_shares
 
 INPUT_NAMES = FAMILIES.tensor_inputs()
 
@@ -125,7 +127,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from .distributed import destroy_distributed_environment, init_distributed_environment, initialize_model_parallel
 
-    world = init_distributed_environment()
+    try:
+        world = init_distributed_environment(share_gpus=args.share_gpus)
+    except DeviceError as error:  # before the world exists: every rank of this machine says it alike; one prints
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        exit_quietly(2)
     apply_threads_per_rank()
     try:
         check_files(args)
@@ -144,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         request = request_from_args(args, parallel.call_parameters, type(pipeline).__name__)
         device, dtype = pipeline.transformer.device, pipeline.transformer.dtype
         tensors = {k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
+        shares = parameter_shares(pipeline) if config.shard_weights else None
         for _ in range(max(1, args.repeat)):
             start = time.perf_counter()
             latents = parallel(**request.pipeline_kwargs(tensors), output_type="latent", return_dict=False)[0]
@@ -156,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"-> {args.output}",
                 flush=True,
             )
+            if parallel.fp8_matmul:
+                print(f"xdit: {parallel.fp8_matmul} fp8 layers multiply in fp8 (torch._scaled_mm)", flush=True)
+            if shares is not None:
+                print(f"xdit: each rank holds {', '.join(f'{s:.3f}' for s in shares)} of the transformer's parameter bytes",
+                      flush=True)
             if parallel.cache_report is not None:
                 print(f"xdit: {parallel.cache_report.describe()}", flush=True)
             if config.compile:

@@ -73,6 +73,7 @@ ULYSSES2, PIPEFUSION2 = ("--ulysses-degree", "2"), ("--pipefusion-degree", "2", 
 CASES = {f"{style}-{name}": (style, layout) for style in STYLES for name, layout in
          (("ulysses2", ULYSSES2), ("pipefusion2", PIPEFUSION2))}
 CASES["scaled_fp8-ulysses2-shard-weights"] = ("scaled_fp8", (*ULYSSES2, "--shard-weights"))  # dequantized at load
+CASES["scaled_fp8-ulysses2-fp8-matmul"] = ("scaled_fp8", (*ULYSSES2, "--fp8-matmul"))  # no fp8 tensor cores: dequantized
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -90,6 +91,7 @@ def test_a_pool_keeps_fp8_and_reports_its_storage(files, reference, tmp_path):
         status = client.status()
         got = client.sample(load_file(files["inputs"]), JOB)
     assert set(status["storage"]) == {"float8_e4m3fn", "float32"}
+    assert status["fp8_matmul"] == 0  # a ComfyUI fast-fp8 file, but CPU ranks have no fp8 matmuls (test_fp8_matmul.py)
     assert all(row["parameter_bytes"] == sum(status["storage"].values()) for row in status["memory"])
     assert (got - reference).abs().max().item() <= TOLERANCE
     whole = sum(storage_of(load_pipeline(files["fp8"]).transformer).values())  # bf16 compute, the default for fp8

@@ -12,6 +12,7 @@ diffusers within 1e-4 (PipeFusion with warm-up = steps, so exact).
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -45,6 +46,27 @@ def test_the_link_table_prices_wan_at_720p_on_8_gpus(capsys):
     assert link_table.main([]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "ms" in line]
     assert len(rows) == len(JOBS) * 3 and all(line.count(" ms, ") == 4 for line in rows)
+
+
+def test_the_link_table_predicts_from_saved_block_measurements(tmp_path, capsys):
+    """`--blocks FILE` (what `--measure` saves on a GPU): blocks saved at the --tflops rate give the --tflops table;
+    blocks twice as slow give other times, so the file is what prices them. `--measure` needs CUDA: one line, exit 2."""
+    assert link_table.main(["--tflops", "400"]) == 0
+    priced = [line.split("|", 2)[2] for line in capsys.readouterr().out.splitlines() if " ms, " in line]
+    for factor, same in ((1.0, True), (2.0, False)):
+        saved = {"device": "a stand-in card", "dtype": "bf16", "jobs": {
+            name: [[*shape, factor * block_seconds(shape, job, H100)] for shape in link_table.shapes_of(job)]
+            for name, job in JOBS.items()}}
+        path = tmp_path / f"blocks{factor}.json"
+        path.write_text(json.dumps(saved))
+        assert link_table.main(["--blocks", str(path), "--json", str(tmp_path / "out.json")]) == 0
+        out = capsys.readouterr().out
+        assert "blocks measured on a stand-in card" in out
+        assert ([line.split("|", 2)[2] for line in out.splitlines() if " ms, " in line] == priced) is same
+    assert json.loads((tmp_path / "out.json").read_text())["blocks_measured_on"] == "a stand-in card"
+    with pytest.raises(SystemExit) as refused:
+        link_table.main(["--measure"])
+    assert refused.value.code == 2 and capsys.readouterr().err.startswith("error: --measure times the blocks on a CUDA")
 
 
 def test_predictions_add_up():

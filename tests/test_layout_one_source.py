@@ -18,18 +18,28 @@ from workers.supervisor import PoolSpec
 from xdit_test_helpers import import_node_module
 
 
+SET = [f for f in fields_of(ParallelConfig) if f.rule.flag is not None]  # a user's fields (the rest: derived)
+
+
 def changed(f) -> object:
     """A value of field `f` other than its default, as a user could set it."""
-    if f.rule.flag is not None and f.rule.flag.on is not UNSET:
+    if f.rule.flag.on is not UNSET:
         return f.rule.flag.on
+    if f.default is None and f.rule.widget.choices:  # a tri-state: on
+        return True
     return 3 if f.default in (None, 1) else f.default + 2
 
 
 def one_field_set() -> list[ParallelConfig]:
-    return [ParallelConfig(**{f.name: changed(f)}) for f in fields_of(ParallelConfig)]
+    return [ParallelConfig(**{f.name: changed(f)}) for f in SET]
 
 
-@pytest.mark.parametrize("config", one_field_set(), ids=[f.name for f in fields_of(ParallelConfig)])
+def test_every_field_a_user_sets_has_a_flag_and_a_widget():
+    assert all(f.rule.widget is not None for f in SET)
+    assert [f.name for f in fields_of(ParallelConfig) if f.rule.flag is None] == ["dp_when_divisible"]
+
+
+@pytest.mark.parametrize("config", one_field_set(), ids=[f.name for f in SET])
 def test_every_field_travels_through_the_flags_and_the_rank_command_line(config):
     parser = argparse.ArgumentParser()
     add_parallel_arguments(parser)
@@ -66,9 +76,11 @@ def pool_node(monkeypatch):
 def node_values(node, config: ParallelConfig) -> dict:
     """The xDiT Pool widgets' values that stand for `config`, read off its inputs as declared."""
     values = {"nproc": config.world_size, "endpoint": ""}
-    for f in fields_of(ParallelConfig):
+    for f in SET:
         widget, value = f.rule.widget, getattr(config, f.name)
-        if widget.on is not UNSET:
+        if widget.choices is not None:
+            value = next(name for name, choice in widget.choices.items() if choice == value)
+        elif widget.on is not UNSET:
             value = value == widget.on
         elif widget.unset is not UNSET and value is None:
             value = widget.unset
@@ -82,11 +94,11 @@ def test_the_node_offers_every_field_in_the_order_saved_workflows_keep(pool_node
                      "dp_degree"]  # the widget positions of every saved workflow
     later = [name for _, name, _ in pool_node.layout_inputs(pool_node.LATER_LAYOUT_INPUTS, optional=True)]
     rest = [name for _, name, _ in pool_node.layout_inputs(optional=True)]
-    declared = {f.rule.widget.name or f.name for f in fields_of(ParallelConfig)}
+    declared = {f.rule.widget.name or f.name for f in SET}
     assert set(names) | set(later) | set(rest) == declared
 
 
-@pytest.mark.parametrize("config", one_field_set(), ids=[f.name for f in fields_of(ParallelConfig)])
+@pytest.mark.parametrize("config", one_field_set(), ids=[f.name for f in SET])
 def test_every_field_travels_through_the_node(pool_node, config):
     assert dataclasses.asdict(pool_node.layout_of(node_values(pool_node, config))) == dataclasses.asdict(config)  # (the pack's own copy of the class)
 

@@ -4,6 +4,8 @@ CFG, equals diffusers' single-process pipeline; the pool's status shows each ran
 the step cache on sharded blocks equals diffusers' cached pipeline; a wrong shard on one rank is caught
 (negative control); contract E and the xDiT Pool node take the flag and refuse it with PipeFusion;
 `--offload` (the shards in CPU memory, FSDP2's CPUOffloadPolicy) is exact too and needs --shard-weights.
+`--shard-weights` alone (every degree 1) on 2 ranks runs too: each rank holds ≤ 0.55 of the weights (a 16-block tiny
+Flux through contract E) and splits a batch where it divides, else computes it whole; equal to diffusers either way.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
 STEPS, SIZE = 2, 64
 LAYOUTS = {
     2: {"shard2-dp2": {"dp_degree": 2}, "shard2-ulysses2": {"ulysses_degree": 2}, "shard2-cfg2": {"cfg_degree": 2},
-        "shard2-ring2": {"ring_degree": 2}, "shard2-ulysses2-offload": {"ulysses_degree": 2, "offload": True}},
+        "shard2-ring2": {"ring_degree": 2}, "shard2-ulysses2-offload": {"ulysses_degree": 2, "offload": True},
+        "shard2": {}},  # alone: one sample, so every rank computes it whole on the gathered blocks
     4: {"shard4-cfg2-ulysses2": {"cfg_degree": 2, "ulysses_degree": 2}},
 }
 # Wan 2.2 A14B: both experts sharded. The Qwen-Image-Edit models shard Qwen-Image's transformer, which is here.
@@ -33,6 +36,7 @@ FRAMES = {"wan": 5, "wan22": 5}
 CASES = [(n, f, l) for n, layouts in LAYOUTS.items() for f in FAMILIES for l in layouts
          if tiny_models.MODELS[f].cfg or "cfg" not in l]  # FLUX.2 [dev] has no CFG to split
 FAULT = (2, "sd3", "shard2-ulysses2-stale")
+FAULT_ALONE = (2, "flux", "shard2-stale")  # the same wrong shard with --shard-weights alone
 CACHED = (2, "flux", "shard2-ulysses2-cached")  # diffusers' first-block cache hooks on sharded blocks
 CACHE = {"method": "first-block", "threshold": 0.5}
 
@@ -54,7 +58,7 @@ def matrix(tiny_model_dirs, video_model_dirs, tmp_path_factory):
     results = {}
     for nproc, layouts in LAYOUTS.items():
         specs = []
-        for case in [c for c in CASES if c[0] == nproc] + ([FAULT, CACHED] if nproc == 2 else []):
+        for case in [c for c in CASES if c[0] == nproc] + ([FAULT, FAULT_ALONE, CACHED] if nproc == 2 else []):
             _, family, layout = case
             batch = 2 if "dp2" in layout else 1  # data parallel: each rank its own sample
             inputs = work / f"{family}-b{batch}.safetensors"
@@ -63,8 +67,8 @@ def matrix(tiny_model_dirs, video_model_dirs, tmp_path_factory):
                 save_file(tiny_models.make_inputs(family, batch=batch, height=SIZE, width=SIZE, **frames), inputs)
             output = work / f"{nproc}-{family}-{layout}.safetensors"
             specs.append({"model": str({**tiny_model_dirs, **video_model_dirs}[family]), "inputs": str(inputs), "output": str(output),
-                          "layout": layouts[layout.rsplit("-", 1)[0] if case in (FAULT, CACHED) else layout],
-                          "call": call_kwargs(family, layout), "fault": "stale_shard" if case == FAULT else None,
+                          "layout": layouts[layout.rsplit("-", 1)[0] if case in (FAULT, FAULT_ALONE, CACHED) else layout],
+                          "call": call_kwargs(family, layout), "fault": "stale_shard" if case in (FAULT, FAULT_ALONE) else None,
                           "cache": CACHE if case == CACHED else None})
             results[case] = (output, inputs)
         spec_file = work / f"cases{nproc}.json"
@@ -91,8 +95,9 @@ def test_sharded_weights_match_single_process_diffusers(matrix, case):
     assert error <= TOLERANCE, f"{case}: max |sharded - diffusers| = {error:.3g}"
 
 
-def test_negative_control_one_wrong_shard_fails(matrix):
-    parallel, expected = _result(matrix, FAULT)
+@pytest.mark.parametrize("fault", [FAULT, FAULT_ALONE], ids=["ulysses2", "alone"])
+def test_negative_control_one_wrong_shard_fails(matrix, fault):
+    parallel, expected = _result(matrix, fault)
     assert (parallel - expected).abs().max().item() > 100 * TOLERANCE
 
 
@@ -110,6 +115,21 @@ def test_step_cache_on_sharded_weights_matches_diffusers_cached(matrix):
 def test_offload_without_shard_weights_is_refused_in_one_line():
     with pytest.raises(LayoutError, match="--offload .* add --shard-weights"):
         ParallelConfig(ulysses_degree=2, offload=True).check(2)
+
+
+def test_shard_weights_alone_makes_the_ranks_replicas_that_split_a_batch_where_it_divides():
+    alone = ParallelConfig(shard_weights=True)
+    alone.check(2)  # every degree 1 on 2 ranks: refused without --shard-weights (below)
+    ranks = alone.for_world(2)
+    assert (ranks.dp_degree, ranks.dp_when_divisible) == (2, True) and ranks.world_size == 2
+    assert ranks.describe() == "dp=2 where the batch divides, sharded weights"
+    assert [ranks.batch_split(b) for b in (1, 2, 3, 4)] == [None, [1, 1], None, [2, 2]]  # None: each rank runs it whole
+    assert ParallelConfig(dp_degree=2).batch_split(3) == [2, 1]  # --dp-degree splits unevenly, as before
+    assert ParallelConfig(shard_weights=True, ulysses_degree=2).for_world(2).dp_degree == 1  # a layout: as given
+    with pytest.raises(LayoutError, match=r"there are 2 ranks \(.*so the product is 2\.$"):
+        ParallelConfig().check(2)
+    with pytest.raises(LayoutError, match="or give them all as 1 to shard the weights over every rank"):
+        ParallelConfig(dp_degree=3, shard_weights=True).check(2)
 
 
 def test_shard_weights_with_pipefusion_is_refused_in_one_line():
@@ -135,7 +155,8 @@ def deep_model(tiny_model_dirs, tmp_path_factory) -> tuple[Path, int]:
 @pytest.mark.parametrize("nproc, flags, bound", [
     (2, ["--ulysses-degree", "2"], 0.55),
     (4, ["--ulysses-degree", "2", "--cfg-parallel"], 0.3),
-], ids=["2ranks", "4ranks-ulysses2-cfg2"])
+    (2, [], 0.55),  # --shard-weights alone
+], ids=["2ranks", "4ranks-ulysses2-cfg2", "2ranks-alone"])
 def test_pool_status_shows_each_rank_holding_its_share(deep_model, tmp_path, nproc, flags, bound):
     folder, unsharded = deep_model
     endpoint = free_endpoint()
@@ -172,6 +193,36 @@ def test_pool_node_passes_shard_weights_and_refuses_it_with_pipefusion(monkeypat
     assert refused.startswith("--shard-weights with --pipefusion-degree 2")
     assert node.pool_key({**kwargs, "offload": True}, resolve_model=False).parallel.offload is True
     assert node.XDiTPool.validate_inputs(**{**kwargs, "shard_weights": False, "offload": True}).startswith("--offload")
+
+
+@pytest.fixture(scope="module")
+def deep_flux(tiny_model_dirs, tmp_path_factory) -> Path:
+    """The tiny Flux with 8 double and 8 single blocks: its 4 blocks are 87% of its weights, these 16 are 96% (FLUX.1
+    [dev]'s 57 are 99%); the rest (embedders, output projection) stays whole on every rank."""
+    from diffusers import DiffusionPipeline, FluxTransformer2DModel
+
+    pipeline = DiffusionPipeline.from_pretrained(tiny_model_dirs["flux"])
+    torch.manual_seed(0)
+    pipeline.transformer = FluxTransformer2DModel.from_config({**pipeline.transformer.config, "num_layers": 8,
+                                                                "num_single_layers": 8})
+    folder = tmp_path_factory.mktemp("deep") / "flux-deep"
+    pipeline.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("batch", [1, 2], ids=["one-sample-whole-on-each-rank", "two-samples-split"])
+def test_contract_e_shard_weights_alone_on_two_ranks_equals_diffusers_with_half_the_weights(deep_flux, tmp_path, batch):
+    inputs, output = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_file(tiny_models.make_inputs("flux", batch=batch), inputs)
+    run = torchrun(2, "-m", "parallel.run", "--model", str(deep_flux), "--inputs", str(inputs), "--output", str(output),
+                   "--steps", "2", "--height", "64", "--width", "64", "--guidance-scale", "3.5", "--shard-weights")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "[dp=2 where the batch divides, sharded weights]" in run.stdout
+    shares = [float(s) for s in run.stdout.split("each rank holds ")[1].split(" of ")[0].split(", ")]
+    assert len(shares) == 2 and all(0 < share <= 0.55 for share in shares), shares
+    expected = diffusers_latents(deep_flux, "flux", **load_file(inputs), num_inference_steps=2, guidance_scale=3.5,
+                                 height=64, width=64)
+    assert (load_file(output)["latents"] - expected).abs().max().item() <= TOLERANCE
 
 
 def _engine(model_dir, inputs, output, *flags):

@@ -32,6 +32,7 @@ def _pool_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument("--text-encoders", action="store_true", help="also load the text encoders")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "fp8"], default=None, help="fp8: fp8 storage, bf16 compute")
     parser.add_argument("--threads-per-rank", type=int, default=None)
+    parser.add_argument("--devices", default=None, help="CUDA cards for the ranks, e.g. 0,1 (default: all)")
     limits = parser.add_argument_group("limits (jobs past them are refused at submit; ranks that hang are ended)")
     limits.add_argument("--max-megapixels", type=float, default=0.0, metavar="MP",
                         help="largest job in output megapixels, batch × frames × height × width (default: no limit)")
@@ -87,7 +88,7 @@ def _spec(args, endpoint: str | None, curve_dir: str | None = None):
     return PoolSpec(
         model=args.model, vae=args.vae, nproc=args.nproc, endpoint=endpoint, parallel=config.config_from_args(args),
         auto=config.auto_layout_from_args(args),
-        text_encoders=args.text_encoders, dtype=args.dtype, threads_per_rank=args.threads_per_rank,
+        text_encoders=args.text_encoders, dtype=args.dtype, threads_per_rank=args.threads_per_rank, devices=args.devices,
         curve_dir=curve_dir, nnodes=getattr(args, "nnodes", 1), node_rank=getattr(args, "node_rank", 0),
         rdzv_endpoint=getattr(args, "rdzv_endpoint", None), rdzv_id=getattr(args, "rdzv_id", "xdit-pool"),
         max_megapixels=args.max_megapixels, max_job_seconds=args.max_job_seconds, hang_timeout_s=args.hang_timeout,

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..layout.config import ParallelConfig
+from . import devices
 from .group_coordinator import GroupCoordinator
 
 AXES = ("dp", "cfg", "pp", "ring", "ulysses")
@@ -53,13 +54,16 @@ _GROUPS: dict[str, GroupCoordinator] = {}
 _LAYOUT: RankLayout | None = None
 
 
-def init_distributed_environment(backend: str | None = None) -> GroupCoordinator:
-    """Join the torchrun world (env://): NCCL when CUDA is present, gloo otherwise."""
+def init_distributed_environment(backend: str | None = None, share_gpus: bool = False) -> GroupCoordinator:
+    """Join the torchrun world (env://): NCCL when CUDA is present, gloo otherwise. Before NCCL starts, this machine's
+    cards are checked and each rank placed (devices.py: peer access, mixed cards, more ranks than cards, which
+    `share_gpus` allows over gloo); a DeviceError is one line naming the fix."""
     global _WORLD
     if not dist.is_initialized():
         if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
+            plan = devices.apply(devices.plan_devices(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), share_gpus=share_gpus))
+            backend = plan.backend
+        elif backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend=backend)
     if _WORLD is None:
@@ -72,6 +76,7 @@ def initialize_model_parallel(config: ParallelConfig) -> RankLayout:
     global _LAYOUT
     world = init_distributed_environment()
     config.check(world.world_size)
+    config = config.for_world(world.world_size)
     if _LAYOUT is not None:
         destroy_model_parallel()
     layout = RankLayout(config)

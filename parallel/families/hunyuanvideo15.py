@@ -125,7 +125,7 @@ class xFuserHunyuanVideo15Pipeline(xFuserWanPipeline):
         if c.sp_degree > 1 or c.pipefusion_degree > 1:
             for prefix in ("", "negative_"):
                 lengths = self._text_lengths(kwargs, prefix)
-                parts = torch.arange(batch).tensor_split(c.dp_degree)  # each data-parallel rank's samples
+                parts = torch.arange(batch).split(c.batch_split(batch) or [batch])  # each data-parallel rank's samples
                 if lengths is not None and any(len({lengths[i] for i in part.tolist()}) > 1 for part in parts):
                     raise LayoutError("the samples of this batch have texts of different lengths, which HunyuanVideo 1.5 "
                                       "masks; sequence-parallel and PipeFusion attention take no mask: send one prompt "

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from ..fields import Flag, Widget, add_flags, declared, from_flags
 
@@ -103,6 +103,18 @@ class ParallelConfig:
     compile: bool = declared(False, flag=Flag("--compile", on=True, help=(
         "torch.compile every transformer block (the first job of each size pays the compilation).")), widget=Widget(
         "torch.compile every transformer block: faster steps once the first job of each size has paid the compilation."))
+    # more ranks than CUDA cards: the cards shared round-robin, the world over gloo (distributed/devices.py)
+    share_gpus: bool = declared(False, flag=Flag("--share-gpus", on=True, help=(
+        "allow more ranks than CUDA cards: they share the cards over gloo (slow; Ulysses, CFG, dp)")), widget=Widget(
+        "Allow more ranks than CUDA cards: they share the cards over gloo (slow; Ulysses, CFG and dp only)."))
+    # fp8 weights multiplied in fp8 on cards that can; None: where ComfyUI would (loading/checkpoints/fp8_matmul.py)
+    fp8_matmul: bool | None = declared(None, flag=Flag("--fp8-matmul", help=(
+        "multiply fp8 weights in fp8 (torch._scaled_mm) on cards with fp8 tensor cores (compute capability 8.9+); "
+        "default: for the files ComfyUI runs that way (its scaled fp8)")), widget=Widget(
+        "fp8 weights multiplied in fp8 on cards with fp8 tensor cores (8.9+). auto: for the files ComfyUI runs that way.",
+        choices={"auto": None, "on": True, "off": False}))
+    # derived by for_world (--shard-weights alone on N ranks): the dp ranks split a batch only where it divides
+    dp_when_divisible: bool = declared(False)
 
     @property
     def sp_degree(self) -> int:
@@ -117,6 +129,23 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.dp_degree * self.cfg_degree * self.pipefusion_degree * self.sp_degree
 
+    def for_world(self, world_size: int) -> "ParallelConfig":
+        """The layout the ranks run: as given, except `--shard-weights` with every degree 1 on several ranks, where the
+        world holds one copy of the weights (FSDP2 over every rank) and its ranks are data-parallel replicas that split
+        a batch where it divides and otherwise each compute the whole step on the gathered blocks."""
+        if self.shard_weights and self.world_size == 1 and world_size > 1:
+            return replace(self, dp_degree=world_size, dp_when_divisible=True)
+        return self
+
+    def batch_split(self, batch: int) -> list[int] | None:
+        """Samples per data-parallel rank (in rank order, uneven where the batch does not divide), or None where every
+        dp rank runs the whole batch (no data parallelism, or `dp_when_divisible` and a batch that does not divide)."""
+        n = self.dp_degree
+        if n == 1 or (self.dp_when_divisible and batch % n):
+            return None
+        q, r = divmod(batch, n)
+        return [q + 1] * r + [q] * (n - r)
+
     def describe(self) -> str:
         parts = [
             f"{name}={value}"
@@ -129,7 +158,11 @@ class ParallelConfig:
             )
             if value > 1
         ]
+        if self.dp_when_divisible:
+            parts = [f"dp={self.dp_degree} where the batch divides"]
         layout = " × ".join(parts) or "single rank"
+        if self.shard_weights and self.world_size == 1:  # every degree 1: see for_world
+            layout = "dp over every rank where the batch divides"
         if self.shard_weights:
             layout += ", sharded weights offloaded to CPU" if self.offload else ", sharded weights"
         return f"{layout}, compiled" if self.compile else layout
@@ -155,11 +188,15 @@ class ParallelConfig:
                 f"--shard-weights with --pipefusion-degree {self.pipefusion_degree}: PipeFusion stages already hold "
                 "only their own blocks and run different blocks at once, so drop one of the two."
             )
+        if self.share_gpus and (self.ring_degree > 1 or self.pipefusion_degree > 1 or self.shard_weights):
+            raise LayoutError("--share-gpus runs the world over gloo, which sends no CUDA tensor point to point and has "
+                              "no FSDP collectives on them: use Ulysses, CFG or data parallel with it (no --ring-degree, "
+                              "--pipefusion-degree or --shard-weights)")
         if self.offload and not self.shard_weights:
             raise LayoutError("--offload moves the sharded blocks' weights to CPU memory between uses: add --shard-weights.")
         if self.num_patches is not None and self.num_patches < 1:
             raise LayoutError(f"--num-patches is {self.num_patches}; use 1 or more (default: the pipefusion degree).")
-        if self.world_size != world_size:
+        if self.world_size != world_size and self.for_world(world_size).world_size != world_size:
             others = self.world_size // self.ulysses_degree
             ulysses = "--ulysses-degree" if ranks_flag.startswith("--") else "ulysses_degree"
             fix = f"set {ulysses} to {world_size // others}, or " if world_size % others == 0 else ""
@@ -167,7 +204,8 @@ class ParallelConfig:
                 f"dp {self.dp_degree} × cfg {self.cfg_degree} × pipefusion {self.pipefusion_degree} × "
                 f"ring {self.ring_degree} × ulysses {self.ulysses_degree} = {self.world_size}, but there are "
                 f"{world_size} ranks ({ranks_flag} is {world_size}); {fix}change the degrees (or {ranks_flag}) so the "
-                f"product is {world_size}."
+                f"product is {world_size}"
+                + (", or give them all as 1 to shard the weights over every rank." if self.shard_weights else ".")
             )
 
 
@@ -190,6 +228,8 @@ def auto_layout_from_args(args: argparse.Namespace) -> AutoLayout | None:
             raise LayoutError("--link is for --layout auto")
         return None
     degrees = ("ulysses_degree", "ring_degree", "pipefusion_degree", "dp_degree")
+    if args.share_gpus:
+        raise LayoutError("--layout auto measures one card per rank: drop --share-gpus")
     if any(getattr(args, d) != 1 for d in degrees) or args.cfg_parallel or args.num_patches:
         raise LayoutError("--layout auto chooses the degrees itself: drop --ulysses/--ring/--pipefusion/--dp-degree, "
                           "--cfg-parallel and --num-patches")

@@ -88,7 +88,9 @@ def _place(pipeline: DiffusionPipeline, dtype: str | None, shard_weights: bool, 
 
         shard(pipeline, offload)
     if dtype == "fp8" and not any(isinstance(m, Fp8Linear) for m in pipeline.transformer.modules()):  # else fp8 already
-        pipeline.transformer.enable_layerwise_casting(storage_dtype=FP8_STORAGE, compute_dtype=torch.bfloat16)
+        for name in ("transformer", "transformer_2"):  # Wan 2.2 A14B: both experts
+            if getattr(pipeline, name, None) is not None:
+                getattr(pipeline, name).enable_layerwise_casting(storage_dtype=FP8_STORAGE, compute_dtype=torch.bfloat16)
     return pipeline
 
 

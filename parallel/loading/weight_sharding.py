@@ -6,7 +6,10 @@ copy after it. The blocks are the elements of the transformer's top-level `Modul
 single stacks, SD3's and PixArt's `transformer_blocks`, Wan's `blocks`), which hold almost all weights;
 embeddings, norms and the output projection stay replicated. Every rank must run the same blocks in the same
 order, so this composes with Ulysses, Ring, CFG parallel and data parallel (all ranks run every block on
-their own part of the work), and not with PipeFusion, where each stage runs other blocks.
+their own part of the work), and not with PipeFusion, where each stage runs other blocks. Alone (every degree 1)
+the ranks are data-parallel replicas that split a batch where it divides and otherwise each run the whole batch
+(config.ParallelConfig.for_world): memory relief for a family without sequence parallelism, at the cost of
+docs/shard-weights.md.
 """
 
 from __future__ import annotations
@@ -49,3 +52,18 @@ def _keep_step_cache_metadata(original: type, sharded: type) -> None:
     except ValueError:  # a block diffusers' caches do not know: nothing to keep
         return
     TransformerBlockRegistry.register(sharded, dataclasses.replace(metadata))
+
+
+def parameter_shares(pipeline) -> list[float]:
+    """Each rank's parameter bytes of the transformer(s) over their unsharded bytes, in rank order (a collective:
+    every rank calls it)."""
+    mine = whole = 0
+    for name in ("transformer", "transformer_2"):
+        for parameter in getattr(getattr(pipeline, name, None), "parameters", lambda: [])():
+            local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+            mine += local.numel() * local.element_size()
+            whole += parameter.numel() * parameter.element_size()
+    share = torch.tensor([mine / whole], dtype=torch.float64, device=pipeline.transformer.device)
+    every = [torch.zeros_like(share) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(every, share)
+    return [float(s) for s in every]

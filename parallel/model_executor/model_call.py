@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from ..distributed import get_dp_group, get_layout, get_runtime_state
 from ..layout.config import LayoutError
-from ..distributed import get_dp_group, get_runtime_state
 from ..families.base import MODEL_CALL_TENSORS
 from ..request import check_tensor_values
 
@@ -79,10 +79,11 @@ def call_size(wrapper, latents: torch.Tensor) -> dict:
 
 
 def _split(dp, batch: int) -> list[int] | None:
-    """Samples per dp rank, or None where the batch runs whole on every dp rank."""
+    """Samples per dp rank, or None where the batch runs whole on every dp rank (fewer samples than dp ranks, or
+    --shard-weights alone and a batch that does not divide)."""
     if dp.world_size == 1 or batch < dp.world_size:
         return None
-    return [len(part) for part in torch.arange(batch).tensor_split(dp.world_size)]
+    return get_layout().config.batch_split(batch)
 
 
 def evaluate(wrapper, tensors: dict[str, torch.Tensor], expert: str = "") -> torch.Tensor:

@@ -121,6 +121,7 @@ class _Replay(torch.nn.Module):
 def _collect(owned: _Dispatch, rank: int, world: int, group, device: torch.device) -> list[torch.Tensor]:
     """Every call's output on rank 0, sent there by the rank that decoded it (in call order)."""
     outputs = []
+    host = device.type != "cpu" and dist.get_backend(group) == "gloo"  # gloo sends host memory only (--share-gpus)
     for tile, value in owned.calls:
         owner = tile % world
         if rank == 0:
@@ -128,11 +129,12 @@ def _collect(owned: _Dispatch, rank: int, world: int, group, device: torch.devic
                 outputs.append(value)
             else:
                 shape, dtype = value
-                buffer = torch.empty(shape, dtype=dtype, device=device)
+                buffer = torch.empty(shape, dtype=dtype, device="cpu" if host else device)
                 dist.recv(buffer, src=dist.get_global_rank(group, owner) if group else owner, group=group)
-                outputs.append(buffer)
+                outputs.append(buffer.to(device))
         elif owner == rank:
-            dist.send(value.contiguous(), dst=dist.get_global_rank(group, 0) if group else 0, group=group)
+            dist.send((value.cpu() if host else value).contiguous(), dst=dist.get_global_rank(group, 0) if group else 0,
+                      group=group)
     return outputs
 
 

@@ -115,7 +115,7 @@ class Rank:
         if self.args.nnodes > 1 and int(os.environ["WORLD_SIZE"]) != nodes_nproc:
             raise StartRefused(f"the world has {os.environ['WORLD_SIZE']} ranks but {self.args.nnodes} nodes × "
                                f"--nproc {os.environ['LOCAL_WORLD_SIZE']} = {nodes_nproc}: give every node the same --nproc")
-        world = distributed.init_distributed_environment()
+        world = distributed.init_distributed_environment(share_gpus=self.args.share_gpus)
         self.world_size = world.world_size
         self.config = config.config_from_args(self.args)
         self.auto = config.auto_layout_from_args(self.args)  # None: the degrees as given

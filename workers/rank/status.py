@@ -32,6 +32,7 @@ def status_of(rank: "Rank") -> PoolStatus:
         parallel={**fields.to_plain(rank.config, defaults=True), "description": rank.config.describe()},
         mesh=tuple(rank.layout.coordinates(r) for r in range(rank.world_size)) if rank.layout else (),
         queue=rank.server.queue_length() if rank.server else 0,
+        **engine("distributed.devices").status_fields(),  # p2p, cards, mixed_cards: this machine's
     )
     if rank.state == "starting":
         return PoolStatus(**common, loads={"pipeline": 1, "lora": 0})
@@ -43,6 +44,7 @@ def status_of(rank: "Rank") -> PoolStatus:
         layout_auto=rank.layouts.report() if rank.layouts is not None else None,
         step=rank.runner.step if rank.state == "busy" else 0,
         compile=engine("model_executor.compile").report() if rank.config.compile else None,
+        fp8_matmul=pipeline.fp8_matmul,  # fp8 layers multiplying in fp8
     )
 
 

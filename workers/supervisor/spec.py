@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..engine import AutoLayout, LayoutError, ParallelConfig, fields
+from ..engine import AutoLayout, LayoutError, ParallelConfig, engine, fields
 from ..wire.auth import ServerKeys, check_endpoint
 
 
@@ -64,6 +64,7 @@ class PoolSpec:
             if self.nnodes == 1:
                 raise
             raise LayoutError(f"{error} (here {self.nnodes} nodes × --nproc {self.nproc} = {self.world_size} ranks)") from None
+        engine("distributed.devices").check_rank_count(self.nproc, self.devices, self.parallel.share_gpus)
         if self.hang_timeout_s < 3:
             raise ValueError(f"--hang-timeout {self.hang_timeout_s:g} is too short: ranks beat every second; give 3 s or more")
         if self.nnodes > 1 and not self.rdzv_endpoint:

@@ -240,6 +240,10 @@ class PoolStatus(Kind, Mapping, kind="status"):
     text_encoders: bool = declared(False)
     dtype: str = declared("as saved")
     storage: dict[str, int] = declared(factory=dict)  # transformer bytes per storage dtype
+    fp8_matmul: int = declared(0)  # fp8 layers multiplying in fp8 (--fp8-matmul)
+    p2p: str = declared("n/a")  # how this machine's cards reach each other (parallel/distributed/devices.py)
+    cards: tuple[dict[str, Any], ...] = declared(())  # per local rank: its card
+    mixed_cards: bool = declared(False)
     loads: dict[str, int] = declared(factory=dict)
     loras: tuple[dict[str, Any], ...] = declared(())
     mesh: tuple[dict[str, Any], ...] = declared(())  # each rank's coordinates in the dp × cfg × pp × sp mesh

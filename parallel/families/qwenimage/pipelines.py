@@ -146,10 +146,10 @@ class xFuserQwenImageEditPipeline(xFuserQwenImagePipeline):
         super().check_inputs(kwargs, batch)
 
     def check_layout(self, kwargs: dict[str, Any], batch: int) -> int:
-        dp = self.parallel_config.dp_degree
-        if self._several() and -(-batch // dp) > 1:
+        most = max(self.parallel_config.batch_split(batch) or [batch])  # the samples of the busiest rank
+        if self._several() and most > 1:
             raise LayoutError(f"QwenImageEditPlusPipeline samples one prompt per call and this batch of {batch} gives "
-                              f"{-(-batch // dp)} to a rank: use a data-parallel degree of {batch}, or one prompt per job")
+                              f"{most} to a rank: use a data-parallel degree of {batch}, or one prompt per job")
         return super().check_layout(kwargs, batch)
 
     def encode_text(self, prompt: str) -> dict[str, torch.Tensor]:

@@ -30,6 +30,8 @@ class Fp8Linear(torch.nn.Linear):
     quantized weights (Wan's time embedder)."""
 
     fp8_dtype: torch.dtype
+    comfy_fast: bool = False  # the file is one ComfyUI runs with fp8 matmuls where the card has them (scaled.comfy_fast)
+    matmul: str | None = None  # "row" / "tensor": multiply in fp8 (fp8_matmul.py, --fp8-matmul); None: dequantize
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """stored · scale in `dtype`: exactly what a load that dequantized in fp32 and cast to `dtype` holds.
@@ -43,6 +45,10 @@ class Fp8Linear(torch.nn.Linear):
         return table.index_select(0, self.weight.view(torch.uint8).reshape(-1).int()).view(self.weight.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.matmul is not None:
+            from .fp8_matmul import linear
+
+            return linear(x, self.weight.view(self.fp8_dtype), self.scale, self.bias, self.matmul)
         return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     @classmethod
@@ -73,9 +79,10 @@ def converted_scales(convert: Callable[[dict, dict], dict], weights: dict[str, t
 
 
 def load_keeping_fp8(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], scales: dict[str, torch.Tensor],
-                     dtype: torch.dtype) -> torch.nn.Module:
-    """`model` (on the meta device) with its fp8 linear weights of one scale kept as Fp8Linear; every other tensor
-    (other fp8 ones dequantized, stored · scale) in `dtype`."""
+                     dtype: torch.dtype, comfy_fast: bool = False) -> torch.nn.Module:
+    """`model` (on the meta device) with its fp8 linear weights of one scale kept as Fp8Linear (`comfy_fast`: from a
+    file ComfyUI multiplies in fp8 where it can); every other tensor (other fp8 ones dequantized, stored · scale) in
+    `dtype`."""
     kept = {}
     for name, layer in list(model.named_modules()):
         weight, scale = state_dict.get(f"{name}.weight"), scales.get(f"{name}.weight")
@@ -94,6 +101,7 @@ def load_keeping_fp8(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]
     model.load_state_dict(cast, strict=True, assign=True)
     for name, scale in kept.items():
         model.get_submodule(name).scale = scale.clone()
+        model.get_submodule(name).comfy_fast = comfy_fast
     return model.eval()
 
 

@@ -86,6 +86,7 @@ def load_transformer(detected: Detected, checkpoint: CheckpointFile, index: dict
               **detected.overrides}
     original = checkpoint.state_dict()
     dtype = dtype or (torch.bfloat16 if checkpoint.is_gguf else _weights_dtype(original))
+    fast = scaled.is_scaled(original) and scaled.comfy_fast(original)
     original, scales = scaled.read(original, detected.path) if scaled.is_scaled(original) else (original, {})
     keep_fp8 = keep_fp8 and any(fp8.is_fp8(tensor) for tensor in original.values())
     if scales and not keep_fp8:
@@ -112,7 +113,7 @@ def load_transformer(detected: Detected, checkpoint: CheckpointFile, index: dict
     _check_fits(model, state_dict, detected)
     if keep_fp8:
         layer_scales = fp8.converted_scales(detected.single_file.convert, original, scales, config, state_dict)
-        return fp8.load_keeping_fp8(model, state_dict, layer_scales, dtype)
+        return fp8.load_keeping_fp8(model, state_dict, layer_scales, dtype, comfy_fast=fast)
     if issubclass(cls, FromOriginalModelMixin):
         return cls.from_single_file(state_dict, config=str(detected.config_dir), subfolder=subfolder,
                                     local_files_only=True, torch_dtype=dtype, **quantized, **detected.overrides)

@@ -28,6 +28,16 @@ def is_scaled(names) -> bool:
     return MARKER in names or any(name.endswith(".comfy_quant") for name in names)
 
 
+def comfy_fast(state: dict[str, torch.Tensor]) -> bool:
+    """Whether ComfyUI multiplies this file's fp8 layers in fp8 where the card can (fp8_matmul.py's default): a
+    `scaled_fp8` marker other than its 2-element "no fast matmul" one (comfy/model_detection.py), or per-layer
+    fp8 metadata without `full_precision_matrix_mult` (comfy/ops.py's mixed-precision layers)."""
+    if MARKER in state:
+        return state[MARKER].numel() != 2
+    layouts = [json.loads(bytes(state[n].to(torch.uint8).tolist()).decode()) for n in state if n.endswith(".comfy_quant")]
+    return any(layout.get("format") in FP8_FORMATS and not layout.get("full_precision_matrix_mult") for layout in layouts)
+
+
 def read(state: dict[str, torch.Tensor], path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The weights without the marker and scale tensors, and each scaled weight's scale."""
     for name in [n for n in state if n.endswith(".comfy_quant")]:

@@ -134,7 +134,7 @@ class LayoutChecks:
             check_cache(kwargs[STEP_CACHE], c.pipefusion_degree, self.module.transformer.module)
         if c.cfg_degree > 1 and not self.uses_cfg(kwargs):
             raise LayoutError(self.cfg_parallel_hint(kwargs))
-        if batch < c.dp_degree:
+        if batch < c.dp_degree and not c.dp_when_divisible:
             raise LayoutError(
                 f"data parallel degree {c.dp_degree} needs at least {c.dp_degree} samples, but the batch is {batch}; "
                 f"lower --dp-degree or send {c.dp_degree} or more samples."

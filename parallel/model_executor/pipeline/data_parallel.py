@@ -19,9 +19,12 @@ def batch_size(kwargs: dict[str, Any]) -> int:
 PER_SAMPLE_LISTS = ("prompt", "prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negative_prompt_3", "generator")
 
 
-def split_batch(kwargs: dict[str, Any], batch: int, shared: tuple[str, ...], dp) -> tuple[dict[str, Any], list[int]]:
-    """This dp rank's arguments (`shared`: inputs every sample shares, never split) and every rank's sample count."""
-    counts = [len(part) for part in torch.arange(batch).tensor_split(dp.world_size)]
+def split_batch(kwargs: dict[str, Any], batch: int, shared: tuple[str, ...], dp,
+                counts: list[int] | None) -> tuple[dict[str, Any], list[int] | None]:
+    """This dp rank's arguments (`shared`: inputs every sample shares, never split) for its share `counts` of the batch
+    (the layout's batch_split; None: this rank runs the whole batch)."""
+    if counts is None:
+        return dict(kwargs), None
     start = sum(counts[: dp.rank_in_group])
     local = {k: v if k in shared else take(k, v, batch, start, counts[dp.rank_in_group]) for k, v in kwargs.items()}
     return local, counts

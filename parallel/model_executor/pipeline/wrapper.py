@@ -66,7 +66,10 @@ class xFuserPipelineBaseWrapper(LayoutChecks, Img2Img, ModelCallGlue, xFuserBase
         from ..transformer import xFuserTransformerBaseWrapper
 
         super().__init__(pipeline)
+        from ...loading.checkpoints.fp8_matmul import use_fp8_matmul
+
         self.parallel_config: ParallelConfig = get_layout().config
+        self.fp8_matmul = use_fp8_matmul(pipeline, self.parallel_config.fp8_matmul)  # fp8 layers multiplying in fp8
         self.cache_report = None  # the last call's step_cache.CacheReport, when it asked for a cache
         self._original = {"scheduler": pipeline.scheduler}
         pipeline.scheduler = xFuserSchedulerWrappersRegister.get_wrapper(pipeline.scheduler)(pipeline.scheduler)
@@ -206,12 +209,12 @@ class xFuserPipelineBaseWrapper(LayoutChecks, Img2Img, ModelCallGlue, xFuserBase
         schedule = self.module.scheduler.tail_of(total) if total else contextlib.nullcontext()
         caching = self._step_cache(kwargs.pop(STEP_CACHE, None))
         dp = get_dp_group()
-        local, counts = split_batch(kwargs, batch, self.shared_inputs, dp)
+        local, counts = split_batch(kwargs, batch, self.shared_inputs, dp, self.parallel_config.batch_split(batch))
         runtime = get_runtime_state()
         runtime.set_input_parameters(
             height=kwargs["height"],
             width=kwargs["width"],
-            batch_size=counts[dp.rank_in_group],
+            batch_size=batch if counts is None else counts[dp.rank_in_group],
             num_inference_steps=kwargs.get("num_inference_steps", 0),
             image_tokens=tokens,
         )
@@ -226,6 +229,6 @@ class xFuserPipelineBaseWrapper(LayoutChecks, Img2Img, ModelCallGlue, xFuserBase
                 if name in self._original:
                     getattr(self.module, name).settle()
             runtime.flow_scheduler = runtime.step_result = runtime.flow_combine = None  # the flow ends with the call
-        if dp.world_size == 1:
+        if counts is None:
             return output
         return gather_batch(output, counts, dp)

@@ -1,0 +1,80 @@
+"""`--fp8-matmul`: fp8 weights multiplied in fp8 (`torch._scaled_mm`) instead of dequantized to bf16 first.
+
+Dequantizing before a bf16 matmul (fp8.Fp8Linear's default) saves memory but costs time: on an H100 a ComfyUI
+fp8 file ran 1.28× slower than bf16 (bench/RESULTS.md). GPUs with fp8 tensor cores (compute capability 8.9 and
+up: Ada, Hopper, Blackwell) multiply fp8 directly, as ComfyUI's fast fp8 does (comfy/ops.py, `fp8_linear`):
+the weight stays as the file stores it, with its per-tensor scale; each call quantizes its activations to
+float8_e4m3fn with a scale of their own, amax / 448, per row (one per token: Hopper and newer) or per tensor
+(Ada, whose `_scaled_mm` takes per-tensor scales only), and `_scaled_mm` multiplies and rescales into the
+compute dtype. ComfyUI clamps the activations with a scale of 1 where the file gives no input scale; a scale
+from the activations' own range keeps small activations' precision, at one reduction per call.
+
+When: `--fp8-matmul` on a card that has fp8 tensor cores; by default (neither `--fp8-matmul` nor
+`--no-fp8-matmul`) where ComfyUI would run the file fast: its `scaled_fp8` marker (other than ComfyUI's
+2-element "no fast matmul" marker) or per-layer `comfy_quant` metadata without `full_precision_matrix_mult`
+(scaled.comfy_fast). Elsewhere, and for e5m2 weights or shapes `_scaled_mm` does not take (a side not a
+multiple of 16), the weights dequantize as before. The CPU has `_scaled_mm` for fp8 too (torch ≥ 2.x),
+which the tests use to check the path against the dequantized weights; the engine never picks it there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = torch.finfo(E4M3).max  # 448
+MODES = ("row", "tensor")  # how the activations are scaled
+
+
+def hardware_mode(device: torch.device) -> str | None:
+    """The activation scaling this device's fp8 matmuls take, or None where it has no fp8 tensor cores."""
+    if device.type != "cuda":
+        return None
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        return None
+    return "row" if capability >= (9, 0) else "tensor"
+
+
+def quantize(x: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` [M, K] as float8_e4m3fn and its fp32 scale ([M, 1] per row, [] per tensor): x ≈ q · scale."""
+    amax = x.abs().amax(dim=-1, keepdim=True) if mode == "row" else x.abs().amax()
+    scale = (amax.float() / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+def takes(layer) -> bool:
+    """Whether `_scaled_mm` takes this Fp8Linear: e4m3 weights whose sides are multiples of 16."""
+    return layer.fp8_dtype == E4M3 and layer.in_features % 16 == 0 and layer.out_features % 16 == 0
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, mode: str) -> torch.Tensor:
+    """x @ (weight · scale).T + bias with `weight` [N, K] in float8_e4m3fn, multiplied in fp8; out in x's dtype."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] == 0:  # a stream of no tokens (PipeFusion's patches): nothing to scale
+        return x.new_zeros(*x.shape[:-1], weight.shape[0])
+    q, x_scale = quantize(rows, mode)
+    w_scale = scale.float().reshape(1, 1).expand(1, weight.shape[0]).contiguous() if mode == "row" else scale.float()
+    out_dtype = torch.bfloat16 if mode == "row" else x.dtype  # CUDA's row-wise scaling writes bf16 only
+    out = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype).to(x.dtype)
+    if bias is not None:
+        out = out + bias.to(x.dtype)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def use_fp8_matmul(pipeline, requested: bool | None, mode: str | None = None) -> int:
+    """Set every fp8 linear layer of the pipeline's transformer(s) to multiply in fp8 or to dequantize: `requested`
+    True (--fp8-matmul), False (--no-fp8-matmul) or None (where ComfyUI would); `mode`: the activation scaling,
+    default the hardware's (tests give one to run the path on the CPU). The number of layers multiplying in fp8."""
+    from .fp8 import Fp8Linear
+
+    count = 0
+    for name in ("transformer", "transformer_2"):
+        transformer = getattr(pipeline, name, None)
+        for layer in transformer.modules() if transformer is not None else ():
+            if isinstance(layer, Fp8Linear):
+                wanted = layer.comfy_fast if requested is None else requested
+                chosen = (mode or hardware_mode(layer.weight.device)) if wanted and takes(layer) else None
+                layer.matmul = chosen
+                count += chosen is not None
+    return count
