@@ -9,12 +9,11 @@ own noise for the seed, and turns a native CONDITIONING into the pipeline's tens
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..parallel.families import FAMILIES, ComfyData
 from ..parallel.families.base import pack_2x2, unpack_2x2
+from . import comfy_compat
 
 
 XDIT_TEXT = "xdit_text."  # conditioning extras from xDiT Text Encode that are pipeline inputs by the rest of the name
@@ -46,23 +45,12 @@ class FamilyAdapter:
 
     def latent_format(self, channels: int):
         """ComfyUI's latent format object (process_in/out, preview factors) for `channels` channels: ComfyUI's own
-        class, or where this ComfyUI has none, one made from the family's declaration."""
-        import comfy.latent_formats
-
+        class, or where this ComfyUI has none, one made from the family's declaration (comfy_compat)."""
         name = self.format_name(channels)
-        if hasattr(comfy.latent_formats, name):
-            return getattr(comfy.latent_formats, name)()
-        if name not in self.data.declared_formats:
+        made = comfy_compat.latent_format(name, self.data.declared_formats.get(name), self.name)
+        if made is None:
             raise ConditioningError(f"this ComfyUI has no {name} latent format for {self.name}; update ComfyUI")
-        declared = self.data.declared_formats[name]
-        latent_format = comfy.latent_formats.LatentFormat()  # process_in/out: × / ÷ scale_factor
-        latent_format.latent_channels, latent_format.spacial_downscale_ratio = declared.channels, declared.spatial
-        latent_format.latent_dimensions, latent_format.scale_factor = declared.dimensions, declared.scale_factor
-        latent_format.latent_rgb_factors = [list(row) for row in declared.rgb_factors] if declared.rgb_factors else None
-        latent_format.latent_rgb_factors_bias = list(declared.rgb_bias) if declared.rgb_bias else None
-        if declared.preview_unfold > 1:
-            latent_format.latent_rgb_factors_reshape = functools.partial(_unfold, patch=declared.preview_unfold)
-        return latent_format
+        return made
 
     def comfy_latent(self, samples: torch.Tensor) -> torch.Tensor:
         """A LATENT's samples as this pipeline's family takes them: an image model whose latent format is a
@@ -242,13 +230,6 @@ class FamilyAdapter:
             raise ConditioningError(
                 f"{name} is {width} wide but this pool's {self.name} model needs {widths[name]}; {self.data.expects}"
             )
-
-
-def _unfold(latents: torch.Tensor, patch: int) -> torch.Tensor:
-    """[B, C·p·p, h, w] with (c, p, p) patches in channels → [B, C, h·p, w·p] (FLUX.2's preview)."""
-    b, channels, h, w = latents.shape
-    c = channels // (patch * patch)
-    return latents.view(b, c, patch, patch, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c, h * patch, w * patch)
 
 
 def _repeat(tensor: torch.Tensor, batch: int) -> torch.Tensor:

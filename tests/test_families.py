@@ -1,8 +1,10 @@
 """The family registry (parallel/families/) and the ComfyUI adapter built from its data.
 
 The adapter's conversions are checked against ComfyUI's own `comfy/latent_formats.py`, read from the
-ComfyUI 0.3.64 source in ../shared/comfyui (it needs torch only), and against the scale/shift values
-ComfyUI documents for each format, so a family that names the wrong format fails here.
+ComfyUI source snapshots in ../shared/comfyui (it needs torch only), and against the scale/shift values
+ComfyUI documents for each format, so a family that names the wrong format fails here. The oldest supported
+ComfyUI (0.3.64) lacks FLUX.2's and HunyuanVideo 1.5's formats, so the families' declarations stand in; ComfyUI
+0.33 has both, and there its own classes are taken (nodes/comfy_compat.py), with the same numbers.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from parallel.families.base import unpack_2x2
 from xdit_test_helpers import ROOT, import_node_module
 
 COMFYUI_SOURCE = ROOT.parent / "shared" / "comfyui" / "ComfyUI-0.3.64-a125cd84.tar.gz"
+COMFYUI_CURRENT_SOURCE = ROOT.parent / "shared" / "comfyui" / "ComfyUI-0.33.0-2f35f4a0.tar.gz"
 
 
 def test_importing_the_families_imports_no_diffusers():
@@ -75,26 +78,37 @@ def test_declared_attention_layers_get_one_dispatch_wrapper_each():
         xFuserLayerWrappersRegister.get_wrapper(torch.nn.Linear(2, 2))
 
 
+def _latent_formats(source: Path, root: Path) -> types.ModuleType:
+    """comfy/latent_formats.py of a ComfyUI source snapshot, as a module named as ComfyUI names it."""
+    if not source.is_file():
+        pytest.skip(f"no ComfyUI source at {source}")
+    with tarfile.open(source) as archive:
+        archive.extract("comfy/latent_formats.py", root, filter="data")
+    module = types.ModuleType("comfy.latent_formats")
+    path = root / "comfy" / "latent_formats.py"
+    exec(compile(path.read_text(), str(path), "exec"), module.__dict__)
+    return module
+
+
 @pytest.fixture(scope="module")
 def latent_formats(tmp_path_factory):
-    if not COMFYUI_SOURCE.is_file():
-        pytest.skip(f"no ComfyUI source at {COMFYUI_SOURCE}")
-    root = tmp_path_factory.mktemp("comfy")
-    with tarfile.open(COMFYUI_SOURCE) as archive:
-        archive.extract("comfy/latent_formats.py", root, filter="data")
-    namespace: dict = {}
-    source = root / "comfy" / "latent_formats.py"
-    exec(compile(source.read_text(), str(source), "exec"), namespace)
-    module = types.ModuleType("comfy.latent_formats")
-    module.__dict__.update(namespace)
-    return module
+    return _latent_formats(COMFYUI_SOURCE, tmp_path_factory.mktemp("comfy"))
+
+
+@pytest.fixture(scope="module")
+def current_latent_formats(tmp_path_factory):
+    return _latent_formats(COMFYUI_CURRENT_SOURCE, tmp_path_factory.mktemp("comfy_current"))
+
+
+def _adapters(monkeypatch, latent_formats):
+    comfy = types.ModuleType("comfy")
+    comfy.latent_formats = latent_formats
+    return import_node_module(monkeypatch, "adapters", {"comfy": comfy, "comfy.latent_formats": latent_formats})
 
 
 @pytest.fixture
 def adapters(monkeypatch, latent_formats):
-    comfy = types.ModuleType("comfy")
-    comfy.latent_formats = latent_formats
-    return import_node_module(monkeypatch, "adapters", {"comfy": comfy, "comfy.latent_formats": latent_formats})
+    return _adapters(monkeypatch, latent_formats)
 
 
 # ComfyUI's values (DESIGN.md "Facts"): model space = (x − shift) · scale. A wrong shift (-1.0) is the negative control.
@@ -189,6 +203,30 @@ def test_hunyuan_video15_latents_and_xdit_text_travel_through_comfyui(adapters, 
     assert set(tensors) == {"prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "negative_prompt_embeds",
                             "negative_prompt_embeds_mask"}
     assert tensors["prompt_embeds_2"].shape == (2, 5, 16) and tensors["negative_prompt_embeds_mask"].sum() == 0
+
+
+def test_comfyui_033_has_flux2_and_hunyuan_video15_formats_and_they_are_taken(monkeypatch, latent_formats,
+                                                                             current_latent_formats):
+    """On ComfyUI 0.33 the adapter takes ComfyUI's own Flux2 and HunyuanVideo15 classes (not the declarations), and
+    the declarations that stand in for them on 0.3.64 convert and preview as those classes do. Negative control: on
+    0.3.64 the same call gives the declared stand-in."""
+    x = {128: torch.randn(1, 128, 3, 5, generator=torch.Generator().manual_seed(1)),
+         32: torch.randn(1, 32, 2, 3, 5, generator=torch.Generator().manual_seed(2))}
+    for pipeline, channels, name in (("Flux2KleinPipeline", 128, "Flux2"), ("Flux2Pipeline", 128, "Flux2"),
+                                     ("HunyuanVideo15Pipeline", 32, "HunyuanVideo15"),
+                                     ("HunyuanVideo15ImageToVideoPipeline", 32, "HunyuanVideo15")):
+        native = _adapters(monkeypatch, current_latent_formats).adapter_for(pipeline, 16).latent_format(channels)
+        assert type(native) is getattr(current_latent_formats, name), pipeline
+        old = _adapters(monkeypatch, latent_formats).adapter_for(pipeline, 16).latent_format(channels)
+        assert type(old) is latent_formats.LatentFormat and not hasattr(latent_formats, name)
+        assert torch.allclose(old.process_in(x[channels]), native.process_in(x[channels]), rtol=0, atol=1e-7)
+        assert torch.allclose(old.process_out(x[channels]), native.process_out(x[channels]), rtol=0, atol=1e-7)
+        assert (old.latent_channels, old.spacial_downscale_ratio, old.latent_dimensions) == \
+               (native.latent_channels, native.spacial_downscale_ratio, native.latent_dimensions)
+        if name == "Flux2":  # the previews: the same factors over the same unfolded channels
+            assert old.latent_rgb_factors == native.latent_rgb_factors
+            assert old.latent_rgb_factors_bias == native.latent_rgb_factors_bias
+            assert torch.equal(old.latent_rgb_factors_reshape(x[128]), native.latent_rgb_factors_reshape(x[128]))
 
 
 def test_wan_latents_use_comfyuis_wan21_and_wan22_formats(adapters, latent_formats):
