@@ -217,7 +217,9 @@ def test_user_errors_are_readable_and_the_pool_stays_usable(comfy, tiny_model_di
     mismatch = workflow("sd3")
     mismatch["7"] = {"class_type": "XDiTPool", "inputs": {**workflow("flux")["1"]["inputs"]}}
     mismatch["2"]["inputs"]["pool"] = ["7", 0]  # Flux text encoding into an SD3 pool
-    assert "prompt_embeds is" not in "" and "needs" in _node_error(comfy, mismatch)
+    error = _node_error(comfy, mismatch)
+    assert "pooled_prompt_embeds is 16 wide but this pool's StableDiffusion3Pipeline model needs 32" in error, error[:1500]
+    assert "SD3's TripleCLIPLoader" in error, error[:1500]  # and which encoder gives the right width
 
     no_pool = workflow("sd3")
     del no_pool["5"]["inputs"]["pool"]
