@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import testbed  # noqa: E402
 from comfyui_server import ComfyServer  # noqa: E402
-from test_comfyui_browser import Browser  # noqa: E402
+from comfyui_page import Browser  # noqa: E402
 from xdit_test_helpers import ROOT  # noqa: E402
 
 EXAMPLES = {  # file stem: (family, empty latent node, cfg, what the example says about itself)
