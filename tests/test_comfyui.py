@@ -26,10 +26,19 @@ FAMILIES = {  # family: (empty latent node, cfg, scale, shift)
     "qwen-image": ("EmptySD3LatentImage", 4.0, None, None),  # Wan21 format: the VAE's per-channel mean and std
     "qwen-image-edit": ("EmptySD3LatentImage", 4.0, None, None),  # with its reference image: below
     "z-image": ("EmptySD3LatentImage", 2.0, 0.3611, 0.1159),  # FLUX.1's VAE; cfg 2 is Z-Image's guidance_scale 1
-    # ComfyUI 0.3.64 has neither FLUX.2's latent format (the family declares it) nor an empty-latent node for it
-    "flux2-klein": ("XDiTEmptyLatent", 4.0, None, None),  # the base model: real CFG
-    "flux2-dev": ("XDiTEmptyLatent", 1.0, None, None),  # guidance-distilled: cfg 1, FluxGuidance's default 4
+    # ComfyUI 0.33's own FLUX.2 empty latent and latent format (0.3.64 has neither: xDiT Empty Latent and the family's
+    # declared format stand in there)
+    "flux2-klein": ("EmptyFlux2LatentImage", 4.0, None, None),  # the base model: real CFG
+    "flux2-dev": ("EmptyFlux2LatentImage", 1.0, None, None),  # guidance-distilled: cfg 1, FluxGuidance's default 4
 }
+# The pipelines whose latents must be in ComfyUI's own latent format class (nodes/comfy_compat.py logs the one taken)
+NATIVE_FORMATS = {"flux2-klein": ("Flux2KleinPipeline", "Flux2"), "flux2-dev": ("Flux2Pipeline", "Flux2"),
+                  "z-image": ("ZImagePipeline", "Flux")}
+
+
+def native_format_taken(comfy, pipeline: str, name: str) -> bool:
+    """Whether the server's log says the pack took ComfyUI's own comfy.latent_formats.<name> for `pipeline`."""
+    return f"xDiT: {pipeline} latents in ComfyUI's own comfy.latent_formats.{name}" in comfy.log.read_text()
 TEXT_TO_IMAGE = [family for family in FAMILIES if family not in ("flux-kontext", "qwen-image-edit")]
 
 
@@ -154,6 +163,31 @@ def test_workflow_equals_diffusers_single_process(comfy, tiny_model_dirs, family
     latent = saved_latent(comfy, entry)
     assert latent.shape == expected.shape
     assert (latent - expected).abs().max().item() <= TOLERANCE
+    if family in NATIVE_FORMATS:
+        assert native_format_taken(comfy, *NATIVE_FORMATS[family]), "the pack's declared format was taken"
+        assert "the pack's declared" not in comfy.log.read_text()
+
+
+def test_xdit_empty_latent_makes_what_comfyuis_own_empty_latent_nodes_make(comfy):
+    """xDiT Empty Latent, the fallback where ComfyUI has no empty-latent node for the model (0.3.64: FLUX.2,
+    HunyuanVideo 1.5), makes what ComfyUI 0.33's EmptyFlux2LatentImage and EmptyHunyuanVideo15Latent make."""
+    prompt = {}
+    for key, family, native, size in (("flux2", "flux2-klein", {"class_type": "EmptyFlux2LatentImage", "inputs": {}}, {}),
+                                      ("hv15", "hunyuanvideo15", {"class_type": "EmptyHunyuanVideo15Latent",
+                                                                  "inputs": {"length": 9}}, {"length": 9})):
+        prompt[f"{key}-pool"] = {**workflow("sd3")["1"], "inputs": {
+            **workflow("sd3")["1"]["inputs"], "model": f"xdit-tiny-{family} (built-in, no download)"}}
+        common = {"width": 80, "height": 48, "batch_size": 2}
+        prompt[f"{key}-xdit"] = {"class_type": "XDiTEmptyLatent", "inputs": {"pool": [f"{key}-pool", 0], **common, **size}}
+        prompt[f"{key}-native"] = {"class_type": native["class_type"], "inputs": {**common, **native["inputs"]}}
+        for which in ("xdit", "native"):
+            prompt[f"save-{key}-{which}"] = {"class_type": "SaveLatent", "inputs": {
+                "samples": [f"{key}-{which}", 0], "filename_prefix": f"empty_{key}_{which}"}}
+    entry = comfy.wait(comfy.queue(prompt))
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+    for key, shape in (("flux2", (2, 128, 3, 5)), ("hv15", (2, 32, 3, 3, 5))):
+        xdit, native = (saved_latent(comfy, entry, f"save-{key}-{which}") for which in ("xdit", "native"))
+        assert xdit.shape == native.shape == shape and torch.equal(xdit, native)
 
 
 def test_flux_cfg_reaches_the_pool_as_its_true_cfg_scale(comfy, tiny_model_dirs):

@@ -302,3 +302,68 @@ def test_wan21_i2v_takes_the_clip_vision_features_where_the_pool_lists_them(adap
     with pytest.raises(adapters.ConditioningError, match="image_embeds is 1024 wide but .* needs 1280"):
         wan.pipeline_inputs([[cond, {**extras, "clip_vision_output": types.SimpleNamespace(
             penultimate_hidden_states=torch.randn(1, 257, 1024))}]], None, 1, widths)
+
+
+def test_hunyuan_video15_takes_comfyuis_own_encoders_conditioning(adapters):
+    """ComfyUI 0.33's hunyuan_video_15 text encoder gives the LLM text as `cond` (with `attention_mask` only where it
+    pads) and the byT5 glyph text as `conditioning_byt5small` (only for a prompt with quoted text): they become the
+    pipeline's two text streams with their masks; a missing glyph stream is one masked token; widths are checked."""
+    hv = adapters.adapter_for("HunyuanVideo15Pipeline", 16)
+    widths = {f"{p}{n}": w for p in ("", "negative_") for n, w in (("prompt_embeds", 32), ("prompt_embeds_2", 16))}
+    cond, glyphs = torch.randn(1, 7, 32), torch.randn(1, 5, 16)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0]])
+    tensors, _ = hv.pipeline_inputs([[cond, {"attention_mask": mask, "conditioning_byt5small": glyphs}]],
+                                    [[cond, {}]], 2, widths)
+    assert torch.equal(tensors["prompt_embeds"], cond.expand(2, 7, 32))
+    assert torch.equal(tensors["prompt_embeds_mask"], mask.expand(2, 7))
+    assert torch.equal(tensors["prompt_embeds_2"], glyphs.expand(2, 5, 16))
+    assert torch.equal(tensors["prompt_embeds_mask_2"], torch.ones(2, 5, dtype=torch.int64))
+    assert torch.equal(tensors["negative_prompt_embeds_mask"], torch.ones(2, 7, dtype=torch.int64))
+    assert tensors["negative_prompt_embeds_2"].shape == (2, 1, 16) and not tensors["negative_prompt_embeds_2"].any()
+    assert not tensors["negative_prompt_embeds_mask_2"].any()
+    with pytest.raises(adapters.ConditioningError, match="prompt_embeds_2 is 1472 wide but .* needs 16; .*hunyuan_video_15"):
+        hv.pipeline_inputs([[cond, {"conditioning_byt5small": torch.randn(1, 5, 1472)}]], None, 1, widths)
+    with pytest.raises(adapters.ConditioningError, match="prompt_embeds is 3584 wide but .* needs 32"):
+        hv.pipeline_inputs([[torch.randn(1, 7, 3584), {}]], None, 1, widths)
+
+
+def test_a_pipeline_without_a_text_mask_gets_the_valid_tokens(adapters):
+    """Z-Image and FLUX.2 take no mask: a conditioning padded at its end (ComfyUI's encoders add `attention_mask`
+    where they pad) reaches them as its valid tokens; padding other than at the end is one error."""
+    for pipeline in ("ZImagePipeline", "Flux2KleinPipeline"):
+        adapter = adapters.adapter_for(pipeline, 8 if pipeline == "ZImagePipeline" else 16)
+        cond = torch.randn(1, 6, 32)
+        tensors, _ = adapter.pipeline_inputs([[cond, {"attention_mask": torch.tensor([[1, 1, 1, 1, 0, 0]])}]], None, 1,
+                                             {"prompt_embeds": 32})
+        assert torch.equal(tensors["prompt_embeds"], cond[:, :4]) and set(tensors) == {"prompt_embeds"}
+        with pytest.raises(adapters.ConditioningError, match="pads its prompts to different lengths, and .* takes no mask"):
+            adapter.pipeline_inputs([[cond, {"attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1]])}]], None, 1, {})
+
+
+def test_hunyuan_video15_image_to_video_takes_comfyuis_node_conditioning(adapters):
+    """HunyuanVideo15ImageToVideo's start-image encoding (`concat_latent_image`, VAE space, zeros after the first
+    frame, `concat_mask` 0 there) becomes `image_latents`; its optional clip_vision_output's last hidden states
+    `image_embeds` (width checked); without a clip_vision_output none are sent; a second start frame is refused."""
+    import types
+
+    i2v = adapters.adapter_for("HunyuanVideo15ImageToVideoPipeline", 16)
+    widths = {"prompt_embeds": 32, "image_embeds": 16}
+    start = torch.zeros(1, 32, 3, 2, 2)
+    start[:, :, 0] = torch.randn(1, 32, 2, 2)
+    mask = torch.ones(1, 1, 3, 2, 2)
+    mask[:, :, 0] = 0
+    extras = {"concat_latent_image": start, "concat_mask": mask}
+    tensors, _ = i2v.pipeline_inputs([[torch.randn(1, 7, 32), extras]], None, 2, widths)
+    assert torch.equal(tensors["image_latents"], start.expand(2, -1, -1, -1, -1)) and "image_embeds" not in tensors
+    vision = types.SimpleNamespace(last_hidden_state=torch.randn(1, 9, 16), penultimate_hidden_states=torch.randn(1, 9, 8))
+    tensors, _ = i2v.pipeline_inputs([[torch.randn(1, 7, 32), {**extras, "clip_vision_output": vision}]], None, 1, widths)
+    assert torch.equal(tensors["image_embeds"], vision.last_hidden_state)
+    with pytest.raises(adapters.ConditioningError, match="image_embeds is 8 wide but .* needs 16"):
+        i2v.pipeline_inputs([[torch.randn(1, 7, 32), {**extras, "clip_vision_output": types.SimpleNamespace(
+            last_hidden_state=torch.randn(1, 9, 8))}]], None, 1, widths)
+    with pytest.raises(adapters.ConditioningError, match="give HunyuanVideo15ImageToVideo a single start_image"):
+        two = mask.clone()
+        two[:, :, 1] = 0
+        i2v.pipeline_inputs([[torch.randn(1, 7, 32), {**extras, "concat_mask": two}]], None, 1, widths)
+    with pytest.raises(adapters.ConditioningError, match="through ComfyUI's HunyuanVideo15ImageToVideo node"):
+        i2v.pipeline_inputs([[torch.randn(1, 7, 32), {}]], None, 1, widths)
