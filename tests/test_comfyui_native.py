@@ -15,13 +15,16 @@ a tiny TAEHV written by ComfyUI's own code, with and without a clip_vision_outpu
 from __future__ import annotations
 
 import json
+import subprocess
+from unittest import mock
+
 import pytest
 import torch
 from diffusers import DiffusionPipeline
 from safetensors.torch import save_file
 
 from test_comfyui import _node_error, native_format_taken, saved_latent
-from xdit_test_helpers import TOLERANCE, diffusers_latents
+from xdit_test_helpers import TOLERANCE, diffusers_latents, diffusers_with_reference_latents
 
 SEED, STEPS, POSITIVE, NEGATIVE = 7, 3, 'a neon sign that says "open" in the rain', "blurry"
 # encoder type: (tiny family, video, empty-latent node, cfg, the released encoder's width)
@@ -148,3 +151,132 @@ def test_comfyuis_own_encoder_conditioning_samples_like_diffusers(comfy, tiny_mo
     error = _node_error(comfy, graph)
     assert f"prompt_embeds is {released_width} wide but this pool's" in error and "needs" in error, error[:1500]
     assert HINTS[encoder] in error, error[:1500]  # which of ComfyUI's encoders gives the right width
+
+
+EDIT_PLUS = "tiny-qwen-image-edit-plus-comfy"
+
+
+def test_qwen_image_edit_plus_takes_text_encode_qwen_image_edit_plus_references(comfy):
+    """TextEncodeQwenImageEdit(Plus) appends each reference image's VAEEncode ([1, 16, 1, h, w], Qwen-Image's video
+    latent format) to the conditioning's reference_latents, positive and negative alike: two of them reach a
+    Qwen-Image-Edit Plus pool (a ×8 VAE, as ComfyUI's latents are) and equal diffusers' pipeline given those
+    references; negated references miss by far more."""
+    from diffusers import QwenImageEditPlusPipeline, QwenImagePipeline
+
+    from parallel import tiny_models
+
+    parts = tiny_models.build_tiny_pipeline("qwen-image", seed=6).components
+    folder = comfy.work / "models" / "diffusers" / EDIT_PLUS
+    QwenImageEditPlusPipeline(**parts, processor=None).save_pretrained(folder, safe_serialization=True)
+    text = QwenImagePipeline(**{k: parts[k] for k in ("scheduler", "vae", "text_encoder", "tokenizer", "transformer")})
+    with torch.no_grad():
+        embeds, negative = (text.encode_prompt(t, device="cpu")[0] for t in ("turn it into a watercolor", NEGATIVE))
+    vae_space = torch.randn((2, 16, 1, 6, 10), generator=torch.Generator().manual_seed(3))
+    references = {f"reference_latents.{i}": vae_space[i : i + 1] for i in range(2)}
+    graph = {"pool": _pool(EDIT_PLUS),
+             "positive": _conditioning(comfy, "edit-positive.safetensors", {"cond": embeds, **references}),
+             "negative": _conditioning(comfy, "edit-negative.safetensors", {"cond": negative, **references}),
+             "latent": {"class_type": "EmptySD3LatentImage", "inputs": {"width": SIZE, "height": SIZE, "batch_size": 1}},
+             "sampler": _sampler(["positive", 0], ["negative", 0], ["latent", 0], 4.0),
+             "save": {"class_type": "SaveLatent", "inputs": {"samples": ["sampler", 0], "filename_prefix": "edit_plus"}}}
+    entry = comfy.wait(comfy.queue(graph), 300)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+
+    config = parts["vae"].config
+    mean, std = (torch.tensor(v).view(1, -1, 1, 1, 1) for v in (config.latents_mean, config.latents_std))
+    noise = torch.randn((1, 16, SIZE // 8, SIZE // 8), generator=torch.manual_seed(SEED))
+
+    def expected(model_space: torch.Tensor) -> torch.Tensor:
+        latents = diffusers_with_reference_latents(
+            folder, "qwen-image-edit-plus", model_space, prompt_embeds=embeds, negative_prompt_embeds=negative,
+            true_cfg_scale=4.0, latents=QwenImagePipeline._pack_latents(noise, 1, 16, SIZE // 8, SIZE // 8),
+            num_inference_steps=STEPS, height=SIZE, width=SIZE)
+        return QwenImagePipeline._unpack_latents(latents, SIZE, SIZE, 8) * std + mean
+
+    saved, model_space = saved_latent(comfy, entry, "save"), ((vae_space - mean) / std)[:, :, 0]
+    assert saved.shape == (1, 16, 1, SIZE // 8, SIZE // 8)
+    assert (saved - expected(model_space)).abs().max().item() <= TOLERANCE
+    assert (saved - expected(-model_space)).abs().max().item() > 100 * TOLERANCE
+
+
+TAEHV_SCRIPT = """
+import sys
+out = sys.argv[1]; sys.argv = sys.argv[:1] + ["--cpu"]
+import comfy.options; comfy.options.enable_args_parsing()
+import torch, comfy.latent_formats, comfy.taesd.taehv as taehv
+from safetensors.torch import save_file
+torch.manual_seed(0)
+model = taehv.TAEHV(latent_channels=32, latent_format=comfy.latent_formats.HunyuanVideo15)  # lighttae_hv15's layout
+weights = {}
+for name, value in model.state_dict().items():  # ComfyUI's layers skip weight init: give them one
+    weights[name] = torch.nn.init.kaiming_normal_(torch.empty(value.shape), a=1.0) if value.ndim > 1 else torch.zeros(value.shape)
+save_file(weights, out)
+"""
+START_COLOR, VISION_TOKENS = 0x4080C0, 9
+
+
+def test_hunyuan_video15_image_to_video_from_comfyuis_own_node_equals_diffusers(comfy):
+    """xDiT Text Encode → ComfyUI's HunyuanVideo15ImageToVideo (its VAE a tiny TAEHV of ComfyUI's lighttae_hv15 layout,
+    written by ComfyUI's own code; with a clip_vision_output, and without) → xDiT Sampler on the built-in tiny
+    image-to-video model, which takes the node's start-image encoding and vision tokens as they come. Each equals
+    diffusers' HunyuanVideo15ImageToVideoPipeline whose VAE encode gives ComfyUI's encoding of the same image
+    (VAEEncode) and whose SigLIP gives those vision tokens (none: zeros, which its transformer masks)."""
+    import types
+
+    import PIL.Image
+    from diffusers import ClassifierFreeGuidance
+
+    from parallel import builtin_models
+
+    vae_file = comfy.work / "models" / "vae" / "xdit_taehv15_random.safetensors"
+    subprocess.run([str(comfy.python), "-c", TAEHV_SCRIPT, str(vae_file)], cwd=comfy.comfy, check=True, capture_output=True)
+    vision = torch.randn((1, VISION_TOKENS, 16), generator=torch.Generator().manual_seed(4))
+    save_file({"last_hidden_state": vision}, comfy.work / "input" / "vision.safetensors")
+    graph = {"pool": _pool("xdit-tiny-hunyuanvideo15-i2v (built-in, no download)"),
+             "positive": {"class_type": "XDiTTextEncode", "inputs": {"pool": ["pool", 0], "text": POSITIVE}},
+             "negative": {"class_type": "XDiTTextEncode", "inputs": {"pool": ["pool", 0], "text": NEGATIVE}},
+             "vae": {"class_type": "VAELoader", "inputs": {"vae_name": vae_file.name}},
+             "image": {"class_type": "EmptyImage", "inputs": {"width": SIZE, "height": SIZE, "batch_size": 1,
+                                                              "color": START_COLOR}},
+             "vision": {"class_type": "XDiTTestClipVision", "inputs": {"tensors": "vision.safetensors"}},
+             "encoded": {"class_type": "VAEEncode", "inputs": {"pixels": ["image", 0], "vae": ["vae", 0]}},
+             "save-encoded": {"class_type": "SaveLatent", "inputs": {"samples": ["encoded", 0], "filename_prefix": "start"}}}
+    for name, extra in (("with-vision", {"clip_vision_output": ["vision", 0]}), ("without", {})):
+        graph[f"i2v-{name}"] = {"class_type": "HunyuanVideo15ImageToVideo", "inputs": {
+            "positive": ["positive", 0], "negative": ["negative", 0], "vae": ["vae", 0], "width": SIZE, "height": SIZE,
+            "length": FRAMES, "batch_size": 1, "start_image": ["image", 0], **extra}}
+        graph[f"sampler-{name}"] = _sampler([f"i2v-{name}", 0], [f"i2v-{name}", 1], [f"i2v-{name}", 2], 6.0)
+        graph[f"save-{name}"] = {"class_type": "SaveLatent", "inputs": {"samples": [f"sampler-{name}", 0],
+                                                                        "filename_prefix": f"i2v_{name}"}}
+    entry = comfy.wait(comfy.queue(graph), 300)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+    start = saved_latent(comfy, entry, "save-encoded")
+    assert start.shape == (1, 32, 1, SIZE // 16, SIZE // 16) and start.abs().max() > 0.1
+
+    pipeline = DiffusionPipeline.from_pretrained(builtin_models.builtin_model_dir("xdit-tiny-hunyuanvideo15-i2v"))
+    pipeline.guider = ClassifierFreeGuidance(guidance_scale=6.0)
+    names = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
+    with torch.no_grad():
+        inputs = {**dict(zip(names, pipeline.encode_prompt(POSITIVE, device="cpu"))),
+                  **{f"negative_{n}": t for n, t in zip(names, pipeline.encode_prompt(NEGATIVE, device="cpu"))}}
+    noise = torch.randn((1, 32, (FRAMES - 1) // 4 + 1, SIZE // 16, SIZE // 16), generator=torch.manual_seed(SEED))
+    picture = PIL.Image.new("RGB", (SIZE, SIZE), tuple(START_COLOR >> shift & 0xFF for shift in (16, 8, 0)))
+
+    def expected(encoded: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        answer = types.SimpleNamespace(latent_dist=types.SimpleNamespace(mode=lambda: encoded))
+        with mock.patch.object(pipeline.vae, "encode", lambda *a, **k: answer), \
+                mock.patch.object(pipeline, "_get_image_embeds", lambda **k: embeds), \
+                mock.patch.object(pipeline.video_processor, "calculate_default_height_width", lambda **k: (SIZE, SIZE)), \
+                torch.no_grad():
+            latents = pipeline(image=picture, **inputs, latents=noise, num_inference_steps=STEPS, num_frames=FRAMES,
+                               output_type="latent", return_dict=False)[0]
+        return latents / pipeline.vae.config.scaling_factor  # ComfyUI keeps the VAE's own latents
+
+    no_vision = torch.zeros(1, VISION_TOKENS, 16)
+    for name, embeds in (("with-vision", vision), ("without", no_vision)):
+        saved = saved_latent(comfy, entry, f"save-{name}")
+        assert saved.shape == noise.shape
+        assert (saved - expected(start, embeds)).abs().max().item() <= TOLERANCE, name
+    assert (saved - expected(-start, no_vision)).abs().max().item() > 100 * TOLERANCE  # the start image is in play
+    assert (saved - expected(start, vision)).abs().max().item() > 100 * TOLERANCE  # and the vision tokens
+    assert native_format_taken(comfy, "HunyuanVideo15ImageToVideoPipeline", "HunyuanVideo15")
