@@ -58,7 +58,8 @@ def test_example_workflow_loads_converts_and_runs(comfy, page, tiny_model_dirs, 
     sd3_latent = ("xdit_sd3", "xdit_flux", "xdit_flux_kontext", "xdit_qwen_image", "xdit_qwen_image_edit", "xdit_z_image",
                   "xdit_model_ksampler")
     empty = {**dict.fromkeys(sd3_latent, "EmptySD3LatentImage"), "xdit_wan": "EmptyHunyuanLatentVideo",
-             **dict.fromkeys(("xdit_flux2_klein", "xdit_flux2_dev", "xdit_hunyuan_video15"), "XDiTEmptyLatent")
+             **dict.fromkeys(("xdit_flux2_klein", "xdit_flux2_dev"), "EmptyFlux2LatentImage"),
+             "xdit_hunyuan_video15": "EmptyHunyuanVideo15Latent"
              }.get(path.stem, "EmptyLatentImage")
     edit = {"xdit_flux_kontext": ["XDiTSampler", "ReferenceLatent"],  # a first sampler's image as reference
             "xdit_qwen_image_edit": ["LoadImage"]}.get(path.stem, [])  # ComfyUI's example.png, encoded with the prompts

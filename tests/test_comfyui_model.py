@@ -238,3 +238,28 @@ def test_ksampler_on_a_qwen_image_pool_equals_comfyuis_own_qwen_image(comfy, qwe
     assert latents["stock-euler"].shape == (1, 16, 1, SIZE // 8, SIZE // 8)  # ComfyUI's own layout for Qwen-Image
     assert (latents["xdit-euler"] - latents["stock-euler"]).abs().max().item() <= TOLERANCE
     assert latents["stock-euler"].abs().max().item() > 0.1
+
+
+def test_img2img_on_the_pool_equals_comfyuis_ksampler_at_the_same_denoise(comfy, checkpoint):
+    """denoise below 1 as ComfyUI means it: KSampler at denoise 0.5 (the last 4 steps of an 8-step schedule, the init
+    latent noised to its first sigma) on xDiT Model equals KSampler at the same denoise on ComfyUI's own model of
+    the same weights, both samplers, from an init latent that is a first sampling's result. Negative controls: the
+    image does not come back unchanged, and denoise 0.6 gives another latent."""
+    prompt = {k: v for k, v in graph({"ulysses_degree": 2}, stock=True).items() if k in ("1", "2", "3", "4", "5", "6")}
+    prompt["init"] = _ksampler(["6", 0], "euler", "simple")  # an image to start from: ComfyUI's own sampling
+    for source, model in (("xdit", "5"), ("stock", "6")):
+        for sampler, scheduler in SAMPLERS:
+            for denoise in (0.5, 0.6) if (source, sampler) == ("stock", "euler") else (0.5,):
+                node = f"{source}-{sampler}-{denoise}"
+                prompt[node] = _ksampler([model, 0], sampler, scheduler)
+                prompt[node]["inputs"].update(latent_image=["init", 0], denoise=denoise, seed=SEED + 1)
+                prompt[f"save-{node}"] = _save([node, 0], f"img2img_{source}_{sampler}_{denoise}")
+    prompt["save-init"] = _save(["init", 0], "img2img_init")
+    entry = comfy.wait(comfy.queue(prompt), 600)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+    latents = latents_of(comfy, entry)
+    for sampler, _ in SAMPLERS:
+        reference = latents[f"stock-{sampler}-0.5"]
+        assert (latents[f"xdit-{sampler}-0.5"] - reference).abs().max().item() <= TOLERANCE, sampler
+        assert (reference - latents["init"]).abs().max().item() > 1e-2  # img2img changed the image
+    assert (latents["stock-euler-0.6"] - latents["stock-euler-0.5"]).abs().max().item() > 1e-2
