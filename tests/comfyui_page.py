@@ -80,6 +80,9 @@ def open_page(server, log_name: str = "browser.log") -> "Browser | str":
     return browser
 
 
+# The frontend's Run button: the button itself in ComfyUI 0.33's frontend (1.49), the first button of a group before.
+RUN_BUTTON = 'button[data-testid="queue-button"], [data-testid="queue-button"] > button:first-child'
+
 # The layout error the extension shows on the graph's xDiT Pool node ("" when valid).
 POOL_ERROR = "() => app.graph.nodes.find((n) => n.comfyClass === 'XDiTPool').xditError"
 

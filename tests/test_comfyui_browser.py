@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from comfyui_page import HISTORY, LOAD_CONVERT_QUEUE, POOL_ERROR, open_page
+from comfyui_page import HISTORY, LOAD_CONVERT_QUEUE, POOL_ERROR, RUN_BUTTON, open_page
 from test_comfyui import FAMILIES, reference, saved_latent
 from xdit_test_helpers import ROOT, TOLERANCE
 
@@ -217,7 +217,7 @@ def test_bad_degree_product_is_flagged_and_not_queued(comfy, page):
     page.eval("() => { document.querySelector('.xdit-panel') && document.querySelector('.pi-sitemap').click();"
               " app.canvas.ds.offset = [120, 80]; app.canvas.setDirty(true, true); return true; }")
 
-    page.call("click", selector='[data-testid="queue-button"] button:first-child')  # the Run button, as a user would
+    page.call("click", selector=RUN_BUTTON)  # the Run button, as a user would
     toast = page.wait("() => [...document.querySelectorAll('.p-toast-message')].map((e) => e.innerText).join('\\n')"
                       " .includes('xDiT Pool') && document.querySelector('.p-toast-message').innerText", timeout_s=10)
     assert "nproc is 2" in toast
