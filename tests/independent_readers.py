@@ -9,9 +9,10 @@ the ComfyUI test bed's python:
 - GGUF: the gguf package's own reader and `gguf.quants.dequantize` (exact in fp32), or, as ComfyUI-GGUF and
   diffusers' GGUF layers compute Q8_0 by default, each block's fp16 scale times its int8 codes in fp16 (`Q8_0-fp16`);
 
-and the original (BFL) names become diffusers' with ComfyUI's own map, `comfy.utils.flux_to_diffusers`. diffusers'
-`from_single_file` cannot read these files: its Flux converter assumes FLUX.1's 3072 width. The tiny model's config
-(diffusers' own) and `load_state_dict(strict=True)` make the transformer.
+and the original (BFL) names become diffusers' with ComfyUI's own map, `comfy.utils.flux_to_diffusers` (FLUX.1), or
+diffusers' own `convert_flux2_transformer_checkpoint_to_diffusers` (FLUX.2). diffusers' `from_single_file` cannot read
+the tiny FLUX.1 files: its converter assumes FLUX.1's 3072 width. The tiny model's config (diffusers' own class) and
+`load_state_dict(strict=True)` make the transformer.
 """
 
 from __future__ import annotations
@@ -28,8 +29,15 @@ path, kind, out, depth, single, hidden = sys.argv[1:7]
 sys.argv = sys.argv[:1] + ["--cpu"]
 import comfy.options; comfy.options.enable_args_parsing()
 import numpy as np, torch
-import comfy.ops, comfy.utils
+import comfy.model_detection, comfy.ops, comfy.utils
 from safetensors.torch import save_file
+
+
+def unprefixed(state):  # a whole checkpoint's prefix (Comfy-Org's model.diffusion_model.), as ComfyUI's loader drops it
+    prefix = comfy.model_detection.unet_prefix_from_state_dict(state)
+    if not all(name.startswith(prefix) for name in state):  # its fallback guess ("model.") for a file without one
+        return state
+    return comfy.utils.state_dict_prefix_replace(state, {prefix: ""}, filter_keys=True)
 
 if kind.startswith("gguf"):
     import gguf
@@ -43,9 +51,10 @@ if kind.startswith("gguf"):
         else:
             value = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
         original[tensor.name] = value.reshape(shape)
+    original = unprefixed(original)
 else:
     state, metadata = comfy.utils.load_torch_file(path, return_metadata=True)
-    state, _ = comfy.utils.convert_old_quants(state, "", metadata)
+    state, _ = comfy.utils.convert_old_quants(unprefixed(state), "", metadata)
     ops = comfy.ops.mixed_precision_ops({}, compute_dtype=torch.float32)
     original = {}
     for name, value in state.items():
@@ -61,6 +70,10 @@ else:
         if linear.bias is not None:
             original[f"{layer}.bias"] = linear.bias.float()
 
+if hidden == "0":  # FLUX.2: the original names, for diffusers' own converter
+    save_file({name: value.contiguous() for name, value in original.items()}, out)
+    print("[]")
+    sys.exit(0)
 # BFL names a norm's weight `.scale`; ComfyUI's map (and its RMSNorm) call it `.weight`
 original = {name[: -len(".scale")] + ".weight" if name.endswith("_norm.scale") else name: value
             for name, value in original.items()}
@@ -80,21 +93,39 @@ print(json.dumps(sorted(set(original) - {s if isinstance(s, str) else s[0] for s
 """
 
 
+def _read(comfyui_install: tuple[Path, Path], path: Path, kind: str, work: Path, *flux_shape: int) -> dict:
+    comfy, python = comfyui_install
+    out = work / f"{Path(path).stem}-{kind}-read.safetensors"
+    run = subprocess.run([str(python), "-c", READER, str(path), kind, str(out), *map(str, flux_shape or (0, 0, 0))],
+                         cwd=comfy, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().splitlines()[-1] == "[]", f"original weights with no diffusers name: {run.stdout}"
+    return load_file(out)
+
+
 def flux_transformer(comfyui_install: tuple[Path, Path], path: Path, kind: str, config: dict, work: Path):
     """The tiny Flux transformer of diffusers' own class and `config`, holding the weights the fp8 (`kind` "fp8") or
     GGUF ("gguf": exact; "gguf-Q8_0-fp16": Q8_0 computed in fp16) file `path` means, as read by ComfyUI's code and the
     gguf package in the test bed's python."""
     from diffusers import FluxTransformer2DModel
 
-    comfy, python = comfyui_install
-    out = work / f"{Path(path).stem}-{kind}-diffusers.safetensors"
-    run = subprocess.run([str(python), "-c", READER, str(path), kind, str(out), str(config["num_layers"]),
-                          str(config["num_single_layers"]), str(config["num_attention_heads"] * config["attention_head_dim"])],
-                         cwd=comfy, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.strip().splitlines()[-1] == "[]", f"original weights with no diffusers name: {run.stdout}"
-    transformer = FluxTransformer2DModel.from_config(config).eval()
-    weights, wanted = load_file(out), transformer.state_dict()
+    weights = _read(comfyui_install, path, kind, work, config["num_layers"], config["num_single_layers"],
+                    config["num_attention_heads"] * config["attention_head_dim"])
+    return _loaded(FluxTransformer2DModel.from_config(config).eval(), weights)
+
+
+def flux2_transformer(comfyui_install: tuple[Path, Path], path: Path, kind: str, config: dict, work: Path):
+    """The same for FLUX.2 ([klein]): read the same way, its original names converted by diffusers' own
+    `convert_flux2_transformer_checkpoint_to_diffusers` (which, unlike FLUX.1's, takes any width)."""
+    from diffusers import Flux2Transformer2DModel
+    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+
+    weights = convert_flux2_transformer_checkpoint_to_diffusers(_read(comfyui_install, path, kind, work))
+    return _loaded(Flux2Transformer2DModel.from_config(config).eval(), weights)
+
+
+def _loaded(transformer, weights: dict):
+    wanted = transformer.state_dict()
     assert set(wanted) <= set(weights), f"the file gives no {sorted(set(wanted) - set(weights))}"
     transformer.load_state_dict({name: weights[name] for name in wanted}, strict=True)
     return transformer
