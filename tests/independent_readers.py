@@ -20,7 +20,6 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file
 
 READER = r"""

@@ -9,7 +9,8 @@ encodings, so each LATENT must equal diffusers' single-process pipeline given th
 ComfyUI's own empty-latent node for the model; a conditioning of the real encoder's width is one node error naming
 the widths and the encoder. Qwen-Image-Edit Plus takes TextEncodeQwenImageEdit(Plus)'s reference latents (two, as
 VAEEncode gives them). HunyuanVideo 1.5 image-to-video takes ComfyUI's own HunyuanVideo15ImageToVideo node, its VAE
-a tiny TAEHV written by ComfyUI's own code, with and without a clip_vision_output.
+a tiny TAEHV written by ComfyUI's own code, with and without a clip_vision_output (Qwen-Image-Edit's nodes:
+tests/test_comfyui_edit.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from diffusers import DiffusionPipeline
 from safetensors.torch import save_file
 
 from test_comfyui import _node_error, native_format_taken, saved_latent
-from xdit_test_helpers import TOLERANCE, diffusers_latents, diffusers_with_reference_latents
+from xdit_test_helpers import TOLERANCE, diffusers_latents
 
 SEED, STEPS, POSITIVE, NEGATIVE = 7, 3, 'a neon sign that says "open" in the rain', "blurry"
 # encoder type: (tiny family, video, empty-latent node, cfg, the released encoder's width)
@@ -153,50 +154,23 @@ def test_comfyuis_own_encoder_conditioning_samples_like_diffusers(comfy, tiny_mo
     assert HINTS[encoder] in error, error[:1500]  # which of ComfyUI's encoders gives the right width
 
 
-EDIT_PLUS = "tiny-qwen-image-edit-plus-comfy"
-
-
-def test_qwen_image_edit_plus_takes_text_encode_qwen_image_edit_plus_references(comfy):
-    """TextEncodeQwenImageEdit(Plus) appends each reference image's VAEEncode ([1, 16, 1, h, w], Qwen-Image's video
-    latent format) to the conditioning's reference_latents, positive and negative alike: two of them reach a
-    Qwen-Image-Edit Plus pool (a ×8 VAE, as ComfyUI's latents are) and equal diffusers' pipeline given those
-    references; negated references miss by far more."""
-    from diffusers import QwenImageEditPlusPipeline, QwenImagePipeline
-
-    from parallel import tiny_models
-
-    parts = tiny_models.build_tiny_pipeline("qwen-image", seed=6).components
-    folder = comfy.work / "models" / "diffusers" / EDIT_PLUS
-    QwenImageEditPlusPipeline(**parts, processor=None).save_pretrained(folder, safe_serialization=True)
-    text = QwenImagePipeline(**{k: parts[k] for k in ("scheduler", "vae", "text_encoder", "tokenizer", "transformer")})
-    with torch.no_grad():
-        embeds, negative = (text.encode_prompt(t, device="cpu")[0] for t in ("turn it into a watercolor", NEGATIVE))
-    vae_space = torch.randn((2, 16, 1, 6, 10), generator=torch.Generator().manual_seed(3))
-    references = {f"reference_latents.{i}": vae_space[i : i + 1] for i in range(2)}
-    graph = {"pool": _pool(EDIT_PLUS),
-             "positive": _conditioning(comfy, "edit-positive.safetensors", {"cond": embeds, **references}),
-             "negative": _conditioning(comfy, "edit-negative.safetensors", {"cond": negative, **references}),
-             "latent": {"class_type": "EmptySD3LatentImage", "inputs": {"width": SIZE, "height": SIZE, "batch_size": 1}},
-             "sampler": _sampler(["positive", 0], ["negative", 0], ["latent", 0], 4.0),
-             "save": {"class_type": "SaveLatent", "inputs": {"samples": ["sampler", 0], "filename_prefix": "edit_plus"}}}
-    entry = comfy.wait(comfy.queue(graph), 300)
+def test_xdit_empty_latent_makes_what_comfyuis_own_empty_latent_nodes_make(comfy):
+    """xDiT Empty Latent, the fallback where ComfyUI has no empty-latent node for the model (0.3.64: FLUX.2,
+    HunyuanVideo 1.5), makes what ComfyUI 0.33's EmptyFlux2LatentImage and EmptyHunyuanVideo15Latent make."""
+    prompt, common = {}, {"width": 80, "height": 48, "batch_size": 2}
+    for key, family, native, extra in (("flux2", "flux2-klein", "EmptyFlux2LatentImage", {}),
+                                       ("hv15", "hunyuanvideo15", "EmptyHunyuanVideo15Latent", {"length": FRAMES})):
+        prompt[f"{key}-pool"] = _pool(f"xdit-tiny-{family} (built-in, no download)")
+        prompt[f"{key}-xdit"] = {"class_type": "XDiTEmptyLatent", "inputs": {"pool": [f"{key}-pool", 0], **common, **extra}}
+        prompt[f"{key}-native"] = {"class_type": native, "inputs": {**common, **extra}}
+        for which in ("xdit", "native"):
+            prompt[f"save-{key}-{which}"] = {"class_type": "SaveLatent", "inputs": {
+                "samples": [f"{key}-{which}", 0], "filename_prefix": f"empty_{key}_{which}"}}
+    entry = comfy.wait(comfy.queue(prompt))
     assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
-
-    config = parts["vae"].config
-    mean, std = (torch.tensor(v).view(1, -1, 1, 1, 1) for v in (config.latents_mean, config.latents_std))
-    noise = torch.randn((1, 16, SIZE // 8, SIZE // 8), generator=torch.manual_seed(SEED))
-
-    def expected(model_space: torch.Tensor) -> torch.Tensor:
-        latents = diffusers_with_reference_latents(
-            folder, "qwen-image-edit-plus", model_space, prompt_embeds=embeds, negative_prompt_embeds=negative,
-            true_cfg_scale=4.0, latents=QwenImagePipeline._pack_latents(noise, 1, 16, SIZE // 8, SIZE // 8),
-            num_inference_steps=STEPS, height=SIZE, width=SIZE)
-        return QwenImagePipeline._unpack_latents(latents, SIZE, SIZE, 8) * std + mean
-
-    saved, model_space = saved_latent(comfy, entry, "save"), ((vae_space - mean) / std)[:, :, 0]
-    assert saved.shape == (1, 16, 1, SIZE // 8, SIZE // 8)
-    assert (saved - expected(model_space)).abs().max().item() <= TOLERANCE
-    assert (saved - expected(-model_space)).abs().max().item() > 100 * TOLERANCE
+    for key, shape in (("flux2", (2, 128, 3, 5)), ("hv15", (2, 32, 3, 3, 5))):
+        xdit, native = (saved_latent(comfy, entry, f"save-{key}-{which}") for which in ("xdit", "native"))
+        assert xdit.shape == native.shape == shape and torch.equal(xdit, native)
 
 
 TAEHV_SCRIPT = """
