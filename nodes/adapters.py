@@ -9,12 +9,11 @@ own noise for the seed, and turns a native CONDITIONING into the pipeline's tens
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..parallel.families import FAMILIES, ComfyData
 from ..parallel.families.base import pack_2x2, unpack_2x2
+from . import comfy_compat
 
 
 XDIT_TEXT = "xdit_text."  # conditioning extras from xDiT Text Encode that are pipeline inputs by the rest of the name
@@ -46,23 +45,12 @@ class FamilyAdapter:
 
     def latent_format(self, channels: int):
         """ComfyUI's latent format object (process_in/out, preview factors) for `channels` channels: ComfyUI's own
-        class, or where this ComfyUI has none, one made from the family's declaration."""
-        import comfy.latent_formats
-
+        class, or where this ComfyUI has none, one made from the family's declaration (comfy_compat)."""
         name = self.format_name(channels)
-        if hasattr(comfy.latent_formats, name):
-            return getattr(comfy.latent_formats, name)()
-        if name not in self.data.declared_formats:
+        made = comfy_compat.latent_format(name, self.data.declared_formats.get(name), self.name)
+        if made is None:
             raise ConditioningError(f"this ComfyUI has no {name} latent format for {self.name}; update ComfyUI")
-        declared = self.data.declared_formats[name]
-        latent_format = comfy.latent_formats.LatentFormat()  # process_in/out: × / ÷ scale_factor
-        latent_format.latent_channels, latent_format.spacial_downscale_ratio = declared.channels, declared.spatial
-        latent_format.latent_dimensions, latent_format.scale_factor = declared.dimensions, declared.scale_factor
-        latent_format.latent_rgb_factors = [list(row) for row in declared.rgb_factors] if declared.rgb_factors else None
-        latent_format.latent_rgb_factors_bias = list(declared.rgb_bias) if declared.rgb_bias else None
-        if declared.preview_unfold > 1:
-            latent_format.latent_rgb_factors_reshape = functools.partial(_unfold, patch=declared.preview_unfold)
-        return latent_format
+        return made
 
     def comfy_latent(self, samples: torch.Tensor) -> torch.Tensor:
         """A LATENT's samples as this pipeline's family takes them: an image model whose latent format is a
@@ -139,21 +127,13 @@ class FamilyAdapter:
             if conditioning is None:
                 continue
             cond, extras = self._single(conditioning, prefix or "positive")
-            self._check_width(f"{prefix}prompt_embeds", cond.shape[-1], widths)
-            tensors[f"{prefix}prompt_embeds"] = _repeat(cond, batch)
+            tensors.update(self._texts(prefix, cond, extras, batch, widths))
             if f"{prefix}pooled_prompt_embeds" in widths:
                 pooled = extras.get("pooled_output")
                 if pooled is None:
                     raise ConditioningError(f"the {prefix or 'positive '}conditioning has no pooled output; {self.data.expects}")
                 self._check_width(f"{prefix}pooled_prompt_embeds", pooled.shape[-1], widths)
                 tensors[f"{prefix}pooled_prompt_embeds"] = _repeat(pooled, batch)
-            if f"{prefix}prompt_attention_mask" in self.tensor_inputs:
-                mask = extras.get("attention_mask")
-                mask = torch.ones(cond.shape[:2], dtype=torch.int64) if mask is None else mask.to(torch.int64)
-                tensors[f"{prefix}prompt_attention_mask"] = _repeat(mask.reshape(mask.shape[0], -1), batch)
-            for key, value in extras.items():  # xDiT Text Encode's other text inputs, for this branch
-                if key.startswith(XDIT_TEXT) and f"{prefix}{key[len(XDIT_TEXT):]}" in self.tensor_inputs:
-                    tensors[f"{prefix}{key[len(XDIT_TEXT):]}"] = _repeat(value, batch)
             if not prefix and self.data.guidance_in_conditioning and "guidance" in extras:
                 guidance = float(extras["guidance"])
             if not prefix and self.data.reference_latents:
@@ -164,8 +144,48 @@ class FamilyAdapter:
             if not prefix and self.data.concat_latents:
                 tensors[self.data.concat_latents] = _repeat(self._start_image(extras), batch)
             if not prefix and self.data.clip_vision in widths:
-                tensors[self.data.clip_vision] = self._clip_vision(extras, widths)
+                features = self._clip_vision(extras, widths)
+                if features is not None:
+                    tensors[self.data.clip_vision] = features
         return {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, guidance
+
+    def _texts(self, prefix: str, cond: torch.Tensor, extras: dict, batch: int, widths: dict[str, int]) -> dict:
+        """One branch's text inputs. The conditioning's tensor is prompt_embeds and, from ComfyUI's own encoders, its
+        other keys are the family's other text streams (`conditioning_keys`); each width is checked; each goes with
+        its mask where the pipeline takes one (ComfyUI's `attention_mask` where it pads, else all valid), or has its
+        padding trimmed where the pipeline takes none. xDiT Text Encode's inputs (`xdit_text.*`) go as it sent them."""
+        given = {key[len(XDIT_TEXT):]: value for key, value in extras.items() if key.startswith(XDIT_TEXT)}
+        texts = {"prompt_embeds": (cond, extras.get("attention_mask"))}
+        texts.update({name: (extras[key], None) for key, name in self.data.conditioning_keys.items()
+                      if key in extras and name not in given and f"{prefix}{name}" in self.tensor_inputs})
+        out = {}
+        for name, (tensor, mask) in texts.items():
+            self._check_width(f"{prefix}{name}", tensor.shape[-1], widths)
+            mask_name = self.data.text_masks.get(name, "prompt_attention_mask" if name == "prompt_embeds" else "")
+            if f"{prefix}{mask_name}" in self.tensor_inputs:
+                if mask_name not in given:
+                    mask = torch.ones(tensor.shape[:2]) if mask is None else mask
+                    out[f"{prefix}{mask_name}"] = _repeat(mask.to(torch.int64).reshape(mask.shape[0], -1), batch)
+            elif mask is not None:
+                tensor = self._trimmed(tensor, mask, name)
+            out[f"{prefix}{name}"] = _repeat(tensor, batch)
+        for name in self.data.optional_texts:  # a stream the encoder left out (no quoted text): one masked token
+            if name not in texts and name not in given and f"{prefix}{name}" in widths:
+                out[f"{prefix}{name}"] = torch.zeros(batch, 1, widths[f"{prefix}{name}"])
+                out[f"{prefix}{self.data.text_masks[name]}"] = torch.zeros(batch, 1, dtype=torch.int64)
+        for name, value in given.items():
+            if f"{prefix}{name}" in self.tensor_inputs:
+                out[f"{prefix}{name}"] = _repeat(value, batch)
+        return out
+
+    def _trimmed(self, tensor: torch.Tensor, mask: torch.Tensor, name: str) -> torch.Tensor:
+        """Text padded at its end, for a pipeline that takes no mask: its valid tokens (every sample as many)."""
+        mask = mask.reshape(mask.shape[0], -1).bool()
+        valid = mask.sum(1)
+        if len(set(valid.tolist())) != 1 or not mask[:, : int(valid[0])].all():
+            raise ConditioningError(f"{name} of this conditioning pads its prompts to different lengths, and {self.name} "
+                                    "takes no mask: encode each prompt on its own")
+        return tensor[:, : int(valid[0])]
 
     def guidance_parameters(self, cfg: float, conditioning_guidance: float | None, use_negative: bool) -> tuple[float, dict]:
         """The job's guidance_scale and the family call parameters guidance adds: ComfyUI's cfg, or where the
@@ -205,24 +225,28 @@ class FamilyAdapter:
         return torch.cat(latents)
 
     def _start_image(self, extras: dict) -> torch.Tensor:
-        """WanImageToVideo's encoding of [start image, gray frames] (VAE space; the pipeline normalises it)."""
+        """The start image's encoding as ComfyUI's image-to-video node hands it over (WanImageToVideo: [start image,
+        gray frames]; HunyuanVideo15ImageToVideo: the start image, zeros after), in the VAE's space."""
         latents, mask = extras.get("concat_latent_image"), extras.get("concat_mask")
+        node = self.data.image_to_video_node
         if latents is None:
             raise ConditioningError(f"{self.name} animates a start image: pass the conditioning through ComfyUI's "
-                                    "WanImageToVideo node with a start_image")
+                                    f"{node} node with a start_image")
         if mask is not None and (not (mask[:, :, :1] == 0).all() or (mask[:, :, 1:] == 0).any()):
-            raise ConditioningError(f"{self.name} takes one start image (the first frame); give WanImageToVideo a "
+            raise ConditioningError(f"{self.name} takes one start image (the first frame); give {node} a "
                                     "single start_image")
         return latents.float()
 
-    def _clip_vision(self, extras: dict, widths: dict[str, int]) -> torch.Tensor:
-        """The start image's CLIP vision features as the pipeline's image encoder gives them (penultimate layer)."""
+    def _clip_vision(self, extras: dict, widths: dict[str, int]) -> torch.Tensor | None:
+        """The start image's CLIP vision features as the pipeline's image encoder gives them (`clip_vision_state`)."""
         output = extras.get("clip_vision_output")
+        if output is None and not self.data.clip_vision_required:
+            return None
         if output is None:
             raise ConditioningError(f"this {self.name} model (Wan 2.1 I2V) also attends to the start image's CLIP vision "
                                     "features: load clip_vision_h with CLIPVisionLoader, encode the start image with "
                                     "CLIPVisionEncode (crop: none) and connect it to WanImageToVideo's clip_vision_output")
-        features = output.penultimate_hidden_states
+        features = getattr(output, self.data.clip_vision_state)
         self._check_width(self.data.clip_vision, features.shape[-1], widths)
         return features[:1]
 
@@ -242,13 +266,6 @@ class FamilyAdapter:
             raise ConditioningError(
                 f"{name} is {width} wide but this pool's {self.name} model needs {widths[name]}; {self.data.expects}"
             )
-
-
-def _unfold(latents: torch.Tensor, patch: int) -> torch.Tensor:
-    """[B, C·p·p, h, w] with (c, p, p) patches in channels → [B, C, h·p, w·p] (FLUX.2's preview)."""
-    b, channels, h, w = latents.shape
-    c = channels // (patch * patch)
-    return latents.view(b, c, patch, patch, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c, h * patch, w * patch)
 
 
 def _repeat(tensor: torch.Tensor, batch: int) -> torch.Tensor:

@@ -16,11 +16,11 @@ conditioning the model call does not take.
 from __future__ import annotations
 
 import torch
-import comfy.model_management
 import comfy.model_patcher
 import comfy.supported_models
 from comfy_api.latest import io
 
+from . import comfy_compat
 from .adapters import ConditioningError, adapter_for
 from .lora_patches import UnsupportedPatch, lora_file, peft_lora
 from .pool_node import XDiTPoolType
@@ -70,11 +70,10 @@ class PoolTransformer(torch.nn.Module):
 
         try:
             prediction = POOLS.client(self.pool.endpoint).evaluate(
-                tensors, conditioning, loras, should_cancel=comfy.model_management.processing_interrupted,
-                expert=self.expert)
-            return prediction[:, :, None] if one_frame else prediction
+                tensors, conditioning, loras, should_cancel=comfy_compat.interrupt_requested, expert=self.expert)
         except JobCancelledError:
-            raise comfy.model_management.InterruptProcessingException() from None
+            comfy_compat.raise_interrupted()
+        return prediction[:, :, None] if one_frame else prediction
 
 
 def _refuse_patches(control, options: dict) -> None:

@@ -8,33 +8,17 @@ from __future__ import annotations
 
 import logging
 
-import comfy.model_management
 import comfy.sample
 import comfy.utils
-import latent_preview
 from comfy_api.latest import io
 
+from . import comfy_compat
 from .adapters import adapter_for
 from .pool_node import XDiTPoolType
 from .pools import POOLS
 from .progress import publish_step
 
 SCHEDULERS = ["default", "dpmsolver", "unipc", "ddim", "euler", "flow-euler", "flow-dpmsolver", "flow-unipc"]
-
-
-def _previewer(latent_format):
-    """ComfyUI's previewer for the latent format, and what its latents go through first: latent-to-RGB previews
-    of patch-channel latents (FLUX.2) unfold them here, once, whether or not this ComfyUI's previewer can."""
-    previewer = latent_preview.get_previewer("cpu", latent_format)
-    if previewer is None and latent_format.latent_rgb_factors is None:
-        return None, None  # a format without preview factors (HunyuanVideo 1.5's, declared for ComfyUI 0.3.64)
-    if previewer is None:  # --preview-method none still gets the cheap latent-to-RGB preview
-        previewer = latent_preview.Latent2RGBPreviewer(latent_format.latent_rgb_factors, latent_format.latent_rgb_factors_bias)
-    unfold = getattr(latent_format, "latent_rgb_factors_reshape", None)
-    if unfold is None or not isinstance(previewer, latent_preview.Latent2RGBPreviewer):
-        return previewer, lambda x: x
-    previewer.latent_rgb_factors_reshape = None
-    return previewer, unfold
 
 
 class XDiTSampler(io.ComfyNode):
@@ -94,7 +78,7 @@ class XDiTSampler(io.ComfyNode):
             params["cache"] = pool.cache
 
         latent_format = adapter.latent_format(samples.shape[1])
-        previewer, preview_input = _previewer(latent_format) if preview else (None, None)
+        previewer, preview_input = comfy_compat.previewer(latent_format) if preview else (None, None)
         progress = comfy.utils.ProgressBar(steps)
         interrupted = []
 
@@ -104,14 +88,12 @@ class XDiTSampler(io.ComfyNode):
             if previewer is not None and "preview" in message.tensors:
                 x = adapter.preview_latents(message.tensors["preview"], height, width)
                 image = previewer.decode_latent_to_preview_image("JPEG", preview_input(x))
-            try:
-                progress.update_absolute(step, steps, image)
-            except comfy.model_management.InterruptProcessingException:
+            if comfy_compat.progress_interrupted(progress, step, steps, image):
                 interrupted.append(step)
             publish_step(pool, step, steps)
 
         def should_cancel():
-            return bool(interrupted) or comfy.model_management.processing_interrupted()
+            return bool(interrupted) or comfy_compat.interrupt_requested()
 
         from ..workers.client import JobCancelledError
 
@@ -119,8 +101,7 @@ class XDiTSampler(io.ComfyNode):
             client = POOLS.client(pool.endpoint)
             latents = client.sample(tensors, params, on_step=on_step, should_cancel=should_cancel)
         except JobCancelledError:
-            comfy.model_management.throw_exception_if_processing_interrupted()
-            raise comfy.model_management.InterruptProcessingException()
+            comfy_compat.raise_interrupted()
         if "cache" in client.last_result:
             logging.info("xDiT Sampler: %s", client.last_result["cache"]["text"])
         out = latent_image.copy()

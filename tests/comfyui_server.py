@@ -2,8 +2,9 @@
 
 ComfyUI and its python come from the test bed (tests/testbed.py). The pack is linked into a fresh
 custom_nodes folder given to ComfyUI through --extra-model-paths-config, with a fresh models and
-output folder, so nothing of the test bed's own state is touched. The custom nodes of tests/comfyui_probe,
-loaded just before and just after the pack, let a test see what loading the pack did to ComfyUI's interpreter.
+output folder, so nothing of the test bed's own state is touched. The custom nodes of tests/comfyui_probe, loaded
+just before and just after the pack, let a test see what loading the pack did to ComfyUI's interpreter; its test
+nodes (xdit_test_nodes.py), loaded last, stand in for ComfyUI's multi-billion-parameter text encoders.
 """
 
 from __future__ import annotations
@@ -27,16 +28,17 @@ PROBE = Path(__file__).resolve().parent / "comfyui_probe"
 class ComfyServer:
     def __init__(self, comfy: Path, python: Path, work: Path):
         self.work, self.comfy, self.python = work, comfy, python
-        for name in ("probe_before", "custom_nodes", "probe_after", "models/diffusers", "models/diffusion_models", "models/loras", "models/vae",
+        for name in ("probe_before", "custom_nodes", "probe_after", "test_nodes", "models/diffusers", "models/diffusion_models", "models/loras", "models/vae",
                      "input", "output", "user/default"):
             (work / name).mkdir(parents=True, exist_ok=True)
         if (comfy / "input" / "example.png").is_file():  # what a fresh install's input folder holds
             shutil.copy(comfy / "input" / "example.png", work / "input")
         for when in ("before", "after"):
             (work / f"probe_{when}" / f"xdit_probe_{when}.py").symlink_to(PROBE / f"xdit_probe_{when}.py")
+        (work / "test_nodes" / "xdit_test_nodes.py").symlink_to(PROBE / "xdit_test_nodes.py")
         (work / "custom_nodes" / "comfyui-xdit-pool").symlink_to(ROOT)
         (work / "extra.yaml").write_text(  # custom_nodes folders load in this order
-            f"xdit:\n  base_path: {work}\n  custom_nodes: \"probe_before\\ncustom_nodes\\nprobe_after\"\n"
+            f"xdit:\n  base_path: {work}\n  custom_nodes: \"probe_before\\ncustom_nodes\\nprobe_after\\ntest_nodes\"\n"
             "  diffusers: models/diffusers\n  diffusion_models: models/diffusion_models\n  loras: models/loras\n"
             "  vae: models/vae\n"
         )

@@ -39,12 +39,25 @@ def comfyui_install() -> tuple[Path, Path]:
     return found
 
 
+@pytest.fixture(scope="session")
+def comfyui_oldest_install() -> tuple[Path, Path]:
+    """(ComfyUI folder, its python) of the oldest supported ComfyUI (0.3.64), for the compatibility leg
+    (tests/test_comfyui_oldest.py); skipped, as comfyui_install is, with the reason when there is none."""
+    import testbed
+
+    found = testbed.comfyui(testbed.OLDEST)
+    if isinstance(found, str):
+        pytest.skip(found)
+    return found
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     """ComfyUI tests skipped by their fixtures (no test bed, no browser) fold into one `-rs` line per
     reason, here, instead of one line per test."""
     report = yield
-    if report.skipped and report.when == "setup" and "comfyui_install" in item.fixturenames:
+    installs = ("comfyui_install", "comfyui_oldest_install")
+    if report.skipped and report.when == "setup" and any(name in item.fixturenames for name in installs):
         report.longrepr = (__file__, None, report.longrepr[2])
     return report
 

@@ -4,8 +4,9 @@
 
 Each case in CASES.json: {"name", "model", "inputs", "output", "layout": {ParallelConfig fields},
 "call": {extra __call__ kwargs}, "scheduler", "fault", "report_memory", "report_flow"}. Rank 0 writes each case's
-latents (or the error text to output + ".error"). One launch amortises process-group start-up and imports
-over the whole matrix, and exercises tearing the layout down and building it again.
+latents; a rank that fails writes its traceback to output + ".error" (rank 0) or ".error.rank<N>" (rank N), which
+the tests read all together with xdit_test_helpers.case_errors. One launch amortises process-group start-up and
+imports over the whole matrix, and exercises tearing the layout down and building it again.
 """
 
 from __future__ import annotations

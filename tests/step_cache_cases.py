@@ -4,8 +4,8 @@
 
 Each case: {"model", "inputs", "output", "layout": {ParallelConfig fields}, "call": {__call__ kwargs},
 "cache": {CacheSettings map}, "fault"}. Rank 0 writes the latents; every rank writes its cache decisions
-(per cache context) and the job's full/cached counts to output + ".rank<r>.json"; a failure goes to
-output + ".error".
+(per cache context) and the job's full/cached counts to output + ".rank<r>.json"; a failing rank's traceback goes to
+output + ".error.rank<r>" (xdit_test_helpers.case_errors reads them all).
 """
 
 from __future__ import annotations

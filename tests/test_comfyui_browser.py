@@ -8,119 +8,58 @@ tests/browser/driver.js over JSON lines.
 from __future__ import annotations
 
 import json
-import os
-import selectors
 import shutil
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
-import testbed
-from xdit_test_helpers import ROOT
+from comfyui_page import HISTORY, LOAD_CONVERT_QUEUE, POOL_ERROR, RUN_BUTTON, open_page
+from test_comfyui import FAMILIES, reference, saved_latent
+from xdit_test_helpers import ROOT, TOLERANCE
 
 EXAMPLES = sorted((ROOT / "example_workflows").glob("*.json"))
 ARTIFACTS = ROOT / "out" / "test-artifacts"
 
 
-class Browser:
-    """tests/browser/driver.js: one headless page on the ComfyUI frontend, answering JSON-line requests."""
-
-    def __init__(self, url: str, log: Path, node: str, node_modules: Path, chromium: Path):
-        self.stderr = log.open("wb")
-        self.process = subprocess.Popen(
-            [node, str(ROOT / "tests" / "browser" / "driver.js"), url, str(chromium)], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=self.stderr, env={**os.environ, "NODE_PATH": str(node_modules)}, text=True, bufsize=1,
-        )
-        self.selector = selectors.DefaultSelector()
-        self.selector.register(self.process.stdout, selectors.EVENT_READ)
-        ready = self._read(120)
-        if not ready.get("ready"):
-            raise RuntimeError(f"the browser did not open ComfyUI: {ready.get('error')}")
-
-    def _read(self, timeout_s: float) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.selector.select(timeout=deadline - time.monotonic()):
-                line = self.process.stdout.readline()
-                if not line:
-                    raise RuntimeError(f"the browser driver exited (rc {self.process.poll()})")
-                if line.startswith("{"):
-                    return json.loads(line)
-        raise TimeoutError(f"the browser driver did not answer in {timeout_s} s")
-
-    def call(self, cmd: str, timeout_s: float = 120, **request):
-        self.process.stdin.write(json.dumps({"cmd": cmd, **request}) + "\n")
-        reply = self._read(timeout_s)
-        if not reply["ok"]:
-            raise AssertionError(f"browser {cmd} failed: {reply['error']}")
-        return reply["value"]
-
-    def eval(self, js: str, arg=None, timeout_s: float = 120):
-        return self.call("eval", timeout_s, js=js, arg=arg)
-
-    def wait(self, js: str, arg=None, timeout_s: float = 60):
-        return self.call("wait", timeout_s + 10, js=js, arg=arg, timeout=int(timeout_s * 1000))
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.close()
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        self.stderr.close()
-
-
-
 @pytest.fixture(scope="module")
 def page(comfy):
-    found = testbed.browser()
-    if isinstance(found, str):
-        pytest.skip(found)
-    browser = Browser(comfy.url, comfy.work / "browser.log", *found)
-    browser.eval("async () => { window.api = (await import('/scripts/api.js')).api; return true; }")
+    browser = open_page(comfy)
+    if isinstance(browser, str):
+        pytest.skip(browser)
     yield browser
     browser.close()
 
 
-# The layout error the extension shows on the graph's xDiT Pool node ("" when valid).
-POOL_ERROR = "() => app.graph.nodes.find((n) => n.comfyClass === 'XDiTPool').xditCheck"  # the server's answer
+EXAMPLE_FAMILIES = {"xdit_pixart_alpha": "pixart-alpha", "xdit_sd3": "sd3", "xdit_flux": "flux"}  # the original three
 
-# Load a saved workflow, convert it, and queue it the way the Run button does (app.queuePrompt, through the
-# xDiT validation hook); a spy on api.queuePrompt catches the server's answer for the prompt id.
-LOAD_CONVERT_QUEUE = """async (workflow) => {
-    await app.loadGraphData(workflow);
-    const converted = await app.graphToPrompt();
-    const classes = Object.values(converted.output).map((node) => node.class_type).sort();
-    const original = api.queuePrompt;
-    let response = null;
-    api.queuePrompt = async (...args) => (response = await original.apply(api, args));
-    try {
-        await app.queuePrompt(0, 1);
-        return { classes, response };
-    } finally {
-        api.queuePrompt = original;
-    }
-}"""
 
-HISTORY = """async (id) => {
-    const response = await api.fetchApi(`/history/${id}`);
-    const entry = (await response.json())[id];
-    const done = entry?.status?.completed !== undefined && ['success', 'error'].includes(entry.status.status_str);
-    return done ? entry.status : null;
-}"""
+def assert_example_equals_diffusers(comfy, prompt: dict, prompt_id: str, stem: str, model_dirs) -> None:
+    """The LATENT one of the original example workflows saved equals diffusers' single-process pipeline for the
+    prompts, seed, steps, cfg and size the frontend converted the example to (ComfyUI's noise of that seed)."""
+    family = EXAMPLE_FAMILIES[stem]
+    sampler, empty = (next(n["inputs"] for n in prompt.values() if n["class_type"] == kind)
+                      for kind in ("XDiTSampler", FAMILIES[family][0]))
+    texts = [prompt[sampler[name][0]] for name in ("positive", "negative")]
+    assert [t["class_type"] for t in texts] == ["XDiTTextEncode"] * 2 and sampler["cfg"] == FAMILIES[family][1]
+    assert empty["width"] == empty["height"] and sampler["denoise"] == 1.0
+    entry = comfy.get(f"/history/{prompt_id}")[prompt_id]
+    latent = saved_latent(comfy, entry, next(iter(entry["outputs"])))
+    expected = reference(model_dirs[family], family, steps=sampler["steps"], size=empty["width"], seed=sampler["seed"],
+                         positive=texts[0]["inputs"]["text"], negative=texts[1]["inputs"]["text"])
+    assert latent.shape == expected.shape
+    assert (latent - expected).abs().max().item() <= TOLERANCE, stem
+    assert expected.abs().max().item() > 0.1  # a real latent, not zeros
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-def test_example_workflow_loads_converts_and_runs(comfy, page, path):
+def test_example_workflow_loads_converts_and_runs(comfy, page, tiny_model_dirs, path):
     workflow = json.loads(path.read_text())
     result = page.eval(LOAD_CONVERT_QUEUE, workflow)
     sd3_latent = ("xdit_sd3", "xdit_flux", "xdit_flux_kontext", "xdit_qwen_image", "xdit_qwen_image_edit", "xdit_z_image",
                   "xdit_model_ksampler")
     empty = {**dict.fromkeys(sd3_latent, "EmptySD3LatentImage"), "xdit_wan": "EmptyHunyuanLatentVideo",
-             **dict.fromkeys(("xdit_flux2_klein", "xdit_flux2_dev", "xdit_hunyuan_video15"), "XDiTEmptyLatent")
+             **dict.fromkeys(("xdit_flux2_klein", "xdit_flux2_dev"), "EmptyFlux2LatentImage"),
+             "xdit_hunyuan_video15": "EmptyHunyuanVideo15Latent"
              }.get(path.stem, "EmptyLatentImage")
     edit = {"xdit_flux_kontext": ["XDiTSampler", "ReferenceLatent"],  # a first sampler's image as reference
             "xdit_qwen_image_edit": ["LoadImage"]}.get(path.stem, [])  # ComfyUI's example.png, encoded with the prompts
@@ -130,6 +69,8 @@ def test_example_workflow_loads_converts_and_runs(comfy, page, path):
     status = page.wait(HISTORY, result["response"]["prompt_id"], timeout_s=120)
     assert status["status_str"] == "success", json.dumps(status)[-2000:]
     assert page.eval(POOL_ERROR) == ""
+    if path.stem in EXAMPLE_FAMILIES:
+        assert_example_equals_diffusers(comfy, result["prompt"], result["response"]["prompt_id"], path.stem, tiny_model_dirs)
 
 
 def test_example_workflows_cover_every_family_and_are_listed_as_templates(comfy):
@@ -277,7 +218,7 @@ def test_bad_degree_product_is_flagged_and_not_queued(comfy, page):
     page.eval("() => { document.querySelector('.xdit-panel') && document.querySelector('.pi-sitemap').click();"
               " app.canvas.ds.offset = [120, 80]; app.canvas.setDirty(true, true); return true; }")
 
-    page.call("click", selector='[data-testid="queue-button"] button:first-child')  # the Run button, as a user would
+    page.call("click", selector=RUN_BUTTON)  # the Run button, as a user would
     toast = page.wait("() => [...document.querySelectorAll('.p-toast-message')].map((e) => e.innerText).join('\\n')"
                       " .includes('xDiT Pool') && document.querySelector('.p-toast-message').innerText", timeout_s=10)
     assert "nproc is 2" in toast

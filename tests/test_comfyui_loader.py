@@ -14,7 +14,7 @@ import json
 import torch
 from safetensors.torch import save_file
 
-from test_comfyui_model import MODEL, SAMPLERS, _graph, _latents, checkpoint, stock  # noqa: F401 - fixtures
+from test_comfyui_model import MODEL, SAMPLERS, checkpoint, graph, latents_of, stock  # noqa: F401 - fixtures
 from xdit_test_helpers import TOLERANCE
 
 
@@ -27,7 +27,7 @@ def _loader(**layout) -> dict:
 
 def _swapped(layout: dict) -> dict:
     """test_comfyui_model's graph with xDiT Model replaced by the loader (its samplers, guider and scheduler)."""
-    prompt = _graph({"ulysses_degree": 2}, stock=False)
+    prompt = graph({"ulysses_degree": 2}, stock=False)
     prompt["5"] = _loader(**layout)
     return prompt
 
@@ -35,7 +35,7 @@ def _swapped(layout: dict) -> dict:
 def _run(comfy, prompt) -> dict[str, torch.Tensor]:
     entry = comfy.wait(comfy.queue(prompt), 600)
     assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
-    return _latents(comfy, entry)
+    return latents_of(comfy, entry)
 
 
 def _equal(latents, stock, names=None) -> None:
@@ -90,7 +90,7 @@ def test_comfyuis_lora_loaders_on_the_loaders_model_equal_them_on_comfyuis_own(c
     first, second = _lora(comfy, "xdit_loader_a.safetensors", 21), _lora(comfy, "xdit_loader_b.safetensors", 22)
     keep = ("1", "2", "3", "4", "5", "6", "xdit-euler", "stock-euler", "save-xdit-euler", "save-stock-euler")
     for loras in ([(first, 1.0)], [(first, 0.5)], [(first, 1.0), (second, 0.5)], [(second, 1.0)]):
-        prompt = {k: v for k, v in _graph({"ulysses_degree": 2}, stock=True).items() if k in keep}
+        prompt = {k: v for k, v in graph({"ulysses_degree": 2}, stock=True).items() if k in keep}
         prompt["5"] = _loader(ulysses_degree=2)
         for model, sampler in (("5", "xdit-euler"), ("6", "stock-euler")):
             _with_loras(prompt, model, sampler, loras)
@@ -144,7 +144,7 @@ def _flux_template(model: dict, size: int = 64) -> dict:
     """The sampling part of ComfyUI's FLUX.1 [dev] template: the prompt through FluxGuidance, ModelSamplingFlux,
     KSampler at cfg 1, and SamplerCustomAdvanced with BasicGuider and Flux's own scheduler."""
     return {
-        "pool": {"class_type": "XDiTPool", "inputs": {**_graph({}, stock=False)["1"]["inputs"], "model": FLUX,
+        "pool": {"class_type": "XDiTPool", "inputs": {**graph({}, stock=False)["1"]["inputs"], "model": FLUX,
                                                        "nproc": 1, "ulysses_degree": 1}},
         "text": {"class_type": "XDiTTextEncode", "inputs": {"pool": ["pool", 0], "text": "a lighthouse at dusk"}},
         "guided": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["text", 0], "guidance": FLUX_GUIDANCE}},

@@ -27,7 +27,12 @@ SAMPLERS = [("euler", "simple"), ("dpmpp_2m", "karras")]
 
 @pytest.fixture(scope="module")
 def checkpoint(comfy):
-    """The same tiny SD3 as a diffusers folder (for the pool) and a SAI single file (for UNETLoader)."""
+    return save_checkpoint(comfy.work)
+
+
+def save_checkpoint(work) -> str:
+    """The same tiny SD3 as a diffusers folder (for the pool) and a SAI single file (for UNETLoader), in the models
+    folders of a test server's `work` folder (tests/comfyui_server.py)."""
     pipe = tiny_models.build_tiny_pipeline("sd3", seed=4)
     config = {k: v for k, v in pipe.transformer.config.items() if not k.startswith("_")}
     with torch.random.fork_rng(devices=[]):
@@ -37,9 +42,9 @@ def checkpoint(comfy):
         ).eval()
     tiny_models._peak_attention(transformer, tiny_models.QK_SCALE)
     pipe = type(pipe)(**{**pipe.components, "transformer": transformer})
-    pipe.save_pretrained(comfy.work / "models" / "diffusers" / MODEL, safe_serialization=True)
+    pipe.save_pretrained(work / "models" / "diffusers" / MODEL, safe_serialization=True)
     weights = original_layout("sd3", transformer)
-    save_file({k: v.contiguous() for k, v in weights.items()}, comfy.work / "models" / "diffusion_models" / f"{MODEL}.safetensors")
+    save_file({k: v.contiguous() for k, v in weights.items()}, work / "models" / "diffusion_models" / f"{MODEL}.safetensors")
     return MODEL
 
 
@@ -60,7 +65,7 @@ def _save(samples, prefix: str) -> dict:
     return {"class_type": "SaveLatent", "inputs": {"samples": samples, "filename_prefix": prefix}}
 
 
-def _graph(layout: dict, stock: bool) -> dict:
+def graph(layout: dict, stock: bool) -> dict:
     """The pool's text encodings, then KSampler (both samplers) and SamplerCustomAdvanced on xDiT Model
     (and, with `stock`, on ComfyUI's own model of the same file)."""
     prompt = {
@@ -89,19 +94,19 @@ def _graph(layout: dict, stock: bool) -> dict:
     return prompt
 
 
-def _latents(comfy, entry) -> dict[str, torch.Tensor]:
+def latents_of(comfy, entry) -> dict[str, torch.Tensor]:
     return {node.removeprefix("save-"): saved_latent(comfy, entry, node) for node in entry["outputs"]}
 
 
 @pytest.fixture(scope="module")
 def stock(comfy, checkpoint):
     """ComfyUI's own model (UNETLoader) and xDiT Model on a Ulysses-2 pool, in one prompt."""
-    entry = comfy.wait(comfy.queue(_graph({"ulysses_degree": 2}, stock=True)), 600)
+    entry = comfy.wait(comfy.queue(graph({"ulysses_degree": 2}, stock=True)), 600)
     assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
-    return _latents(comfy, entry)
+    return latents_of(comfy, entry)
 
 
-def _compare(latents: dict[str, torch.Tensor], stock: dict[str, torch.Tensor]) -> None:
+def compare(latents: dict[str, torch.Tensor], stock: dict[str, torch.Tensor]) -> None:
     for name in [f"{sampler}" for sampler, _ in SAMPLERS] + ["custom"]:
         reference = stock[f"stock-{name}"]
         assert (latents[f"xdit-{name}"] - reference).abs().max().item() <= TOLERANCE, name
@@ -109,19 +114,19 @@ def _compare(latents: dict[str, torch.Tensor], stock: dict[str, torch.Tensor]) -
 
 
 def test_comfyuis_samplers_on_a_ulysses_pool_equal_comfyuis_own_model(stock):
-    _compare(stock, stock)
+    compare(stock, stock)
     # negative control: the two samplers differ, so agreeing per sampler is not agreeing on anything
     assert (stock["stock-euler"] - stock["stock-dpmpp_2m"]).abs().max().item() > 1e-2
 
 
 def test_comfyuis_samplers_on_a_cfg_parallel_pool_equal_comfyuis_own_model(comfy, stock):
-    entry = comfy.wait(comfy.queue(_graph({"cfg_parallel": True}, stock=False)), 600)
+    entry = comfy.wait(comfy.queue(graph({"cfg_parallel": True}, stock=False)), 600)
     assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
-    _compare(_latents(comfy, entry), stock)
+    compare(latents_of(comfy, entry), stock)
 
 
 def test_interrupt_mid_sampling_leaves_the_pool_idle_and_the_next_prompt_exact(comfy, stock):
-    prompt = _graph({"ulysses_degree": 2}, stock=False)
+    prompt = graph({"ulysses_degree": 2}, stock=False)
     prompt["xdit-euler"] = _ksampler(["5", 0], "euler", "simple", steps=1000)
     prompt = {k: v for k, v in prompt.items() if k in ("1", "2", "3", "4", "5", "xdit-euler", "save-xdit-euler")}
     before = _model_calls(comfy)
@@ -136,9 +141,9 @@ def test_interrupt_mid_sampling_leaves_the_pool_idle_and_the_next_prompt_exact(c
     pools = [p for p in comfy.get("/xdit/pools")["pools"] if p["status"].get("world_size")]
     assert pools and all(p["status"]["state"] == "idle" for p in pools)
 
-    entry = comfy.wait(comfy.queue(_graph({"ulysses_degree": 2}, stock=False)), 600)
+    entry = comfy.wait(comfy.queue(graph({"ulysses_degree": 2}, stock=False)), 600)
     assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
-    _compare(_latents(comfy, entry), stock)
+    compare(latents_of(comfy, entry), stock)
 
 
 def _model_calls(comfy) -> int:
@@ -147,7 +152,7 @@ def _model_calls(comfy) -> int:
 
 def test_a_comfyui_lora_loader_on_xdit_model_is_one_clear_error(comfy, checkpoint):
     save_file({"lora_unet_x.lora_down.weight": torch.zeros(1, 1)}, comfy.work / "models" / "loras" / "xdit_model_lora.safetensors")
-    prompt = _graph({"ulysses_degree": 2}, stock=False)
+    prompt = graph({"ulysses_degree": 2}, stock=False)
     prompt["lora"] = {"class_type": "LoraLoaderModelOnly", "inputs": {
         "model": ["5", 0], "lora_name": "xdit_model_lora.safetensors", "strength_model": 1.0}}
     prompt["xdit-euler"]["inputs"]["model"] = ["lora", 0]
@@ -166,7 +171,7 @@ def test_xdit_lora_before_xdit_model_equals_comfyuis_lora_loader_on_its_own_mode
         weights[f"transformer.transformer_blocks.0.{layer}.lora_A.weight"] = torch.randn(4, 128, generator=g) * 0.2
         weights[f"transformer.transformer_blocks.0.{layer}.lora_B.weight"] = torch.randn(128, 4, generator=g) * 0.2
     save_file(weights, comfy.work / "models" / "loras" / "xdit_sd3_lora.safetensors")
-    prompt = {k: v for k, v in _graph({"ulysses_degree": 2}, stock=True).items()
+    prompt = {k: v for k, v in graph({"ulysses_degree": 2}, stock=True).items()
               if k in ("1", "2", "3", "4", "5", "6", "xdit-euler", "stock-euler", "save-xdit-euler", "save-stock-euler")}
     prompt["xdit-lora"] = {"class_type": "XDiTLoRA", "inputs": {
         "pool": ["1", 0], "lora_name": "xdit_sd3_lora.safetensors", "strength": 0.8}}
@@ -177,7 +182,7 @@ def test_xdit_lora_before_xdit_model_equals_comfyuis_lora_loader_on_its_own_mode
     logged = len(comfy.log.read_text())
     entry = comfy.wait(comfy.queue(prompt), 600)
     assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
-    latents = _latents(comfy, entry)
+    latents = latents_of(comfy, entry)
     assert (latents["xdit-euler"] - latents["stock-euler"]).abs().max().item() <= TOLERANCE
     assert (latents["xdit-euler"] - stock["stock-euler"]).abs().max().item() > 1e-3  # the LoRA changed the result
     assert "lora key not loaded" not in comfy.log.read_text()[logged:]  # ComfyUI took every key of the file
@@ -186,7 +191,7 @@ def test_xdit_lora_before_xdit_model_equals_comfyuis_lora_loader_on_its_own_mode
 def test_a_block_replacement_on_xdit_model_is_one_clear_error(comfy, stock):
     """Skip Layer Guidance replaces transformer blocks inside the model, which runs on the pool: refused,
     not silently ignored."""
-    prompt = _graph({"ulysses_degree": 2}, stock=False)
+    prompt = graph({"ulysses_degree": 2}, stock=False)
     prompt["slg"] = {"class_type": "SkipLayerGuidanceDiT", "inputs": {
         "model": ["5", 0], "double_layers": "1", "single_layers": "", "scale": 3.0, "start_percent": 0.0,
         "end_percent": 1.0, "rescaling_scale": 0.0}}
@@ -221,7 +226,7 @@ def qwen_checkpoint(comfy):
 
 
 def test_ksampler_on_a_qwen_image_pool_equals_comfyuis_own_qwen_image(comfy, qwen_checkpoint):
-    prompt = {k: v for k, v in _graph({"ulysses_degree": 2}, stock=True).items()
+    prompt = {k: v for k, v in graph({"ulysses_degree": 2}, stock=True).items()
               if k in ("1", "2", "3", "4", "5", "6", "xdit-euler", "stock-euler", "save-xdit-euler", "save-stock-euler")}
     prompt["1"]["inputs"]["model"] = QWEN
     prompt["6"]["inputs"]["unet_name"] = f"{QWEN}.safetensors"
@@ -229,7 +234,32 @@ def test_ksampler_on_a_qwen_image_pool_equals_comfyuis_own_qwen_image(comfy, qwe
         prompt[node]["inputs"]["cfg"] = 4.0
     entry = comfy.wait(comfy.queue(prompt), 600)
     assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
-    latents = _latents(comfy, entry)
+    latents = latents_of(comfy, entry)
     assert latents["stock-euler"].shape == (1, 16, 1, SIZE // 8, SIZE // 8)  # ComfyUI's own layout for Qwen-Image
     assert (latents["xdit-euler"] - latents["stock-euler"]).abs().max().item() <= TOLERANCE
     assert latents["stock-euler"].abs().max().item() > 0.1
+
+
+def test_img2img_on_the_pool_equals_comfyuis_ksampler_at_the_same_denoise(comfy, checkpoint):
+    """denoise below 1 as ComfyUI means it: KSampler at denoise 0.5 (the last 4 steps of an 8-step schedule, the init
+    latent noised to its first sigma) on xDiT Model equals KSampler at the same denoise on ComfyUI's own model of
+    the same weights, both samplers, from an init latent that is a first sampling's result. Negative controls: the
+    image does not come back unchanged, and denoise 0.6 gives another latent."""
+    prompt = {k: v for k, v in graph({"ulysses_degree": 2}, stock=True).items() if k in ("1", "2", "3", "4", "5", "6")}
+    prompt["init"] = _ksampler(["6", 0], "euler", "simple")  # an image to start from: ComfyUI's own sampling
+    for source, model in (("xdit", "5"), ("stock", "6")):
+        for sampler, scheduler in SAMPLERS:
+            for denoise in (0.5, 0.6) if (source, sampler) == ("stock", "euler") else (0.5,):
+                node = f"{source}-{sampler}-{denoise}"
+                prompt[node] = _ksampler([model, 0], sampler, scheduler)
+                prompt[node]["inputs"].update(latent_image=["init", 0], denoise=denoise, seed=SEED + 1)
+                prompt[f"save-{node}"] = _save([node, 0], f"img2img_{source}_{sampler}_{denoise}")
+    prompt["save-init"] = _save(["init", 0], "img2img_init")
+    entry = comfy.wait(comfy.queue(prompt), 600)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+    latents = latents_of(comfy, entry)
+    for sampler, _ in SAMPLERS:
+        reference = latents[f"stock-{sampler}-0.5"]
+        assert (latents[f"xdit-{sampler}-0.5"] - reference).abs().max().item() <= TOLERANCE, sampler
+        assert (reference - latents["init"]).abs().max().item() > 1e-2  # img2img changed the image
+    assert (latents["stock-euler-0.6"] - latents["stock-euler-0.5"]).abs().max().item() > 1e-2

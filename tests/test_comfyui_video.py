@@ -31,6 +31,7 @@ from PIL import Image
 from diffusers import DiffusionPipeline
 from safetensors.torch import load_file
 
+from test_comfyui import native_format_taken
 from test_pool_video import tiled_reference, video_to_video_reference
 from xdit_test_helpers import TOLERANCE, diffusers_latents
 
@@ -215,13 +216,14 @@ HV15_POSITIVE = 'a neon sign that says "open" in the rain'  # a quoted text: byT
 
 
 def hunyuan_video15_workflow() -> dict:
-    """ComfyUI 0.3.64 has no HunyuanVideo 1.5 encoder, latent format or empty latent: xDiT Text Encode (both text
-    streams and their masks travel in the CONDITIONING), xDiT Empty Latent (32 channels at 1/16), the declared format."""
+    """ComfyUI 0.33's own EmptyHunyuanVideo15Latent (32 channels at 1/16) and HunyuanVideo15 latent format; xDiT Text
+    Encode (both text streams and their masks travel in the CONDITIONING). On 0.3.64, which has neither, xDiT Empty
+    Latent and the family's declared format stand in (tests/test_families.py checks they convert alike)."""
     graph = workflow()
     graph["1"]["inputs"]["model"] = f"xdit-tiny-{HV15} (built-in, no download)"
     graph["2"]["inputs"]["text"] = HV15_POSITIVE
-    graph["4"] = {"class_type": "XDiTEmptyLatent", "inputs": {
-        "pool": ["1", 0], "width": HV15_SIZE, "height": HV15_SIZE, "batch_size": 1, "length": FRAMES}}
+    graph["4"] = {"class_type": "EmptyHunyuanVideo15Latent", "inputs": {
+        "width": HV15_SIZE, "height": HV15_SIZE, "length": FRAMES, "batch_size": 1}}
     graph["5"]["inputs"]["cfg"] = HV15_CFG
     graph["6"]["inputs"]["filename_prefix"] = f"video_{HV15}"
     return {key: graph[key] for key in ("1", "2", "3", "4", "5", "6")}
@@ -250,3 +252,4 @@ def test_hunyuan_video15_workflow_equals_diffusers(comfy, video_model_dirs):
     assert saved.shape == expected.shape == shape
     assert (saved - expected).abs().max().item() <= TOLERANCE
     assert (saved - latents).abs().max().item() > 100 * TOLERANCE  # the scale is applied, not skipped
+    assert native_format_taken(comfy, "HunyuanVideo15Pipeline", "HunyuanVideo15")  # ComfyUI's class, not the declared

@@ -1,8 +1,10 @@
 """The family registry (parallel/families/) and the ComfyUI adapter built from its data.
 
 The adapter's conversions are checked against ComfyUI's own `comfy/latent_formats.py`, read from the
-ComfyUI 0.3.64 source in ../shared/comfyui (it needs torch only), and against the scale/shift values
-ComfyUI documents for each format, so a family that names the wrong format fails here.
+ComfyUI source snapshots in ../shared/comfyui (it needs torch only), and against the scale/shift values
+ComfyUI documents for each format, so a family that names the wrong format fails here. The oldest supported
+ComfyUI (0.3.64) lacks FLUX.2's and HunyuanVideo 1.5's formats, so the families' declarations stand in; ComfyUI
+0.33 has both, and there its own classes are taken (nodes/comfy_compat.py), with the same numbers.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from parallel.families.base import unpack_2x2
 from xdit_test_helpers import ROOT, import_node_module
 
 COMFYUI_SOURCE = ROOT.parent / "shared" / "comfyui" / "ComfyUI-0.3.64-a125cd84.tar.gz"
+COMFYUI_CURRENT_SOURCE = ROOT.parent / "shared" / "comfyui" / "ComfyUI-0.33.0-2f35f4a0.tar.gz"
 
 
 def test_importing_the_families_imports_no_diffusers():
@@ -75,26 +78,37 @@ def test_declared_attention_layers_get_one_dispatch_wrapper_each():
         xFuserLayerWrappersRegister.get_wrapper(torch.nn.Linear(2, 2))
 
 
+def _latent_formats(source: Path, root: Path) -> types.ModuleType:
+    """comfy/latent_formats.py of a ComfyUI source snapshot, as a module named as ComfyUI names it."""
+    if not source.is_file():
+        pytest.skip(f"no ComfyUI source at {source}")
+    with tarfile.open(source) as archive:
+        archive.extract("comfy/latent_formats.py", root, filter="data")
+    module = types.ModuleType("comfy.latent_formats")
+    path = root / "comfy" / "latent_formats.py"
+    exec(compile(path.read_text(), str(path), "exec"), module.__dict__)
+    return module
+
+
 @pytest.fixture(scope="module")
 def latent_formats(tmp_path_factory):
-    if not COMFYUI_SOURCE.is_file():
-        pytest.skip(f"no ComfyUI source at {COMFYUI_SOURCE}")
-    root = tmp_path_factory.mktemp("comfy")
-    with tarfile.open(COMFYUI_SOURCE) as archive:
-        archive.extract("comfy/latent_formats.py", root, filter="data")
-    namespace: dict = {}
-    source = root / "comfy" / "latent_formats.py"
-    exec(compile(source.read_text(), str(source), "exec"), namespace)
-    module = types.ModuleType("comfy.latent_formats")
-    module.__dict__.update(namespace)
-    return module
+    return _latent_formats(COMFYUI_SOURCE, tmp_path_factory.mktemp("comfy"))
+
+
+@pytest.fixture(scope="module")
+def current_latent_formats(tmp_path_factory):
+    return _latent_formats(COMFYUI_CURRENT_SOURCE, tmp_path_factory.mktemp("comfy_current"))
+
+
+def _adapters(monkeypatch, latent_formats):
+    comfy = types.ModuleType("comfy")
+    comfy.latent_formats = latent_formats
+    return import_node_module(monkeypatch, "adapters", {"comfy": comfy, "comfy.latent_formats": latent_formats})
 
 
 @pytest.fixture
 def adapters(monkeypatch, latent_formats):
-    comfy = types.ModuleType("comfy")
-    comfy.latent_formats = latent_formats
-    return import_node_module(monkeypatch, "adapters", {"comfy": comfy, "comfy.latent_formats": latent_formats})
+    return _adapters(monkeypatch, latent_formats)
 
 
 # ComfyUI's values (DESIGN.md "Facts"): model space = (x − shift) · scale. A wrong shift (-1.0) is the negative control.
@@ -191,6 +205,30 @@ def test_hunyuan_video15_latents_and_xdit_text_travel_through_comfyui(adapters, 
     assert tensors["prompt_embeds_2"].shape == (2, 5, 16) and tensors["negative_prompt_embeds_mask"].sum() == 0
 
 
+def test_comfyui_033_has_flux2_and_hunyuan_video15_formats_and_they_are_taken(monkeypatch, latent_formats,
+                                                                             current_latent_formats):
+    """On ComfyUI 0.33 the adapter takes ComfyUI's own Flux2 and HunyuanVideo15 classes (not the declarations), and
+    the declarations that stand in for them on 0.3.64 convert and preview as those classes do. Negative control: on
+    0.3.64 the same call gives the declared stand-in."""
+    x = {128: torch.randn(1, 128, 3, 5, generator=torch.Generator().manual_seed(1)),
+         32: torch.randn(1, 32, 2, 3, 5, generator=torch.Generator().manual_seed(2))}
+    for pipeline, channels, name in (("Flux2KleinPipeline", 128, "Flux2"), ("Flux2Pipeline", 128, "Flux2"),
+                                     ("HunyuanVideo15Pipeline", 32, "HunyuanVideo15"),
+                                     ("HunyuanVideo15ImageToVideoPipeline", 32, "HunyuanVideo15")):
+        native = _adapters(monkeypatch, current_latent_formats).adapter_for(pipeline, 16).latent_format(channels)
+        assert type(native) is getattr(current_latent_formats, name), pipeline
+        old = _adapters(monkeypatch, latent_formats).adapter_for(pipeline, 16).latent_format(channels)
+        assert type(old) is latent_formats.LatentFormat and not hasattr(latent_formats, name)
+        assert torch.allclose(old.process_in(x[channels]), native.process_in(x[channels]), rtol=0, atol=1e-7)
+        assert torch.allclose(old.process_out(x[channels]), native.process_out(x[channels]), rtol=0, atol=1e-7)
+        assert (old.latent_channels, old.spacial_downscale_ratio, old.latent_dimensions) == \
+               (native.latent_channels, native.spacial_downscale_ratio, native.latent_dimensions)
+        if name == "Flux2":  # the previews: the same factors over the same unfolded channels
+            assert old.latent_rgb_factors == native.latent_rgb_factors
+            assert old.latent_rgb_factors_bias == native.latent_rgb_factors_bias
+            assert torch.equal(old.latent_rgb_factors_reshape(x[128]), native.latent_rgb_factors_reshape(x[128]))
+
+
 def test_wan_latents_use_comfyuis_wan21_and_wan22_formats(adapters, latent_formats):
     """16 channels (Wan 2.1, 2.2 A14B, ×8) and 48 (Wan 2.2 TI2V 5B, ×16); 4 frames per latent frame."""
     for channels, name, factor in ((16, "Wan21", 8), (48, "Wan22", 16)):
@@ -264,3 +302,68 @@ def test_wan21_i2v_takes_the_clip_vision_features_where_the_pool_lists_them(adap
     with pytest.raises(adapters.ConditioningError, match="image_embeds is 1024 wide but .* needs 1280"):
         wan.pipeline_inputs([[cond, {**extras, "clip_vision_output": types.SimpleNamespace(
             penultimate_hidden_states=torch.randn(1, 257, 1024))}]], None, 1, widths)
+
+
+def test_hunyuan_video15_takes_comfyuis_own_encoders_conditioning(adapters):
+    """ComfyUI 0.33's hunyuan_video_15 text encoder gives the LLM text as `cond` (with `attention_mask` only where it
+    pads) and the byT5 glyph text as `conditioning_byt5small` (only for a prompt with quoted text): they become the
+    pipeline's two text streams with their masks; a missing glyph stream is one masked token; widths are checked."""
+    hv = adapters.adapter_for("HunyuanVideo15Pipeline", 16)
+    widths = {f"{p}{n}": w for p in ("", "negative_") for n, w in (("prompt_embeds", 32), ("prompt_embeds_2", 16))}
+    cond, glyphs = torch.randn(1, 7, 32), torch.randn(1, 5, 16)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0]])
+    tensors, _ = hv.pipeline_inputs([[cond, {"attention_mask": mask, "conditioning_byt5small": glyphs}]],
+                                    [[cond, {}]], 2, widths)
+    assert torch.equal(tensors["prompt_embeds"], cond.expand(2, 7, 32))
+    assert torch.equal(tensors["prompt_embeds_mask"], mask.expand(2, 7))
+    assert torch.equal(tensors["prompt_embeds_2"], glyphs.expand(2, 5, 16))
+    assert torch.equal(tensors["prompt_embeds_mask_2"], torch.ones(2, 5, dtype=torch.int64))
+    assert torch.equal(tensors["negative_prompt_embeds_mask"], torch.ones(2, 7, dtype=torch.int64))
+    assert tensors["negative_prompt_embeds_2"].shape == (2, 1, 16) and not tensors["negative_prompt_embeds_2"].any()
+    assert not tensors["negative_prompt_embeds_mask_2"].any()
+    with pytest.raises(adapters.ConditioningError, match="prompt_embeds_2 is 1472 wide but .* needs 16; .*hunyuan_video_15"):
+        hv.pipeline_inputs([[cond, {"conditioning_byt5small": torch.randn(1, 5, 1472)}]], None, 1, widths)
+    with pytest.raises(adapters.ConditioningError, match="prompt_embeds is 3584 wide but .* needs 32"):
+        hv.pipeline_inputs([[torch.randn(1, 7, 3584), {}]], None, 1, widths)
+
+
+def test_a_pipeline_without_a_text_mask_gets_the_valid_tokens(adapters):
+    """Z-Image and FLUX.2 take no mask: a conditioning padded at its end (ComfyUI's encoders add `attention_mask`
+    where they pad) reaches them as its valid tokens; padding other than at the end is one error."""
+    for pipeline in ("ZImagePipeline", "Flux2KleinPipeline"):
+        adapter = adapters.adapter_for(pipeline, 8 if pipeline == "ZImagePipeline" else 16)
+        cond = torch.randn(1, 6, 32)
+        tensors, _ = adapter.pipeline_inputs([[cond, {"attention_mask": torch.tensor([[1, 1, 1, 1, 0, 0]])}]], None, 1,
+                                             {"prompt_embeds": 32})
+        assert torch.equal(tensors["prompt_embeds"], cond[:, :4]) and set(tensors) == {"prompt_embeds"}
+        with pytest.raises(adapters.ConditioningError, match="pads its prompts to different lengths, and .* takes no mask"):
+            adapter.pipeline_inputs([[cond, {"attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1]])}]], None, 1, {})
+
+
+def test_hunyuan_video15_image_to_video_takes_comfyuis_node_conditioning(adapters):
+    """HunyuanVideo15ImageToVideo's start-image encoding (`concat_latent_image`, VAE space, zeros after the first
+    frame, `concat_mask` 0 there) becomes `image_latents`; its optional clip_vision_output's last hidden states
+    `image_embeds` (width checked); without a clip_vision_output none are sent; a second start frame is refused."""
+    import types
+
+    i2v = adapters.adapter_for("HunyuanVideo15ImageToVideoPipeline", 16)
+    widths = {"prompt_embeds": 32, "image_embeds": 16}
+    start = torch.zeros(1, 32, 3, 2, 2)
+    start[:, :, 0] = torch.randn(1, 32, 2, 2)
+    mask = torch.ones(1, 1, 3, 2, 2)
+    mask[:, :, 0] = 0
+    extras = {"concat_latent_image": start, "concat_mask": mask}
+    tensors, _ = i2v.pipeline_inputs([[torch.randn(1, 7, 32), extras]], None, 2, widths)
+    assert torch.equal(tensors["image_latents"], start.expand(2, -1, -1, -1, -1)) and "image_embeds" not in tensors
+    vision = types.SimpleNamespace(last_hidden_state=torch.randn(1, 9, 16), penultimate_hidden_states=torch.randn(1, 9, 8))
+    tensors, _ = i2v.pipeline_inputs([[torch.randn(1, 7, 32), {**extras, "clip_vision_output": vision}]], None, 1, widths)
+    assert torch.equal(tensors["image_embeds"], vision.last_hidden_state)
+    with pytest.raises(adapters.ConditioningError, match="image_embeds is 8 wide but .* needs 16"):
+        i2v.pipeline_inputs([[torch.randn(1, 7, 32), {**extras, "clip_vision_output": types.SimpleNamespace(
+            last_hidden_state=torch.randn(1, 9, 8))}]], None, 1, widths)
+    with pytest.raises(adapters.ConditioningError, match="give HunyuanVideo15ImageToVideo a single start_image"):
+        two = mask.clone()
+        two[:, :, 1] = 0
+        i2v.pipeline_inputs([[torch.randn(1, 7, 32), {**extras, "concat_mask": two}]], None, 1, widths)
+    with pytest.raises(adapters.ConditioningError, match="through ComfyUI's HunyuanVideo15ImageToVideo node"):
+        i2v.pipeline_inputs([[torch.randn(1, 7, 32), {}]], None, 1, widths)

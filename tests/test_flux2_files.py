@@ -95,20 +95,25 @@ def test_the_files_equal_the_pipeline_they_came_from(files):
 
 
 @pytest.mark.parametrize("kind", ["fp8_scaled", "gguf_q8_0"])
-def test_quantized_files_equal_the_weights_they_mean(files, tmp_path, kind):
+def test_quantized_files_equal_the_weights_they_mean(comfyui_install, files, tmp_path, kind):
+    """The quantized file through the engine's loader equals diffusers' pipeline around a transformer read from the
+    same file without it (tests/independent_readers.py: ComfyUI's own fp8 dequantization, the gguf package's reader
+    with Q8_0 in fp16 as diffusers' GGUF layers compute it, diffusers' own FLUX.2 converter)."""
+    from independent_readers import flux2_transformer
+
     from parallel.loading.checkpoints.fp8 import storage_of
 
     weights = CheckpointFile(files["base"]).state_dict()
     quantized = tmp_path / ("flux-2-klein-base-4b-Q8_0.gguf" if kind == "gguf_q8_0" else "flux-2-klein-base-4b-fp8.safetensors")
     if kind == "gguf_q8_0":
-        meant = gguf_file(weights, quantized, "flux", as_diffusers=True)
+        gguf_file(weights, quantized, "flux")
     else:
-        stored, meant = fp8_scaled(weights, per_layer=False)
-        save_file(stored, quantized)
-    save_file({k: v.contiguous() for k, v in meant.items()}, tmp_path / "flux-2-klein-base-meant.safetensors")
+        save_file(fp8_scaled(weights, per_layer=False)[0], quantized)
     pipe = load_pipeline(quantized, vae=files["vae"], dtype="fp32")
     assert {"Q8_0", "float8_e4m3fn"} & storage_of(pipe.transformer).keys()
-    plain = load_pipeline(tmp_path / "flux-2-klein-base-meant.safetensors", vae=files["vae"], dtype="fp32")
+    read = flux2_transformer(comfyui_install, quantized, "gguf-Q8_0-fp16" if kind == "gguf_q8_0" else "fp8",
+                             dict(pipe.transformer.config), tmp_path)
+    plain = type(pipe)(**{**pipe.components, "transformer": read})
     got = diffusers_latents(pipe, FAMILY, **files["inputs"], **CALL)
     assert (got - diffusers_latents(plain, FAMILY, **files["inputs"], **CALL)).abs().max().item() <= TOLERANCE
     assert (got - _reference(files, pipe.scheduler)).abs().max().item() > TOLERANCE  # the quantization is real

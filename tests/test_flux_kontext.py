@@ -13,7 +13,6 @@ keys miss by far more. Contract E and a served Ring 2 pool (contract P) run it o
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from parallel.loading import tiny_models
 
-from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
+from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, torchrun
 
 FAMILY, STEPS, GUIDANCE, SIZE = "flux-kontext", 4, 3.5, 64
 REFERENCE = (1, 16, 6, 10)  # latents of a 48 × 80 pixel reference image: 3 × 5 = 15 tokens
@@ -96,8 +95,8 @@ def runs(kontext):
 
 def _compare(runs, kontext, name) -> tuple[torch.Tensor, torch.Tensor]:
     output, inputs = runs[name]
-    error = Path(str(output) + ".error")
-    assert not error.exists(), error.read_text()
+    errors = case_errors(output)
+    assert not errors, errors[-3000:]
     expected = diffusers_latents(kontext["model"], FAMILY, **load_file(inputs), **call_kwargs(name))
     return load_file(output)["latents"], expected
 
@@ -119,9 +118,9 @@ def test_negative_controls_miss_by_far_more(runs, kontext, control):
 @pytest.mark.parametrize("case", REFUSED)
 def test_pipefusion_refuses_what_it_cannot_cut(runs, case):
     output, _ = runs[case]
-    error = Path(str(output) + ".error")
-    assert error.exists() and not output.exists()
-    assert "LayoutError" in error.read_text() and REFUSED[case][2] in error.read_text()
+    errors = case_errors(output)
+    assert errors and not output.exists()
+    assert "LayoutError" in errors and REFUSED[case][2] in errors
 
 
 def test_the_reference_image_matters(kontext):

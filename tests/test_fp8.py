@@ -3,9 +3,10 @@
 A tiny Flux.1 [dev] in BFL's layout written the three ways fp8 files come (ComfyUI's `*_fp8_scaled` with the
 `scaled_fp8` marker, its per-layer `comfy_quant` metadata, and plain fp8 without scales; 2-D weights fp8, per-tensor
 scales): through contract E with `--dtype fp32` on Ulysses 2 and on PipeFusion 2 with full warm-up,
-and through a pool, the result equals diffusers' single-process pipeline on the dequantized weights (stored ·
-scale) within 1e-4, and misses the unquantized model's result by far more, so a loader that dropped the scales
-would fail (with --shard-weights the file is dequantized at load: FSDP shards plain tensors). The pool reports
+and through a pool, the result equals diffusers' single-process pipeline on the weights the file means within
+1e-4, read without the engine's loader (tests/independent_readers.py: ComfyUI's own loading and `comfy.ops`
+dequantization of the same file, in the test bed's python), and misses the unquantized model's result by far more,
+so a loader that dropped the scales would fail (with --shard-weights the file is dequantized at load: FSDP shards plain tensors). The pool reports
 the storage format; a rank holds ≤ 0.55× the bf16 parameter bytes, a PipeFusion stage only its blocks' share;
 a LoRA applies on top of the fp8 layers exactly as on the dequantized ones.
 """
@@ -59,9 +60,18 @@ def _latents(path, inputs) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def references(files):
-    """diffusers' pipeline, one process, on the weights each fp8 file means (stored · scale, as fp32)."""
-    return {style: _latents(files[f"{style}-meant"], files["inputs"]) for style in STYLES}
+def references(comfyui_install, files, tmp_path_factory):
+    """diffusers' pipeline, one process, on the weights each fp8 file means as ComfyUI itself dequantizes the file
+    (stored · scale, as fp32)."""
+    from independent_readers import flux_transformer
+
+    work, config = tmp_path_factory.mktemp("ref"), dict(tiny_models.build_tiny_pipeline("flux", seed=3).transformer.config)
+    out = {}
+    for style in STYLES:
+        pipeline = tiny_models.build_tiny_pipeline("flux", seed=3)
+        pipeline.transformer = flux_transformer(comfyui_install, files[style], "fp8", config, work)
+        out[style] = diffusers_latents(pipeline, "flux", **load_file(files["inputs"]), **CALL)
+    return out
 
 
 @pytest.fixture(scope="module")

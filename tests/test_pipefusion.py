@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from parallel.loading import tiny_models
 from test_engine_layouts import STEPS, SIZE, reference
-from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
+from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, torchrun
 
 EXACT = {  # name: (nproc, layout); warm-up covers every step, so the pipeline is synchronous
     2: {"pp2": {"pipefusion_degree": 2}},
@@ -104,8 +104,8 @@ def runs(tiny_model_dirs, tmp_path_factory):
 def result(runs, family, name):
     results, dirs = runs
     output, inputs = results[(family, name)]
-    error = Path(str(output) + ".error")
-    assert not error.exists(), error.read_text()
+    errors = case_errors(output)
+    assert not errors, errors[-3000:]
     expected = reference(dirs[family], inputs, family, "cfg" if "cfg" in name else name, "default")
     return load_file(output)["latents"], expected, json.loads(Path(str(output) + ".memory.json").read_text())
 
@@ -163,8 +163,8 @@ def flow_reference(runs, name: str, scheduler: str, family: str = "flux") -> tor
 
 def latents_of(runs, name: str, family: str = "flux") -> torch.Tensor:
     output, _ = runs[0][(family, name)]
-    error = Path(str(output) + ".error")
-    assert not error.exists(), error.read_text()
+    errors = case_errors(output)
+    assert not errors, errors[-3000:]
     return load_file(output)["latents"]
 
 

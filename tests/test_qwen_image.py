@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from parallel.loading import tiny_models
 
 from pool_helpers import serving
-from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
+from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, torchrun
 
 FAMILY, STEPS = "qwen-image", 4
 LAYOUTS = {"ulysses2": (2, {"ulysses_degree": 2}), "ring2": (2, {"ring_degree": 2}),
@@ -62,6 +62,8 @@ def runs(tiny_model_dirs, tmp_path_factory):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_padded_prompt_is_trimmed_and_exact(runs, tiny_model_dirs, layout):
     work, inputs = runs
+    errors = case_errors(work / f"{layout}.safetensors")
+    assert not errors, errors[-3000:]
     parallel = load_file(work / f"{layout}.safetensors")["latents"]
     expected = diffusers_latents(tiny_model_dirs[FAMILY], FAMILY, **load_file(inputs), **call())
     assert (parallel - expected).abs().max().item() <= TOLERANCE
@@ -77,8 +79,8 @@ def test_the_padding_is_masked_not_ignored(runs, tiny_model_dirs):
 
 def test_prompts_of_different_lengths_are_refused_under_ulysses(runs):
     work, _ = runs
-    error = (work / "ulysses2-batch.safetensors.error").read_text().strip().splitlines()[-1]
-    assert error.startswith("parallel.layout.config.LayoutError: prompt_embeds_mask pads the shorter prompts of this batch")
+    errors = case_errors(work / "ulysses2-batch.safetensors")
+    assert "\nparallel.layout.config.LayoutError: prompt_embeds_mask pads the shorter prompts of this batch" in errors, errors
 
 
 def test_the_pools_text_encoder_matches_diffusers(tiny_model_dirs, tmp_path):

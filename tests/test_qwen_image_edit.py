@@ -14,7 +14,6 @@ diffusers.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from parallel.loading import tiny_models
 
 from pool_helpers import serving
-from xdit_test_helpers import TOLERANCE, diffusers_latents, diffusers_with_reference_latents, torchrun
+from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, diffusers_with_reference_latents, torchrun
 
 EDIT, PLUS, STEPS = "qwen-image-edit", "qwen-image-edit-plus", 2
 
@@ -84,8 +83,8 @@ def runs(tiny_model_dirs, tmp_path_factory):
 
 def _outcome(runs, name: str):
     spec = runs[name]
-    errors = sorted(Path(spec["output"]).parent.glob(Path(spec["output"]).name + ".error*"))
-    return (None, "\n".join(p.read_text() for p in errors)) if errors else (load_file(spec["output"])["latents"], "")
+    errors = case_errors(spec["output"])
+    return (None, errors) if errors else (load_file(spec["output"])["latents"], "")
 
 
 def _reference(runs, tiny_model_dirs, name: str, **changes):

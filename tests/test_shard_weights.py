@@ -21,7 +21,7 @@ from parallel.loading import tiny_models
 from parallel.layout.config import LayoutError, ParallelConfig
 
 from pool_helpers import free_endpoint, idle_client, pool_processes, start_serve, stop_serve, wait_gone
-from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
+from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, torchrun
 
 STEPS, SIZE = 2, 64
 LAYOUTS = {
@@ -81,8 +81,8 @@ def matrix(tiny_model_dirs, video_model_dirs, tmp_path_factory):
 def _result(matrix, case):
     results, dirs = matrix
     output, inputs = results[case]
-    error = Path(str(output) + ".error")
-    assert not error.exists(), error.read_text()
+    errors = case_errors(output)
+    assert not errors, errors[-3000:]
     _, family, layout = case
     return load_file(output)["latents"], diffusers_latents(dirs[family], family, **load_file(inputs), **call_kwargs(family, layout))
 
@@ -106,8 +106,8 @@ def test_step_cache_on_sharded_weights_matches_diffusers_cached(matrix):
 
     results, dirs = matrix
     output, inputs = results[CACHED]
-    error = Path(str(output) + ".error")
-    assert not error.exists(), error.read_text()
+    errors = case_errors(output)
+    assert not errors, errors[-3000:]
     expected, _ = reference(dirs["flux"], "flux", load_file(inputs), call_kwargs("flux", CACHED[2]), CACHE)
     assert (load_file(output)["latents"] - expected).abs().max().item() <= TOLERANCE
 

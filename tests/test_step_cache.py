@@ -22,7 +22,7 @@ from parallel.loading import tiny_models
 from parallel.cli.launch import ROOT, rank_environment
 
 from pool_helpers import free_endpoint, idle_client, start_serve, stop_serve
-from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
+from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, torchrun
 
 STEPS, SIZE, THRESHOLD = 20, 64, 0.42
 FIRST_BLOCK = {"method": "first-block", "threshold": THRESHOLD}
@@ -138,8 +138,8 @@ def runs(tiny_model_dirs, video_model_dirs, tmp_path_factory):
 
 def _case(runs, name: str):
     output, ranks, expected, decisions = runs[name]
-    errors = sorted(output.parent.glob(f"{output.name}.error.rank*"))
-    assert not errors, errors[0].read_text()
+    errors = case_errors(output)
+    assert not errors, errors[-3000:]
     per_rank = [json.loads(Path(f"{output}.rank{r}.json").read_text()) for r in range(ranks)]
     return load_file(output)["latents"], expected, per_rank, decisions
 

@@ -52,6 +52,18 @@ def flux_file_on_two_ranks(model, inputs, output, *layout: str):
     return load_file(output)["latents"]
 
 
+def case_errors(output) -> str:
+    """Every rank's traceback for a failed case of tests/engine_cases.py (and the runners built on it): rank 0's in
+    output + ".error", rank N's in output + ".error.rankN" (step caches: ".error.rank0" too); "" when none failed.
+    A rank other than 0 can fail alone, so reading rank 0's file only would miss it."""
+    from pathlib import Path
+
+    output = Path(output)
+    files = [output.parent / f"{output.name}.error", *output.parent.glob(f"{output.name}.error.rank*")]
+    found = sorted((f for f in files if f.is_file()), key=lambda f: (len(f.name), f.name))
+    return "\n".join(f"--- {f.name}\n{f.read_text()}" for f in found)
+
+
 def diffusers_latents(model, family: str | None = None, *, scheduler: str | None = None, **call):
     """The reference every test compares with: diffusers' own pipeline in this one process (`model`: a saved
     folder or a loaded pipeline), under no_grad as the pipeline runs itself, returning `output_type="latent"`,

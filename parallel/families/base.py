@@ -80,9 +80,21 @@ class ComfyData:
     concat_latents: the tensor input that takes the positive conditioning's `concat_latent_image` (ComfyUI's
                     WanImageToVideo: its VAE's encoding of the start image and the frames after it), in the
                     VAE's own space; "": the model takes none.
+    image_to_video_node: the ComfyUI node that makes that conditioning (said when it is missing).
     clip_vision:    the tensor input that takes the positive conditioning's `clip_vision_output` (ComfyUI's
-                    CLIPVisionEncode, through WanImageToVideo) as its penultimate hidden states [1, tokens, width],
-                    where the pool's model lists it among its input widths; "": the model takes none.
+                    CLIPVisionEncode, through WanImageToVideo) as its `clip_vision_state` [1, tokens, width], where the
+                    pool's model lists it among its input widths; "": the model takes none.
+    clip_vision_state: which hidden states of that output the model takes (Wan 2.1: the penultimate layer's,
+                    HunyuanVideo 1.5: the last layer's, as ComfyUI's own models take them).
+    clip_vision_required: without a clip_vision_output the conditioning is refused; False: the model samples
+                    without vision features (ComfyUI's HunyuanVideo 1.5 does, its vision tokens left out).
+    text_masks:     text input → the input that masks its padding, where the pipeline takes one other than
+                    `prompt_attention_mask` (ComfyUI's own encoders give `attention_mask` for their `cond` only where
+                    it pads; none: all valid). A text input without a mask input has its padding trimmed.
+    conditioning_keys: a key of ComfyUI's own encoders' conditioning → the pipeline's text input it is
+                    (HunyuanVideo 1.5's byT5 glyph text, `conditioning_byt5small`).
+    optional_texts: text inputs the pipeline needs and ComfyUI's encoders may leave out (HunyuanVideo 1.5's glyph
+                    text, for a prompt without quoted text): sent as one padding token, masked.
     model_class:    the class in `comfy.supported_models` whose model sampling (flow shift, prediction type),
                     latent format and conditioning an xDiT Model carries (ComfyUI's samplers on the pool);
                     "": no xDiT Model for this family.
@@ -105,7 +117,13 @@ class ComfyData:
     references: int = 1
     reference_required: bool = False
     concat_latents: str = ""
+    image_to_video_node: str = "WanImageToVideo"
     clip_vision: str = ""
+    clip_vision_state: str = "penultimate_hidden_states"
+    clip_vision_required: bool = True
+    text_masks: dict[str, str] = field(default_factory=dict)
+    conditioning_keys: dict[str, str] = field(default_factory=dict)
+    optional_texts: tuple[str, ...] = ()
     model_class: str = ""
     model_call_conds: dict[str, str] = field(default_factory=dict)
 

@@ -67,8 +67,10 @@ class xFuserFlux2KleinPipeline(xFuserPipelineBaseWrapper):
 
     comfy = ComfyData(
         latent_formats={128: "Flux2"}, loop_tokens=True, declared_formats={"Flux2": COMFY_FLUX2},
-        expects="encode with xDiT Text Encode on this pool (FLUX.2 [klein]: Qwen3, three hidden layers stacked)",
-        empty_latent="xDiT Empty Latent (or EmptyFlux2LatentImage on a ComfyUI with FLUX.2): 128 channels at 1/16 size",
+        expects="encode with xDiT Text Encode on this pool, or on ComfyUI 0.33 with CLIPLoader type flux2 (FLUX.2 "
+                "[klein]: Qwen3 4B or 8B, three hidden layers stacked: 7680 or 12288 wide)",
+        empty_latent="EmptyFlux2LatentImage (ComfyUI 0.33), or xDiT Empty Latent on a ComfyUI without it: 128 channels "
+                     "at 1/16 size",
     )
     latent_patch = 2
     embedding_sizes = {"prompt_embeds": "joint_attention_dim", "negative_prompt_embeds": "joint_attention_dim"}
@@ -151,8 +153,9 @@ class xFuserFlux2Pipeline(xFuserFlux2KleinPipeline):
     and denormalises them."""
 
     comfy = dataclasses.replace(xFuserFlux2KleinPipeline.comfy, guidance_in_conditioning=True, default_guidance=4.0,
-                                expects="encode with xDiT Text Encode on this pool (FLUX.2 [dev]: Mistral Small 3.1, "
-                                        "three hidden layers stacked)")
+                                expects="encode with xDiT Text Encode on this pool, or on ComfyUI 0.33 with CLIPLoader "
+                                        "type flux2 (FLUX.2 [dev]: Mistral Small 3.1, three hidden layers stacked: "
+                                        "15360 wide)")
 
     def uses_cfg(self, kwargs: dict[str, Any]) -> bool:
         return False

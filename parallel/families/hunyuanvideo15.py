@@ -23,6 +23,7 @@ patch is whole token rows of the (frames × rows × columns) sequence, and the r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from ..model_executor.pipeline.img2img import linear_sigmas
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split, TextPadding, TokenRows
 from .base import FAMILIES, ComfyData, DeclaredLatentFormat, Family, TinyModel, pictures, replaced
 from .wan import xFuserWanPipeline
+from .wan.pipelines import vae_encodes_as
 
 DEFAULT_FRAMES = 121  # HunyuanVideo15Pipeline.__call__'s default num_frames
 MASKS = {"prompt_embeds": "prompt_embeds_mask", "negative_prompt_embeds": "negative_prompt_embeds_mask",
@@ -58,10 +60,12 @@ class xFuserHunyuanVideo15Pipeline(xFuserWanPipeline):
     comfy = ComfyData(
         latent_formats={32: "HunyuanVideo15"}, temporal=4,
         declared_formats={"HunyuanVideo15": COMFY_HUNYUAN_VIDEO_15},
-        expects="encode with xDiT Text Encode on this pool (its Qwen2.5-VL and byT5 encoders; ComfyUI 0.3.64 has none "
-                "for HunyuanVideo 1.5)",
-        empty_latent="xDiT Empty Latent (32 channels at 1/16 size), or HunyuanVideo 1.5's empty-latent node on a "
-                     "ComfyUI that has one",
+        expects="encode with xDiT Text Encode on this pool (its Qwen2.5-VL and byT5 encoders), or on ComfyUI 0.33 with "
+                "its CLIPLoader type hunyuan_video_15 (Qwen2.5-VL 7B, 3584 wide; byT5 glyph text 1472 wide)",
+        empty_latent="EmptyHunyuanVideo15Latent (ComfyUI 0.33), or xDiT Empty Latent on a ComfyUI without it: 32 "
+                     "channels at 1/16 size",
+        text_masks=MASKS, conditioning_keys={"conditioning_byt5small": "prompt_embeds_2"},
+        optional_texts=("prompt_embeds_2",),
     )
     tensor_inputs = tuple(MASKS.values()) + ("prompt_embeds_2", "negative_prompt_embeds_2")
     embedding_sizes = {"prompt_embeds": "text_embed_dim", "negative_prompt_embeds": "text_embed_dim",
@@ -160,26 +164,64 @@ class xFuserHunyuanVideo15ImageToVideoPipeline(xFuserHunyuanVideo15Pipeline):
     transformer's target_size); here the video is the requested height × width, and the pipeline's own crop-resize
     fits the image to it. The image goes in as the 8-bit picture it is (ComfyUI's images come from 8-bit files):
     an image whose own bucket is height × width gives exactly what diffusers gives for it.
+
+    Or the start frame as ComfyUI's HunyuanVideo15ImageToVideo hands it over: `image_latents`, its VAE's encoding of
+    the start image in the VAE's own space, [B, 32, T', h, w] with the frames after the first zero (the pipeline's
+    VAE encode answers with the first frame; the pipeline scales it and masks the frames as its own), and
+    `image_embeds`, the start image's SigLIP vision tokens [1, tokens, width] (ComfyUI's CLIPVisionEncode); without
+    them the vision tokens are zeros, which the transformer masks, as ComfyUI's own model leaves them out.
     """
 
-    tensor_inputs = xFuserHunyuanVideo15Pipeline.tensor_inputs + ("image",)
+    tensor_inputs = xFuserHunyuanVideo15Pipeline.tensor_inputs + ("image", "image_latents", "image_embeds")
+    comfy = dataclasses.replace(xFuserHunyuanVideo15Pipeline.comfy, concat_latents="image_latents",
+                                image_to_video_node="HunyuanVideo15ImageToVideo", clip_vision="image_embeds",
+                                clip_vision_state="last_hidden_state", clip_vision_required=False)
+
+    def input_widths(self) -> dict[str, int]:
+        return {**super().input_widths(), "image_embeds": int(self.module.transformer.config.image_embed_dim)}
 
     def check_inputs(self, kwargs: dict[str, Any], batch: int) -> None:
-        image = kwargs.get("image")
-        if image is None:
+        image, given, embeds = kwargs.get("image"), kwargs.get("image_latents"), kwargs.get("image_embeds")
+        if image is None and given is None:
             raise ValueError("HunyuanVideo15ImageToVideoPipeline needs `image`, the first frame to animate: "
-                             "[1, 3, H, W] in [0, 1]")
-        if not isinstance(image, torch.Tensor) or image.ndim != 4 or tuple(image.shape[:2]) != (1, 3):
+                             "[1, 3, H, W] in [0, 1], or `image_latents`, its VAE encoding")
+        if image is not None and (not isinstance(image, torch.Tensor) or image.ndim != 4 or tuple(image.shape[:2]) != (1, 3)):
             raise ValueError(f"image has shape {list(getattr(image, 'shape', []))}; HunyuanVideo 1.5 image-to-video "
                              "takes one RGB start frame, [1, 3, H, W] in [0, 1]")
+        if given is not None:
+            scale = self.module.vae_scale_factor_spatial
+            expected = (self.module.vae.config.latent_channels, self.latent_frames(kwargs),
+                        kwargs["height"] // scale, kwargs["width"] // scale)
+            if given.ndim != 5 or tuple(given.shape[1:]) != expected or given.shape[0] not in (1, batch):
+                raise ValueError(f"image_latents have shape {list(given.shape)} but this video needs {[batch, *expected]} "
+                                 "(the VAE encoding of the start image, the frames after it zero)")
+            if not (given[:1] == given).all() or given[:, :, 1:].any():
+                raise ValueError("image_latents must encode one start image (the first latent frame), the same for "
+                                 "every sample, the frames after it zero")
+        width = int(self.module.transformer.config.image_embed_dim)
+        if embeds is not None and (embeds.ndim != 3 or embeds.shape[0] != 1 or embeds.shape[-1] != width):
+            raise ValueError(f"image_embeds have shape {list(embeds.shape)}; HunyuanVideo 1.5 takes one image's SigLIP "
+                             f"vision tokens, [1, tokens, {width}]")
         super().check_inputs(kwargs, batch)
+
+    def prepare(self, kwargs: dict[str, Any], check_layout: bool = True) -> tuple[dict[str, Any], int, int]:
+        if kwargs.get("image_latents") is not None and kwargs.get("image") is None:  # stands in for the encoded image
+            kwargs = {**kwargs, "image": torch.zeros(1, 3, kwargs["height"], kwargs["width"])}
+        return super().prepare(kwargs, check_layout)
 
     def call_context(self, kwargs: dict[str, Any]):
         height, width = kwargs.pop("height"), kwargs.pop("width")  # the pipeline sizes the video from its image
+        given, embeds = kwargs.pop("image_latents", None), kwargs.pop("image_embeds", None)
         kwargs["image"] = pictures(kwargs["image"])[0]
         stack = contextlib.ExitStack()
         stack.enter_context(replaced(self.module.video_processor, "calculate_default_height_width",
                                       lambda **_: (height, width)))
+        if given is not None:
+            stack.enter_context(vae_encodes_as(self.module.vae, given[:1, :, :1]))
+            if embeds is None:  # no vision features: zeros, which the transformer masks
+                embeds = torch.zeros(1, 1, int(self.module.transformer.config.image_embed_dim))
+        if embeds is not None:
+            stack.enter_context(replaced(self.module, "_get_image_embeds", lambda **_: embeds))
         stack.enter_context(super().call_context(kwargs))
         return stack
 

@@ -44,8 +44,8 @@ class xFuserZImagePipeline(xFuserPipelineBaseWrapper):
     # ComfyUI 0.3.64 has no Z-Image model; its VAE is FLUX.1's, so its latents are in Flux's format.
     comfy = ComfyData(
         latent_formats={16: "Flux"}, cfg_offset=1.0,
-        expects="encode with xDiT Text Encode on this pool (Z-Image's Qwen3 4B text, 2560 wide; ComfyUI 0.3.64 "
-                "has no Z-Image text encoder)",
+        expects="encode with xDiT Text Encode on this pool, or on ComfyUI 0.33 with CLIPLoader type lumina2 (Z-Image's "
+                "Qwen3 4B, 2560 wide; ComfyUI 0.3.64 has no Z-Image text encoder)",
         empty_latent="EmptySD3LatentImage (16 channels)",
     )
     latent_patch = 2

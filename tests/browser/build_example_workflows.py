@@ -1,4 +1,5 @@
-"""Rebuild example_workflows/*.json in the real ComfyUI frontend (run when a node's inputs change).
+"""Rebuild example_workflows/*.json in the real ComfyUI frontend (run when a node's inputs change): ComfyUI 0.33's, the
+test bed every browser test runs on, with its own empty-latent nodes where it has them (FLUX.2, HunyuanVideo 1.5).
 
     .venv/bin/python tests/browser/build_example_workflows.py
 
@@ -14,11 +15,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]  # tests/, the repo
 
 import testbed  # noqa: E402
 from comfyui_server import ComfyServer  # noqa: E402
-from test_comfyui_browser import Browser  # noqa: E402
+from comfyui_page import Browser  # noqa: E402
 from xdit_test_helpers import ROOT  # noqa: E402
 
 EXAMPLES = {  # file stem: (family, empty latent node, cfg, what the example says about itself)
@@ -30,14 +31,15 @@ EXAMPLES = {  # file stem: (family, empty latent node, cfg, what the example say
     "xdit_qwen_image": ("qwen-image", "EmptySD3LatentImage", 4.0, "Qwen-Image (cfg: true CFG with the negative prompt)"),
     "xdit_z_image": ("z-image", "EmptySD3LatentImage", 1.0,
                      "Z-Image (cfg 1 as Z-Image-Turbo samples; above 1: classifier-free guidance)"),
-    "xdit_flux2_klein": ("flux2-klein", "XDiTEmptyLatent", 4.0,
-                         "FLUX.2 [klein] (cfg: classifier-free guidance of the base model; xDiT Empty Latent: "
-                         "128 channels at 1/16 size, as ComfyUI's own FLUX.2 latents)"),
-    "xdit_flux2_dev": ("flux2-dev", "XDiTEmptyLatent", 1.0,
-                       "FLUX.2 [dev] (cfg 1: its guidance is distilled, FluxGuidance's default 4; xDiT Empty Latent: "
-                       "128 channels at 1/16 size)"),
-    "xdit_hunyuan_video15": ("hunyuanvideo15", "XDiTEmptyLatent", 6.0,
-                             "HunyuanVideo 1.5 text-to-video (9 frames; xDiT Empty Latent: 32 channels at 1/16 size)"),
+    "xdit_flux2_klein": ("flux2-klein", "EmptyFlux2LatentImage", 4.0,
+                         "FLUX.2 [klein] (cfg: classifier-free guidance of the base model; ComfyUI's own FLUX.2 latent: "
+                         "128 channels at 1/16 size)"),
+    "xdit_flux2_dev": ("flux2-dev", "EmptyFlux2LatentImage", 1.0,
+                       "FLUX.2 [dev] (cfg 1: its guidance is distilled, FluxGuidance's default 4; ComfyUI's own FLUX.2 "
+                       "latent)"),
+    "xdit_hunyuan_video15": ("hunyuanvideo15", "EmptyHunyuanVideo15Latent", 6.0,
+                             "HunyuanVideo 1.5 text-to-video (9 frames; ComfyUI's own HunyuanVideo 1.5 latent: 32 "
+                             "channels at 1/16 size)"),
     "xdit_flux_kontext": ("flux-kontext", "EmptySD3LatentImage", 1.0,
                           "FLUX.1 Kontext editing a first sampler's image (your own: LoadImage → VAEEncode)"),
     "xdit_qwen_image_edit": ("qwen-image-edit", "EmptySD3LatentImage", 4.0,

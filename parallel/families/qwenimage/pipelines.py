@@ -25,7 +25,7 @@ class xFuserQwenImagePipeline(xFuserPipelineBaseWrapper):
         latent_formats={16: "Wan21"}, packed=True, cfg_call="true_cfg_scale",
         expects="encode with xDiT Text Encode on this pool, or Qwen-Image's CLIPLoader (Qwen2.5-VL 7B, 3584 wide)",
         empty_latent="EmptySD3LatentImage (16 channels)", model_class="QwenImage",
-        model_call_conds={"context": "prompt_embeds"},
+        model_call_conds={"context": "prompt_embeds"}, text_masks={"prompt_embeds": "prompt_embeds_mask"},
     )
     tensor_inputs = tuple(MASKS.values())
     latent_patch = 2

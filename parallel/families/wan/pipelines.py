@@ -169,13 +169,13 @@ class xFuserWanImageToVideoPipeline(xFuserWanPipeline):
         given, embeds = kwargs.pop("image_latents", None), kwargs.pop("image_embeds", None)
         stack = contextlib.ExitStack()
         if given is not None:
-            stack.enter_context(_encoded_as(self.module.vae, given))
+            stack.enter_context(vae_encodes_as(self.module.vae, given))
         if embeds is not None:
             stack.enter_context(replaced(self.module, "encode_image", lambda *args, **kwargs: embeds))
         return stack
 
 
-def _encoded_as(vae, latents: torch.Tensor):
+def vae_encodes_as(vae, latents: torch.Tensor):
     """The VAE's encode answers with `latents` (on their own device: the pipeline moves them on)."""
     def encode(video, *args, **kwargs):
         return types.SimpleNamespace(latent_dist=types.SimpleNamespace(mode=lambda: latents.to(dtype=video.dtype)))

@@ -1,0 +1,67 @@
+"""Test-only ComfyUI nodes (tests/comfyui_server.py loads them beside the pack; users never see them).
+
+ComfyUI's own text encoders are built at their released, multi-billion-parameter shapes (Qwen2.5-VL 7B for
+`qwen_image` and `hunyuan_video_15`, Qwen3 4B for `lumina2` / Z-Image and FLUX.2 [klein], Mistral 3 for FLUX.2
+[dev], UMT5-XXL for `wan`), which a CPU test cannot run. What they hand the sampling part of a workflow is a
+CONDITIONING: XDiTTestConditioning builds one from tensors a test saved, in exactly the layout the encoder node
+gives (its `cond`, and its extras under their ComfyUI keys: `attention_mask`, `conditioning_byt5small`,
+`reference_latents` as TextEncodeQwenImageEdit(Plus) appends them, ...). XDiTTestClipVision stands for
+CLIPVisionEncode's output the same way.
+
+A file holds `cond` and extras by key; a list (reference_latents) as `key.0`, `key.1`, ...; a float (guidance) as
+a 0-d tensor.
+"""
+
+import os
+
+import comfy.clip_vision
+import folder_paths
+from safetensors.torch import load_file
+
+
+def _load(name: str) -> dict:
+    return load_file(os.path.join(folder_paths.get_input_directory(), name))
+
+
+class XDiTTestConditioning:
+    CATEGORY = "testing/xdit"
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"tensors": ("STRING", {"default": ""})}}
+
+    def load(self, tensors):
+        saved = _load(tensors)
+        extras, lists = {}, {}
+        for key, value in saved.items():
+            if key == "cond":
+                continue
+            if key.rsplit(".", 1)[-1].isdigit():
+                name, index = key.rsplit(".", 1)
+                lists.setdefault(name, {})[int(index)] = value
+            else:
+                extras[key] = value.item() if value.ndim == 0 else value
+        for name, items in lists.items():
+            extras[name] = [items[i] for i in sorted(items)]
+        return ([[saved["cond"], extras]],)
+
+
+class XDiTTestClipVision:
+    CATEGORY = "testing/xdit"
+    RETURN_TYPES = ("CLIP_VISION_OUTPUT",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"tensors": ("STRING", {"default": ""})}}
+
+    def load(self, tensors):
+        output = comfy.clip_vision.Output()
+        for key, value in _load(tensors).items():
+            output[key] = value
+        return (output,)
+
+
+NODE_CLASS_MAPPINGS = {"XDiTTestConditioning": XDiTTestConditioning, "XDiTTestClipVision": XDiTTestClipVision}
