@@ -23,6 +23,7 @@ from comfy_api.latest import io
 from . import comfy_compat
 from .adapters import ConditioningError, adapter_for
 from .lora_patches import UnsupportedPatch, lora_file, peft_lora
+from .meta_weights import lookup
 from .pool_node import XDiTPoolType
 from .pools import POOLS
 
@@ -35,10 +36,23 @@ class PoolTransformer(torch.nn.Module):
     but reports the names of the weights ComfyUI's own model has (`weights`, from the file), so ComfyUI's LoRA
     loaders find what to patch; `expert`: the pool's transformer it calls (Wan 2.2's low-noise `transformer_2`)."""
 
-    def __init__(self, pool, conds: dict[str, str], weights: dict[str, torch.Size] | None = None, expert: str = ""):
+    def __init__(self, pool, conds: dict[str, str], weights: dict[str, torch.Size] | None = None, expert: str = "",
+                 config: dict | None = None):
         super().__init__()
         self.pool, self.conds, self.weights, self.expert = pool, conds, weights or {}, expert
+        self.config = config or {}  # ComfyUI's unet_config of the file: patch_size, in_channels, ...
         self.dtype = torch.float32  # ComfyUI casts the call's tensors to this; the pool casts to its own
+
+    def __getattr__(self, name: str):
+        """What ComfyUI's model class reads off its diffusion model: a config value, or a weight's shape
+        (meta_weights.py)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            state = self.__dict__
+            if name in state.get("config", {}):
+                return state["config"][name]
+            return lookup(state.get("weights", {}), name)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         for name, shape in self.weights.items():
@@ -138,7 +152,8 @@ def comfy_model(pool, comfy_file=None, expert: str = "") -> PoolModelPatcher:
         model_config.set_inference_dtype(torch.float32, None)
         weights = None
     model = model_config.get_model({}, device=CPU)
-    model.diffusion_model = PoolTransformer(pool, adapter.data.model_call_conds, weights, expert)
+    model.diffusion_model = PoolTransformer(pool, adapter.data.model_call_conds, weights, expert,
+                                            config=dict(model_config.unet_config))
     return PoolModelPatcher(model, load_device=CPU, offload_device=CPU)
 
 

@@ -34,7 +34,9 @@ def _swapped(layout: dict) -> dict:
 
 def _run(comfy, prompt) -> dict[str, torch.Tensor]:
     entry = comfy.wait(comfy.queue(prompt), 600)
-    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+    errors = [(m[1]["node_type"], m[1]["exception_message"], m[1]["traceback"][-3:])
+              for m in entry["status"]["messages"] if m[0] == "execution_error"]
+    assert entry["status"]["status_str"] == "success", errors or json.dumps(entry["status"])[-2000:]
     return latents_of(comfy, entry)
 
 

@@ -37,7 +37,9 @@ def test_control_channel_refuses_what_the_wire_refuses(raw, match):
 
 
 def test_tensor_specs_and_frames_round_trip():
-    tensors = {"latents": torch.arange(6, dtype=torch.float32).reshape(2, 3).t(), "mask": torch.tensor([True, False])}
+    tensors = {"latents": torch.arange(6, dtype=torch.float32).reshape(2, 3).t(), "mask": torch.tensor([True, False]),
+               # one element expanded (a batch of one's sigma from ComfyUI): stride 0, yet "contiguous" to torch
+               "sigma": torch.tensor([0.5]).as_strided((1,), (0,)), "context": torch.ones(1, 1, 3).expand(1, 2, 3)}
     specs, contiguous = framing.tensor_specs(tensors)
     for index, (spec, tensor) in enumerate(zip(specs, contiguous)):
         name, decoded = framing.tensor_of(spec, bytes(framing.frame_of(tensor)), index)

@@ -85,12 +85,16 @@ def _check_plain(value: Any, depth: int = 0) -> None:
 
 def tensor_specs(tensors: dict) -> tuple[list[dict[str, Any]], list]:
     """Header specs and the contiguous CPU tensors whose bytes are the frames."""
+    import torch
+
     specs, contiguous = [], []
     names = {dtype: key for key, dtype in _dtypes().items()} if tensors else {}
     for name, tensor in tensors.items():
         if tensor.dtype not in names:
             raise ProtocolError(f"tensor {name} has dtype {tensor.dtype}; the wire carries {list(WIRE_DTYPES)}")
-        tensor = tensor.detach().to("cpu").contiguous()
+        tensor = tensor.detach().to("cpu")
+        if not tensor.is_contiguous() or tensor.numel() and tensor.reshape(-1).stride(0) != 1:
+            tensor = tensor.clone(memory_format=torch.contiguous_format)  # one element expanded: stride 0 still counts as contiguous
         specs.append({"name": name, "dtype": names[tensor.dtype], "shape": list(tensor.shape)})
         contiguous.append(tensor)
     return specs, contiguous
