@@ -1,15 +1,20 @@
 """`python -m workers status` and `stop` import neither torch nor diffusers: asking a pool how it is must not cost
 a model library's import (seconds on a loaded box). The commands run for real against a real pool elsewhere
-(tests/test_pool.py); here, in a fresh interpreter, what they import."""
+(tests/test_pool.py); here, in a fresh interpreter, what they import while a socket answers them as rank 0 does
+(the real codec both ways: the request encoded and sent, the typed reply decoded and printed)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import pytest
+import zmq
 
+from workers.wire import protocol
 from workers.wire.endpoints import free_endpoint
+from workers.wire.messages import PoolStatus, StatusQuery, Stopping
 from xdit_test_helpers import ROOT
 
 HEAVY = ("torch", "diffusers", "transformers")
@@ -22,11 +27,25 @@ def modules_after(code: str) -> set[str]:
     return set(eval(run.stdout.strip().splitlines()[-1]))
 
 
+def _answer_one(router) -> None:
+    """One request answered as rank 0's server answers it."""
+    client, *frames = router.recv_multipart(copy=False)
+    request = protocol.decode(frames)
+    reply = PoolStatus(state="idle", world_size=2) if isinstance(request.body, StatusQuery) else Stopping()
+    router.send_multipart([client.bytes, *protocol.encode(protocol.Message.of(reply, request.job))])
+
+
 @pytest.mark.parametrize("command", ["status", "stop"])
 def test_status_and_stop_import_no_model_library(command):
-    code = ("from workers.cli import main\n"
-            f"print(main([{command!r}, '--endpoint', {free_endpoint()!r}]))")  # nothing listens there: exit 1, one line
-    assert not modules_after(code) & set(HEAVY)
+    endpoint = free_endpoint()
+    with zmq.Context() as context, context.socket(zmq.ROUTER) as router:
+        router.bind(endpoint)
+        answering = threading.Thread(target=_answer_one, args=(router,), daemon=True)
+        answering.start()
+        code = f"from workers.cli import main\nassert main([{command!r}, '--endpoint', {endpoint!r}]) == 0"
+        assert not modules_after(code) & set(HEAVY)
+        answering.join(timeout=5)
+        assert not answering.is_alive()
 
 
 def test_the_negative_control_sample_does_import_them():

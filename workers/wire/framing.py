@@ -85,10 +85,12 @@ def _check_plain(value: Any, depth: int = 0) -> None:
 
 def tensor_specs(tensors: dict) -> tuple[list[dict[str, Any]], list]:
     """Header specs and the contiguous CPU tensors whose bytes are the frames."""
+    specs, contiguous = [], []
+    if not tensors:  # a control or status message: no torch import (the light CLI commands)
+        return specs, contiguous
     import torch
 
-    specs, contiguous = [], []
-    names = {dtype: key for key, dtype in _dtypes().items()} if tensors else {}
+    names = {dtype: key for key, dtype in _dtypes().items()}
     for name, tensor in tensors.items():
         if tensor.dtype not in names:
             raise ProtocolError(f"tensor {name} has dtype {tensor.dtype}; the wire carries {list(WIRE_DTYPES)}")
