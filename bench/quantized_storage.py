@@ -27,8 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from parallel.cli.launch import ROOT
-from parallel.loading.checkpoints.fp8 import storage_of
-from parallel.loading.checkpoints.fp8_matmul import use_fp8_matmul
+from parallel.loading.checkpoints.fp8 import storage_of, use_fp8_matmul
 from parallel.loading.pipelines import load_pipeline
 
 from .model import MODELS, alternating

@@ -24,8 +24,8 @@ from safetensors.torch import load_file, save_file
 
 from parallel.loading import tiny_models
 from parallel.loading.checkpoints import fp8_matmul, scaled
-from parallel.loading.checkpoints.fp8 import Fp8Linear
-from parallel.loading.checkpoints.fp8_matmul import hardware_mode, linear, quantize, use_fp8_matmul
+from parallel.loading.checkpoints.fp8 import Fp8Linear, use_fp8_matmul
+from parallel.loading.checkpoints.fp8_matmul import hardware_mode, linear, quantize
 from parallel.loading.pipelines import load_pipeline
 
 from original_layouts import fp8_scaled, original_layout

@@ -87,7 +87,8 @@ def test_quantized_files_kept_quantized_are_within_diffusers_own_bf16_error(worl
 
 
 def test_fp8_matmul_on_the_card(world, quantized, record):
-    from parallel.loading.checkpoints.fp8_matmul import hardware_mode, use_fp8_matmul
+    from parallel.loading.checkpoints.fp8 import use_fp8_matmul
+    from parallel.loading.checkpoints.fp8_matmul import hardware_mode
     from parallel.loading.pipelines import load_pipeline
 
     mode = hardware_mode(torch.device("cuda", 0))

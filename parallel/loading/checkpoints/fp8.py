@@ -15,6 +15,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .fp8_matmul import hardware_mode, linear, takes
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -46,8 +48,6 @@ class Fp8Linear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.matmul is not None:
-            from .fp8_matmul import linear
-
             return linear(x, self.weight.view(self.fp8_dtype), self.scale, self.bias, self.matmul)
         return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
@@ -120,3 +120,19 @@ def storage_of(module: torch.nn.Module) -> dict[str, int]:
             kind = kind.removeprefix("torch.")
             out[kind] = out.get(kind, 0) + parameter.numel() * parameter.element_size()
     return out
+
+
+def use_fp8_matmul(pipeline, requested: bool | None, mode: str | None = None) -> int:
+    """Set every fp8 linear layer of the pipeline's transformer(s) to multiply in fp8 or to dequantize: `requested`
+    True (--fp8-matmul), False (--no-fp8-matmul) or None (where ComfyUI would); `mode`: the activation scaling,
+    default the hardware's (tests give one to run the path on the CPU). The number of layers multiplying in fp8."""
+    count = 0
+    for name in ("transformer", "transformer_2"):
+        transformer = getattr(pipeline, name, None)
+        for layer in transformer.modules() if transformer is not None else ():
+            if isinstance(layer, Fp8Linear):
+                wanted = layer.comfy_fast if requested is None else requested
+                chosen = (mode or hardware_mode(layer.weight.device)) if wanted and takes(layer) else None
+                layer.matmul = chosen
+                count += chosen is not None
+    return count

@@ -60,21 +60,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: tor
     if bias is not None:
         out = out + bias.to(x.dtype)
     return out.reshape(*x.shape[:-1], weight.shape[0])
-
-
-def use_fp8_matmul(pipeline, requested: bool | None, mode: str | None = None) -> int:
-    """Set every fp8 linear layer of the pipeline's transformer(s) to multiply in fp8 or to dequantize: `requested`
-    True (--fp8-matmul), False (--no-fp8-matmul) or None (where ComfyUI would); `mode`: the activation scaling,
-    default the hardware's (tests give one to run the path on the CPU). The number of layers multiplying in fp8."""
-    from .fp8 import Fp8Linear
-
-    count = 0
-    for name in ("transformer", "transformer_2"):
-        transformer = getattr(pipeline, name, None)
-        for layer in transformer.modules() if transformer is not None else ():
-            if isinstance(layer, Fp8Linear):
-                wanted = layer.comfy_fast if requested is None else requested
-                chosen = (mode or hardware_mode(layer.weight.device)) if wanted and takes(layer) else None
-                layer.matmul = chosen
-                count += chosen is not None
-    return count

@@ -66,7 +66,7 @@ class xFuserPipelineBaseWrapper(LayoutChecks, Img2Img, ModelCallGlue, xFuserBase
         from ..transformer import xFuserTransformerBaseWrapper
 
         super().__init__(pipeline)
-        from ...loading.checkpoints.fp8_matmul import use_fp8_matmul
+        from ...loading.checkpoints.fp8 import use_fp8_matmul
 
         self.parallel_config: ParallelConfig = get_layout().config
         self.fp8_matmul = use_fp8_matmul(pipeline, self.parallel_config.fp8_matmul)  # fp8 layers multiplying in fp8
