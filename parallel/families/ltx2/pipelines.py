@@ -9,10 +9,10 @@ import torch
 from ...call_parameters import CallParameter
 from ...layout.config import LayoutError
 from ...model_executor.pipeline import xFuserPipelineBaseWrapper
+from ...model_executor.pipeline.img2img import linear_sigmas
 from ..base import ComfyData
 
 DEFAULT_FRAMES = 121  # LTX2Pipeline.__call__'s num_frames for a model without a duration head
-STG_BLOCKS = [28]  # LTX2Pipeline.__call__'s default spatio_temporal_guidance_blocks
 
 
 def _scale(what: str) -> CallParameter:
@@ -33,14 +33,15 @@ class xFuserLTX2Pipeline(xFuserPipelineBaseWrapper):
     tensor_inputs = ("audio_latents", "prompt_attention_mask", "negative_prompt_attention_mask")
     extra_outputs = ("audio",)  # LTX2PipelineOutput(frames, audio): the audio latents after the video latents
     guidance = ("guidance_scale", 3.0)
+    default_sigmas = staticmethod(linear_sigmas)
     call_parameters = {
         "num_frames": CallParameter(int, "video frames, 8k+1 (default: as many as the latents hold)", 1, 10_000),
         "frame_rate": CallParameter(float, "frames a second (the audio's length and the video's time positions; "
                                     "default 24)", 1.0, 1000.0),
         "stg_scale": _scale("spatio-temporal guidance of the video (default 1; 0: off)"),
         "audio_stg_scale": _scale("spatio-temporal guidance of the audio (default: stg_scale)"),
-        "stg_block": CallParameter(int, "the block spatio-temporal guidance perturbs (default 28, as LTX2Pipeline)",
-                                   0, 1000),
+        "stg_block": CallParameter(int, "the block spatio-temporal guidance perturbs (default 28, as LTX2Pipeline; a "
+                                   "model with fewer blocks perturbs none, as in diffusers)", 0, 1000),
         "modality_scale": _scale("modality-isolation guidance of the video (default 3; 1: off)"),
         "audio_modality_scale": _scale("modality-isolation guidance of the audio (default: modality_scale)"),
         "audio_guidance_scale": _scale("classifier-free guidance of the audio (default 7)"),
@@ -117,12 +118,6 @@ class xFuserLTX2Pipeline(xFuserPipelineBaseWrapper):
             if isinstance(embeds, torch.Tensor) and kwargs.get(name.replace("embeds", "attention_mask")) is None:
                 raise ValueError(f"{name} need {name.replace('embeds', 'attention_mask')} ([batch, tokens], 1 for each "
                                  "valid token), as Gemma's tokenizer makes it")
-        stg = max(kwargs.get("stg_scale", 1.0), kwargs.get("audio_stg_scale") or 0.0)
-        blocks = [kwargs["stg_block"]] if "stg_block" in kwargs else STG_BLOCKS
-        layers = self.module.transformer.config.num_layers
-        if stg > 0 and any(block >= layers for block in blocks):
-            raise ValueError(f"spatio-temporal guidance perturbs block {blocks}, but this LTX-2 has {layers} blocks: "
-                             f"set stg_block below {layers}, or stg_scale and audio_stg_scale to 0")
         if self.uses_cfg(kwargs) and kwargs.get("prompt_embeds") is not None and kwargs.get("negative_prompt_embeds") is None:
             raise ValueError(f"guidance_scale {kwargs.get('guidance_scale')} guides with a negative prompt: send "
                              "negative_prompt_embeds and their mask, or set guidance_scale to 1")
@@ -136,6 +131,10 @@ class xFuserLTX2Pipeline(xFuserPipelineBaseWrapper):
                               f"{tokens} video tokens, fewer than the sequence-parallel degree {c.sp_degree}; lower the "
                               "degrees or sample a larger video")
         return super().check_layout(kwargs, batch)
+
+    def partial_denoise(self, kwargs: dict[str, Any], init_latents: torch.Tensor, denoise: float) -> dict[str, Any]:
+        raise ValueError("denoise below 1 is not available for LTX-2 yet (its audio would need noising to the same "
+                         "point); sample with denoise 1")
 
     def cfg_parallel_hint(self, kwargs: dict[str, Any]) -> str:
         return (f"CFG parallel on LTX-2 splits its [negative, positive] batch, which it makes for guidance_scale above 1 "
