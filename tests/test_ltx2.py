@@ -142,3 +142,38 @@ def test_contract_e_takes_audio_in_and_writes_it_out(video_model_dirs, tmp_path)
     expected = diffusers_latents(model, **load_file(inputs), **call, all_outputs=True)
     for name, tensor in zip(("latents", "audio"), expected):
         assert (saved[name] - tensor).abs().max().item() <= TOLERANCE, name
+
+
+def test_a_pool_samples_video_with_sound_and_decodes_both(video_model_dirs, tmp_path):
+    """A 2-rank Ulysses pool: the job's latents and audio equal diffusers; the video decodes across both ranks equal
+    to the one-process tiled decode with the same tiles, and the audio through the pool's audio VAE and vocoder
+    equals the waveform the pipeline's own call decodes from the same latents (output_type="pt")."""
+    from parallel.model_executor import vae_decode
+    from pool_helpers import serving
+    from xdit_test_helpers import load_pipeline_folder
+
+    model = video_model_dirs[FAMILY]
+    inputs = tiny_models.make_inputs(FAMILY, height=HEIGHT, width=WIDTH, num_frames=FRAMES)
+    job = {"steps": STEPS, "guidance_scale": GUIDANCE, "height": HEIGHT, "width": WIDTH,
+           "call": {"frame_rate": RATE, "stg_block": 1}}
+    with serving(model, tmp_path, "--nproc", "2", "--ulysses-degree", "2") as client:
+        outputs = client.sample_outputs(inputs, job)
+        frames, info = client.decode(outputs["latents"])
+        waveform = client.decode_audio(outputs["audio"])
+    call = {**CALL, "spatio_temporal_guidance_blocks": [1]}
+    del call["stg_block"]
+    pipeline = load_pipeline_folder(model)
+    expected = diffusers_latents(pipeline, **inputs, **call, all_outputs=True)
+    for name, tensor in zip(("latents", "audio"), expected):
+        assert (outputs[name] - tensor).abs().max().item() <= TOLERANCE, name
+    with torch.no_grad():
+        _, own_waveform = pipeline(**inputs, **call, output_type="pt", return_dict=False)
+    assert waveform.shape == own_waveform.shape and waveform.ndim == 3
+    assert (waveform - own_waveform).abs().max().item() <= TOLERANCE
+    assert own_waveform.abs().max().item() > 100 * TOLERANCE  # a waveform, not silence
+    vae = pipeline.vae
+    vae_decode.fit_tiles(vae, outputs["latents"], 2)
+    with torch.no_grad():
+        tiled = vae_decode._tiled_decode(vae, outputs["latents"])
+    assert frames.shape == tiled.shape and (frames - tiled).abs().max().item() <= TOLERANCE
+    assert sum(r["tiles"] for r in info["ranks"]) == info["tiles"]
