@@ -5,10 +5,13 @@ The tiny model (LTX-2.3's layout: 128 video channels at ×32 / ×8, audio of 4 c
 samples 17 frames at 96×160 and 25 fps: 45 video tokens (shards of 23/22 and 12/11/11/11), 17 audio tokens and 13
 text tokens left-padded by a different amount for the negative prompt. Every call guides with all of LTX-2's terms:
 classifier-free guidance (video and audio scales), spatio-temporal guidance on block 1 (`stg_block`, as the 28 of
-the real model's default is past a tiny model) and modality isolation, i.e. three transformer calls per step. One
-torchrun launch per world size runs the layouts through tests/engine_cases.py. Negative controls: rank 1 holding
+the real model's default is past a tiny model) and modality isolation, i.e. three transformer calls per step.
+Image-to-video (LTX2ImageToVideoPipeline: the first latent frame kept clean, per-token video timesteps split with
+the tokens) runs a selection of layouts. One torchrun launch per world size runs the layouts through
+tests/engine_cases.py. Negative controls: rank 1 holding
 the replicated audio's rows swapped; video-to-audio attention without merging the other ranks' keys. PipeFusion is
-refused in one line with its reason; contract E takes audio_latents in IN and writes `audio` beside `latents`.
+refused in one line with its reason; contract E takes audio_latents in IN and writes `audio` beside `latents`. A
+2-rank pool samples both, decodes the video across its ranks and the audio through its audio VAE and vocoder.
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ from parallel.loading import tiny_models
 from test_engine_layouts import LAYOUTS
 from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, torchrun
 
-FAMILY, STEPS, GUIDANCE = "ltx2", 3, 4.0
+FAMILY, I2V, STEPS, GUIDANCE = "ltx2", "ltx2-i2v", 3, 4.0
 FRAMES, HEIGHT, WIDTH, RATE = 17, 96, 160, 25.0
 CALL = {"num_inference_steps": STEPS, "guidance_scale": GUIDANCE, "height": HEIGHT, "width": WIDTH,
         "frame_rate": RATE, "stg_block": 1}
 # (nproc, layout, variant)
 CASES = [(n, layout, "default") for n, layouts in LAYOUTS.items() for layout in layouts if layout != "ring4"]
 CASES = [(n, l, "batch2" if l == "dp2" else v) for n, l, v in CASES] + [(2, "cfg2", "batch2")]
+CASES += [(2, layout, "i2v") for layout in ("ulysses2", "ring2", "cfg2")]
+CASES += [(4, layout, "i2v") for layout in ("ulysses2_ring2", "cfg2_ulysses2")]
 CONTROLS = [(2, "ulysses2", "swapped_audio"), (2, "ring2", "own_keys_only")]
 REFUSED = [(2, "pp2", "default")]
 
@@ -41,7 +46,7 @@ def case_name(nproc, layout, variant) -> str:
 
 
 def reference(model_dir: Path, inputs: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """diffusers' own LTX2Pipeline: (video latents, audio latents)."""
+    """diffusers' own LTX2Pipeline (LTX2ImageToVideoPipeline): (video latents, audio latents)."""
     call = {**CALL, "spatio_temporal_guidance_blocks": [CALL["stg_block"]]}
     del call["stg_block"]
     return diffusers_latents(model_dir, **load_file(inputs), **call, all_outputs=True)
@@ -51,7 +56,6 @@ def reference(model_dir: Path, inputs: Path) -> tuple[torch.Tensor, torch.Tensor
 def matrix(video_model_dirs, tmp_path_factory):
     """Both launches once: {case: (output file, inputs file)}."""
     work = tmp_path_factory.mktemp("ltx2")
-    model = video_model_dirs[FAMILY]
     results = {}
     for nproc in (2, 4):
         specs = []
@@ -62,22 +66,22 @@ def matrix(video_model_dirs, tmp_path_factory):
             if not inputs.exists():
                 save_file(tiny_models.make_inputs(FAMILY, batch=batch, height=HEIGHT, width=WIDTH, num_frames=FRAMES),
                           inputs)
+            model = video_model_dirs[I2V if variant == "i2v" else FAMILY]
             layouts = {**LAYOUTS[nproc], "pp2": {"pipefusion_degree": 2, "warmup_steps": STEPS}}
             output = work / f"{nproc}-{case_name(*case)}.safetensors"
             specs.append({"name": case_name(*case), "model": str(model), "inputs": str(inputs), "output": str(output),
                           "layout": layouts[layout], "call": CALL,
                           "fault": variant if case in CONTROLS else None})
-            results[case] = (output, inputs)
+            results[case] = (output, inputs, model)
         spec_file = work / f"cases{nproc}.json"
         spec_file.write_text(json.dumps(specs))
         run = torchrun(nproc, "tests/engine_cases.py", str(spec_file))
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return results, model
+    return results
 
 
 def _result(matrix, case):
-    results, model = matrix
-    output, inputs = results[case]
+    output, inputs, model = matrix[case]
     errors = case_errors(output)
     assert not errors, errors[-3000:]
     saved = load_file(output)
@@ -102,8 +106,7 @@ def test_a_misplaced_audio_stream_fails_the_check(matrix, case):
 
 
 def test_pipefusion_is_refused_with_its_reason(matrix):
-    results, _ = matrix
-    output, _ = results[REFUSED[0]]
+    output, _, _ = matrix[REFUSED[0]]
     assert not output.exists()
     assert "LTX2VideoTransformer3DModel has no PipeFusion plan (video and audio cross-attend in every block" in case_errors(output)
 

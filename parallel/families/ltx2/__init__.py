@@ -1,4 +1,4 @@
-"""LTX-2.x text-to-video with sound (`LTX2Pipeline`): one transformer denoises video latents [B, 128, T', H/32, W/32]
+"""LTX-2.x text- and image-to-video with sound (`LTX2Pipeline`, `LTX2ImageToVideoPipeline`): one transformer denoises video latents [B, 128, T', H/32, W/32]
 and audio latents [B, C, L, M] together, each a token stream of its own (video: one token per latent pixel of each
 latent frame; audio: one per latent frame, its channels × mel bins wide), with its own modulation, rotary table
 and text (Gemma's hidden states through the pipeline's connectors, one stream per modality). Every block runs video
@@ -20,6 +20,9 @@ whole (the batch of one does not split), so guidance combines as the pipeline co
 is past a small model's blocks: `stg_block`, `stg_scale`, `audio_stg_scale` and the other guidance scales are call
 parameters.
 
+Image-to-video takes the start image's encoding in the first latent frame of the given latents (ComfyUI's
+LTXVImgToVideoInplace); its tokens get timestep 0, so the video's timesteps are per token and split with them.
+
 PipeFusion is refused (`no_pipefusion`): video and audio cross-attend in every block, so a patch of video rows would
 need the whole audio stream's state of the same step, which the patch pipeline does not carry.
 """
@@ -29,7 +32,7 @@ from __future__ import annotations
 from ...model_executor.attention import TextLayout
 from ...model_executor.plans import CfgMode, Gather, ParallelPlan, Replicated, Split
 from ..base import FAMILIES, Family, TinyModel
-from .pipelines import xFuserLTX2Pipeline
+from .pipelines import xFuserLTX2ImageToVideoPipeline, xFuserLTX2Pipeline
 from .tiny import build_tiny, tiny_inputs
 
 AUDIO_REPLICATED = Replicated(
@@ -40,7 +43,7 @@ TEXT_REPLICATED = Replicated(
 
 LTX2 = FAMILIES.register(Family(
     name="ltx2",
-    pipelines={"LTX2Pipeline": xFuserLTX2Pipeline},
+    pipelines={"LTX2Pipeline": xFuserLTX2Pipeline, "LTX2ImageToVideoPipeline": xFuserLTX2ImageToVideoPipeline},
     transformer="LTX2VideoTransformer3DModel",
     plan=ParallelPlan(
         inputs={"": {"hidden_states": Split(dim=1, expected_dims=3), "timestep": Split(dim=1, ndim=2),
@@ -59,6 +62,8 @@ LTX2 = FAMILIES.register(Family(
         no_pipefusion="video and audio cross-attend in every block: a patch of video rows would need the whole audio "
                       "of its step",
     ),
-    tiny={"ltx2": TinyModel("LTX2Pipeline", build_tiny, tiny_inputs, guidance=4.0)},
+    tiny={"ltx2": TinyModel("LTX2Pipeline", build_tiny, tiny_inputs, guidance=4.0),
+          "ltx2-i2v": TinyModel("LTX2ImageToVideoPipeline", lambda seed: build_tiny(seed, image_to_video=True),
+                                tiny_inputs, guidance=4.0)},
     attention_layers={"LTX2Attention": "diffusers.models.transformers.transformer_ltx2"},
 ))

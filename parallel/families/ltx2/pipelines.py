@@ -139,3 +139,10 @@ class xFuserLTX2Pipeline(xFuserPipelineBaseWrapper):
     def cfg_parallel_hint(self, kwargs: dict[str, Any]) -> str:
         return (f"CFG parallel on LTX-2 splits its [negative, positive] batch, which it makes for guidance_scale above 1 "
                 f"(got {kwargs.get('guidance_scale', 3.0)}); set one, or turn CFG parallel off.")
+
+
+class xFuserLTX2ImageToVideoPipeline(xFuserLTX2Pipeline):
+    """`LTX2ImageToVideoPipeline` given its latents: their first latent frame holds the start image's VAE encoding (as
+    ComfyUI's LTXVImgToVideoInplace puts it there), which the pipeline keeps clean (a timestep of 0 for its tokens:
+    per-token timesteps, split with the video tokens); with latents given the pipeline encodes no image itself."""
+

@@ -20,9 +20,9 @@ FRAME_RATE = 25.0  # ComfyUI's LTXVEmptyLatentAudio default
 PEAK = 2.0
 
 
-def build_tiny(seed: int):
-    from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler, LTX2Pipeline,
-                           LTX2VideoTransformer3DModel)
+def build_tiny(seed: int, image_to_video: bool = False):
+    from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
+                           LTX2ImageToVideoPipeline, LTX2Pipeline, LTX2VideoTransformer3DModel)
     from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
 
     from ...loading import tiny_models as tm
@@ -58,7 +58,7 @@ def build_tiny(seed: int):
         audio_connector_num_layers=1, audio_connector_num_learnable_registers=None, rope_type="split",
         per_modality_projections=True, video_hidden_dim=VIDEO_WIDTH, audio_hidden_dim=audio_width,
         video_gated_attn=True, audio_gated_attn=True)
-    return LTX2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, audio_vae=audio_vae, text_encoder=None,
+    return (LTX2ImageToVideoPipeline if image_to_video else LTX2Pipeline)(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, audio_vae=audio_vae, text_encoder=None,
                         tokenizer=None, connectors=connectors, transformer=transformer, vocoder=vocoder)
 
 
