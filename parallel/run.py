@@ -6,7 +6,8 @@
 
 IN holds the tensor keyword arguments of the pipeline's `__call__` (latents, prompt_embeds, ...; write
 one from a prompt with `python -m parallel.make_inputs`); OUT gets `latents`: what the same pipeline
-returns with output_type="latent". The family's own call parameters come with `--call NAME=VALUE` (or
+returns with output_type="latent", and what the pipeline returns beside them under its own names (LTX-2: `audio`,
+the audio latents). The family's own call parameters come with `--call NAME=VALUE` (or
 the shorthands `--true-cfg-scale`, `--num-frames`). DIR may be a built-in tiny model name
 (builtin_models.py). A mistake ends in one `error:` line from rank 0 and no traceback (torchrun_exit.py).
 """
@@ -154,10 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         shares = parameter_shares(pipeline) if config.shard_weights else None
         for _ in range(max(1, args.repeat)):
             start = time.perf_counter()
-            latents = parallel(**request.pipeline_kwargs(tensors), output_type="latent", return_dict=False)[0]
+            output = parallel(**request.pipeline_kwargs(tensors), output_type="latent", return_dict=False)
             elapsed = time.perf_counter() - start
         if world.rank == 0:
-            save_file({"latents": latents.float().cpu().contiguous()}, args.output)
+            outputs = {"latents": output[0], **dict(zip(parallel.extra_outputs, output[1:]))}
+            save_file({name: tensor.float().cpu().contiguous() for name, tensor in outputs.items()}, args.output)
             print(
                 f"xdit: {type(pipeline).__name__} {args.height}x{args.width} {args.steps} steps on "
                 f"{world.world_size} rank(s) [{parallel.parallel_config.describe()}]: {elapsed:.3f} s "

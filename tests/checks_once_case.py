@@ -58,7 +58,7 @@ def main(model: str, inputs: str, prefix: str) -> None:
             validated = runner.prepare(submit, tensors)
             prepared = validated if mode == "prepared" else None
             work = Message.of(submit, f"job-{mode}", tensors)
-        latents = runner.run(broadcast_work(work, None), None, prepared)
+        latents = runner.run(broadcast_work(work, None), None, prepared)["latents"]
         every = [torch.zeros(1, dtype=torch.int64) for _ in range(world.world_size)]
         torch.distributed.all_gather(every, torch.tensor([len(checks)]))
         counts[mode] = [int(count) for count in every]

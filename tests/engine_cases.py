@@ -4,7 +4,7 @@
 
 Each case in CASES.json: {"name", "model", "inputs", "output", "layout": {ParallelConfig fields},
 "call": {extra __call__ kwargs}, "scheduler", "fault", "report_memory", "report_flow"}. Rank 0 writes each case's
-latents; a rank that fails writes its traceback to output + ".error" (rank 0) or ".error.rank<N>" (rank N), which
+latents (and what the pipeline returns beside them, under its names: LTX-2's `audio`); a rank that fails writes its traceback to output + ".error" (rank 0) or ".error.rank<N>" (rank N), which
 the tests read all together with xdit_test_helpers.case_errors. One launch amortises process-group start-up and
 imports over the whole matrix, and exercises tearing the layout down and building it again.
 """
@@ -20,14 +20,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from parallel.layout.config import ParallelConfig
-from parallel.distributed import destroy_distributed_environment, init_distributed_environment
+from parallel.distributed import destroy_distributed_environment, get_sp_group, init_distributed_environment
 from parallel.loading.pipelines import load_pipeline, set_scheduler
 from parallel.model_executor.layout_scope import under_layout
 from parallel.cli.torchrun_exit import exit_after_work
 from parallel.model_executor import pipefusion
 from parallel.model_executor.attention import seam as attention_seam
 
-_USP = attention_seam.usp_attention
+_USP, _KEY_SHARDS = attention_seam.usp_attention, attention_seam.key_shard_attention
 _PATCH_COPY = pipefusion.patch_copy
 
 
@@ -39,7 +39,18 @@ def _forgetful_patch_copy(scheduler, rows):
     return patch
 
 
+def _swap_audio_rows(module, args, kwargs):
+    """Negative control for a replicated stream (LTX-2's audio): sequence-parallel rank 1 holds its rows swapped."""
+    if get_sp_group().rank_in_group == 1:
+        audio = kwargs["audio_hidden_states"]
+        kwargs["audio_hidden_states"] = audio.roll(audio.shape[1] // 2, dims=1)
+    return args, kwargs
+
+
 FLOW_FAULTS = {"forgetful_patches": _forgetful_patch_copy}
+INPUT_FAULTS = {"swapped_audio": _swap_audio_rows}
+# Negative control for replicated queries: each rank's audio attends to its own video keys only, no merge.
+KEY_FAULTS = {"own_keys_only": lambda q, k, v, *, sp, kernel, scale=None, real=None: kernel(q, k, v, scale or q.shape[-1] ** -0.5)[0]}
 FAULTS = {
     # Negative control: attention on the local shard only, i.e. a sequence split with no exchange.
     "no_exchange": lambda q, k, v, **kw: torch.nn.functional.scaled_dot_product_attention(q, k, v),
@@ -67,19 +78,27 @@ def run_case(case: dict, rank: int) -> None:
                 report = [{"rank": r, "block_parameter_bytes": int(t), "all_block_parameter_bytes": all_blocks}
                           for r, t in enumerate(every)]
                 Path(case["output"] + ".memory.json").write_text(json.dumps(report))
-        fault = case.get("fault")
+        fault, hook = case.get("fault"), None
         if fault in FLOW_FAULTS:
             pipefusion.patch_copy = FLOW_FAULTS[fault]
+        elif fault in INPUT_FAULTS:
+            hook = parallel.module.transformer.module.register_forward_pre_hook(INPUT_FAULTS[fault], with_kwargs=True)
+        elif fault in KEY_FAULTS:
+            attention_seam.key_shard_attention = KEY_FAULTS[fault]
         elif fault:
             attention_seam.usp_attention = FAULTS[fault]
         try:
-            latents = parallel(**load_file(case["inputs"]), **case["call"], output_type="latent", return_dict=False)[0]
+            output = parallel(**load_file(case["inputs"]), **case["call"], output_type="latent", return_dict=False)
         finally:
-            attention_seam.usp_attention, pipefusion.patch_copy = _USP, _PATCH_COPY
+            attention_seam.usp_attention, attention_seam.key_shard_attention = _USP, _KEY_SHARDS
+            pipefusion.patch_copy = _PATCH_COPY
+            if hook is not None:
+                hook.remove()
         if case.get("report_flow") and rank == 0:  # whether the last step's patches flowed on
             Path(case["output"] + ".flow.json").write_text(json.dumps(parallel.module.transformer._stage.flowed))
-    if rank == 0:
-        save_file({"latents": latents.contiguous()}, case["output"])
+    if rank == 0:  # the latents, and what the pipeline returns beside them (LTX-2's audio) under its names
+        outputs = {"latents": output[0], **dict(zip(parallel.extra_outputs, output[1:]))}
+        save_file({name: tensor.contiguous() for name, tensor in outputs.items()}, case["output"])
 
 
 def main(spec: str, run=None, error_suffix=lambda rank: "" if rank == 0 else f".rank{rank}") -> int:

@@ -38,7 +38,7 @@ MODELS = {
     "qwen-image": (RING2, None, 64), "qwen-image-edit": (ULYSSES2, None, 64),
     "qwen-image-edit-plus": (RING2, None, 64), "sd3": (ULYSSES2, None, 64), "z-image": (ULYSSES2, None, 64),
     "wan": (ULYSSES2, 5, 64), "wan22": (RING2, 5, 64), "wan22-5b": (ULYSSES2, 5, 128),
-    "hunyuanvideo15": (ULYSSES2, 5, 64),
+    "hunyuanvideo15": (ULYSSES2, 5, 64), "ltx2": (ULYSSES2, 17, 64), "ltx2-i2v": (RING2, 17, 64),
 }
 assert set(MODELS) == set(tiny_models.FAMILIES + tiny_models.VIDEO_FAMILIES), "a family without a bf16 case"
 DTYPES = ("bf16", "fp8")

@@ -312,9 +312,9 @@ def test_evaluate_names_conditioning_by_model_call_tensor_and_key(conditioning):
             "evaluate's conditioning maps model-call tensor names to 32-hex-digit keys")
 
 
-def test_decode_accepts_only_latents():
+def test_decode_accepts_only_latents_and_audio():
     rejects([pack(header("decode", params=minimal_params("decode"), tensors=[spec("image")])), bytes(16)],
-            r"tensor 'image' is not accepted here; allowed: \['latents'\]")
+            r"tensor 'image' is not accepted here; allowed: \['latents', 'audio'\]")
 
 
 @pytest.mark.parametrize("name", [7, None, b"out", ["x"]])

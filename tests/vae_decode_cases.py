@@ -1,6 +1,6 @@
 """Runs xDiT VAE Decode's tiled decode in one torchrun job: `torchrun --nproc-per-node N tests/vae_decode_cases.py OUT`.
 
-For each tiny model's VAE (Wan video, Flux and SD3 images) rank 0 writes the parallel decode of seeded
+For each tiny model's VAE (Wan and LTX-2 video, Flux and SD3 images) rank 0 writes the parallel decode of seeded
 latents to OUT/<model>.safetensors; in the "dropped" case rank 1's first tile never reaches rank 0
 (the negative control of tests/test_vae_decode.py).
 """
@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from parallel.loading import tiny_models
 from parallel.model_executor import vae_decode
 
-CASES = {"wan": (1, 16, 5, 32, 32), "flux": (1, 16, 48, 64), "sd3": (2, 16, 32, 32)}
+CASES = {"wan": (1, 16, 5, 32, 32), "flux": (1, 16, 48, 64), "sd3": (2, 16, 32, 32), "ltx2": (1, 128, 2, 16, 16)}
 
 
 def latents(model: str) -> torch.Tensor:

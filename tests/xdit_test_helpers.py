@@ -64,11 +64,13 @@ def case_errors(output) -> str:
     return "\n".join(f"--- {f.name}\n{f.read_text()}" for f in found)
 
 
-def diffusers_latents(model, family: str | None = None, *, scheduler: str | None = None, **call):
+def diffusers_latents(model, family: str | None = None, *, scheduler: str | None = None, all_outputs: bool = False,
+                      **call):
     """The reference every test compares with: diffusers' own pipeline in this one process (`model`: a saved
     folder or a loaded pipeline), under no_grad as the pipeline runs itself, returning `output_type="latent"`,
     with the tiny `family`'s call defaults (tiny_models.PIPELINE_CALL_DEFAULTS) and `scheduler` if given. A batch
-    for a pipeline that takes one prompt per call (Qwen-Image-Edit Plus) is its samples one by one."""
+    for a pipeline that takes one prompt per call (Qwen-Image-Edit Plus) is its samples one by one. `all_outputs`:
+    everything the pipeline returns (LTX-2: video and audio latents), not the latents alone."""
     import torch
     from diffusers import DiffusionPipeline
 
@@ -84,8 +86,9 @@ def diffusers_latents(model, family: str | None = None, *, scheduler: str | None
     if scheduler:
         set_scheduler(pipeline, scheduler)
     with torch.no_grad():
-        return pipeline(**tiny_models.PIPELINE_CALL_DEFAULTS.get(family, {}), **at_requested_size(pipeline, call),
-                        output_type="latent", return_dict=False)[0]
+        output = pipeline(**tiny_models.PIPELINE_CALL_DEFAULTS.get(family, {}), **at_requested_size(pipeline, call),
+                          output_type="latent", return_dict=False)
+    return output if all_outputs else output[0]
 
 
 def diffusers_with_reference_latents(model, family: str, references, **call):

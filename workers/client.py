@@ -211,10 +211,21 @@ class PoolClient:
         should_cancel: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
         """Run one sampling job to the end and return its latents."""
+        return self.sample_outputs(tensors, params, on_step, should_cancel)["latents"]
+
+    def sample_outputs(
+        self,
+        tensors: dict[str, torch.Tensor],
+        params: dict,
+        on_step: Callable[[Message], None] | None = None,
+        should_cancel: Callable[[], bool] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Run one sampling job to the end: its `latents` and what the pipeline returns beside them, by the pipeline's
+        names (LTX-2: `audio`, the audio latents)."""
         job = self.submit(tensors, params)
         result = self._follow(job, on_step, should_cancel)
         self.last_result = result.params
-        return result.tensors["latents"]
+        return result.tensors
 
     def evaluate(self, tensors: dict[str, torch.Tensor], conditioning: dict[str, torch.Tensor],
                  loras: list[dict] | tuple = (), should_cancel: Callable[[], bool] | None = None,
@@ -273,6 +284,14 @@ class PoolClient:
         self.send(Message.of(Decode(tile=tile), job, {"latents": latents}))
         reply = self._follow(job, on_step, should_cancel)
         return reply.tensors["images"], reply.params
+
+    def decode_audio(self, audio: torch.Tensor, should_cancel: Callable[[], bool] | None = None) -> torch.Tensor:
+        """Decode audio latents (the audio VAE's own space, [B, C, frames, mel bins]) with the pool's audio VAE and
+        vocoder: waveforms [B, channels, samples], as the pipeline's own decode makes them."""
+        self.check_listening()
+        job = f"decode-{uuid.uuid4().hex[:16]}"
+        self.send(Message.of(Decode(), job, {"audio": audio}))
+        return self._follow(job, None, should_cancel).tensors["audio"]
 
     def _follow(self, job: str, on_step, should_cancel) -> Message:
         """Wait for the job's final message, passing steps on; raise for errors and cancels.

@@ -10,7 +10,7 @@ import torch
 
 from ..layout.config import LayoutError
 from ..distributed import GroupCoordinator, get_runtime_state, get_ulysses_group
-from .attention import dispatch, processor  # noqa: F401 - their attention wrappers register themselves
+from .attention import TextLayout, dispatch, processor  # noqa: F401 - their attention wrappers register themselves
 from .attention.seam import xFuserAttentionBaseWrapper, xFuserLayerBaseWrapper
 from .plans import Gather, ParallelPlan, Split, TextPadding, check_dims
 from .register import xFuserLayerWrappersRegister
@@ -32,6 +32,17 @@ def map_first(output: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(output, tuple):
         return (fn(output[0]), *output[1:])
     output.sample = fn(output.sample)
+    return output
+
+
+def map_predictions(output: Any, fn: Callable[[torch.Tensor], torch.Tensor], count: int) -> Any:
+    """Apply `fn` to the first `count` items of a module's output (ParallelPlan.predictions: LTX-2's video and audio)."""
+    if count == 1:
+        return map_first(output, fn)
+    if isinstance(output, tuple):
+        return (*(fn(item) for item in output[:count]), *output[count:])
+    for key in list(output.keys())[:count]:
+        output[key] = fn(output[key])
     return output
 
 
@@ -74,10 +85,11 @@ def apply_sequence_plan(
     for name, module in transformer.named_modules():
         # Patterns are optional one by one (SD3.5's attn2 exists only in some blocks), not all together.
         text_layout = next((t for p, t in plan.attention.items() if fnmatch.fnmatchcase(name, p)), None)
-        if text_layout is not None:
+        replicated_queries = any(fnmatch.fnmatchcase(name, p) for p in plan.replicated_queries)
+        if text_layout is not None or (replicated_queries and sp.world_size > 1):
             wrapper = xFuserLayerWrappersRegister.get_wrapper(module)
             assert issubclass(wrapper, xFuserAttentionBaseWrapper), wrapper
-            layers.append(wrapper(module, name, text_layout, kernel, kv_cache))
+            layers.append(wrapper(module, name, text_layout or TextLayout.NONE, kernel, kv_cache, replicated_queries))
     if not layers:
         raise ValueError(f"the plan for {type(transformer).__name__} selects no attention layer: {list(plan.attention)}")
     return handles, layers

@@ -163,6 +163,17 @@ class PipeFusionPlan:
 
 
 @dataclass(frozen=True)
+class Replicated:
+    """A token stream every sequence-parallel rank holds whole, and why that costs less than splitting it (LTX-2's
+    audio: its attention and feed-forward run on every rank, in exchange for no collective of its own; its tokens
+    are a hundredth of the video's). Attention among its own tokens, and from the split tokens to it, then runs
+    locally; attention from it to the split tokens is declared in `ParallelPlan.replicated_queries`."""
+
+    stream: str  # what users call it ("audio", "text")
+    why: str
+
+
+@dataclass(frozen=True)
 class ParallelPlan:
     """How a transformer class is parallelised.
 
@@ -181,6 +192,15 @@ class ParallelPlan:
     pipefusion: how the blocks form a patch pipeline, if the family supports PipeFusion.
     output_channels: the config entry giving the output's channels (dim 1) when they differ from the
                input's (Wan image-to-video takes 36, returns 16); None: the output is shaped like the input.
+    predictions: how many leading items of the transformer's output are per-sample predictions, which CFG parallel
+               gathers over its ranks (LTX-2 returns video and audio: 2).
+    replicated: forward argument → Replicated: the token streams left whole on every rank, and why (the plan
+               states it; the capability table shows it).
+    replicated_queries: globs over attention module paths whose queries come from a replicated stream and whose
+               keys and values come from the split tokens (LTX-2's video-to-audio attention): each rank attends to its
+               own key shard and the partial results merge by their log-sum-exp over the sequence-parallel group.
+    no_pipefusion: why the blocks cannot run as a patch pipeline, where they cannot (said by --list-supported and
+               when a PipeFusion degree is asked for).
     """
 
     inputs: dict[str, dict[str, Split]] = field(default_factory=dict)
@@ -194,6 +214,10 @@ class ParallelPlan:
     text_padding: dict[str, TextPadding] = field(default_factory=dict)
     pipefusion: PipeFusionPlan | None = None
     output_channels: str | None = None
+    predictions: int = 1
+    replicated: dict[str, Replicated] = field(default_factory=dict)
+    replicated_queries: tuple[str, ...] = ()
+    no_pipefusion: str = ""
 
     @property
     def sequence_parallel(self) -> bool:

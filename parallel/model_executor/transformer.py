@@ -11,7 +11,7 @@ import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
 from ..distributed import get_cfg_group, get_layout, get_pp_group, get_sp_group
-from .hooks import apply_sequence_plan, as_keyword_arguments, map_first
+from .hooks import apply_sequence_plan, as_keyword_arguments, map_first, map_predictions
 from .pipefusion import PipeFusionStage
 from .stale_kv import StaleKVCache
 from .plans import CfgMode, ParallelPlan
@@ -69,7 +69,8 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
         cache = None
         if self._pp.world_size > 1:
             if self.plan.pipefusion is None:
-                raise ValueError(f"{type(transformer).__name__} has no PipeFusion plan; set the pipefusion degree to 1")
+                why = f" ({self.plan.no_pipefusion})" if self.plan.no_pipefusion else ""
+                raise ValueError(f"{type(transformer).__name__} has no PipeFusion plan{why}; set the pipefusion degree to 1")
             cache = StaleKVCache(config.ulysses_degree)
             self._stage = PipeFusionStage(
                 transformer, self.plan.pipefusion, self._pp, config.num_patches or self._pp.world_size,
@@ -108,7 +109,10 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
         if self._cfg.world_size == 1:
             return self._run(*args, **kwargs)
         if self.plan.cfg is CfgMode.BATCHED:
-            return self._forward_batched_cfg(args, kwargs)
+            named = as_keyword_arguments(self.module.forward, args, kwargs)
+            if len(named[self.plan.image_input]) % self._cfg.world_size:  # one branch (LTX-2's STG pass): every rank
+                return self._run(**named)
+            return self._forward_batched_cfg((), named)
         return self._forward_sequential_cfg(args, kwargs)
 
     @xFuserBaseWrapper.check_parallel_state
@@ -160,7 +164,7 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
         rank, size = self._cfg.rank_in_group, self._cfg.world_size
         part = batch // size
         output = self._run(**{k: _batch_part(v, batch, rank * part, (rank + 1) * part) for k, v in named.items()})
-        return map_first(output, lambda t: self._gather_batch(t))
+        return map_predictions(output, self._gather_batch, self.plan.predictions)
 
     def _gather_batch(self, mine):
         """Every cfg rank's part of the batch, in rank order (a list of samples stays a list)."""

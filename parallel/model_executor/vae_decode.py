@@ -17,6 +17,7 @@ un-normalisation); the result is the VAE's sample in [-1, 1].
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from typing import Callable
 
@@ -49,6 +50,9 @@ def fit_tiles(vae, latents: torch.Tensor, world: int, tile: int = 0) -> int:
         if OVERLAP * unit >= max(height, width):  # one tile holds it all: no slivers beside it
             unit = math.ceil(max(height, width) / (OVERLAP - 1))
     stride, size = (OVERLAP - 1) * unit, OVERLAP * unit
+    if vae.config.get("timestep_conditioning"):
+        raise TilingError(f"this {type(vae).__name__} decodes conditioned on a timestep, which the pool's decode does not "
+                          "give yet; decode with ComfyUI's VAE Decode")
     scale = _spatial_scale(vae)
     if hasattr(vae, "tile_sample_stride_height"):  # video VAEs (Wan, HunyuanVideo, ...): size and stride
         vae.enable_tiling(tile_sample_min_height=size * scale, tile_sample_min_width=size * scale,
@@ -70,12 +74,18 @@ def tiled_decode(vae, latents: torch.Tensor, rank: int, world: int, group=None,
     with torch.no_grad():
         owned = _Dispatch(vae.decoder, lambda tile: tile % world == rank, on_tile)
         with _decoder(vae, owned):
-            vae.tiled_decode(latents, return_dict=False)
+            _tiled_decode(vae, latents)
         outputs = _collect(owned, rank, world, group, latents.device)
         if rank != 0:
             return None
         with _decoder(vae, _Replay(outputs)):
-            return vae.tiled_decode(latents, return_dict=False)[0]
+            return _tiled_decode(vae, latents)
+
+
+def _tiled_decode(vae, latents: torch.Tensor) -> torch.Tensor:
+    """diffusers' tiled decode; LTX-2's VAE also takes a timestep embedding, none without timestep conditioning."""
+    temb = {"temb": None} if "temb" in inspect.signature(vae.tiled_decode).parameters else {}
+    return vae.tiled_decode(latents, **temb, return_dict=False)[0]
 
 
 class _Dispatch(torch.nn.Module):

@@ -102,8 +102,8 @@ class JobLoop:
         reply = None  # sent once the state says idle, so a client that asks right after sees idle
         try:
             if work.type == "decode":
-                images, tiles, ranks = rank.runner.decode(work, client)
-                reply = Message.of(Result(tiles=tiles, ranks=ranks), work.job, {"images": images} if images is not None else {})
+                decoded, tiles, ranks = rank.runner.decode(work, client)
+                reply = Message.of(Result(tiles=tiles, ranks=ranks), work.job, decoded)
                 rank.jobs_done += 1
             elif work.type == ModelCall.TYPE:
                 rank.loras.apply(work.body.loras)
@@ -139,14 +139,14 @@ class JobLoop:
         rank.loras.apply(submit.loras)
         started = time.perf_counter()
         with PeakMemory() as peak:
-            latents = rank.runner.run(work, client, prepared)
+            outputs = rank.runner.run(work, client, prepared)
         rank.admission.record(rank.job_megapixels(submit.height, submit.width, work.tensors["latents"]), submit.steps,
                               time.perf_counter() - started, peak.bytes)
         rank.last_cache = rank.runner.cache_outcome()
         if rank.last_cache is not None and rank.rank == 0:
             log.info("job %s: %s", work.job, rank.last_cache["text"])
         rank.jobs_done += 1
-        return Message.of(Result(cache=rank.last_cache), work.job, {"latents": latents})
+        return Message.of(Result(cache=rank.last_cache), work.job, outputs)
 
     def _choose_layout(self, work: Message) -> None:
         """--layout auto: the layout chosen for this job's size (measured now if the size is new), wrapped."""

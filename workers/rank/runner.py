@@ -158,8 +158,10 @@ class JobRunner:
         prepared = self.pipeline.prepare(kwargs, check_layout)
         return prepared if check_layout else None
 
-    def run(self, work: Message, client: bytes | None, prepared: tuple[dict[str, Any], int, int] | None = None) -> torch.Tensor:
-        """Sample `work` (a Submit); `prepared`: what `prepare` returned for it on this rank, if it ran here."""
+    def run(self, work: Message, client: bytes | None,
+            prepared: tuple[dict[str, Any], int, int] | None = None) -> dict[str, torch.Tensor]:
+        """Sample `work` (a Submit); `prepared`: what `prepare` returned for it on this rank, if it ran here. Returns
+        the latents and what the pipeline returns beside them under its names (LTX-2: `audio`)."""
         request: Submit = work.body
         device, dtype = self._placement()
         inputs = {k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in work.tensors.items()}
@@ -186,10 +188,11 @@ class JobRunner:
         if init_latents is not None:
             kwargs = self.pipeline.partial_denoise(kwargs, init_latents, request.denoise)
         try:
-            latents = self.pipeline(**kwargs, output_type="latent", return_dict=False, step_callback=on_step,
-                                    prepared=prepared)[0]
+            output = self.pipeline(**kwargs, output_type="latent", return_dict=False, step_callback=on_step,
+                                   prepared=prepared)
             messages.flush()
-            return self.pipeline.model_latents(latents) if request.model_latents else latents
+            latents = self.pipeline.model_latents(output[0]) if request.model_latents else output[0]
+            return {"latents": latents, **dict(zip(self.pipeline.extra_outputs, output[1:]))}
         except JobCancelled as cancelled:
             raise JobCancelled(self.step if cancelled.step < 0 else cancelled.step) from None
         finally:
@@ -224,9 +227,16 @@ class JobRunner:
         return [getattr(t, "module", t) for name in ("transformer", "transformer_2")
                 if (t := getattr(self.pipeline.module, name, None)) is not None]
 
-    def decode(self, work: Message, client: bytes | None) -> tuple[torch.Tensor | None, int, tuple[dict, ...]]:
-        """Decode the work's latents with the pipeline's VAE, its tiles over every rank (parallel/model_executor/vae_decode.py);
-        rank 0 returns the image and, per rank, the tiles it decoded and its peak memory above its resting one."""
+    def decode(self, work: Message, client: bytes | None) -> tuple[dict[str, torch.Tensor], int, tuple[dict, ...]]:
+        """Decode the work's latents with the pipeline's VAE, its tiles over every rank (parallel/model_executor/vae_decode.py),
+        and its audio latents with the pipeline's audio VAE and vocoder on rank 0; rank 0 returns the image and the
+        waveforms ({"images", "audio"}, as given), and, per rank, the tiles it decoded and its peak memory above its
+        resting one."""
+        decoded = {}
+        if "audio" in work.tensors and dist.get_rank() == 0:
+            decoded["audio"] = self.pipeline.decode_audio(work.tensors["audio"])
+        if "latents" not in work.tensors:
+            return decoded, 0, ()
         vae_decode = engine("model_executor.vae_decode")
         vae = self.pipeline.module.vae
         latents = work.tensors["latents"].to(vae.device, vae.dtype)
@@ -240,9 +250,11 @@ class JobRunner:
 
         with PeakMemory() as peak:
             image = vae_decode.tiled_decode(vae, latents, rank, world, on_tile=on_tile if rank == 0 else None)
+        if image is not None:
+            decoded["images"] = image
         mine = len(range(rank, tiles, world))
         flat = torch.tensor([mine, peak.bytes], dtype=torch.int64)
         every = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(every, flat, group=self.group)
         ranks = tuple({"rank": r, "tiles": int(t[0]), "peak_bytes": int(t[1])} for r, t in enumerate(every))
-        return image, tiles, ranks
+        return decoded, tiles, ranks

@@ -144,13 +144,14 @@ class Evaluate(Kind, kind="evaluate"):
 
 class Decode(Kind, kind="decode"):
     """LATENT tensors decoded with the pool's VAE, tiles over the ranks (parallel/model_executor/vae_decode.py); tile in latent
-    pixels, 0: about one tile per rank."""
+    pixels, 0: about one tile per rank. `audio`: audio latents decoded with the pool's audio VAE and vocoder (LTX-2),
+    beside the video's latents or alone."""
 
     tile: int = declared(0)
 
     @classmethod
     def tensor_names(cls) -> tuple[str, ...]:
-        return ("latents",)
+        return ("latents", "audio")
 
 
 class Cancel(Kind, kind="cancel"):

@@ -29,10 +29,10 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from ...distributed import get_ring_group, get_runtime_state, get_ulysses_group
+from ...distributed import get_ring_group, get_runtime_state, get_sp_group, get_ulysses_group
 from ..wrapper import xFuserBaseWrapper
 from .kernels import pick_kernel
-from .usp import TextLayout, usp_attention
+from .usp import TextLayout, key_shard_attention, usp_attention
 
 
 class xFuserLayerBaseWrapper(xFuserBaseWrapper):
@@ -57,7 +57,9 @@ class _ActiveLayer:
     text_layout: TextLayout
     kernel: str | None
     kv_cache: Any = None  # PipeFusion's StaleKVCache, when the layer runs in a patch pipeline
+    replicated_queries: bool = False  # queries of a stream every rank holds, keys of the split one (plans.py)
     calls: int = 0
+    reached: bool = False  # has reached the attention call once: a later call may skip it (LTX-2's perturbed STG blocks)
 
 
 _ACTIVE: contextvars.ContextVar[_ActiveLayer | None] = contextvars.ContextVar("xdit_active_attention", default=None)
@@ -77,11 +79,16 @@ def _sequence_parallel_attention(query, key, value, attn_mask, dropout_p, is_cau
             "run this model without ulysses/ring degrees"
         )
     layer.calls += 1
+    if tokens_dim == 1:
+        query, key, value = (x.transpose(1, 2) for x in (query, key, value))
+    if layer.replicated_queries:
+        split, sp = get_runtime_state().token_split, get_sp_group()
+        out = key_shard_attention(query, key, value, sp=sp, kernel=pick_kernel(query, layer.kernel), scale=scale,
+                                  real=None if split is None else split.sizes[sp.rank_in_group])
+        return out.transpose(1, 2) if tokens_dim == 1 else out
     text_tokens = get_runtime_state().text_tokens
     if layer.kv_cache is not None:  # a PipeFusion patch may hold the text alone, or no text
         text_tokens = layer.kv_cache.text_tokens(text_tokens)
-    if tokens_dim == 1:
-        query, key, value = (x.transpose(1, 2) for x in (query, key, value))
     out = usp_attention(
         query,
         key,
@@ -163,11 +170,11 @@ class xFuserAttentionBaseWrapper(xFuserLayerBaseWrapper):
         raise NotImplementedError
 
     def __init__(self, module: torch.nn.Module, name: str, text_layout: TextLayout, kernel: str | None = None,
-                 kv_cache: Any = None):
+                 kv_cache: Any = None, replicated_queries: bool = False):
         super().__init__(module)
         _take_route(self.call_site, self.reroute)
         self._routed = True
-        self._layer = _ActiveLayer(name, text_layout, kernel, kv_cache)
+        self._layer = _ActiveLayer(name, text_layout, kernel, kv_cache, replicated_queries)
         self._token: contextvars.Token | None = None
         self._handles.append(module.register_forward_pre_hook(self._enter))
         self._handles.append(module.register_forward_hook(self._exit, always_call=True))
@@ -190,7 +197,8 @@ class xFuserAttentionBaseWrapper(xFuserLayerBaseWrapper):
             return
         _ACTIVE.reset(self._token)
         self._token = None
-        if output is not None and self._layer.calls == 0 and not _cache_may_serve(module):
+        self._layer.reached |= self._layer.calls > 0
+        if output is not None and not self._layer.reached and not _cache_may_serve(module):
             raise RuntimeError(
                 f"{self._layer.name} ({type(module).__name__}) ran without reaching "
                 f"{'.'.join(self.call_site)}: its processor ({type(getattr(module, 'processor', None)).__name__}) "

@@ -51,6 +51,23 @@ def merge_partial(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
     return out, new_lse
 
 
+def key_shard_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sp: GroupCoordinator,
+                        kernel: AttentionKernel, scale: float | None = None, real: int | None = None) -> torch.Tensor:
+    """Queries every rank holds whole (a replicated stream: LTX-2's audio) against keys and values split over `sp`
+    (the video), [B, H, S, D]: each rank attends to its own `real` keys (an uneven split's padding dropped), and the
+    partial results merge by their log-sum-exp in rank order, so every rank gets the same, exact output."""
+    scale = default_scale(q) if scale is None else scale
+    if real is not None:
+        k, v = k[:, :, :real], v[:, :, :real]
+    out, lse = kernel(q, k, v, scale)
+    outs = sp.all_gather(out.float().unsqueeze(0).contiguous(), dim=0)
+    lses = sp.all_gather(lse.float().unsqueeze(0).contiguous(), dim=0)
+    out, lse = outs[0], lses[0]
+    for rank in range(1, sp.world_size):
+        out, lse = merge_partial(out, lse, outs[rank], lses[rank])
+    return out.to(q.dtype)
+
+
 def _real_keys(k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     index = index.to(k.device)
     return k.index_select(2, index), v.index_select(2, index)

@@ -40,16 +40,21 @@ def take(name: str, value: Any, batch: int, start: int, count: int) -> Any:
 
 
 def gather_batch(output: Any, counts: list[int], dp) -> Any:
-    """Reassemble the batch from every dp rank (padded to equal size for the collective)."""
+    """Reassemble the batch from every dp rank (padded to equal size for the collective): the images, and every other
+    per-sample tensor the pipeline returns beside them (LTX-2's audio)."""
     images = output[0] if isinstance(output, tuple) else output.images
     if not isinstance(images, torch.Tensor):
         raise ValueError("data parallel returns tensors only: call with output_type='latent' or 'pt'")
-    padded = torch.zeros((max(counts), *images.shape[1:]), dtype=images.dtype, device=images.device)
-    padded[: images.shape[0]] = images
-    gathered = dp.all_gather(padded.unsqueeze(0), dim=0)
-    images = torch.cat([gathered[i, :n] for i, n in enumerate(counts)])
     if isinstance(output, tuple):
-        return (images, *output[1:])
-    output.images = images
+        mine = counts[dp.rank_in_group]
+        return tuple(_gather(item, counts, dp) if isinstance(item, torch.Tensor) and item.ndim and len(item) == mine
+                     else item for item in output)
+    output.images = _gather(images, counts, dp)
     return output
 
+
+def _gather(tensor: torch.Tensor, counts: list[int], dp) -> torch.Tensor:
+    padded = torch.zeros((max(counts), *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    padded[: tensor.shape[0]] = tensor
+    gathered = dp.all_gather(padded.unsqueeze(0), dim=0)
+    return torch.cat([gathered[i, :n] for i, n in enumerate(counts)])

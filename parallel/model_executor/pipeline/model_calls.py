@@ -43,6 +43,17 @@ class ModelCallGlue:
         sees): the same for most pipelines; a family overrides it where its pipeline returns them otherwise."""
         return latents
 
+    def decode_audio(self, latents: torch.Tensor) -> torch.Tensor:
+        """Audio latents [B, C, L, M] in the audio VAE's own space (what the pipeline returns as `audio` with
+        output_type="latent") → waveforms [B, channels, samples], as the pipeline's own decode makes them: its audio
+        VAE's mel spectrogram through its vocoder (LTX-2's `audio_vae` and `vocoder`)."""
+        audio_vae, vocoder = getattr(self.module, "audio_vae", None), getattr(self.module, "vocoder", None)
+        if audio_vae is None or vocoder is None:
+            raise ValueError(f"{type(self.module).__name__} has no audio VAE and vocoder to decode audio with")
+        with torch.no_grad():
+            mel = audio_vae.decode(latents.to(audio_vae.device, audio_vae.dtype), return_dict=False)[0]
+            return vocoder(mel)
+
     def comfy_model_class(self) -> str:
         """comfy.supported_models' class for this model (ComfyData.model_class; a family may tell variants apart)."""
         return self.comfy.model_class

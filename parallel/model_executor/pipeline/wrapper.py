@@ -49,6 +49,9 @@ class xFuserPipelineBaseWrapper(LayoutChecks, Img2Img, ModelCallGlue, xFuserBase
     model_call_inputs: the conditioning a single model call takes (model_call.py; ComfyUI's samplers
                      through xDiT Model), named as the pipeline names them; (): no model calls.
     model_call_required: those of them every call needs.
+    extra_outputs:   what `__call__` returns after the latents (output_type="latent", return_dict=False), named as
+                     the pipeline's output class names them (LTX-2: `audio`, its audio latents); contract E's OUT
+                     and pool jobs carry them under these names.
     """
 
     comfy: ClassVar[ComfyData]
@@ -60,6 +63,7 @@ class xFuserPipelineBaseWrapper(LayoutChecks, Img2Img, ModelCallGlue, xFuserBase
     latent_patch: ClassVar[int | None] = None
     model_call_inputs: ClassVar[tuple[str, ...]] = ()
     model_call_required: ClassVar[tuple[str, ...]] = ()
+    extra_outputs: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, pipeline: DiffusionPipeline, attention_kernel: str | None = None, reversible: bool = False):
         from ...families import FAMILIES

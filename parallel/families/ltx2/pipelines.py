@@ -1,0 +1,148 @@
+"""LTX-2's pipeline wrapper: its video and audio shapes, its guidance terms and the scalars a job may set."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...call_parameters import CallParameter
+from ...layout.config import LayoutError
+from ...model_executor.pipeline import xFuserPipelineBaseWrapper
+from ...model_executor.pipeline.img2img import linear_sigmas
+from ..base import ComfyData
+
+DEFAULT_FRAMES = 121  # LTX2Pipeline.__call__'s num_frames for a model without a duration head
+
+
+def _scale(what: str) -> CallParameter:
+    return CallParameter(float, what, 0.0, 100.0)
+
+
+class xFuserLTX2Pipeline(xFuserPipelineBaseWrapper):
+    """`LTX2Pipeline`: video latents [B, 128, T', H/32, W/32] and audio latents [B, C, L, M] in their VAEs' own
+    spaces (the pipeline normalises both with its VAEs' statistics on the way in and undoes it on the way out,
+    so given and returned latents are in the same space, ComfyUI's), sampled together. Audio noise must be given
+    as the video's is: a pipeline left to draw it would draw different noise on every rank."""
+
+    comfy = ComfyData(
+        latent_formats={128: "LTXAV"}, temporal=8,
+        expects="Gemma's stacked hidden states as LTX2Pipeline's prompt_embeds, with prompt_attention_mask",
+        empty_latent="EmptyLTXVLatentVideo and LTXVEmptyLatentAudio into LTXVConcatAVLatent",
+    )
+    tensor_inputs = ("audio_latents", "prompt_attention_mask", "negative_prompt_attention_mask")
+    extra_outputs = ("audio",)  # LTX2PipelineOutput(frames, audio): the audio latents after the video latents
+    guidance = ("guidance_scale", 3.0)
+    default_sigmas = staticmethod(linear_sigmas)
+    call_parameters = {
+        "num_frames": CallParameter(int, "video frames, 8k+1 (default: as many as the latents hold)", 1, 10_000),
+        "frame_rate": CallParameter(float, "frames a second (the audio's length and the video's time positions; "
+                                    "default 24)", 1.0, 1000.0),
+        "stg_scale": _scale("spatio-temporal guidance of the video (default 1; 0: off)"),
+        "audio_stg_scale": _scale("spatio-temporal guidance of the audio (default: stg_scale)"),
+        "stg_block": CallParameter(int, "the block spatio-temporal guidance perturbs (default 28, as LTX2Pipeline; a "
+                                   "model with fewer blocks perturbs none, as in diffusers)", 0, 1000),
+        "modality_scale": _scale("modality-isolation guidance of the video (default 3; 1: off)"),
+        "audio_modality_scale": _scale("modality-isolation guidance of the audio (default: modality_scale)"),
+        "audio_guidance_scale": _scale("classifier-free guidance of the audio (default 7)"),
+        "guidance_rescale": CallParameter(float, "guidance rescale of the video (default 0.7)", 0.0, 1.0),
+        "audio_guidance_rescale": CallParameter(float, "guidance rescale of the audio (default: guidance_rescale)", 0.0,
+                                                1.0),
+    }
+
+    # -- shapes: one token per latent pixel of each latent frame (patch 1 × 1 × 1) ------------------------
+    def latent_scale(self) -> int:
+        return self.module.vae_spatial_compression_ratio
+
+    def _patches(self) -> tuple[int, int]:
+        config = self.module.transformer.config
+        return config.patch_size_t, config.patch_size
+
+    def latent_frames(self, kwargs: dict[str, Any]) -> int:
+        latents = kwargs.get("latents")
+        if isinstance(latents, torch.Tensor) and latents.ndim == 5:
+            return latents.shape[2]
+        frames = kwargs.get("num_frames") or DEFAULT_FRAMES
+        return (frames - 1) // self.module.vae_temporal_compression_ratio + 1
+
+    def image_tokens(self, height: int, width: int) -> int:
+        patch = self._patches()[1]
+        return self.grid_tokens(height, width, self.module.vae_spatial_compression_ratio, patch, patch)
+
+    def sequence_tokens(self, kwargs: dict[str, Any]) -> int:
+        return self.latent_frames(kwargs) // self._patches()[0] * self.image_tokens(kwargs["height"], kwargs["width"])
+
+    def token_rows(self, kwargs: dict[str, Any]) -> int:
+        patch_t, patch = self._patches()
+        return self.latent_frames(kwargs) // patch_t * (kwargs["height"] // (self.module.vae_spatial_compression_ratio * patch))
+
+    def expected_latents_shape(self, batch: int, height: int, width: int, frames: int = 1) -> tuple[int, ...]:
+        scale = self.module.vae_spatial_compression_ratio
+        return (batch, self.module.transformer.config.in_channels, frames, height // scale, width // scale)
+
+    def prepare(self, kwargs: dict[str, Any], check_layout: bool = True) -> tuple[dict[str, Any], int, int]:
+        """Given latents define the frames (the audio's length follows num_frames)."""
+        latents = kwargs.get("latents")
+        if kwargs.get("num_frames") is None and isinstance(latents, torch.Tensor) and latents.ndim == 5:
+            kwargs = {**kwargs, "num_frames": (latents.shape[2] - 1) * self.module.vae_temporal_compression_ratio + 1}
+        return super().prepare(kwargs, check_layout)
+
+    def call_context(self, kwargs: dict[str, Any]):
+        """STG's block, a call parameter, as the list the pipeline takes."""
+        if "stg_block" in kwargs:
+            kwargs["spatio_temporal_guidance_blocks"] = [kwargs.pop("stg_block")]
+        return super().call_context(kwargs)
+
+    def check_inputs(self, kwargs: dict[str, Any], batch: int) -> None:
+        latents, audio = kwargs.get("latents"), kwargs.get("audio_latents")
+        expected = self.expected_latents_shape(batch, kwargs["height"], kwargs["width"], self.latent_frames(kwargs))
+        if isinstance(latents, torch.Tensor) and tuple(latents.shape) != expected:
+            raise ValueError(f"latents have shape {list(latents.shape)} but LTX-2 at {kwargs['height']}x{kwargs['width']} "
+                             f"needs [batch, channels, latent frames, height/32, width/32] = {list(expected)}")
+        audio_vae, width = self.module.audio_vae, self.module.transformer.config.audio_in_channels
+        bins = audio_vae.config.mel_bins // self.module.audio_vae_mel_compression_ratio
+        if latents is not None and audio is None:
+            raise ValueError("LTX-2 samples video and audio together: send audio_latents too, the audio's initial noise "
+                             f"[batch, {audio_vae.config.latent_channels}, audio frames, {bins}]")
+        if audio is not None and (audio.ndim != 4 or audio.shape[0] != batch
+                                  or tuple(audio.shape[1::2]) != (audio_vae.config.latent_channels, bins)):
+            raise ValueError(f"audio_latents have shape {list(audio.shape)}; this LTX-2 takes [batch {batch}, "
+                             f"{audio_vae.config.latent_channels} channels, audio frames, {bins} mel bins]")
+        text = self.module.connectors.config
+        for name in ("prompt_embeds", "negative_prompt_embeds"):
+            embeds = kwargs.get(name)
+            if isinstance(embeds, torch.Tensor) and embeds.shape[-1] != text.caption_channels * text.text_proj_in_factor:
+                raise ValueError(f"{name} have width {embeds.shape[-1]}; this LTX-2 takes its text encoder's "
+                                 f"{text.text_proj_in_factor} hidden states of {text.caption_channels} stacked per token "
+                                 f"({text.caption_channels * text.text_proj_in_factor})")
+            if isinstance(embeds, torch.Tensor) and kwargs.get(name.replace("embeds", "attention_mask")) is None:
+                raise ValueError(f"{name} need {name.replace('embeds', 'attention_mask')} ([batch, tokens], 1 for each "
+                                 "valid token), as Gemma's tokenizer makes it")
+        if self.uses_cfg(kwargs) and kwargs.get("prompt_embeds") is not None and kwargs.get("negative_prompt_embeds") is None:
+            raise ValueError(f"guidance_scale {kwargs.get('guidance_scale')} guides with a negative prompt: send "
+                             "negative_prompt_embeds and their mask, or set guidance_scale to 1")
+        super().check_inputs({k: v for k, v in kwargs.items() if k != "latents"}, batch)
+
+    def check_layout(self, kwargs: dict[str, Any], batch: int) -> int:
+        c = self.parallel_config
+        tokens = self.sequence_tokens(kwargs)
+        if tokens < c.sp_degree:
+            raise LayoutError(f"{self.latent_frames(kwargs)} latent frames at {kwargs['height']}x{kwargs['width']} give "
+                              f"{tokens} video tokens, fewer than the sequence-parallel degree {c.sp_degree}; lower the "
+                              "degrees or sample a larger video")
+        return super().check_layout(kwargs, batch)
+
+    def partial_denoise(self, kwargs: dict[str, Any], init_latents: torch.Tensor, denoise: float) -> dict[str, Any]:
+        raise ValueError("denoise below 1 is not available for LTX-2 yet (its audio would need noising to the same "
+                         "point); sample with denoise 1")
+
+    def cfg_parallel_hint(self, kwargs: dict[str, Any]) -> str:
+        return (f"CFG parallel on LTX-2 splits its [negative, positive] batch, which it makes for guidance_scale above 1 "
+                f"(got {kwargs.get('guidance_scale', 3.0)}); set one, or turn CFG parallel off.")
+
+
+class xFuserLTX2ImageToVideoPipeline(xFuserLTX2Pipeline):
+    """`LTX2ImageToVideoPipeline` given its latents: their first latent frame holds the start image's VAE encoding (as
+    ComfyUI's LTXVImgToVideoInplace puts it there), which the pipeline keeps clean (a timestep of 0 for its tokens:
+    per-token timesteps, split with the video tokens); with latents given the pipeline encodes no image itself."""
+
