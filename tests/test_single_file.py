@@ -57,6 +57,7 @@ VARIANTS = {
                                            "cross_attention_dim": 144}),
     "qwen-image": ("qwen-image", {}),
     "z-image": ("z-image", {}),
+    "krea2": ("krea2", {}),
     # Wan's head size is 128 in every released model (the single-file reader assumes it)
     "wan2.1-t2v-1.3b": ("wan", {"num_attention_heads": 2, "attention_head_dim": 128}),
     "wan2.2-ti2v-5b": ("wan22-5b", {"num_attention_heads": 2, "attention_head_dim": 128}),

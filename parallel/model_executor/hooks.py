@@ -58,7 +58,8 @@ def apply_sequence_plan(
     handles = [transformer.register_forward_pre_hook(_record_text_tokens(plan.text_input), with_kwargs=True)]
     for path, padding in plan.text_padding.items():
         for where, module in modules_at(transformer, path):
-            handles.append(module.register_forward_pre_hook(_trim_text_padding(module, where, padding, sp), with_kwargs=True))
+            handles.append(module.register_forward_pre_hook(
+                _trim_text_padding(module, where, padding, sp, padding.text == plan.text_input), with_kwargs=True))
 
     if sp.world_size > 1:
         for path, specs in plan.inputs.items():
@@ -111,9 +112,12 @@ def _record_text_tokens(text_input: str | None):
     return hook
 
 
-def _trim_text_padding(module: torch.nn.Module, where: str, padding: TextPadding, sp: GroupCoordinator):
+def _trim_text_padding(module: torch.nn.Module, where: str, padding: TextPadding, sp: GroupCoordinator,
+                       joint: bool = True):
     """See TextPadding. The blocks after the first get the text the first one trimmed and the transformer's whole
-    mask: the mask is cut to the text's length (no second look at it, no device sync)."""
+    mask: the mask is cut to the text's length (no second look at it, no device sync). `joint`: the text is the
+    replicated text of joint attention, whose length the attention needs (not where the plan splits text and image
+    as one sequence)."""
 
     def hook(module_, args, kwargs):
         named = as_keyword_arguments(module.forward, args, kwargs)
@@ -123,6 +127,10 @@ def _trim_text_padding(module: torch.nn.Module, where: str, padding: TextPadding
         if text.shape[1] < mask.shape[1]:  # trimmed by an earlier block of this call
             named[padding.mask] = mask[:, : text.shape[1]]
             return (), named
+        if padding.order_free:  # each sample's valid tokens first, in their order
+            order = torch.sort((~mask.bool()).to(torch.int8), dim=1, stable=True).indices
+            text = text.gather(1, order.view(*order.shape, *[1] * (text.ndim - 2)).expand_as(text))
+            mask = mask.gather(1, order)
         valid = mask.bool()
         used = valid.any(dim=0).nonzero()
         length = int(used.max()) + 1 if len(used) else 1
@@ -131,9 +139,14 @@ def _trim_text_padding(module: torch.nn.Module, where: str, padding: TextPadding
             raise LayoutError(f"the samples of this batch have texts of different lengths, which {where} masks; "
                               "sequence-parallel attention takes no mask: send one prompt per job, or prompts of one "
                               "token length")
+        for name in padding.rows:
+            if named.get(name) is not None:
+                named[name] = torch.cat([named[name][:length], named[name][text.shape[1]:]])
         named[padding.text], named[padding.mask] = text[:, :length], mask[:, :length]
         runtime = get_runtime_state()
-        runtime.text_tokens, runtime.text_mask_complete = length, complete  # the attention seam drops such a mask
+        runtime.text_mask_complete = complete  # the attention seam drops such a mask
+        if joint:
+            runtime.text_tokens = length
         return (), named
 
     return hook

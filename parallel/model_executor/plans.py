@@ -113,10 +113,18 @@ class TextPadding:
     without looking at it.
 
     text: the block argument holding the text stream; mask: its [B, tokens] mask (true or 1: valid).
+    order_free: the text tokens carry no position (Krea 2: its text rows sit at the rotary origin and its text
+          fusion has none), so masked tokens anywhere (Krea 2 pads between the prompt and the chat suffix) are
+          dropped: each sample's valid tokens move to the front, in order, before the trim. Exact for the same
+          reasons; any later family whose text is position-free takes padding anywhere with this flag.
+    rows: arguments with one row per token on dim 0, the text's (alike: Krea 2's rotary positions, all at the
+          origin) ahead of the image's, whose text rows are cut to the trimmed text's length.
     """
 
     text: str = "encoder_hidden_states"
     mask: str = "attention_mask"
+    order_free: bool = False
+    rows: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
