@@ -66,23 +66,32 @@ class xFuserKrea2Pipeline(xFuserPipelineBaseWrapper):
         return (batch, self.image_tokens(height, width), self.module.transformer.config.in_channels)
 
     def check_layout(self, kwargs: dict[str, Any], batch: int) -> int:
-        """PipeFusion keeps stale K/V per named branch, which this pipeline's two guidance calls are not."""
+        """PipeFusion keeps stale K/V per named branch, which this pipeline's two guidance calls are not; its patches
+        cut the joined [valid text; image] sequence, which must divide into them."""
         tokens = super().check_layout(kwargs, batch)
         c = self.parallel_config
-        if (c.pipefusion_degree > 1 and c.cfg_degree == 1 and self.uses_cfg(kwargs)
-                and c.warmup_steps < kwargs.get("num_inference_steps", 28)):
+        if c.pipefusion_degree == 1:
+            return tokens
+        if self.uses_cfg(kwargs) and c.cfg_degree == 1 and c.warmup_steps < kwargs.get("num_inference_steps", 28):
             raise LayoutError("PipeFusion after warm-up with guidance on Krea2Pipeline would mix the two branches' stale "
                               "K/V; turn on CFG parallel, set --warmup-steps to the step count, or set guidance_scale to 0.")
+        for mask in TEXTS.values():
+            if isinstance(kwargs.get(mask), torch.Tensor):
+                text = int(kwargs[mask].bool().sum(dim=1).max())
+                if (text + tokens) % (c.patches * c.sp_degree):
+                    raise LayoutError(f"{text} valid text tokens and {tokens} image tokens do not split into {c.patches} "
+                                      f"PipeFusion patches × sequence-parallel degree {c.sp_degree}: PipeFusion cuts them "
+                                      f"joined; choose a size or a prompt whose sum divides by {c.patches * c.sp_degree}")
         return tokens
 
     def prepare(self, kwargs: dict[str, Any], check_layout: bool = True) -> tuple[dict[str, Any], int, int]:
-        kwargs, batch, tokens = super().prepare(self._unflattened(kwargs), check_layout)
+        kwargs = self._unflattened(kwargs)
         for embeds, mask in TEXTS.items():  # the pipeline needs a mask with given embeddings: none given is all valid
             if isinstance(kwargs.get(embeds), torch.Tensor):
                 given = kwargs.get(mask)
                 kwargs[mask] = (torch.ones(kwargs[embeds].shape[:2], dtype=torch.bool) if given is None
                                 else given.bool())
-        return kwargs, batch, tokens
+        return super().prepare(kwargs, check_layout)
 
     def _unflattened(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Embeddings [B, tokens, layers · width] (ComfyUI's conditioning) as the pipeline takes them, [B, tokens,

@@ -105,9 +105,12 @@ def modules_at(root: torch.nn.Module, path: str) -> list[tuple[str, torch.nn.Mod
 
 
 def _record_text_tokens(text_input: str | None):
+    """Each call's own text length, and no token split yet: the split sees a call's own tokens (Krea 2's joined
+    [text; image] differs between the guidance branches' calls)."""
     def hook(module, args, kwargs):
         text = as_keyword_arguments(module.forward, args, kwargs).get(text_input) if text_input else None
-        get_runtime_state().text_tokens = 0 if text is None else text.shape[1]
+        runtime = get_runtime_state()
+        runtime.text_tokens, runtime.token_split = 0 if text is None else text.shape[1], None
 
     return hook
 
