@@ -61,6 +61,9 @@ def apply_sequence_plan(
             handles.append(module.register_forward_pre_hook(
                 _trim_text_padding(module, where, padding, sp, padding.text == plan.text_input), with_kwargs=True))
 
+    if plan.text_rows is not None:
+        for _, module in modules_at(transformer, plan.text_rows.path):
+            handles.append(module.register_forward_pre_hook(_count_text_rows(module, plan.text_rows.mask), with_kwargs=True))
     if sp.world_size > 1:
         for path, specs in plan.inputs.items():
             specs = {name: spec for name, spec in specs.items() if kv_cache is None or not spec.text}
@@ -115,6 +118,16 @@ def _record_text_tokens(text_input: str | None):
     return hook
 
 
+def _count_text_rows(module: torch.nn.Module, mask: str):
+    """The call's text length: the rows its joined stream's mask marks false (see TextRows)."""
+
+    def hook(module_, args, kwargs):
+        rows = as_keyword_arguments(module.forward, args, kwargs).get(mask)
+        get_runtime_state().text_tokens = 0 if rows is None else int((~rows.bool()).sum())
+
+    return hook
+
+
 def _trim_text_padding(module: torch.nn.Module, where: str, padding: TextPadding, sp: GroupCoordinator,
                        joint: bool = True):
     """See TextPadding. The blocks after the first get the text the first one trimmed and the transformer's whole
@@ -155,6 +168,13 @@ def _trim_text_padding(module: torch.nn.Module, where: str, padding: TextPadding
     return hook
 
 
+def shard_after_text(tensor: torch.Tensor, dim: int, group: GroupCoordinator, what: str, uneven: bool = False):
+    """`shard` of the rows after the call's replicated text, which stay whole ahead of them (Split.after_text)."""
+    text = get_runtime_state().text_tokens
+    rows = tensor.narrow(dim, text, tensor.shape[dim] - text)
+    return torch.cat([tensor.narrow(dim, 0, text), shard(rows, dim, group, what, uneven)], dim=dim)
+
+
 def _split_inputs(module: torch.nn.Module, where: str, specs: dict[str, Split], sp: GroupCoordinator,
                   uneven: bool = False):
     image = {name: spec for name, spec in specs.items() if not spec.text}
@@ -165,7 +185,8 @@ def _split_inputs(module: torch.nn.Module, where: str, specs: dict[str, Split], 
         for name, spec in image.items():
             if named.get(name) is not None and spec.ndim in (None, named[name].ndim):
                 check_dims(named[name], spec, where, f"input {name!r}")
-                named[name] = shard(named[name], spec.dim, sp, name, uneven)
+                named[name] = (shard_after_text(named[name], spec.dim, sp, name, uneven) if spec.after_text
+                               else shard(named[name], spec.dim, sp, name, uneven))
         present = {name: spec for name, spec in text.items() if named.get(name) is not None}
         if present and _text_shards(named, present, sp):
             for name, spec in present.items():
@@ -192,15 +213,21 @@ def _output_op(path: str, op: Split | Gather, sp: GroupCoordinator, uneven: bool
         return apply
 
     if isinstance(op, Split):
-        split = lambda t: shard(t, op.dim, sp, path or "output", uneven)  # noqa: E731
+        cut = shard_after_text if op.after_text else shard
+        split = lambda t: cut(t, op.dim, sp, path or "output", uneven)  # noqa: E731
         if op.items is not None:
             return lambda module, args, output: tuple(
                 checked(split, f"output item {i}")(t) if i in op.items else t for i, t in enumerate(output)
             )
         return lambda module, args, output: map_first(output, checked(split))
-    if uneven:
-        return lambda module, args, output: map_first(output, checked(lambda t: _gather_uneven(t, op.dim, sp)))
-    return lambda module, args, output: map_first(output, checked(lambda t: sp.all_gather(t, op.dim)))
+    gather = (lambda t: _gather_uneven(t, op.dim, sp)) if uneven else (lambda t: sp.all_gather(t, op.dim))
+    if op.after_text:
+        def gather_after_text(t: torch.Tensor) -> torch.Tensor:
+            text = get_runtime_state().text_tokens
+            return torch.cat([t.narrow(op.dim, 0, text), gather(t.narrow(op.dim, text, t.shape[op.dim] - text))], dim=op.dim)
+
+        return lambda module, args, output: map_first(output, checked(gather_after_text))
+    return lambda module, args, output: map_first(output, checked(gather))
 
 
 def _gather_uneven(tensor: torch.Tensor, dim: int, sp: GroupCoordinator) -> torch.Tensor:
