@@ -41,14 +41,8 @@ CASES += [(n, f, l, s) for n, extra in EXTRA.items() for f, l, s in extra]
 
 
 def call_kwargs(family: str, layout: str, variant: str) -> dict:
-    import inspect
-
-    import diffusers
-
     tiny = tiny_models.MODELS[family]
-    kwargs = {"num_inference_steps": STEPS, "height": SIZE, "width": SIZE}
-    if "guidance_scale" in inspect.signature(getattr(diffusers, tiny.pipeline).__call__).parameters:
-        kwargs["guidance_scale"] = tiny.guidance  # Qwen-Image 2.1 has none: true_cfg_scale is its guidance
+    kwargs = {"num_inference_steps": STEPS, "guidance_scale": tiny.guidance, "height": SIZE, "width": SIZE}
     if layout.startswith("cfg") or variant == "truecfg":
         kwargs.update(tiny.true_cfg)
     return kwargs

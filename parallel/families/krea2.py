@@ -53,7 +53,7 @@ class xFuserKrea2Pipeline(xFuserPipelineBaseWrapper):
     latent_patch = 2
     # the stacked layers, flattened as ComfyUI carries them (or [B, tokens, layers, width] as the pipeline takes them)
     embedding_sizes = {name: ("num_text_layers", "text_hidden_dim") for name in TEXTS}
-    model_call_inputs = model_call_required = ("prompt_embeds",)
+    model_call_inputs, model_call_required = ("prompt_embeds", "prompt_embeds_mask"), ("prompt_embeds",)
 
     def uses_cfg(self, kwargs: dict[str, Any]) -> bool:
         return kwargs.get("guidance_scale", 4.5) > 0
@@ -113,13 +113,15 @@ class xFuserKrea2Pipeline(xFuserPipelineBaseWrapper):
         return {"prompt_embeds": embeds.flatten(2), "prompt_embeds_mask": mask}
 
     def model_call_arguments(self, latents, timestep, inputs):
-        """Krea2Pipeline's loop: 2×2-packed tokens, their and the text's positions, timestep / 1000, all text valid
-        (ComfyUI's own Krea 2 masks nothing)."""
-        _, _, height, width = latents.shape
+        """Krea2Pipeline's loop: 2×2-packed tokens, their and the text's positions, timestep / 1000, the text's mask
+        (without one all valid, as ComfyUI's own Krea 2 takes its text)."""
+        batch, _, height, width = latents.shape
         embeds = self._unflattened({"prompt_embeds": inputs["prompt_embeds"]})["prompt_embeds"]
         positions = self.module.prepare_position_ids(embeds.shape[1], height // 2, width // 2, latents.device)
+        mask = inputs.get("prompt_embeds_mask")
+        mask = torch.ones(batch, embeds.shape[1], dtype=torch.bool, device=embeds.device) if mask is None else mask.bool()
         return {"hidden_states": pack_2x2(latents), "encoder_hidden_states": embeds, "timestep": timestep / 1000,
-                "position_ids": positions, "encoder_attention_mask": None}
+                "position_ids": positions, "encoder_attention_mask": mask}
 
     def model_call_output(self, output, latents):
         return unpack_2x2(output, latents.shape[2] * 8, latents.shape[3] * 8)
@@ -186,10 +188,15 @@ def build_tiny(seed: int):
 
 @torch.no_grad()
 def _random_norms(transformer: torch.nn.Module, seed: int) -> None:
-    """Krea 2's zero-centred norms and modulation tables start at zero; random ones, as trained ones are, so a
-    converter that drops or misplaces one shows."""
+    """Krea 2's zero-centred norms (scale 1 + weight) and modulation tables start at zero; random ones, as trained
+    ones are, so a converter that drops or misplaces one shows. Its q/k norms scale by QK_SCALE, peaking attention
+    (tiny_models._peak_attention's scaling of a zero-centred weight would not)."""
+    from ..loading import tiny_models as tm
+
     gen = torch.Generator().manual_seed(seed + 7)
     for name, param in transformer.named_parameters():
+        if name.endswith(("norm_q.weight", "norm_k.weight")):
+            param.fill_(tm.QK_SCALE - 1)
         if name.endswith("scale_shift_table") or (name.endswith(".weight") and "norm" in name.split(".")[-2]):
             param.add_(0.2 * torch.randn(param.shape, generator=gen))
 
