@@ -3,7 +3,8 @@
     torchrun --nproc-per-node N tests/engine_cases.py CASES.json
 
 Each case in CASES.json: {"name", "model", "inputs", "output", "layout": {ParallelConfig fields},
-"call": {extra __call__ kwargs}, "scheduler", "fault", "report_memory", "report_flow"}. Rank 0 writes each case's
+"call": {extra __call__ kwargs}, "scheduler", "fault", "report_memory", "report_flow",
+"report_prefix_cache"}. Rank 0 writes each case's
 latents (and what the pipeline returns beside them, under its names: LTX-2's `audio`); a rank that fails writes its traceback to output + ".error" (rank 0) or ".error.rank<N>" (rank N), which
 the tests read all together with xdit_test_helpers.case_errors. One launch amortises process-group start-up and
 imports over the whole matrix, and exercises tearing the layout down and building it again.
@@ -94,6 +95,16 @@ def run_case(case: dict, rank: int) -> None:
             pipefusion.patch_copy = _PATCH_COPY
             if hook is not None:
                 hook.remove()
+        if case.get("report_prefix_cache"):  # Qwen-Image 2.1's prefix K/V per rank: layers stored, bytes, still held
+            from parallel.families.qwenimage21 import LIVE
+
+            held = parallel.prefix_cache
+            mine = torch.tensor([held["stores"], held["bytes"], len(LIVE)])
+            every = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size())]
+            torch.distributed.all_gather(every, mine)
+            if rank == 0:
+                report = [dict(zip(("rank", "stores", "bytes", "live"), (r, *map(int, t)))) for r, t in enumerate(every)]
+                Path(case["output"] + ".prefix.json").write_text(json.dumps(report))
         if case.get("report_flow") and rank == 0:  # whether the last step's patches flowed on
             Path(case["output"] + ".flow.json").write_text(json.dumps(parallel.module.transformer._stage.flowed))
     if rank == 0:  # the latents, and what the pipeline returns beside them (LTX-2's audio) under its names

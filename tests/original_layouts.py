@@ -316,6 +316,30 @@ def z_image_to_original(sd: dict) -> dict:
     return out
 
 
+KREA2_NAMES = (  # diffusers' name → Krea's, the inverse of convert_krea2_transformer_checkpoint_to_diffusers
+    ("img_in.", "first."), ("time_embed.linear_1.", "tmlp.0."), ("time_embed.linear_2.", "tmlp.2."),
+    ("time_mod_proj.", "tproj.1."), ("txt_in.norm.weight", "txtmlp.0.scale"), ("txt_in.linear_1.", "txtmlp.1."),
+    ("txt_in.linear_2.", "txtmlp.3."), ("text_fusion.", "txtfusion."), ("transformer_blocks.", "blocks."),
+    ("final_layer.linear.", "last.linear."), ("final_layer.norm.weight", "last.norm.scale"),
+    ("final_layer.scale_shift_table", "last.modulation.lin"))
+KREA2_BLOCK_NAMES = ((".attn.to_q.", ".attn.wq."), (".attn.to_k.", ".attn.wk."), (".attn.to_v.", ".attn.wv."),
+                     (".attn.to_out.0.", ".attn.wo."), (".attn.to_gate.", ".attn.gate."),
+                     (".attn.norm_q.weight", ".attn.qknorm.qnorm.scale"), (".attn.norm_k.weight", ".attn.qknorm.knorm.scale"),
+                     (".ff.", ".mlp."), (".norm1.weight", ".prenorm.scale"), (".norm2.weight", ".postnorm.scale"),
+                     (".scale_shift_table", ".mod.lin"))
+
+
+def krea2_to_original(sd: dict) -> dict:
+    """Krea's layout, as Comfy-Org's repackaged files keep it: each block's six modulation vectors flattened."""
+    out = {}
+    for key, value in sd.items():
+        name = next((new + key[len(old):] for old, new in KREA2_NAMES if key.startswith(old)), key)
+        for old, new in KREA2_BLOCK_NAMES:
+            name = name.replace(old, new)
+        out[name] = (value.flatten() if name.startswith("blocks.") and name.endswith(".mod.lin") else value).clone()
+    return out
+
+
 def original_layout(family: str, transformer) -> dict:
     sd, config = transformer.state_dict(), transformer.config
     if family in ("flux", "flux-kontext"):
@@ -328,6 +352,8 @@ def original_layout(family: str, transformer) -> dict:
         return wan_to_original(sd)
     if family == "z-image":
         return z_image_to_original(sd)
+    if family == "krea2":
+        return krea2_to_original(sd)
     return pixart_to_original(sd, config, PIXART_TOKENS[family], transformer.pos_embed.pos_embed)
 
 

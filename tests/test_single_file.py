@@ -9,6 +9,7 @@ HF_HUB_OFFLINE is set for the whole module.
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import socket
@@ -57,6 +58,7 @@ VARIANTS = {
                                            "cross_attention_dim": 144}),
     "qwen-image": ("qwen-image", {}),
     "z-image": ("z-image", {}),
+    "krea2": ("krea2", {}),
     # Wan's head size is 128 in every released model (the single-file reader assumes it)
     "wan2.1-t2v-1.3b": ("wan", {"num_attention_heads": 2, "attention_head_dim": 128}),
     "wan2.2-ti2v-5b": ("wan22-5b", {"num_attention_heads": 2, "attention_head_dim": 128}),
@@ -346,6 +348,35 @@ def test_quantized_formats_this_pack_does_not_read_are_refused(checkpoints, tmp_
     save_file(weights, tmp_path / "flux1-dev-nf4.safetensors")
     with pytest.raises(ValueError, match="bitsandbytes-quantized checkpoint"):
         load_pipeline(tmp_path / "flux1-dev-nf4.safetensors")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_broken_scaled_fp8_files_are_refused_in_one_line_in_every_layout(checkpoints, tmp_path, variant):
+    """A scaled fp8 file missing one layer's scale_weight would load that layer unscaled (thousands of times too
+    large); one missing a comfy_quant layer's weight_scale, one whose marker has no scales, and one with scales but no
+    marker would load wrong too: each is refused in one line naming the file and the tensor."""
+    _, path = checkpoints[variant]
+    weights = CheckpointFile(path).state_dict()
+    stored, _ = fp8_scaled(weights, per_layer=False)
+    marker = next(k for k in stored if k.endswith("scaled_fp8"))
+    layer = sorted(k.removesuffix(".scale_weight") for k in stored if k.endswith(".scale_weight"))[-1]
+    per_layer, _ = fp8_scaled(weights, per_layer=True)
+    broken = {
+        f"tensor {layer}.weight is fp8 in a scaled_fp8 file but has no {layer}.scale_weight":
+            {k: v for k, v in stored.items() if k != f"{layer}.scale_weight"},
+        f"layer {layer} is float8_e4m3fn but has no {layer}.weight_scale":
+            {k: v for k, v in per_layer.items() if k != f"{layer}.weight_scale"},
+        "marked scaled_fp8 but holds no tensor \\*.scale_weight":
+            {k: v for k, v in stored.items() if not k.endswith(".scale_weight")},
+        "scales an fp8 weight, but the file has no scaled_fp8 marker": {k: v for k, v in stored.items() if k != marker},
+    }
+    for n, (message, tensors) in enumerate(broken.items()):
+        file = tmp_path / f"{variant}-broken{n}.safetensors"
+        save_file({k: v.contiguous() for k, v in tensors.items()}, file)
+        with pytest.raises(ValueError) as refused:
+            load_pipeline(file)
+        text = str(refused.value)
+        assert len(text.splitlines()) == 1 and text.startswith(f"{file}: ") and re.search(message, text), text
 
 
 def test_text_encoders_refused(checkpoints):

@@ -18,7 +18,8 @@ LATENT_SHAPE = {  # expected output latents of a 64x64 run, batch 1
     "pixart-alpha": (1, 4, 8, 8), "pixart-sigma": (1, 4, 8, 8), "sd3": (1, 16, 8, 8), "flux": (1, 16, 64),
     "flux-kontext": (1, 16, 64), "qwen-image": (1, 16, 64), "flux2-klein": (1, 32, 8, 8),
     "flux2-dev": (1, 16, 128), "z-image": (1, 16, 8, 8),  # FLUX.2 [dev] returns its latents packed
-    "qwen-image-edit": (1, 1, 64), "qwen-image-edit-plus": (1, 1, 64)}  # their ×32 VAE: one 2×2 token
+    "qwen-image-edit": (1, 1, 64), "qwen-image-edit-plus": (1, 1, 64),  # their ×32 VAE: one 2×2 token
+    "krea2": (1, 16, 64), "qwen-image-2.1": (1, 16, 16)}  # Qwen-Image 2.1: its VAE's ×16, one token per latent pixel
 
 each_family = pytest.mark.parametrize("family", FAMILIES)
 # The Qwen-Image-Edit pipelines encode a prompt together with its reference image through Qwen2VLProcessor, which
@@ -151,10 +152,10 @@ def test_prompt_string_end_to_end(family):
     try:
         with torch.no_grad():
             negative = {} if family.startswith("flux2") else {"negative_prompt": "blurry"}  # no negative prompt to give
-            out = pipe(prompt="a cat", **negative, guidance_scale=tiny_models.MODELS[family].guidance,
-                       **at_requested_size(pipe, {"height": 64, "width": 64}), num_inference_steps=2,
-                       output_type="latent", max_sequence_length=32,
-                       generator=torch.Generator().manual_seed(0), **extra).images
+            size = {"height": 64, "width": 64, "guidance_scale": tiny_models.MODELS[family].guidance,
+                    "max_sequence_length": 32}
+            out = pipe(prompt="a cat", **negative, **at_requested_size(pipe, size), num_inference_steps=2,
+                       output_type="latent", generator=torch.Generator().manual_seed(0), **extra).images
     finally:
         handle.remove()
     assert out.shape == LATENT_SHAPE[family] and torch.isfinite(out).all()

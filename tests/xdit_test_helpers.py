@@ -144,7 +144,8 @@ def at_requested_size(pipeline, call: dict) -> dict:
     """`call` with max_area = height·width for pipelines that resize to an area (FLUX.1 Kontext: 1024² by
     default), so diffusers samples at the size the engine honours exactly; embeddings [B, tokens, width] as
     lists of samples where the pipeline takes lists (Z-Image); reference images [N, 3, H, W] in [0, 1] as the
-    8-bit PIL images the Qwen-Image-Edit pipelines take (Edit: one, Plus: a list)."""
+    8-bit PIL images the Qwen-Image-Edit pipelines take (Edit: one, Plus: a list); no guidance_scale nor max_sequence_length
+    where the pipeline takes none."""
     import inspect
 
     import PIL.Image
@@ -156,6 +157,9 @@ def at_requested_size(pipeline, call: dict) -> dict:
         images = [PIL.Image.fromarray(picture) for picture in pixels]
         call = {**call, "image": images if "Plus" in name else images[0]}
     parameters = inspect.signature(pipeline.__call__).parameters
+    for name in ("guidance_scale", "max_sequence_length"):  # Qwen-Image 2.1 takes neither (the engine drops the first)
+        if name not in parameters:
+            call = {key: value for key, value in call.items() if key != name}
     for name in ("prompt_embeds", "negative_prompt_embeds"):
         if name in parameters and str(parameters[name].annotation).startswith("list") and hasattr(call.get(name), "unbind"):
             call = {**call, name: list(call[name].unbind(0))}

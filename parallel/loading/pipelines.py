@@ -56,13 +56,13 @@ def load_pipeline(model_dir: str | Path, *, text_encoders: bool = False, dtype: 
     if not index.is_file():
         raise FileNotFoundError(f"{model_dir} is not a diffusers pipeline folder (no model_index.json)")
     components = json.loads(index.read_text())
-    # Without text encoders their parts stay out (Qwen-Image-Edit's Qwen2.5-VL processor too); a part saved as
-    # none loads as none (diffusers refuses to load such a folder otherwise).
+    # Without text encoders their weights and tokenizers stay out; processors (no weights) load either way, since a
+    # pipeline may build on its processor when given embeddings (Qwen-Image 2.1's chat template), for images only
+    # where torchvision is missing. A part saved as none loads as none (diffusers refuses such a folder otherwise).
     skipped = {name: None for name, entry in components.items()
-               if entry == [None, None] or (not text_encoders and name.startswith(("text_encoder", "tokenizer", "processor")))}
+               if entry == [None, None] or (not text_encoders and name.startswith(("text_encoder", "tokenizer")))}
     kwargs = {"torch_dtype": DTYPES[dtype]} if dtype else {}
-    if text_encoders:
-        kwargs.update(vl_processors.stand_ins(model_dir, components))
+    kwargs.update(vl_processors.stand_ins(model_dir, components))
     pipeline = DiffusionPipeline.from_pretrained(model_dir, **skipped, **kwargs)
     return _place(pipeline, dtype, shard_weights, offload)
 

@@ -115,6 +115,32 @@ def _clip(seed: int, with_projection: bool):
     return tok, _seeded(seed, CLIPTextModelWithProjection if with_projection else CLIPTextModel, cfg)
 
 
+QWEN3_VL_TOKENS = ("vision_start", "vision_end", "image_pad", "video_pad")  # Qwen3-VL's <|…|> tokens around pictures
+
+
+def _qwen3_vl(seed: int, width: int, cls: str, layers: int = 2):
+    """Qwen3-VL (`cls`: Qwen3VLModel for Krea 2, Qwen3VLForConditionalGeneration for Qwen-Image 2.1) on the byte-level
+    Qwen tokenizer with Qwen3-VL's vision tokens, `width` wide, `layers` text layers (heads of 8, its multimodal
+    rotary sections in proportion), and a one-block vision tower of 16-pixel patches."""
+    import transformers
+    from transformers import Qwen3VLConfig
+
+    tokenizer = _qwen_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [f"<|{name}|>" for name in QWEN3_VL_TOKENS]},
+                                 replace_extra_special_tokens=False)
+    ids = {"bos_token_id": None, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    vision_ids = {f"{name.removesuffix('_pad')}_token_id": tokenizer.convert_tokens_to_ids(f"<|{name}|>")
+                  for name in QWEN3_VL_TOKENS}
+    config = Qwen3VLConfig(
+        text_config=dict(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers, num_attention_heads=width // 8,
+                         num_key_value_heads=1, head_dim=8, vocab_size=len(tokenizer), **ids,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5e5, "mrope_section": [2, 1, 1]}),
+        vision_config=dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=width,
+                           deepstack_visual_indexes=[0], num_position_embeddings=64, patch_size=16),
+        **vision_ids)
+    return tokenizer, _seeded(seed, getattr(transformers, cls), config)
+
+
 # ---------------------------------------------------------------------------------------------- VAE
 def _vae(seed: int, latent_channels: int, scaling_factor: float, shift_factor: float | None = None):
     """4 block levels -> vae_scale_factor 8; SD3/Flux VAEs (shift_factor set) have no quant convs."""

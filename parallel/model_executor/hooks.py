@@ -69,8 +69,12 @@ def apply_sequence_plan(
     handles = [transformer.register_forward_pre_hook(_record_text_tokens(plan.text_input), with_kwargs=True)]
     for path, padding in plan.text_padding.items():
         for where, module in modules_at(transformer, path):
-            handles.append(module.register_forward_pre_hook(_trim_text_padding(module, where, padding, sp), with_kwargs=True))
+            handles.append(module.register_forward_pre_hook(
+                _trim_text_padding(module, where, padding, sp, padding.text == plan.text_input), with_kwargs=True))
 
+    if plan.text_rows is not None:
+        for _, module in modules_at(transformer, plan.text_rows.path):
+            handles.append(module.register_forward_pre_hook(_count_text_rows(module, plan.text_rows.mask), with_kwargs=True))
     if sp.world_size > 1:
         for path, specs in plan.inputs.items():
             specs = {name: spec for name, spec in specs.items() if kv_cache is None or not spec.text}
@@ -116,16 +120,32 @@ def modules_at(root: torch.nn.Module, path: str) -> list[tuple[str, torch.nn.Mod
 
 
 def _record_text_tokens(text_input: str | None):
+    """Each call's own text length, and no token split yet: the split sees a call's own tokens (Krea 2's joined
+    [text; image] differs between the guidance branches' calls)."""
     def hook(module, args, kwargs):
         text = as_keyword_arguments(module.forward, args, kwargs).get(text_input) if text_input else None
-        get_runtime_state().text_tokens = 0 if text is None else text.shape[1]
+        runtime = get_runtime_state()
+        runtime.text_tokens, runtime.token_split = 0 if text is None else text.shape[1], None
 
     return hook
 
 
-def _trim_text_padding(module: torch.nn.Module, where: str, padding: TextPadding, sp: GroupCoordinator):
+def _count_text_rows(module: torch.nn.Module, mask: str):
+    """The call's text length: the rows its joined stream's mask marks false (see TextRows)."""
+
+    def hook(module_, args, kwargs):
+        rows = as_keyword_arguments(module.forward, args, kwargs).get(mask)
+        get_runtime_state().text_tokens = 0 if rows is None else int((~rows.bool()).sum())
+
+    return hook
+
+
+def _trim_text_padding(module: torch.nn.Module, where: str, padding: TextPadding, sp: GroupCoordinator,
+                       joint: bool = True):
     """See TextPadding. The blocks after the first get the text the first one trimmed and the transformer's whole
-    mask: the mask is cut to the text's length (no second look at it, no device sync)."""
+    mask: the mask is cut to the text's length (no second look at it, no device sync). `joint`: the text is the
+    replicated text of joint attention, whose length the attention needs (not where the plan splits text and image
+    as one sequence)."""
 
     def hook(module_, args, kwargs):
         named = as_keyword_arguments(module.forward, args, kwargs)
@@ -135,6 +155,10 @@ def _trim_text_padding(module: torch.nn.Module, where: str, padding: TextPadding
         if text.shape[1] < mask.shape[1]:  # trimmed by an earlier block of this call
             named[padding.mask] = mask[:, : text.shape[1]]
             return (), named
+        if padding.order_free:  # each sample's valid tokens first, in their order
+            order = torch.sort((~mask.bool()).to(torch.int8), dim=1, stable=True).indices
+            text = text.gather(1, order.view(*order.shape, *[1] * (text.ndim - 2)).expand_as(text))
+            mask = mask.gather(1, order)
         valid = mask.bool()
         used = valid.any(dim=0).nonzero()
         length = int(used.max()) + 1 if len(used) else 1
@@ -143,12 +167,24 @@ def _trim_text_padding(module: torch.nn.Module, where: str, padding: TextPadding
             raise LayoutError(f"the samples of this batch have texts of different lengths, which {where} masks; "
                               "sequence-parallel attention takes no mask: send one prompt per job, or prompts of one "
                               "token length")
+        for name in padding.rows:
+            if named.get(name) is not None:
+                named[name] = torch.cat([named[name][:length], named[name][text.shape[1]:]])
         named[padding.text], named[padding.mask] = text[:, :length], mask[:, :length]
         runtime = get_runtime_state()
-        runtime.text_tokens, runtime.text_mask_complete = length, complete  # the attention seam drops such a mask
+        runtime.text_mask_complete = complete  # the attention seam drops such a mask
+        if joint:
+            runtime.text_tokens = length
         return (), named
 
     return hook
+
+
+def shard_after_text(tensor: torch.Tensor, dim: int, group: GroupCoordinator, what: str, uneven: bool = False):
+    """`shard` of the rows after the call's replicated text, which stay whole ahead of them (Split.after_text)."""
+    text = get_runtime_state().text_tokens
+    rows = tensor.narrow(dim, text, tensor.shape[dim] - text)
+    return torch.cat([tensor.narrow(dim, 0, text), shard(rows, dim, group, what, uneven)], dim=dim)
 
 
 def _split_inputs(module: torch.nn.Module, where: str, specs: dict[str, Split], sp: GroupCoordinator,
@@ -161,7 +197,8 @@ def _split_inputs(module: torch.nn.Module, where: str, specs: dict[str, Split], 
         for name, spec in image.items():
             if named.get(name) is not None and spec.ndim in (None, named[name].ndim):
                 check_dims(named[name], spec, where, f"input {name!r}")
-                named[name] = shard(named[name], spec.dim, sp, name, uneven)
+                named[name] = (shard_after_text(named[name], spec.dim, sp, name, uneven) if spec.after_text
+                               else shard(named[name], spec.dim, sp, name, uneven))
         present = {name: spec for name, spec in text.items() if named.get(name) is not None}
         if present and _text_shards(named, present, sp):
             for name, spec in present.items():
@@ -188,15 +225,21 @@ def _output_op(path: str, op: Split | Gather, sp: GroupCoordinator, uneven: bool
         return apply
 
     if isinstance(op, Split):
-        split = lambda t: shard(t, op.dim, sp, path or "output", uneven)  # noqa: E731
+        cut = shard_after_text if op.after_text else shard
+        split = lambda t: cut(t, op.dim, sp, path or "output", uneven)  # noqa: E731
         if op.items is not None:
             return lambda module, args, output: tuple(
                 checked(split, f"output item {i}")(t) if i in op.items else t for i, t in enumerate(output)
             )
         return lambda module, args, output: map_first(output, checked(split))
-    if uneven:
-        return lambda module, args, output: map_first(output, checked(lambda t: _gather_uneven(t, op.dim, sp)))
-    return lambda module, args, output: map_first(output, checked(lambda t: sp.all_gather(t, op.dim)))
+    gather = (lambda t: _gather_uneven(t, op.dim, sp)) if uneven else (lambda t: sp.all_gather(t, op.dim))
+    if op.after_text:
+        def gather_after_text(t: torch.Tensor) -> torch.Tensor:
+            text = get_runtime_state().text_tokens
+            return torch.cat([t.narrow(op.dim, 0, text), gather(t.narrow(op.dim, text, t.shape[op.dim] - text))], dim=op.dim)
+
+        return lambda module, args, output: map_first(output, checked(gather_after_text))
+    return lambda module, args, output: map_first(output, checked(gather))
 
 
 def _gather_uneven(tensor: torch.Tensor, dim: int, sp: GroupCoordinator) -> torch.Tensor:

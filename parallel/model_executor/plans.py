@@ -31,6 +31,8 @@ class Split:
           parallelism does: every rank then projects and runs 1/N of the text, and attention gathers the
           whole sequence for its heads); otherwise left whole on every rank (replicated text). Never
           under PipeFusion, whose text patch carries the whole text.
+    after_text: the call's replicated text rows lead this tensor (ParallelPlan.text_rows): they stay whole, the
+          rows after them split.
     """
 
     dim: int
@@ -38,17 +40,31 @@ class Split:
     ndim: int | None = None
     expected_dims: int | None = None
     text: bool = False
+    after_text: bool = False
 
 
 @dataclass(frozen=True)
 class Gather:
     """All-gather this tensor along `dim` over the sequence-parallel group, undoing a Split.
 
-    expected_dims: as for Split.
+    expected_dims: as for Split. after_text: as for Split (the whole text rows kept ahead of the gathered ones).
     """
 
     dim: int
     expected_dims: int | None = None
+    after_text: bool = False
+
+
+@dataclass(frozen=True)
+class TextRows:
+    """Where a transformer keeps its replicated text inside one joined stream its blocks take (Qwen-Image 2.1: the
+    text and condition-image tokens ahead of the target image's, [prefix; image]): the block argument `mask` at
+    `path` marks the image's rows (true) after the text's (false); their count is the call's text length (runtime
+    text_tokens) for Split/Gather(after_text) and the attention. A later family with a joined stream whose text
+    stays whole names its mask here."""
+
+    path: str
+    mask: str
 
 
 def check_dims(tensor: torch.Tensor, op: Split | Gather, module: str, what: str) -> None:
@@ -113,10 +129,18 @@ class TextPadding:
     without looking at it.
 
     text: the block argument holding the text stream; mask: its [B, tokens] mask (true or 1: valid).
+    order_free: the text tokens carry no position (Krea 2: its text rows sit at the rotary origin and its text
+          fusion has none), so masked tokens anywhere (Krea 2 pads between the prompt and the chat suffix) are
+          dropped: each sample's valid tokens move to the front, in order, before the trim. Exact for the same
+          reasons; any later family whose text is position-free takes padding anywhere with this flag.
+    rows: arguments with one row per token on dim 0, the text's (alike: Krea 2's rotary positions, all at the
+          origin) ahead of the image's, whose text rows are cut to the trimmed text's length.
     """
 
     text: str = "encoder_hidden_states"
     mask: str = "attention_mask"
+    order_free: bool = False
+    rows: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -192,6 +216,9 @@ class ParallelPlan:
     pipefusion: how the blocks form a patch pipeline, if the family supports PipeFusion.
     output_channels: the config entry giving the output's channels (dim 1) when they differ from the
                input's (Wan image-to-video takes 36, returns 16); None: the output is shaped like the input.
+    text_rows: where the blocks' joined stream keeps the replicated text (TextRows); None: nowhere.
+    output_tail: the output holds other tokens ahead of the image's (Qwen-Image 2.1: its prefix, of each prompt's
+               length), of which the pipeline keeps the last image tokens: CFG parallel exchanges those alone.
     predictions: how many leading items of the transformer's output are per-sample predictions, which CFG parallel
                gathers over its ranks (LTX-2 returns video and audio: 2).
     replicated: forward argument → Replicated: the token streams left whole on every rank, and why (the plan
@@ -217,6 +244,8 @@ class ParallelPlan:
     predictions: int = 1
     replicated: dict[str, Replicated] = field(default_factory=dict)
     replicated_queries: tuple[str, ...] = ()
+    text_rows: TextRows | None = None
+    output_tail: bool = False
     no_pipefusion: str = ""
 
     @property

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
-from ..distributed import get_cfg_group, get_layout, get_pp_group, get_sp_group
+from ..distributed import get_cfg_group, get_layout, get_pp_group, get_runtime_state, get_sp_group
 from .hooks import apply_sequence_plan, as_keyword_arguments, map_first, map_predictions
 from .pipefusion import PipeFusionStage
 from .stale_kv import StaleKVCache
@@ -195,9 +195,13 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
         if index == self._cfg.rank_in_group:
             output = self._run(*args, **kwargs)
             result = _first(output)
+            if self.plan.output_tail:  # the image's tokens, which the pipeline keeps (ParallelPlan.output_tail)
+                result = result[:, result.shape[1] - get_runtime_state().image_tokens:]
         else:
             named = as_keyword_arguments(self.module.forward, args, kwargs)
             result = self.empty_output(named[self.plan.image_input])
+            if self.plan.output_tail:
+                result = result[:, : get_runtime_state().image_tokens]
             output = Transformer2DModelOutput(sample=result) if named.get("return_dict", True) else (result,)
         self._step_results[index] = result
         if index == len(branches) - 1:

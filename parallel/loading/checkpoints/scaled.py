@@ -9,7 +9,10 @@
 `read` separates the weights from their scales; the weights then stay fp8 in memory (fp8.py), or, where
 the layers must be plain tensors (--shard-weights), are dequantized here before the family's converter
 renames and splits them. Block-scaled formats of the newer metadata (nvfp4, mxfp8, ...) are refused with
-their name, and a `comfy_quant` layer without its `weight_scale` with the layer's name.
+their name. A file that is broken would otherwise load silently wrong (a weight read unscaled is thousands of
+times too large), so every one is refused in one line naming the file and the tensor: an fp8 weight of a
+`scaled_fp8` file without its `scale_weight`, a `comfy_quant` layer without its `weight_scale`, a marker with no
+scales at all, and scales without a marker (ComfyUI would ignore them).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 MARKER = "scaled_fp8"
 FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _SCALES = (".scale_weight", ".weight_scale")
 _DROPPED = (".scale_input", ".input_scale", ".comfy_quant")
 
@@ -39,7 +43,25 @@ def comfy_fast(state: dict[str, torch.Tensor]) -> bool:
 
 
 def read(state: dict[str, torch.Tensor], path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The weights without the marker and scale tensors, and each scaled weight's scale."""
+    """The weights without the marker and scale tensors, and each scaled weight's scale (none for a file that is
+    not scaled); raises for a broken one (see the module docstring)."""
+    scale_names = [n for n in state if n.endswith(_SCALES)]
+    if not is_scaled(state):
+        if scale_names:
+            raise ValueError(f"{path}: tensor {scale_names[0]} scales an fp8 weight, but the file has no {MARKER} marker "
+                             "nor comfy_quant metadata, so its weights cannot be read as ComfyUI would: the file is damaged "
+                             "or was written by a tool this pack does not know; use another copy")
+        return state, {}
+    if MARKER in state:
+        if not any(n.endswith(".scale_weight") for n in scale_names):
+            raise ValueError(f"{path}: the file is marked {MARKER} but holds no tensor *.scale_weight: its fp8 weights "
+                             "would be read unscaled; the file is damaged, use another copy")
+        unscaled = next((n for n, t in state.items() if n.endswith(".weight") and t.dtype in FP8_DTYPES and
+                         n.removesuffix(".weight") + ".scale_weight" not in state and not _per_layer(state, n)), None)
+        if unscaled is not None:
+            layer = unscaled.removesuffix(".weight")
+            raise ValueError(f"{path}: tensor {unscaled} is fp8 in a {MARKER} file but has no {layer}.scale_weight, so "
+                             "it would be read unscaled: the file is damaged, use another copy")
     for name in [n for n in state if n.endswith(".comfy_quant")]:
         layer = name.removesuffix(".comfy_quant")
         layout = json.loads(bytes(state[name].to(torch.uint8).tolist()).decode())
@@ -58,6 +80,11 @@ def read(state: dict[str, torch.Tensor], path) -> tuple[dict[str, torch.Tensor],
         if scale is not None:
             scales[name] = scale.to(torch.float32)
     return weights, scales
+
+
+def _per_layer(state: dict, weight: str) -> bool:
+    """Whether the weight's layer carries its own quantization metadata (comfy_quant, checked apart)."""
+    return weight.removesuffix(".weight") + ".comfy_quant" in state
 
 
 def dequantize(weights: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -87,6 +87,8 @@ def _sequence_parallel_attention(query, key, value, attn_mask, dropout_p, is_cau
                                   real=None if split is None else split.sizes[sp.rank_in_group])
         return out.transpose(1, 2) if tokens_dim == 1 else out
     text_tokens = get_runtime_state().text_tokens
+    if layer.text_layout is TextLayout.CAUSAL_PREFIX:  # the keys' replicated prefix: the sequence's, or a cached one
+        text_tokens = key.shape[tokens_dim] - query.shape[tokens_dim]
     if layer.kv_cache is not None:  # a PipeFusion patch may hold the text alone, or no text
         text_tokens = layer.kv_cache.text_tokens(text_tokens)
     out = usp_attention(
@@ -109,12 +111,22 @@ def routed(original: Callable, tokens_dim: int) -> Callable:
     """A drop-in for `original` that runs USP while a wrapped layer is active."""
 
     def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
-        if _ACTIVE.get() is None:
+        layer = _ACTIVE.get()
+        if layer is None or _prefix_alone(layer, key, tokens_dim):
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kwargs)
         return _sequence_parallel_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, tokens_dim=tokens_dim)
 
     attention.__wrapped__ = original
     return attention
+
+
+def _prefix_alone(layer: _ActiveLayer, key: torch.Tensor, tokens_dim: int) -> bool:
+    """A call of a CAUSAL_PREFIX layer on its replicated prefix alone (its keys all the prefix's): it runs as it is,
+    whole on every rank, its result the same everywhere."""
+    if layer.text_layout is not TextLayout.CAUSAL_PREFIX or key.shape[tokens_dim] > get_runtime_state().text_tokens:
+        return False
+    layer.calls += 1
+    return True
 
 
 @dataclass

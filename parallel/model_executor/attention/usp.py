@@ -25,10 +25,13 @@ class TextLayout(enum.Enum):
     NONE = "none"
     PREFIX = "prefix"  # Flux: [text, image]
     SUFFIX = "suffix"  # SD3: [image, text]
+    # Qwen-Image 2.1: the image attends to a replicated prefix (text, condition images: K/V only, its queries
+    # image tokens alone), whose own block-causal attention runs in calls of its own, whole on every rank (seam.py)
+    CAUSAL_PREFIX = "causal_prefix"
 
 
 def _split_text(x: torch.Tensor, layout: TextLayout, text_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if layout is TextLayout.PREFIX:
+    if layout in (TextLayout.PREFIX, TextLayout.CAUSAL_PREFIX):
         return x[:, :, :text_tokens], x[:, :, text_tokens:]
     if layout is TextLayout.SUFFIX:
         image_tokens = x.shape[2] - text_tokens
@@ -134,7 +137,11 @@ def usp_attention(
     if heads % u:
         raise ValueError(f"{heads} attention heads cannot be split over Ulysses degree {u}")
     text_tokens = text_tokens if text_layout is not TextLayout.NONE else 0
-    (qt, qi), (kt, ki), (vt, vi) = (_split_text(x, text_layout, text_tokens) for x in (q, k, v))
+    (kt, ki), (vt, vi) = (_split_text(x, text_layout, text_tokens) for x in (k, v))
+    if text_layout is TextLayout.CAUSAL_PREFIX:  # the prefix's keys alone: no text queries, no text output
+        qt, qi, text_tokens = q[:, :, :0], q, 0
+    else:
+        qt, qi = _split_text(q, text_layout, text_tokens)
 
     # Ulysses: image tokens scatter heads / gather tokens in one all-to-all; text keeps its own heads.
     qkv = ulysses.all_to_all(torch.stack([qi, ki, vi]), scatter_dim=2, gather_dim=3)

@@ -7,12 +7,19 @@ layout into one LayoutError that names the numbers and the fix.
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import torch
 
 from ...layout.config import LayoutError
 from ...request import STEP_CACHE
+
+
+def embedding_width(config, entry: str | tuple[str, ...]) -> int:
+    """An embedding's width from the transformer config: one entry, or the product of several (Krea 2's stacked
+    text layers: num_text_layers × text_hidden_dim, flattened as ComfyUI carries them)."""
+    return int(math.prod(config[name] for name in ((entry,) if isinstance(entry, str) else entry)))
 
 
 class LayoutChecks:
@@ -89,10 +96,11 @@ class LayoutChecks:
             tensor = kwargs.get(name)
             if not isinstance(tensor, torch.Tensor):
                 continue
-            if tensor.shape[0] != batch or tensor.shape[-1] != config[entry]:
+            width = tensor.flatten(2).shape[-1] if tensor.ndim > 3 else tensor.shape[-1]  # stacked layers: all of them
+            if tensor.shape[0] != batch or width != embedding_width(config, entry):
                 raise ValueError(
                     f"{name} has shape {list(tensor.shape)}, but this model needs batch {batch} and width "
-                    f"{config[entry]} ({entry}); encode the prompt with this model's own text encoders."
+                    f"{embedding_width(config, entry)} ({entry}); encode the prompt with this model's own text encoders."
                 )
 
     def check_layout(self, kwargs: dict[str, Any], batch: int) -> int:

@@ -25,8 +25,10 @@ class ModelCallGlue:
 
     def input_widths(self) -> dict[str, int]:
         """Last-dimension size the model needs for each embedding input (for clients to check)."""
+        from .checks import embedding_width
+
         config = self.module.transformer.config
-        return {name: int(config[entry]) for name, entry in self.embedding_sizes.items()}
+        return {name: embedding_width(config, entry) for name, entry in self.embedding_sizes.items()}
 
     def model_call_arguments(self, latents: torch.Tensor, timestep: torch.Tensor,
                              inputs: dict[str, torch.Tensor]) -> dict[str, Any]:

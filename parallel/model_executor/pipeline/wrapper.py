@@ -42,7 +42,7 @@ class xFuserPipelineBaseWrapper(LayoutChecks, Img2Img, ModelCallGlue, xFuserBase
     tensor_inputs:   the tensor keyword arguments of `__call__` a job may send, beyond BASE_TENSOR_INPUTS.
     shared_inputs:   those of them that every sample of a batch shares (not split by data parallel even when
                      they hold as many entries as the batch: Qwen-Image-Edit Plus's reference images).
-    embedding_sizes: input tensor → transformer config entry giving its last dimension.
+    embedding_sizes: input tensor → transformer config entry giving its width (entries: their product).
     call_parameters: the family's own `__call__` scalars that a job may set.
     call_defaults:   keyword arguments the family needs when it is given embeddings instead of text.
     latent_patch:    latent pixels per token side, if not the transformer's `patch_size` (Flux packs 2×2).
@@ -57,7 +57,7 @@ class xFuserPipelineBaseWrapper(LayoutChecks, Img2Img, ModelCallGlue, xFuserBase
     comfy: ClassVar[ComfyData]
     tensor_inputs: ClassVar[tuple[str, ...]] = ()
     shared_inputs: ClassVar[tuple[str, ...]] = ()
-    embedding_sizes: ClassVar[dict[str, str]] = {}
+    embedding_sizes: ClassVar[dict[str, str | tuple[str, ...]]] = {}
     call_parameters: ClassVar[dict[str, CallParameter]] = {}  # family scalars a job may set (call_parameters.py)
     call_defaults: ClassVar[dict[str, Any]] = {}
     latent_patch: ClassVar[int | None] = None

@@ -1,0 +1,256 @@
+"""Qwen-Image 2.1 (and Turbo, a checkpoint with its own `sample_sigmas`): one block-causal stream of [prefix; image].
+
+The transformer joins the text and the condition images' tokens (slotted into the text where Qwen3-VL saw them)
+into a prefix, and the target image's tokens after it; the prefix attends block-causally to itself, the image to
+everything. Its text and condition-image tokens are modulated from t = 0, so their K/V are the same at every step:
+with `use_kv_cache` (the default) the first step stores them and the later steps run the image's tokens alone
+against them.
+
+Sequence parallel keeps the prefix whole on every rank (`TextRows`: the blocks' `target_token_mask` marks the
+image's rows) and splits the image's tokens (unevenly where they do not divide). The prefix's own attention runs,
+in the calls diffusers' processor makes for it, whole on every rank (`TextLayout.CAUSAL_PREFIX`); the image's call
+attends its queries shard to [prefix; image] through USP, the prefix's K/V joining each rank's own heads. So the
+cached prefix K/V are computed once per job, at the first step, on the ranks running the branch they belong to
+(CFG parallel: cond on one group, uncond on the other), and reused as one process reuses them: under Ulysses each
+rank keeps only its heads of them (`PrefixKV`), under Ring every ring member keeps them (its queries see them
+locally; the ring passes the image's K/V only). They are dropped when the call ends, fails or is cancelled.
+
+Its true CFG is two calls per step named "cond" and "uncond", whose outputs hold each prompt's prefix: CFG parallel
+exchanges the image's tokens alone (`output_tail`). Prompts of one batch with different lengths pad the text, which
+sequence-parallel attention cannot mask: refused under Ulysses and Ring in one line. PipeFusion is not offered (see
+`no_pipefusion`).
+
+The pipeline builds its processor's chat template at construction, even when it is given embeddings: a folder
+loads it without its text encoder, for images only where torchvision is missing (loading/vl_processors.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import weakref
+from typing import Any
+
+import torch
+
+from ..call_parameters import CallParameter
+from ..layout.config import LayoutError
+from ..model_executor.attention import TextLayout
+from ..model_executor.pipeline import xFuserPipelineBaseWrapper
+from ..model_executor.pipeline.img2img import linear_sigmas
+from ..model_executor.plans import CfgMode, Gather, ParallelPlan, Split, TextRows
+from .base import FAMILIES, ComfyData, Family, TinyModel, replaced
+
+log = logging.getLogger(__name__)
+MASKS = {"prompt_embeds": "prompt_embeds_mask", "negative_prompt_embeds": "negative_prompt_embeds_mask"}
+LIVE: "weakref.WeakSet" = weakref.WeakSet()  # every prefix K/V layer cache not yet dropped (tests look)
+
+
+class xFuserQwenImage21Pipeline(xFuserPipelineBaseWrapper):
+    default_sigmas = staticmethod(linear_sigmas)
+    comfy = ComfyData(
+        latent_formats={}, cfg_call="true_cfg_scale",
+        expects="encode with xDiT Text Encode on this pool (Qwen3-VL; ComfyUI 0.33 has no Qwen-Image 2.1 encoder)",
+        empty_latent="xDiT Empty Latent (64 channels at 1/16 size)")
+    tensor_inputs = tuple(MASKS.values())
+    embedding_sizes = {name: "context_in_dim" for name in MASKS}
+    call_parameters = {
+        "true_cfg_scale": CallParameter(float, "classifier-free guidance with the negative embeddings (1: off)", 0.0, 100.0),
+        "use_kv_cache": CallParameter(int, "1: the prefix's K/V computed at the first step and reused (the default), "
+                                           "0: computed at every step", 0, 1),
+    }
+    guidance, guidance_needs_negative = ("true_cfg_scale", 1.0), True
+    prefix_cache: dict[str, int] = {}  # the last call's prefix K/V on this rank: layers stored, bytes kept
+
+    def expected_latents_shape(self, batch: int, height: int, width: int) -> tuple[int, ...]:
+        return (batch, self.image_tokens(height, width), self.module.transformer.config.in_channels)
+
+    def image_tokens(self, height: int, width: int) -> int:
+        return self.grid_tokens(height, width, self.module.vae_scale_factor, 2, 2) * 4  # 2×2 slots, one token each
+
+    def cfg_parallel_hint(self, kwargs: dict[str, Any]) -> str:
+        return ("CFG parallel on Qwen-Image 2.1 needs true_cfg_scale above 1 (got "
+                f"{kwargs.get('true_cfg_scale', 1.0)}) and negative prompt embeddings; add both or turn CFG parallel off.")
+
+    def prepare(self, kwargs: dict[str, Any], check_layout: bool = True) -> tuple[dict[str, Any], int, int]:
+        kwargs, batch, tokens = super().prepare(kwargs, check_layout)
+        kwargs.pop("guidance_scale", None)  # its __call__ takes none (true_cfg_scale is its guidance)
+        for embeds, mask in MASKS.items():
+            if kwargs.get(mask) is not None and kwargs.get(embeds) is not None:
+                kwargs[mask] = self._checked_mask(kwargs[mask], mask)
+        return kwargs, batch, tokens
+
+    def _checked_mask(self, mask: torch.Tensor, name: str) -> torch.Tensor | None:
+        """An all-valid mask is none (as the pipeline's encode_prompt drops it); padding under sequence parallel is
+        refused (its attention takes no mask)."""
+        if mask.bool().all():
+            return None
+        c = self.parallel_config
+        if c.sp_degree > 1:
+            raise LayoutError(f"{name} pads the shorter prompts of this batch; Ulysses and Ring attention take no mask: "
+                              "send one prompt per job, or prompts of one token length")
+        return mask.bool()
+
+    def encode_text(self, prompt: str) -> dict[str, torch.Tensor]:
+        embeds, mask, _ = self.module.encode_prompt(prompt, device=self.module.transformer.device)
+        return {"prompt_embeds": embeds} if mask is None else {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+
+    def call_context(self, kwargs: dict[str, Any]):
+        """The pipeline's prefix K/V caches as PrefixKV (this rank's heads under Ulysses), dropped when the call ends
+        however it ends; what they held is logged per rank."""
+        from ..distributed import get_ulysses_group
+
+        module = inspect.getmodule(type(self.module))
+        made: list = []
+        record = {"stores": 0, "bytes": 0}
+        self.prefix_cache = record
+        group = get_ulysses_group()
+        base = module.QwenImage21KVCache
+
+        def cache(layers: int):
+            made.append(base(0))
+            made[-1].layer_caches = [PrefixKV(group.rank_in_group, group.world_size, record) for _ in range(layers)]
+            return made[-1]
+
+        @contextlib.contextmanager
+        def scope():
+            try:
+                with replaced(module, "QwenImage21KVCache", cache):
+                    yield
+            finally:
+                for layers in made:
+                    for layer in layers.layer_caches:
+                        layer.drop()
+                if record["stores"]:
+                    log.info("prefix K/V cache: %d layers stored, %.1f MiB on this rank", record["stores"],
+                             record["bytes"] / 2**20)
+
+        return scope()
+
+
+class PrefixKV:
+    """One layer's prefix K/V (diffusers' QwenImage21KVLayerCache's store/get), [B, prefix, heads, head size]: this
+    Ulysses rank's heads kept, the others given back as zeros, which its attention never reads (usp.py takes each
+    rank's own heads of the prefix)."""
+
+    def __init__(self, rank: int, ranks: int, record: dict):
+        self.rank, self.ranks, self.record = rank, ranks, record
+        self.k = self.v = None
+        self.heads = 0
+        LIVE.add(self)
+
+    def _mine(self, tensor: torch.Tensor) -> torch.Tensor:
+        part = tensor.shape[2] // self.ranks
+        return tensor[:, :, self.rank * part:(self.rank + 1) * part].clone()
+
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.heads = k.shape[2]
+        self.k, self.v = self._mine(k), self._mine(v)
+        self.record["stores"] += 1
+        self.record["bytes"] += 2 * self.k.numel() * self.k.element_size()
+
+    def get(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k is None:
+            raise RuntimeError("the prefix K/V cache has not been stored, or was dropped with its call")
+        if self.ranks == 1:
+            return self.k, self.v
+        part = self.heads // self.ranks
+        whole = []
+        for mine in (self.k, self.v):
+            full = mine.new_zeros((*mine.shape[:2], self.heads, mine.shape[3]))
+            full[:, :, self.rank * part:(self.rank + 1) * part] = mine
+            whole.append(full)
+        return whole[0], whole[1]
+
+    def drop(self) -> None:
+        self.k = self.v = None
+        LIVE.discard(self)
+
+
+# -- tiny built-in model ----------------------------------------------------------------------------------
+TEXT_WIDTH = 16
+CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% for part in message['content'] %}"
+                 "{{ part['text'] }}{% endfor %}<|im_end|>\n{% endfor %}")
+
+
+def tiny_processor(tokenizer):
+    """Qwen3-VL's processor on the tiny tokenizer (16-pixel patches merged 2×2, at most 128² pixels), with a chat
+    template for the pipeline's messages; without its video half where torchvision is missing (vl_processors)."""
+    from transformers import Qwen2VLImageProcessorPil, Qwen3VLProcessor
+    from transformers.utils import is_torchvision_available
+
+    images = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=32 * 32,
+                                      max_pixels=128 * 128)
+    if is_torchvision_available():
+        from transformers import Qwen3VLVideoProcessor
+
+        return Qwen3VLProcessor(images, tokenizer, Qwen3VLVideoProcessor(), chat_template=CHAT_TEMPLATE)
+    from ..loading.vl_processors import images_only
+
+    return images_only(Qwen3VLProcessor)(images, tokenizer, chat_template=CHAT_TEMPLATE)
+
+
+def build_tiny(seed: int):
+    from diffusers import (AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline,
+                           QwenImage21Transformer2DModel)
+
+    from ..loading import tiny_models as tm
+
+    transformer = tm._transformer(seed, QwenImage21Transformer2DModel, in_channels=16, out_channels=16,
+                                  num_layers=tm.BLOCKS, context_in_dim=TEXT_WIDTH, mlp_ratio=2, axes_dims_rope=(4, 6, 6))
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):  # a modulation of trained size, not of init's
+        torch.manual_seed(seed + 7)
+        transformer.modulation[1].weight.normal_(0, 0.5)
+    vae = tm._seeded(seed + 3, AutoencoderKLQwenImage21, base_dim=8, decoder_base_dim=8, z_dim=16, dim_mult=[1] * 5,
+                     num_res_blocks=1, latents_mean=[0.0] * 16, latents_std=[1.0] * 16)
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=4096,
+                                                base_shift=0.5, max_shift=1.15)
+    tokenizer, text_encoder = tm._qwen3_vl(seed + 1, TEXT_WIDTH, "Qwen3VLForConditionalGeneration")
+    return QwenImage21Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, processor=tiny_processor(tokenizer),
+                               transformer=transformer)
+
+
+def tiny_inputs(*, batch: int, height: int, width: int, seed: int, negative: bool, text_tokens: int | None,
+                num_frames: int) -> dict:
+    """Latents [B, H/16·W/16, 16] and 16-wide embeddings; a batch's later prompts shorter (3 tokens each, masked), the
+    negatives of another length (5 fewer tokens), as the pipeline's encoder pads them."""
+    from ..loading import tiny_models as tm
+
+    gen = torch.Generator().manual_seed(seed)
+    tokens = text_tokens or tm.TEXT_TOKENS
+    out = {"latents": torch.randn(batch, (height // 16) * (width // 16), 16, generator=gen)}
+    for (embeds, mask), length in zip(MASKS.items(), (tokens, max(1, tokens - 5))):
+        if embeds.startswith("negative") and not negative:
+            continue
+        out[embeds] = torch.randn(batch, length, TEXT_WIDTH, generator=gen)
+        valid = (length - 3 * torch.arange(batch)).clamp(min=1)
+        out[mask] = torch.arange(length) < valid[:, None]
+    return out
+
+
+TEXT_ROWS = "target_token_mask"
+QWEN_IMAGE21 = FAMILIES.register(Family(
+    name="qwen-image-2.1",
+    pipelines={"QwenImage21Pipeline": xFuserQwenImage21Pipeline},
+    transformer="QwenImage21Transformer2DModel",
+    plan=ParallelPlan(
+        # Inside the blocks: [prefix; image], the prefix whole on every rank, the image's rows split (see above).
+        inputs={"transformer_blocks.0": {"hidden_states": Split(dim=1, expected_dims=3, after_text=True)},
+                "transformer_blocks.*": {"rotary_emb": Split(dim=0, expected_dims=2, after_text=True),
+                                         TEXT_ROWS: Split(dim=0, expected_dims=1, after_text=True)}},
+        outputs={"transformer_blocks.-1": Gather(dim=1, expected_dims=3, after_text=True)},
+        attention={"transformer_blocks.*.attn": TextLayout.CAUSAL_PREFIX},
+        text_input=None,
+        text_rows=TextRows(path="transformer_blocks.0", mask=TEXT_ROWS),
+        cfg=CfgMode.SEQUENTIAL,
+        cfg_branches=("cond", "uncond"),
+        uneven_tokens=True,
+        output_tail=True,
+        no_pipefusion="its prefix attends block-causally and is cached whole; image patches would need the prefix's "
+                      "K/V per patch and step",
+    ),
+    tiny={"qwen-image-2.1": TinyModel("QwenImage21Pipeline", build_tiny, tiny_inputs, guidance=1.0,
+                                      true_cfg={"true_cfg_scale": 4.0})},
+    attention_layers={"QwenImage21Attention": "diffusers.models.transformers.transformer_qwenimage21"},
+))
