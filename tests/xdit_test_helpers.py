@@ -75,6 +75,8 @@ def diffusers_latents(model, family: str | None = None, *, scheduler: str | None
     from parallel.loading import tiny_models
     from parallel.loading.pipelines import set_scheduler
 
+    if is_modular(model):
+        return modular_latents(model, scheduler=scheduler, **call)
     pipeline = model if isinstance(model, DiffusionPipeline) else load_pipeline_folder(model)
     batch = call["latents"].shape[0] if isinstance(call.get("latents"), torch.Tensor) else 1
     if type(pipeline).__name__ == "QwenImageEditPlusPipeline" and batch > 1:  # it takes one prompt per call
@@ -86,6 +88,45 @@ def diffusers_latents(model, family: str | None = None, *, scheduler: str | None
     with torch.no_grad():
         return pipeline(**tiny_models.PIPELINE_CALL_DEFAULTS.get(family, {}), **at_requested_size(pipeline, call),
                         output_type="latent", return_dict=False)[0]
+
+
+def is_modular(model) -> bool:
+    """A diffusers ModularPipeline, or its saved folder (modular_model_index.json, no model_index.json)."""
+    from pathlib import Path
+
+    if hasattr(model, "load_components"):
+        return True
+    if not isinstance(model, (str, Path)):
+        return False
+    return (Path(model) / "modular_model_index.json").is_file() and not (Path(model) / "model_index.json").is_file()
+
+
+def modular_latents(model, *, scheduler: str | None = None, blocks: str = "denoise", **call):
+    """diffusers' own modular pipeline in this one process, as its documentation composes one: the blocks that
+    sample from embeddings (`blocks`) made a pipeline of their own (`init_pipeline`) on the loaded pipeline's
+    components, its guider a copy at the call's guidance_scale (`guider.new`); returns the state's `latents`."""
+    import torch
+    from diffusers import ModularPipeline
+
+    from parallel.loading.pipelines import set_scheduler
+
+    if isinstance(model, ModularPipeline):
+        loaded = model
+    else:
+        loaded = ModularPipeline.from_pretrained(model)
+        loaded.load_components(names=["transformer", "vae"])
+    pipeline = loaded.blocks.sub_blocks[blocks].init_pipeline()
+    pipeline.update_components(**{name: part for name, part in loaded.components.items()
+                                  if name in pipeline.component_names and part is not None})
+    guidance = call.pop("guidance_scale", None)
+    if getattr(pipeline, "guider", None) is not None and guidance is not None:
+        pipeline.update_components(guider=pipeline.guider.new(guidance_scale=guidance))
+    if scheduler:
+        set_scheduler(pipeline, scheduler)
+    call.pop("output_type", None), call.pop("return_dict", None)
+    pipeline.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        return pipeline(**call, output="latents")
 
 
 def diffusers_with_reference_latents(model, family: str, references, **call):

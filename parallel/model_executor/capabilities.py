@@ -19,7 +19,7 @@ def capability_table() -> str:
         plan = family.plan
         sp = "yes" if plan.sequence_parallel else "no"
         cfg = "yes (batched)" if plan.cfg is CfgMode.BATCHED else "yes (two calls)"
-        pipefusion = ("no" if plan.pipefusion is None else
+        pipefusion = ((f"no: {plan.no_pipefusion}" if plan.no_pipefusion else "no") if plan.pipefusion is None else
                       "yes, patches flow across steps" if plan.pipefusion.flow is not None else "yes")
         rows.append(f"| {pipeline} | {family.transformer} | {sp} | {cfg} | {pipefusion} |")
     rows.append("")

@@ -181,6 +181,7 @@ class ParallelPlan:
     pipefusion: how the blocks form a patch pipeline, if the family supports PipeFusion.
     output_channels: the config entry giving the output's channels (dim 1) when they differ from the
                input's (Wan image-to-video takes 36, returns 16); None: the output is shaped like the input.
+    no_pipefusion: without a PipeFusion plan, why (the capability table and the refusal say it).
     """
 
     inputs: dict[str, dict[str, Split]] = field(default_factory=dict)
@@ -194,6 +195,7 @@ class ParallelPlan:
     text_padding: dict[str, TextPadding] = field(default_factory=dict)
     pipefusion: PipeFusionPlan | None = None
     output_channels: str | None = None
+    no_pipefusion: str = ""
 
     @property
     def sequence_parallel(self) -> bool:
