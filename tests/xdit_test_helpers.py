@@ -163,8 +163,8 @@ def diffusers_with_reference_latents(model, family: str, references, **call):
 
 
 def load_pipeline_folder(model):
-    """DiffusionPipeline.from_pretrained, with the parts a folder saved as none given as none, as diffusers wants
-    them, and a Qwen2-VL processor (Qwen-Image-Edit's) for images only where torchvision is missing (transformers'
+    """DiffusionPipeline.from_pretrained (a modular folder: ModularPipeline's, every saved part loaded), with the
+    parts a folder saved as none given as none, as diffusers wants them, and a Qwen2-VL processor (Qwen-Image-Edit's) for images only where torchvision is missing (transformers'
     class without its video half: parallel/loading/vl_processors.py)."""
     import json
     from pathlib import Path
@@ -173,6 +173,16 @@ def load_pipeline_folder(model):
 
     from parallel.loading import vl_processors
 
+    if is_modular(model):  # diffusers' ModularPipeline with every component its folder holds
+        from diffusers import ModularPipeline
+
+        index = json.loads((Path(model) / "modular_model_index.json").read_text())
+        pipeline = ModularPipeline.from_pretrained(model)
+        stand_ins = vl_processors.stand_ins(Path(model), index)
+        pipeline.update_components(**stand_ins)
+        pipeline.load_components(names=[name for name, entry in index.items() if isinstance(entry, list)
+                                        and entry[0] is not None and name not in stand_ins])
+        return pipeline
     index = json.loads((Path(model) / "model_index.json").read_text())
     return DiffusionPipeline.from_pretrained(model, **{name: None for name, entry in index.items() if entry == [None, None]},
                                              **vl_processors.stand_ins(Path(model), index))
