@@ -24,7 +24,8 @@ from parallel.loading import tiny_models
 from workers.client import JobCancelledError
 
 from pool_helpers import serving
-from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, load_pipeline_folder, torchrun
+from xdit_test_helpers import (TOLERANCE, case_errors, diffusers_latents, load_pipeline_folder, modular_text_encoding,
+                               torchrun)
 
 HEIGHT, WIDTH, STEPS, GUIDANCE = 48, 80, 3, 4.0
 CALL = {"num_inference_steps": STEPS, "guidance_scale": GUIDANCE, "height": HEIGHT, "width": WIDTH}
@@ -87,14 +88,6 @@ def test_what_it_cannot_run_is_refused_in_one_line(tiny_model_dirs, tmp_path, fl
     assert run.returncode != 0 and len(errors) == 1 and says in errors[0], run.stderr[-3000:]
 
 
-def _text_encoding(pipeline, prompt: str) -> torch.Tensor:
-    """diffusers' own text encoder block (chat template, padding to 80 tokens, layers 4..32 stacked) as a pipeline."""
-    encoder = pipeline.blocks.sub_blocks["text_encoder"].init_pipeline()
-    encoder.update_components(text_encoder=pipeline.text_encoder, tokenizer=pipeline.tokenizer)
-    with torch.no_grad():
-        return encoder(prompt=prompt, output="prompt_embeds")
-
-
 def _tail_of_schedule(pipeline, init: torch.Tensor, noise: torch.Tensor, steps: int, total: int):
     """img2img as FLUX 3 would run it: its own sigmas for `total` steps (linspace(1, 1/total)), their last `steps`,
     shifted by its scheduler; the start latents noised to the first of them."""
@@ -130,7 +123,7 @@ def test_a_pool_encodes_samples_img2img_lora_and_cancel_as_diffusers(tiny_model_
         after = client.sample(inputs, params)
 
     for text, embeds in encoded.items():
-        assert torch.equal(embeds, _text_encoding(pipeline, text)), text
+        assert torch.equal(embeds, modular_text_encoding(pipeline, text)), text
     assert encoded[""].shape[1] == 80  # padded to the pipeline's multiple of 80 tokens
     call = {"num_inference_steps": STEPS, "guidance_scale": GUIDANCE, "height": 64, "width": 64}
     expected = diffusers_latents(pipeline, "flux3", **inputs, **call)

@@ -129,6 +129,17 @@ def modular_latents(model, *, scheduler: str | None = None, blocks: str = "denoi
         return pipeline(**call, output="latents")
 
 
+def modular_text_encoding(pipeline, prompt: str):
+    """A modular pipeline's own text encoder block (FLUX 3: chat template, padding to a multiple of 80 tokens, the
+    stacked hidden layers) run as a pipeline of its own on the loaded text encoder: `prompt_embeds`."""
+    import torch
+
+    encoder = pipeline.blocks.sub_blocks["text_encoder"].init_pipeline()
+    encoder.update_components(text_encoder=pipeline.text_encoder, tokenizer=pipeline.tokenizer)
+    with torch.no_grad():
+        return encoder(prompt=prompt, output="prompt_embeds")
+
+
 def diffusers_with_reference_latents(model, family: str, references, **call):
     """diffusers_latents of a Qwen-Image-Edit pipeline whose references are given as model-space latents
     [N, 16, h, w] (ComfyUI's ReferenceLatent), which diffusers' pipelines cannot take: its VAE "encodes" stand-in
