@@ -139,3 +139,39 @@ def test_a_pool_encodes_samples_img2img_lora_and_cancel_as_diffusers(tiny_model_
     fused = diffusers_latents(fuse_loras(pipeline, [(lora, 0.8)]), "flux3", **inputs, **call)
     assert (with_lora - fused).abs().max().item() <= TOLERANCE
     assert (with_lora - sampled).abs().max().item() > 100 * TOLERANCE  # the LoRA takes part
+
+
+@pytest.mark.parametrize("family, variant", [("flux3", "flux3-klein"), ("flux3-distilled", "flux3-klein-distilled")])
+def test_single_files_in_bfls_layout_load_as_their_folder(tiny_model_dirs, tmp_path, family, variant):
+    """The tiny transformer written in BFL's layout (the inverse of diffusers' converter) is detected with every size
+    read from its shapes and samples as the folder it came from; its ComfyUI scaled-fp8 file stays fp8 in memory
+    and samples as the weights it means (stored · scale), not as the unquantized ones."""
+    from parallel.loading.checkpoints import detect_checkpoint
+    from parallel.loading.checkpoints.fp8 import Fp8Linear
+    from parallel.loading.pipelines import load_pipeline
+
+    from original_layouts import fp8_scaled, original_layout
+
+    folder = load_pipeline(tiny_model_dirs[family])
+    weights = original_layout(family, folder.transformer)
+    paths = {name: tmp_path / f"flux-3-klein-{name}.safetensors" for name in ("plain", "fp8", "meant")}
+    stored, meant = fp8_scaled(weights, per_layer=False)
+    for name, tensors in (("plain", weights), ("fp8", stored), ("meant", meant)):
+        save_file({k: v.contiguous() for k, v in tensors.items()}, paths[name])
+    detected = detect_checkpoint(paths["plain"])
+    assert (detected.variant, detected.family) == (variant, family)
+    for key, value in detected.overrides.items():
+        expected = folder.transformer.config[key]
+        assert value == (list(expected) if isinstance(expected, tuple) else expected), key
+
+    inputs = tiny_models.make_inputs(family, height=HEIGHT, width=WIDTH)
+    sample = lambda pipeline: diffusers_latents(pipeline, family, **inputs, **CALL)  # noqa: E731
+    plain = load_pipeline(paths["plain"], dtype="fp32")
+    assert type(plain) is type(folder) and plain.text_encoder is None and plain.vae is None
+    expected = sample(folder)
+    assert (sample(plain) - expected).abs().max().item() <= TOLERANCE
+    fp8 = load_pipeline(paths["fp8"], dtype="fp32")
+    assert any(isinstance(m, Fp8Linear) for m in fp8.transformer.modules())
+    got = sample(fp8)
+    assert (got - sample(load_pipeline(paths["meant"], dtype="fp32"))).abs().max().item() <= TOLERANCE
+    assert (got - expected).abs().max().item() > 100 * TOLERANCE  # the fp8 rounding shows: the file itself runs
