@@ -175,3 +175,24 @@ def test_single_files_in_bfls_layout_load_as_their_folder(tiny_model_dirs, tmp_p
     got = sample(fp8)
     assert (got - sample(load_pipeline(paths["meant"], dtype="fp32"))).abs().max().item() <= TOLERANCE
     assert (got - expected).abs().max().item() > 100 * TOLERANCE  # the fp8 rounding shows: the file itself runs
+
+
+def test_prompt_inputs_draw_the_pipelines_own_noise(tiny_model_dirs):
+    """`--prompt` inputs (make_inputs, a pool's encode): the noise FLUX 3's latents block draws from the same seed."""
+    from parallel.layout.config import ParallelConfig
+    from parallel.loading.pipelines import load_pipeline
+    from parallel.model_executor import wrap_pipeline
+
+    from xdit_test_helpers import one_rank
+
+    model = tiny_model_dirs["flux3"]
+    with one_rank(ParallelConfig()):
+        wrapper = wrap_pipeline(load_pipeline(model))
+        noise = wrapper.initial_noise(torch.Generator().manual_seed(3), HEIGHT, WIDTH, torch.float32)
+        wrapper.unwrap()
+    pipeline = load_pipeline_folder(model)
+    embeds = tiny_models.make_inputs("flux3", height=HEIGHT, width=WIDTH, negative=False)["prompt_embeds"]
+    call = {**CALL, "num_inference_steps": 2, "guidance_scale": 1.0, "prompt_embeds": embeds}
+    own = diffusers_latents(pipeline, "flux3", generator=torch.Generator().manual_seed(3), **call)
+    assert torch.equal(diffusers_latents(pipeline, "flux3", latents=noise, **call), own)
+    assert not torch.equal(diffusers_latents(pipeline, "flux3", generator=torch.Generator().manual_seed(4), **call), own)
