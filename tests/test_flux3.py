@@ -5,8 +5,10 @@ per step, one per CFG rank). Here, one torchrun of two ranks (tests/engine_cases
 tokens, uneven over 2 ranks, with the base model's negative text 5 tokens shorter than its positive, under Ulysses
 2, Ring 2, CFG 2 and data parallel 2 for the base model and Ulysses 2 and Ring 2 for the distilled one; each equals
 diffusers' own modular pipeline in one process within 1e-4, and the negative control (attention that also sees the
-padding keys of the uneven split) misses. Contract E refuses PipeFusion and the step cache in one line each, with
-the reason. A pool (Ulysses 2, text encoders) encodes text as the pipeline's own text encoder block does, samples
+padding keys of the uneven split) misses; two reference images (its image-conditioned workflow, through its own VAE
+encoder block) under Ulysses 2, Ring 2 and CFG 2 equal diffusers given the same pictures. Contract E refuses
+PipeFusion, the step cache and references beside uneven image tokens in one line each, with the reason. Its BFL
+single files (and scaled fp8, kept quantized) sample as the folder; `--prompt` inputs draw the pipeline's own noise. A pool (Ulysses 2, text encoders) encodes text as the pipeline's own text encoder block does, samples
 it as diffusers does, runs img2img (denoise 0.5) as the tail of the schedule FLUX 3 makes itself, takes a LoRA
 (diffusers' Flux3 loader) as diffusers' fused one, and stops a cancelled job within a step, the next job unchanged.
 """
@@ -34,11 +36,26 @@ CASES = {"flux3": {"ulysses2": {"ulysses_degree": 2}, "ring2": {"ring_degree": 2
          "flux3-distilled": {"ulysses2": {"ulysses_degree": 2}, "ring2": {"ring_degree": 2}}}
 
 
+REFERENCES = {"ulysses2-references": {"ulysses_degree": 2}, "ring2-references": {"ring_degree": 2},
+              "cfg2-references": {"cfg_degree": 2}}  # two 64² reference images at 64²: 16 + 2 × 16 tokens
+
+
+def _reference_pictures() -> torch.Tensor:
+    return torch.randint(0, 256, (2, 3, 64, 64), generator=torch.Generator().manual_seed(4)) / 255
+
+
 @pytest.fixture(scope="module")
 def uneven(tiny_model_dirs, tmp_path_factory):
     """Every case in one launch; {(family, layout): (output, inputs)}."""
     work = tmp_path_factory.mktemp("flux3")
     specs, results = [], {}
+    references = work / "references.safetensors"
+    save_file({**tiny_models.make_inputs("flux3"), "image": _reference_pictures()}, references)
+    for layout, degrees in REFERENCES.items():
+        output = work / f"flux3-{layout}.safetensors"
+        specs.append({"name": f"flux3-{layout}", "model": str(tiny_model_dirs["flux3"]), "inputs": str(references),
+                      "output": str(output), "layout": degrees, "call": {**CALL, "height": 64, "width": 64}})
+        results["flux3", layout] = (output, references)
     for family, layouts in CASES.items():
         for layout, degrees in layouts.items():
             batch = 2 if layout == "dp2" else 1
@@ -70,17 +87,35 @@ def test_uneven_tokens_and_texts_equal_diffusers_modular_pipeline(uneven, tiny_m
     assert _error(uneven, tiny_model_dirs, family, layout) <= TOLERANCE
 
 
+@pytest.mark.parametrize("layout", REFERENCES)
+def test_reference_images_equal_diffusers_given_the_same_pictures(uneven, tiny_model_dirs, layout):
+    """Two references through the pipeline's own VAE encoder block, their 32 tokens split apart from the image's 16:
+    equal to diffusers' modular pipeline given the same 8-bit pictures, and different from the run without them."""
+    from parallel.families.base import pictures
+
+    output, inputs = uneven["flux3", layout]
+    assert not case_errors(output), case_errors(output)[-3000:]
+    got, plain = load_file(output)["latents"], {k: v for k, v in load_file(inputs).items() if k != "image"}
+    call = {**CALL, "height": 64, "width": 64}
+    expected = diffusers_latents(tiny_model_dirs["flux3"], "flux3", blocks=("vae_encoder", "denoise"),
+                                 image=pictures(_reference_pictures()), **plain, **call)
+    assert (got - expected).abs().max().item() <= TOLERANCE
+    assert (got - diffusers_latents(tiny_model_dirs["flux3"], "flux3", **plain, **call)).abs().max().item() > 100 * TOLERANCE
+
+
 def test_negative_control_padding_keys_seen_misses(uneven, tiny_model_dirs):
     assert _error(uneven, tiny_model_dirs, "flux3", "padded_keys") > 100 * TOLERANCE
 
 
-@pytest.mark.parametrize("flags, says", [
-    (("--pipefusion-degree", "2"), "has no PipeFusion plan (its per-mode blocks"),
-    (("--ulysses-degree", "2", "--cache", "first-block"), "diffusers has no cache hooks for Flux3Transformer2DModel"),
-], ids=["pipefusion", "step-cache"])
-def test_what_it_cannot_run_is_refused_in_one_line(tiny_model_dirs, tmp_path, flags, says):
+@pytest.mark.parametrize("flags, says, references", [
+    (("--pipefusion-degree", "2"), "has no PipeFusion plan (its per-mode blocks", False),
+    (("--ulysses-degree", "2", "--cache", "first-block"), "diffusers has no cache hooks for Flux3Transformer2DModel", False),
+    (("--ulysses-degree", "2"), "FLUX 3's 15 image tokens and 32 reference tokens must each divide", True),
+], ids=["pipefusion", "step-cache", "uneven-with-references"])
+def test_what_it_cannot_run_is_refused_in_one_line(tiny_model_dirs, tmp_path, flags, says, references):
     inputs = tmp_path / "in.safetensors"
-    save_file(tiny_models.make_inputs("flux3", height=HEIGHT, width=WIDTH), inputs)
+    image = {"image": _reference_pictures()} if references else {}
+    save_file({**tiny_models.make_inputs("flux3", height=HEIGHT, width=WIDTH), **image}, inputs)
     run = torchrun(2, "-m", "parallel.run", "--model", str(tiny_model_dirs["flux3"]), "--inputs", str(inputs),
                    "--output", str(tmp_path / "out.safetensors"), "--steps", "2", "--height", str(HEIGHT),
                    "--width", str(WIDTH), *flags)

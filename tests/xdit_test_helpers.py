@@ -101,12 +101,14 @@ def is_modular(model) -> bool:
     return (Path(model) / "modular_model_index.json").is_file() and not (Path(model) / "model_index.json").is_file()
 
 
-def modular_latents(model, *, scheduler: str | None = None, blocks: str = "denoise", **call):
+def modular_latents(model, *, scheduler: str | None = None, blocks: tuple[str, ...] = ("denoise",), **call):
     """diffusers' own modular pipeline in this one process, as its documentation composes one: the blocks that
-    sample from embeddings (`blocks`) made a pipeline of their own (`init_pipeline`) on the loaded pipeline's
-    components, its guider a copy at the call's guidance_scale (`guider.new`); returns the state's `latents`."""
+    sample from embeddings (`blocks`: FLUX 3's "denoise", with "vae_encoder" first for reference images) made a
+    pipeline of their own (`init_pipeline`) on the loaded pipeline's components, its guider a copy at the call's
+    guidance_scale (`guider.new`); returns the state's `latents`."""
     import torch
     from diffusers import ModularPipeline
+    from diffusers.modular_pipelines import SequentialPipelineBlocks
 
     from parallel.loading.pipelines import set_scheduler
 
@@ -115,7 +117,8 @@ def modular_latents(model, *, scheduler: str | None = None, blocks: str = "denoi
     else:
         loaded = ModularPipeline.from_pretrained(model)
         loaded.load_components(names=["transformer", "vae"])
-    pipeline = loaded.blocks.sub_blocks[blocks].init_pipeline()
+    parts = loaded.blocks.sub_blocks
+    pipeline = SequentialPipelineBlocks.from_blocks_dict({name: parts[name] for name in blocks}).init_pipeline()
     pipeline.update_components(**{name: part for name, part in loaded.components.items()
                                   if name in pipeline.component_names and part is not None})
     guidance = call.pop("guidance_scale", None)

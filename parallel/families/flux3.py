@@ -8,8 +8,9 @@ the single blocks, [text; image; references]. The plan splits the image tokens a
 (`img_ids`, [tokens, 4]: one table for the batch) at the transformer's input, unevenly where they do not divide; the
 per-token modulation is computed from the shard. The image per-mode blocks' attention runs USP over the image
 alone; the text stays whole on every rank, its per-mode blocks run locally and it sits in front of the image shard in
-the joint blocks. The guider calls the transformer once per branch (cond, then uncond), each call named by the
-engine, so CFG parallel takes one branch per rank.
+the joint blocks. Reference images (its image-conditioned workflow: `image`, through its VAE encoder block) add their
+tokens and ids, split likewise, after the image's. The guider calls the transformer once per branch (cond, then
+uncond), each call named by the engine, so CFG parallel takes one branch per rank.
 
 Latents: the FLUX.2 VAE's (diffusers' modular flux3 encoders/decoders: AutoencoderKLFlux2, latents 2×2-patchified
 and normalised with its batch norm), [B, 128, H/16, W/16]: ComfyUI's Flux2 latent format, whose process_in/out is
@@ -28,12 +29,13 @@ from __future__ import annotations
 
 import torch
 
+from ..layout.config import LayoutError
 from ..loading.checkpoints.shapes import Shapes
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipeline.img2img import linear_sigmas
 from ..model_executor.pipeline.modular import xFuserModularPipelineWrapper
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, Split
-from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant
+from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant, pictures
 from .flux2 import COMFY_FLUX2, CHAT_TEMPLATE
 
 TRANSFORMER_MODULE = "diffusers.models.transformers.transformer_flux3"
@@ -52,12 +54,41 @@ COMFY = ComfyData(
 
 class xFuserFlux3Pipeline(xFuserModularPipelineWrapper):
     """FLUX 3 [klein] base: `guidance_scale` is its guider's (classifier-free guidance with the negative embeddings,
-    two transformer calls per step; 1 turns it off)."""
+    two transformer calls per step; 1 turns it off). Reference images (`image`, [N, 3, H, W] in [0, 1], shared by
+    the batch) reach its VAE encoder block as the 8-bit PIL images it takes, each sized by its own rules (one kept
+    whole under 4 MP, several under 1 MP each); their tokens follow the image's in the joint blocks, split apart
+    from them."""
 
     default_sigmas = staticmethod(linear_sigmas)  # Flux3SetTimestepsStep: linspace(1, 1/steps, steps), shifted 6.93
     comfy = COMFY
     latent_patch = 2  # tokens are 2×2 VAE latent pixels (the patchified latents' pixels)
     embedding_sizes = {"prompt_embeds": "joint_attention_dim", "negative_prompt_embeds": "joint_attention_dim"}
+    tensor_inputs = shared_inputs = ("image",)
+    sampling_blocks = ("vae_encoder", "denoise")
+
+    def run_pipeline(self, arguments):
+        if isinstance(arguments.get("image"), torch.Tensor):
+            arguments = {**arguments, "image": _references(arguments["image"])}
+        return super().run_pipeline(arguments)
+
+    def reference_tokens(self, image) -> int:
+        """Tokens the references add, each as the pipeline's image processor sizes it."""
+        if image is None:
+            return 0
+        images = _references(image) if isinstance(image, torch.Tensor) else list(image)
+        mode, scale = ("fill" if len(images) == 1 else "crop"), self.latent_scale()
+        sizes = [self.module.image_processor.preprocess(picture, resize_mode=mode)[0].shape[-2:] for picture in images]
+        return sum((height // scale) * (width // scale) for height, width in sizes)
+
+    def check_layout(self, kwargs, batch: int) -> int:
+        """The references' tokens split apart from the image's (each evenly: one uneven split per call)."""
+        references, sp = self.reference_tokens(kwargs.get("image")), self.parallel_config.sp_degree
+        image = self.image_tokens(kwargs["height"], kwargs["width"])
+        if references and (image % sp or references % sp):
+            raise LayoutError(f"with reference images, FLUX 3's {image} image tokens and {references} reference tokens "
+                              f"must each divide by the sequence-parallel degree {sp}; choose sizes whose tokens "
+                              "(pixels / 16 per side) divide, or lower the degree")
+        return super().check_layout(kwargs, batch)
 
     def latent_scale(self) -> int:
         return self.module.vae_scale_factor * 2  # the LATENT is the VAE's latents 2×2-patchified: 1/16 size
@@ -94,6 +125,12 @@ class xFuserFlux3DistilledPipeline(xFuserFlux3Pipeline):
 
     def cfg_parallel_hint(self, kwargs) -> str:
         return "this FLUX 3 [klein] model is step-distilled: it runs one branch, without guidance; turn CFG parallel off."
+
+
+def _references(pixels: torch.Tensor) -> list:
+    if pixels.ndim != 4 or pixels.shape[1] != 3:
+        raise ValueError(f"image has shape {list(pixels.shape)}; FLUX 3 takes reference images as [N, 3, H, W] in [0, 1]")
+    return pictures(pixels)
 
 
 # -- tiny built-in models ---------------------------------------------------------------------------------

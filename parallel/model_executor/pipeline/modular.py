@@ -1,7 +1,7 @@
 """The pipeline wrapper for diffusers' modular pipelines (`ModularPipeline`: a folder with modular_model_index.json).
 
 A modular pipeline is a sequence of blocks (text encoder, denoise, decode, ...) run on shared components. The engine
-runs the blocks that sample from embeddings — the family names that sub-block (`sampling_blocks`) — with the
+runs the blocks that sample from embeddings — the family names those sub-blocks (`sampling_blocks`) — with the
 pipeline's own `__call__` on the pipeline's own components, the transformer and scheduler wrapped as for a
 `DiffusionPipeline`; so its loop's transformer calls run under the family's plan, data parallel splits the batch
 around the call and the scheduler's steps carry the step callbacks (previews, cancel). What differs:
@@ -27,21 +27,25 @@ class xFuserModularPipelineWrapper(xFuserPipelineBaseWrapper):
     """A family module subclasses this for each diffusers `ModularPipeline` class it wraps and sets, beyond what
     every wrapper sets:
 
-    sampling_blocks:  the sub-block of the pipeline's blocks that samples from embeddings to latents (FLUX 3:
-                      "denoise"); the text encoder, VAE encoder and decoder blocks stay out of a sampling call.
+    sampling_blocks:  the sub-blocks of the pipeline's blocks that sample from embeddings to latents, in order (FLUX 3:
+                      "vae_encoder" for its reference images, then "denoise"); the text encoder, prompt upsampler and
+                      decoder blocks stay out of a sampling call.
     guider_arguments: call arguments that configure the pipeline's guider for one call (its attributes).
     """
 
-    sampling_blocks: ClassVar[str] = "denoise"
+    sampling_blocks: ClassVar[tuple[str, ...]] = ("denoise",)
     guider_arguments: ClassVar[tuple[str, ...]] = ("guidance_scale",)
     guidance_needs_negative = True  # the guider's unconditional branch is the negative prompt's
 
     def __init__(self, pipeline, attention_kernel: str | None = None, reversible: bool = False):
+        from diffusers.modular_pipelines import SequentialPipelineBlocks
+
         blocks = pipeline.blocks.sub_blocks  # a copy: the pipeline's own blocks stay whole
-        if self.sampling_blocks not in blocks:
-            raise ValueError(f"{type(pipeline).__name__} has no {self.sampling_blocks!r} blocks to sample with; "
-                             f"its blocks are {', '.join(blocks)}")
-        self._sampling = blocks[self.sampling_blocks]
+        missing = [name for name in self.sampling_blocks if name not in blocks]
+        if missing:
+            raise ValueError(f"{type(pipeline).__name__} has no {', '.join(missing)} blocks to sample with; its blocks "
+                             f"are {', '.join(blocks)}")
+        self._sampling = SequentialPipelineBlocks.from_blocks_dict({name: blocks[name] for name in self.sampling_blocks})
         super().__init__(pipeline, attention_kernel, reversible)
 
     def call_parameter_names(self) -> set[str]:
