@@ -176,7 +176,7 @@ def diffusers_with_reference_latents(model, family: str, references, **call):
         return diffusers_latents(pipeline, family, image=image, **call)
 
 
-def load_pipeline_folder(model):
+def load_pipeline_folder(model, torch_dtype=None):
     """DiffusionPipeline.from_pretrained (a modular folder: ModularPipeline's, every saved part loaded), with the
     parts a folder saved as none given as none, as diffusers wants them, and a Qwen2-VL processor (Qwen-Image-Edit's) for images only where torchvision is missing (transformers'
     class without its video half: parallel/loading/vl_processors.py)."""
@@ -195,10 +195,12 @@ def load_pipeline_folder(model):
         stand_ins = vl_processors.stand_ins(Path(model), index)
         pipeline.update_components(**stand_ins)
         pipeline.load_components(names=[name for name, entry in index.items() if isinstance(entry, list)
-                                        and entry[0] is not None and name not in stand_ins])
+                                        and entry[0] is not None and name not in stand_ins],
+                                 **({"torch_dtype": torch_dtype} if torch_dtype else {}))
         return pipeline
     index = json.loads((Path(model) / "model_index.json").read_text())
     return DiffusionPipeline.from_pretrained(model, **{name: None for name, entry in index.items() if entry == [None, None]},
+                                             **({"torch_dtype": torch_dtype} if torch_dtype else {}),
                                              **vl_processors.stand_ins(Path(model), index))
 
 
