@@ -210,7 +210,8 @@ def tiny_inputs(*, batch: int, height: int, width: int, seed: int, negative: boo
     out = {"latents": torch.randn(batch, 128, height // 16, width // 16, generator=gen),
            "prompt_embeds": torch.randn(batch, tokens, TEXT_LAYERS // 4 * TEXT_WIDTH, generator=gen)}
     if negative:
-        out["negative_prompt_embeds"] = torch.randn(batch, max(1, tokens - 5), TEXT_LAYERS // 4 * TEXT_WIDTH, generator=gen)
+        width = TEXT_LAYERS // 4 * TEXT_WIDTH
+        out["negative_prompt_embeds"] = torch.randn(batch, max(1, tokens - 5), width, generator=gen)
     return out
 
 
@@ -232,7 +233,8 @@ def read_checkpoint(shape: Shapes) -> tuple[str, dict]:
         "flow_map": distilled, "in_channels": in_channels, "cond_in_channels": shape("emb_in.image_cond.weight")[1],
         "num_attention_heads": shape.heads(hidden, head_dim), "attention_head_dim": head_dim,
         "joint_attention_dim": shape("txt_in.weight")[1], "timestep_channels": shape("time_in.in_layer.weight")[1],
-        "num_layers": shape.blocks(r"txt_mode_blocks\.(\d+)\."), "num_single_layers": shape.blocks(r"single_blocks\.(\d+)\."),
+        "num_layers": shape.blocks(r"txt_mode_blocks\.(\d+)\."),
+        "num_single_layers": shape.blocks(r"single_blocks\.(\d+)\."),
         "mlp_ratio": shape("single_blocks.0.mlp_out.weight")[1] / hidden,
         "axes_dims_rope": [head_dim // HEAD_DIM_AXES] * HEAD_DIM_AXES,
     }
@@ -246,7 +248,8 @@ def convert_checkpoint(state_dict: dict, config: dict) -> dict:
 
 FLUX3 = FAMILIES.register(Family(
     name="flux3",
-    pipelines={"Flux3ModularPipeline": xFuserFlux3Pipeline, "Flux3DistilledModularPipeline": xFuserFlux3DistilledPipeline},
+    pipelines={"Flux3ModularPipeline": xFuserFlux3Pipeline,
+               "Flux3DistilledModularPipeline": xFuserFlux3DistilledPipeline},
     transformer="Flux3Transformer2DModel",
     plan=ParallelPlan(
         # the image tokens and their ids split at the input; reference tokens and theirs likewise (each evenly)
