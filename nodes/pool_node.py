@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
+from pathlib import Path
 
 import folder_paths
 from comfy_api.latest import io
 
+from ..parallel.loading.builtin_models import is_pipeline_folder
 from ..parallel.loading.checkpoints import CHECKPOINT_SUFFIXES, checkpoint_variant
 from ..parallel.layout.config import AutoLayout, LayoutError, ParallelConfig
 from ..parallel.fields import UNSET, fields_of
@@ -29,12 +31,13 @@ MANUAL, AUTO = "degrees", "auto"
 
 
 def diffusers_models() -> list[str]:
-    """Pipeline folders (with model_index.json) under ComfyUI's models/diffusers, plus the tiny ones."""
+    """Pipeline folders (with model_index.json, or a modular pipeline's index) under ComfyUI's models/diffusers, plus
+    the tiny ones."""
     found = []
     for root in folder_paths.get_folder_paths("diffusers"):
         if os.path.isdir(root):
             for name in sorted(os.listdir(root)):
-                if os.path.isfile(os.path.join(root, name, "model_index.json")):
+                if is_pipeline_folder(Path(root, name)):
                     found.append(name)
     return found + single_file_models() + TINY_MODELS
 
@@ -71,7 +74,7 @@ def model_path(choice: str) -> str:
             raise ValueError(f"model {choice!r}: no file {name!r} in ComfyUI's models/{folder} folders")
         return path
     for root in folder_paths.get_folder_paths("diffusers"):
-        if os.path.isfile(os.path.join(root, choice, "model_index.json")):
+        if is_pipeline_folder(Path(root, choice)):
             return os.path.join(root, choice)
     raise ValueError(f"model {choice!r} is not a diffusers folder under models/diffusers")
 

@@ -340,8 +340,41 @@ def krea2_to_original(sd: dict) -> dict:
     return out
 
 
+def flux3_to_bfl(sd: dict) -> dict:
+    """FLUX 3 in BFL's layout: diffusers' convert_flux3_transformer_checkpoint_to_diffusers undone (its renames
+    inverted, the output norm's [scale, shift] halves swapped back), checked to convert back exactly."""
+    from diffusers.loaders.single_file_utils import convert_flux3_transformer_checkpoint_to_diffusers, swap_scale_shift
+
+    exact = {"timestep_embedder.linear_1.weight": "time_in.in_layer.weight",
+             "timestep_embedder.linear_2.weight": "time_in.out_layer.weight",
+             "target_timestep_embedder.linear_1.weight": "ref_time_in.in_layer.weight",
+             "target_timestep_embedder.linear_2.weight": "ref_time_in.out_layer.weight",
+             "proj_out.weight": "final_layer.image.linear.weight",
+             "norm_out.linear.weight": "final_layer.image.adaLN_modulation.1.weight"}
+    prefixes = {"x_embedders.": "emb_in.", "context_embedder.": "txt_in.", "mode_blocks.": "content_mode_blocks.",
+                "single_transformer_blocks.": "single_blocks."}
+    suffixes = {"attn.to_q.weight": "q_proj.weight", "attn.to_k.weight": "k_proj.weight", "attn.to_v.weight": "v_proj.weight",
+                "attn.to_out.0.weight": "attn_out.weight", "attn.norm_q.weight": "norm.query_norm.scale",
+                "attn.norm_k.weight": "norm.key_norm.scale", "ff.linear_in.weight": "mlp_in.weight",
+                "ff.linear_out.weight": "mlp_out.weight"}
+    out = {}
+    for key, value in sd.items():
+        if key in exact:
+            out[exact[key]] = swap_scale_shift(value, dim=0) if key == "norm_out.linear.weight" else value
+            continue
+        new = next((to + key[len(old):] for old, to in prefixes.items() if key.startswith(old)), key)
+        new = new.replace(".linear.weight", ".lin.weight")
+        new = next((new[: -len(old)] + to for old, to in suffixes.items() if new.endswith(old)), new)
+        out[new] = value
+    back = convert_flux3_transformer_checkpoint_to_diffusers(dict(out))
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+    return out
+
+
 def original_layout(family: str, transformer) -> dict:
     sd, config = transformer.state_dict(), transformer.config
+    if family.startswith("flux3"):
+        return flux3_to_bfl(sd)
     if family in ("flux", "flux-kontext"):
         return flux_to_bfl(sd, config)
     if family == "sd3":

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from parallel.loading import tiny_models
 
 from pool_helpers import serving
-from xdit_test_helpers import diffusers_latents, load_pipeline_folder, torchrun
+from xdit_test_helpers import diffusers_latents, is_modular, load_pipeline_folder, torchrun
 
 FACTOR = 1.5  # our relative L2 from fp32 may be at most this many times diffusers' own in the same dtype
 STEPS = 4
@@ -39,6 +39,8 @@ MODELS = {
     "qwen-image-edit-plus": (RING2, None, 64), "sd3": (ULYSSES2, None, 64), "z-image": (ULYSSES2, None, 64),
     "wan": (ULYSSES2, 5, 64), "wan22": (RING2, 5, 64), "wan22-5b": (ULYSSES2, 5, 128),
     "hunyuanvideo15": (ULYSSES2, 5, 64), "ltx2": (ULYSSES2, 17, 64), "ltx2-i2v": (RING2, 17, 64),
+    "flux3": (ULYSSES2, None, 64), "flux3-distilled": (RING2, None, 64), "krea2": (ULYSSES2, None, 64),
+    "qwen-image-2.1": (RING2, None, 64),
 }
 assert set(MODELS) == set(tiny_models.FAMILIES + tiny_models.VIDEO_FAMILIES), "a family without a bf16 case"
 DTYPES = ("bf16", "fp8")
@@ -46,7 +48,8 @@ CASES = [(model, dtype) for model in MODELS for dtype in DTYPES]
 CONTROLS = [("flux", "bf16"), ("qwen-image", "bf16"), ("wan", "fp8")]  # (Ulysses 2, Ring 2, video in fp8)
 # One pool per family module (a pool serves one model and starts in ~10 s), bf16 and fp8 alternating
 POOLS = [("flux", "bf16"), ("flux2-klein", "fp8"), ("pixart-sigma", "bf16"), ("qwen-image-edit", "bf16"), ("sd3", "fp8"),
-         ("z-image", "bf16"), ("wan22", "fp8"), ("hunyuanvideo15", "bf16")]
+         ("z-image", "bf16"), ("wan22", "fp8"), ("hunyuanvideo15", "bf16"), ("flux3", "bf16"),
+         ("krea2", "fp8"), ("qwen-image-2.1", "bf16"), ("ltx2", "fp8")]
 
 
 def call_of(model: str) -> dict:
@@ -85,6 +88,8 @@ def _folder_in_bf16(model_dir: Path):
 
     from parallel.loading import vl_processors
 
+    if is_modular(model_dir):
+        return load_pipeline_folder(model_dir, torch_dtype=torch.bfloat16)
     index = json.loads((model_dir / "model_index.json").read_text())
     return DiffusionPipeline.from_pretrained(model_dir, torch_dtype=torch.bfloat16, **vl_processors.stand_ins(model_dir, index),
                                              **{name: None for name, entry in index.items() if entry == [None, None]})

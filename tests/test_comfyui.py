@@ -14,7 +14,7 @@ import torch
 from diffusers import DiffusionPipeline
 from safetensors.torch import load_file
 
-from xdit_test_helpers import ROOT, TOLERANCE, diffusers_latents
+from xdit_test_helpers import ROOT, TOLERANCE, diffusers_latents, load_pipeline_folder, modular_text_encoding
 
 ARTIFACTS = ROOT / "out" / "test-artifacts"
 FAMILIES = {  # family: (empty latent node, cfg, scale, shift)
@@ -30,10 +30,13 @@ FAMILIES = {  # family: (empty latent node, cfg, scale, shift)
     # declared format stand in there)
     "flux2-klein": ("EmptyFlux2LatentImage", 4.0, None, None),  # the base model: real CFG
     "flux2-dev": ("EmptyFlux2LatentImage", 1.0, None, None),  # guidance-distilled: cfg 1, FluxGuidance's default 4
+    # FLUX 3 (a modular pipeline): no FLUX 3 nodes in ComfyUI 0.33.0; xDiT Empty Latent makes FLUX.2's latent, which
+    # is FLUX 3's, in 0.33's own Flux2 format; cfg is its guider's guidance_scale
+    "flux3": ("XDiTEmptyLatent", 4.0, None, None),
 }
 # The pipelines whose latents must be in ComfyUI's own latent format class (nodes/comfy_compat.py logs the one taken)
 NATIVE_FORMATS = {"flux2-klein": ("Flux2KleinPipeline", "Flux2"), "flux2-dev": ("Flux2Pipeline", "Flux2"),
-                  "z-image": ("ZImagePipeline", "Flux")}
+                  "z-image": ("ZImagePipeline", "Flux"), "flux3": ("Flux3ModularPipeline", "Flux2")}
 
 
 def native_format_taken(comfy, pipeline: str, name: str) -> bool:
@@ -73,11 +76,17 @@ def reference(model_dir, family, *, steps=4, size=64, seed=7, positive="a cat on
     (`true_cfg`: Flux's real CFG, what xDiT Sampler's cfg above 1 means for Flux; `call`: more pipeline
     arguments, e.g. Kontext's reference image; `cache`: a diffusers cache config enabled on the transformer)."""
     _, cfg, scale, shift = FAMILIES[family]
-    pipeline = DiffusionPipeline.from_pretrained(model_dir)
+    pipeline = load_pipeline_folder(model_dir)
     if cache is not None:
         pipeline.transformer.enable_cache(cache)
-    channels, scale_down = (4, 8) if family.startswith("pixart") else (128, 16) if family.startswith("flux2") else (16, 8)
+    channels, scale_down = ((4, 8) if family.startswith("pixart") else (128, 16) if family.startswith(("flux2", "flux3"))
+                            else (16, 8))
     noise = torch.randn((1, channels, size // scale_down, size // scale_down), generator=torch.manual_seed(seed))
+    if family.startswith("flux3"):  # its own text encoder block; the LATENT is what its denoise blocks return
+        kwargs = {"prompt_embeds": modular_text_encoding(pipeline, positive),
+                  "negative_prompt_embeds": modular_text_encoding(pipeline, negative), "guidance_scale": cfg}
+        return diffusers_latents(pipeline, family, **kwargs, latents=noise, num_inference_steps=steps, height=size,
+                                 width=size)
     with torch.no_grad():
         if family.startswith("flux2"):  # ComfyUI's FLUX.2 LATENT is what the pipelines take, [B, 128, H/16, W/16]
             embeds, _ = pipeline.encode_prompt(positive, device="cpu")
@@ -178,7 +187,7 @@ def test_flux_cfg_reaches_the_pool_as_its_true_cfg_scale(comfy, tiny_model_dirs)
     assert (latent - reference(tiny_model_dirs["flux"], "flux")).abs().max().item() > 100 * TOLERANCE
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux2-klein"])  # FLUX.2: its declared format's previews, unfolded
+@pytest.mark.parametrize("family", ["sd3", "flux2-klein", "flux3"])  # FLUX.2, FLUX 3: previews unfolded
 def test_progress_and_preview_frames_arrive_over_the_websocket(comfy, family):
     _, progress, previews, outcome = comfy.run_watching(workflow(family, steps=6, seed=11))
     assert outcome == "execution_success"

@@ -26,7 +26,7 @@ from parallel.layout.config import ParallelConfig
 from parallel.loading import tiny_models
 from parallel.model_executor import wrap_pipeline
 from parallel.model_executor.pipeline.img2img import linear_sigmas
-from xdit_test_helpers import one_rank
+from xdit_test_helpers import is_modular, one_rank
 
 
 class Stop(Exception):
@@ -35,8 +35,11 @@ class Stop(Exception):
 
 def _takes_sigmas(family: str) -> bool:
     pipeline = tiny_models.build_tiny_pipeline(family)
-    return ("sigmas" in inspect.signature(pipeline.__call__).parameters
-            and isinstance(pipeline.scheduler, FlowMatchEulerDiscreteScheduler))
+    if is_modular(pipeline):  # what its blocks take (FLUX 3's set-timesteps block takes sigmas)
+        names = {param.name for param in pipeline.blocks.inputs}
+    else:
+        names = set(inspect.signature(pipeline.__call__).parameters)
+    return "sigmas" in names and isinstance(pipeline.scheduler, FlowMatchEulerDiscreteScheduler)
 
 
 SIGMA_FAMILIES = [f for f in tiny_models.FAMILIES + tiny_models.VIDEO_FAMILIES if _takes_sigmas(f)]
@@ -61,7 +64,7 @@ def rank():
 @pytest.mark.parametrize("family", SIGMA_FAMILIES)
 def test_the_img2img_schedule_is_the_pipelines_own(rank, family):
     """The schedule the pipeline's `__call__` gives its scheduler equals the one our sigmas and shift make."""
-    assert {"flux", "qwen-image", "z-image", "flux2-klein", "sd3"} <= set(SIGMA_FAMILIES)
+    assert {"flux", "qwen-image", "z-image", "flux2-klein", "sd3", "flux3", "flux3-distilled"} <= set(SIGMA_FAMILIES)
     for steps in (3, 7):
         wrapper = wrap_pipeline(tiny_models.build_tiny_pipeline(family))
         scheduler = wrapper.module.scheduler.module

@@ -77,6 +77,8 @@ def diffusers_latents(model, family: str | None = None, *, scheduler: str | None
     from parallel.loading import tiny_models
     from parallel.loading.pipelines import set_scheduler
 
+    if is_modular(model):
+        return modular_latents(model, scheduler=scheduler, **call)
     pipeline = model if isinstance(model, DiffusionPipeline) else load_pipeline_folder(model)
     batch = call["latents"].shape[0] if isinstance(call.get("latents"), torch.Tensor) else 1
     if type(pipeline).__name__ == "QwenImageEditPlusPipeline" and batch > 1:  # it takes one prompt per call
@@ -89,6 +91,59 @@ def diffusers_latents(model, family: str | None = None, *, scheduler: str | None
         output = pipeline(**tiny_models.PIPELINE_CALL_DEFAULTS.get(family, {}), **at_requested_size(pipeline, call),
                           output_type="latent", return_dict=False)
     return output if all_outputs else output[0]
+
+
+def is_modular(model) -> bool:
+    """A diffusers ModularPipeline, or its saved folder (modular_model_index.json, no model_index.json)."""
+    from pathlib import Path
+
+    if hasattr(model, "load_components"):
+        return True
+    if not isinstance(model, (str, Path)):
+        return False
+    return (Path(model) / "modular_model_index.json").is_file() and not (Path(model) / "model_index.json").is_file()
+
+
+def modular_latents(model, *, scheduler: str | None = None, blocks: tuple[str, ...] = ("denoise",), **call):
+    """diffusers' own modular pipeline in this one process, as its documentation composes one: the blocks that
+    sample from embeddings (`blocks`: FLUX 3's "denoise", with "vae_encoder" first for reference images) made a
+    pipeline of their own (`init_pipeline`) on the loaded pipeline's components, its guider a copy at the call's
+    guidance_scale (`guider.new`); returns the state's `latents`."""
+    import torch
+    from diffusers import ModularPipeline
+    from diffusers.modular_pipelines import SequentialPipelineBlocks
+
+    from parallel.loading.pipelines import set_scheduler
+
+    if isinstance(model, ModularPipeline):
+        loaded = model
+    else:
+        loaded = ModularPipeline.from_pretrained(model)
+        loaded.load_components(names=["transformer", "vae"])
+    parts = loaded.blocks.sub_blocks
+    pipeline = SequentialPipelineBlocks.from_blocks_dict({name: parts[name] for name in blocks}).init_pipeline()
+    pipeline.update_components(**{name: part for name, part in loaded.components.items()
+                                  if name in pipeline.component_names and part is not None})
+    guidance = call.pop("guidance_scale", None)
+    if getattr(pipeline, "guider", None) is not None and guidance is not None:
+        pipeline.update_components(guider=pipeline.guider.new(guidance_scale=guidance))
+    if scheduler:
+        set_scheduler(pipeline, scheduler)
+    call.pop("output_type", None), call.pop("return_dict", None)
+    pipeline.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        return pipeline(**call, output="latents")
+
+
+def modular_text_encoding(pipeline, prompt: str):
+    """A modular pipeline's own text encoder block (FLUX 3: chat template, padding to a multiple of 80 tokens, the
+    stacked hidden layers) run as a pipeline of its own on the loaded text encoder: `prompt_embeds`."""
+    import torch
+
+    encoder = pipeline.blocks.sub_blocks["text_encoder"].init_pipeline()
+    encoder.update_components(text_encoder=pipeline.text_encoder, tokenizer=pipeline.tokenizer)
+    with torch.no_grad():
+        return encoder(prompt=prompt, output="prompt_embeds")
 
 
 def diffusers_with_reference_latents(model, family: str, references, **call):
@@ -124,9 +179,9 @@ def diffusers_with_reference_latents(model, family: str, references, **call):
         return diffusers_latents(pipeline, family, image=image, **call)
 
 
-def load_pipeline_folder(model):
-    """DiffusionPipeline.from_pretrained, with the parts a folder saved as none given as none, as diffusers wants
-    them, and a Qwen2-VL processor (Qwen-Image-Edit's) for images only where torchvision is missing (transformers'
+def load_pipeline_folder(model, torch_dtype=None):
+    """DiffusionPipeline.from_pretrained (a modular folder: ModularPipeline's, every saved part loaded), with the
+    parts a folder saved as none given as none, as diffusers wants them, and a Qwen2-VL processor (Qwen-Image-Edit's) for images only where torchvision is missing (transformers'
     class without its video half: parallel/loading/vl_processors.py)."""
     import json
     from pathlib import Path
@@ -135,8 +190,20 @@ def load_pipeline_folder(model):
 
     from parallel.loading import vl_processors
 
+    if is_modular(model):  # diffusers' ModularPipeline with every component its folder holds
+        from diffusers import ModularPipeline
+
+        index = json.loads((Path(model) / "modular_model_index.json").read_text())
+        pipeline = ModularPipeline.from_pretrained(model)
+        stand_ins = vl_processors.stand_ins(Path(model), index)
+        pipeline.update_components(**stand_ins)
+        pipeline.load_components(names=[name for name, entry in index.items() if isinstance(entry, list)
+                                        and entry[0] is not None and name not in stand_ins],
+                                 **({"torch_dtype": torch_dtype} if torch_dtype else {}))
+        return pipeline
     index = json.loads((Path(model) / "model_index.json").read_text())
     return DiffusionPipeline.from_pretrained(model, **{name: None for name, entry in index.items() if entry == [None, None]},
+                                             **({"torch_dtype": torch_dtype} if torch_dtype else {}),
                                              **vl_processors.stand_ins(Path(model), index))
 
 

@@ -325,7 +325,7 @@ def measure_serial_step(wrapped, kwargs: dict, blocks: list[torch.nn.Module]) ->
     arguments.update(num_inference_steps=2, output_type="latent", return_dict=False, **callback_arguments)
     try:
         with torch.no_grad(), after_step, wrapped.call_context(arguments):  # a family's may take inputs out or convert them
-            wrapped.module(**arguments)
+            wrapped.run_pipeline(arguments)
     finally:
         for handle in handles:
             handle.remove()

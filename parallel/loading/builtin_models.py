@@ -28,6 +28,11 @@ _BUILDERS = (_HERE / "tiny_models.py", *sorted((_ENGINE / "families").rglob("*.p
 CACHE = _ENGINE.parent / ".cache" / "tiny"
 
 
+def is_pipeline_folder(path: Path) -> bool:
+    """A diffusers pipeline's folder, or a modular pipeline's (diffusers' ModularPipeline)."""
+    return any((path / index).is_file() for index in ("model_index.json", "modular_model_index.json"))
+
+
 def is_builtin(model: str | os.PathLike) -> bool:
     return str(model).startswith(PREFIX) and not os.path.exists(model)
 
@@ -44,7 +49,7 @@ def builtin_model_dir(model: str) -> Path:
     family = family_of(model)
     version = hashlib.sha1(b"".join(path.read_bytes() for path in _BUILDERS)).hexdigest()[:10]
     directory = CACHE / version / family
-    if (directory / "model_index.json").is_file():
+    if is_pipeline_folder(directory):
         return directory
     from . import tiny_models
 
@@ -55,7 +60,7 @@ def builtin_model_dir(model: str) -> Path:
         try:
             staging.rename(directory)
         except OSError:  # another process finished first: keep its copy
-            if not (directory / "model_index.json").is_file():
+            if not is_pipeline_folder(directory):
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -83,9 +88,9 @@ def check_model(model: str | os.PathLike, vae: str | os.PathLike | None = None) 
     if not path.exists():
         raise ValueError(f"--model {model}: no such file or folder; give a diffusers pipeline folder, a single-file "
                          f"checkpoint, or a built-in tiny model ({', '.join(NAMES)})")
-    if path.is_dir() and not (path / "model_index.json").is_file():
-        raise ValueError(f"--model {model} is a folder but not a diffusers pipeline folder (it has no model_index.json); "
-                         "give the folder that `save_pretrained` wrote")
+    if path.is_dir() and not is_pipeline_folder(path):
+        raise ValueError(f"--model {model} is a folder but not a diffusers pipeline folder (it has no model_index.json, "
+                         "nor a modular pipeline's modular_model_index.json); give the folder that `save_pretrained` wrote")
 
 
 def resolve_model_on_ranks(model: str | os.PathLike, local_rank: int, barrier: Callable[[], None]) -> str:

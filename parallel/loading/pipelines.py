@@ -27,6 +27,8 @@ SCHEDULERS = {
 }
 FLOW_SCHEDULERS = {"flow-euler": FlowMatchEulerDiscreteScheduler, "flow-dpmsolver": DPMSolverMultistepScheduler,
                    "flow-unipc": UniPCMultistepScheduler}
+MODULAR_INDEX = "modular_model_index.json"  # a diffusers ModularPipeline's folder (no model_index.json)
+TEXT_PARTS = ("text_encoder", "tokenizer", "processor")  # loaded only with text encoders
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 FP8_STORAGE = torch.float8_e4m3fn  # "fp8": weights stored in fp8, each layer computing in bf16
 
@@ -53,18 +55,40 @@ def load_pipeline(model_dir: str | Path, *, text_encoders: bool = False, dtype: 
     index = model_dir / "model_index.json"
     if not model_dir.exists():
         raise FileNotFoundError(f"{model_dir} does not exist: give a diffusers pipeline folder or a single-file checkpoint")
+    if not index.is_file() and (model_dir / MODULAR_INDEX).is_file():
+        return _place(_load_modular(model_dir, text_encoders, dtype), dtype, shard_weights, offload)
     if not index.is_file():
-        raise FileNotFoundError(f"{model_dir} is not a diffusers pipeline folder (no model_index.json)")
+        raise FileNotFoundError(f"{model_dir} is not a diffusers pipeline folder (no model_index.json, nor a modular "
+                                f"pipeline's {MODULAR_INDEX})")
     components = json.loads(index.read_text())
     # Without text encoders their weights and tokenizers stay out; processors (no weights) load either way, since a
     # pipeline may build on its processor when given embeddings (Qwen-Image 2.1's chat template), for images only
     # where torchvision is missing. A part saved as none loads as none (diffusers refuses such a folder otherwise).
     skipped = {name: None for name, entry in components.items()
-               if entry == [None, None] or (not text_encoders and name.startswith(("text_encoder", "tokenizer")))}
+               if entry == [None, None] or (not text_encoders and name.startswith(TEXT_PARTS))}
     kwargs = {"torch_dtype": DTYPES[dtype]} if dtype else {}
     kwargs.update(vl_processors.stand_ins(model_dir, components))
     pipeline = DiffusionPipeline.from_pretrained(model_dir, **skipped, **kwargs)
     return _place(pipeline, dtype, shard_weights, offload)
+
+
+def _load_modular(model_dir: Path, text_encoders: bool, dtype: str | None):
+    """A modular pipeline folder (diffusers' `ModularPipeline`): its blocks and the components saved in the folder,
+    text encoders and their processors only when asked for (processors for images only where torchvision is missing,
+    vl_processors). A prompt upsampler (FLUX 3's, a second language model that rewrites prompts) stays none: the
+    engine encodes prompts as given, and components its index lists without a source stay none too."""
+    from diffusers import ModularPipeline
+
+    components = json.loads((model_dir / MODULAR_INDEX).read_text())
+    saved = [name for name, entry in components.items()
+             if isinstance(entry, list) and entry[0] is not None and not name.startswith("prompt_upsampler")
+             and (text_encoders or not name.startswith(TEXT_PARTS))]
+    pipeline = ModularPipeline.from_pretrained(model_dir)
+    stand_ins = vl_processors.stand_ins(model_dir, {name: components[name] for name in saved})
+    pipeline.update_components(**stand_ins)
+    pipeline.load_components(names=[name for name in saved if name not in stand_ins],
+                             **({"torch_dtype": DTYPES[dtype]} if dtype else {}))
+    return pipeline
 
 
 def _load_single_file(path: Path, text_encoders: bool, dtype: str | None, shard_weights: bool,

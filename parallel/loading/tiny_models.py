@@ -190,7 +190,9 @@ def build_tiny_pipeline(family: str, *, seed: int = 0) -> DiffusionPipeline:
 def save_tiny_pipeline(family: str, directory, *, seed: int = 0) -> pathlib.Path:
     """Build and save_pretrained (safetensors) so loaders can be tested with from_pretrained."""
     directory = pathlib.Path(directory)
-    build_tiny_pipeline(family, seed=seed).save_pretrained(directory, safe_serialization=True)
+    pipeline = build_tiny_pipeline(family, seed=seed)
+    modular = {"overwrite_modular_index": True} if hasattr(pipeline, "load_components") else {}  # a ModularPipeline
+    pipeline.save_pretrained(str(directory), safe_serialization=True, **modular)
     return directory
 
 

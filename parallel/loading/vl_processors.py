@@ -1,7 +1,7 @@
 """Vision-language processors without torchvision: their image half alone.
 
 Qwen-Image-Edit encodes each prompt together with its reference images through Qwen2.5-VL, so its pipeline
-folder's `processor` is transformers' Qwen2VLProcessor. That processor also builds a video processor, and
+folder's `processor` is transformers' Qwen2VLProcessor (FLUX 3's `tokenizer` is a Qwen3VLProcessor). That processor also builds a video processor, and
 transformers builds video processors only with torchvision; its image processor has a PIL backend. Where
 torchvision is missing, such a processor loads as `images_only(its class)`: the same tokens and pixels for
 images, no videos (no diffusers pipeline gives it any). So does one saved where torchvision was missing (its
@@ -43,12 +43,13 @@ def _has_video(folder: Path) -> bool:
 
 def stand_ins(model_dir: Path, components: dict) -> dict:
     """The pipeline folder's processors that transformers cannot build here (a video half without torchvision, or
-    saved without one), loaded for images only: {component name: processor}, to pass to from_pretrained."""
+    saved without one), loaded for images only: {component name: processor}, to pass to from_pretrained.
+    `components`: model_index.json's entries ([library, class]) or a modular index's ([library, class, spec])."""
     from transformers.utils import is_torchvision_available
 
     loaded = {}
     for name, entry in components.items():
-        if not (isinstance(entry, list) and entry[:1] == ["transformers"] and name.startswith("processor")):
+        if not (isinstance(entry, list) and entry[:1] == ["transformers"]):
             continue
         cls = getattr(importlib.import_module("transformers"), entry[1], None)
         if isinstance(cls, type) and _needs_video(cls) and not (is_torchvision_available() and _has_video(model_dir / name)):

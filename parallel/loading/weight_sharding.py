@@ -3,8 +3,8 @@
 Models larger than one card fit when each rank keeps 1/N of every block and the block's whole weights
 exist only while it runs: `fully_shard` all-gathers a block just before its forward and frees the gathered
 copy after it. The blocks are the elements of the transformer's top-level `ModuleList`s (Flux's double and
-single stacks, SD3's and PixArt's `transformer_blocks`, Wan's `blocks`), which hold almost all weights;
-embeddings, norms and the output projection stay replicated. Every rank must run the same blocks in the same
+single stacks, SD3's and PixArt's `transformer_blocks`, Wan's `blocks`, FLUX 3's per-mode lists), which hold
+almost all weights; embeddings, norms and the output projection stay replicated. Every rank must run the same blocks in the same
 order, so this composes with Ulysses, Ring, CFG parallel and data parallel (all ranks run every block on
 their own part of the work), and not with PipeFusion, where each stage runs other blocks. Alone (every degree 1)
 the ranks are data-parallel replicas that split a batch where it divides and otherwise each run the whole batch
@@ -22,7 +22,15 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
 
 def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
-    return [block for child in transformer.children() if isinstance(child, torch.nn.ModuleList) for block in child]
+    """The elements of the top-level ModuleLists, and of ModuleLists in a top-level ModuleDict (FLUX 3's per-mode
+    blocks, one list per token mode)."""
+    lists = []
+    for child in transformer.children():
+        if isinstance(child, torch.nn.ModuleDict):
+            lists += [value for value in child.values() if isinstance(value, torch.nn.ModuleList)]
+        elif isinstance(child, torch.nn.ModuleList):
+            lists.append(child)
+    return [block for blocks in lists for block in blocks]
 
 
 def shard_weights(pipeline, offload: bool = False) -> None:

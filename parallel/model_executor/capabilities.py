@@ -21,7 +21,7 @@ def capability_table() -> str:
         if plan.sequence_parallel and plan.replicated:
             sp += f" ({', '.join(dict.fromkeys(r.stream for r in plan.replicated.values()))} replicated)"
         cfg = "yes (batched)" if plan.cfg is CfgMode.BATCHED else "yes (two calls)"
-        pipefusion = (f"no: {plan.no_pipefusion}" if plan.no_pipefusion else "no" if plan.pipefusion is None else
+        pipefusion = ((f"no: {plan.no_pipefusion}" if plan.no_pipefusion else "no") if plan.pipefusion is None else
                       "yes, patches flow across steps" if plan.pipefusion.flow is not None else "yes")
         rows.append(f"| {pipeline} | {family.transformer} | {sp} | {cfg} | {pipefusion} |")
     rows.append("")

@@ -7,7 +7,6 @@ writes them to a file; both equal what the diffusers pipeline computes inside
 
 from __future__ import annotations
 
-import inspect
 import torch
 
 NEGATIVE = {
@@ -19,20 +18,8 @@ NEGATIVE = {
 
 
 def initial_latents(wrapper, seed: int, height: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """The noise the pipeline's `prepare_latents` draws for one image from a CPU generator seeded with `seed`."""
-    pipeline = wrapper.module
-    parameters = inspect.signature(pipeline.prepare_latents).parameters
-    if "num_frames" in parameters:
-        raise ValueError(f"{type(pipeline).__name__} is a video pipeline: --prompt makes image inputs only; "
-                         "write its IN file with 5-D latents (see the README's input shapes)")
-    channels = wrapper.noise_channels()
-    arguments = {"batch_size": 1, "height": height, "width": width, "dtype": dtype, "device": torch.device("cpu"),
-                 "generator": torch.Generator("cpu").manual_seed(seed),
-                 "num_latents_channels" if "num_latents_channels" in parameters else "num_channels_latents": channels}
-    # edit pipelines draw the noise beside their references' latents: the noise alone here
-    arguments.update({name: None for name in ("image", "images") if name in parameters})
-    latents = pipeline.prepare_latents(**arguments)
-    return wrapper.noise_input(latents[0] if isinstance(latents, tuple) else latents, height, width)
+    """The noise the pipeline draws for one image from a CPU generator seeded with `seed`."""
+    return wrapper.initial_noise(torch.Generator("cpu").manual_seed(seed), height, width, dtype)
 
 
 def prompt_inputs(wrapper, prompt: str, negative_prompt: str, seed: int, height: int, width: int,
@@ -45,7 +32,7 @@ def prompt_inputs(wrapper, prompt: str, negative_prompt: str, seed: int, height:
 
     with torch.no_grad():
         tensors = encode(prompt)
-        if "negative_prompt_embeds" in inspect.signature(wrapper.module.__call__).parameters:  # FLUX.2 [dev]: none
+        if "negative_prompt_embeds" in wrapper.call_parameter_names():  # FLUX.2 [dev]: none
             negative = encode(negative_prompt)
             negative.pop("image", None)  # the same references' latents
             tensors.update({NEGATIVE[name]: value for name, value in negative.items()})

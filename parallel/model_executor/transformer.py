@@ -12,7 +12,7 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
 from ..distributed import get_cfg_group, get_layout, get_pp_group, get_runtime_state, get_sp_group
 from .hooks import apply_sequence_plan, as_keyword_arguments, map_first, map_predictions
-from .pipefusion import PipeFusionStage
+from .pipefusion import PipeFusionStage, _signed
 from .stale_kv import StaleKVCache
 from .plans import CfgMode, ParallelPlan
 from .wrapper import xFuserBaseWrapper
@@ -53,6 +53,9 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
     def __init__(self, transformer: torch.nn.Module, plan: ParallelPlan, attention_kernel: str | None = None,
                  reversible: bool = False):
         super().__init__(transformer)
+        # with the model's own signature: a pipeline that passes the arguments its forward names (FLUX 3's modular
+        # loop) reads them off the wrapper
+        self.forward = _signed(self.forward, transformer.forward)
         self.plan = plan
         self._cfg, self._pp = get_cfg_group(), get_pp_group()
         self._handles, self._layers, self._stage = [], [], None
@@ -70,7 +73,8 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
         if self._pp.world_size > 1:
             if self.plan.pipefusion is None:
                 why = f" ({self.plan.no_pipefusion})" if self.plan.no_pipefusion else ""
-                raise ValueError(f"{type(transformer).__name__} has no PipeFusion plan{why}; set the pipefusion degree to 1")
+                raise ValueError(f"{type(transformer).__name__} has no PipeFusion plan{why}; set the pipefusion degree "
+                                 "to 1 and use Ulysses, Ring, CFG or data parallel")
             cache = StaleKVCache(config.ulysses_degree)
             self._stage = PipeFusionStage(
                 transformer, self.plan.pipefusion, self._pp, config.num_patches or self._pp.world_size,
@@ -96,10 +100,12 @@ class xFuserTransformerBaseWrapper(xFuserModelBaseWrapper):
 
     @contextlib.contextmanager
     def cache_context(self, name: str, **kwargs):
-        """diffusers names each guidance branch's call; sequential CFG parallel needs to know which."""
+        """diffusers names each guidance branch's call; sequential CFG parallel needs to know which (a transformer
+        without diffusers' cache support keeps no state per name: the name alone)."""
         self._branch = name
+        own = getattr(self.module, "cache_context", None)
         try:
-            with self.module.cache_context(name, **kwargs):
+            with own(name, **kwargs) if own is not None else contextlib.nullcontext():
                 yield
         finally:
             self._branch = None

@@ -46,6 +46,9 @@ EXAMPLES = {  # file stem: (family, empty latent node, cfg, what the example say
                              "Qwen-Image-Edit: the prompts encoded with ComfyUI's example.png, whose latents become "
                              "the reference (your own: another LoadImage)"),
     "xdit_model_ksampler": ("sd3", "EmptySD3LatentImage", 4.5, "ComfyUI's KSampler on the pool through xDiT Model (SD3)"),
+    "xdit_flux3": ("flux3", "XDiTEmptyLatent", 4.0,
+                   "FLUX 3 [klein] (cfg: its guider's classifier-free guidance; ComfyUI 0.33.0 has no FLUX 3 nodes: "
+                   "xDiT Empty Latent makes its latent, FLUX.2's, 128 channels at 1/16 size)"),
 }
 REFERENCE = {"xdit_flux_kontext"}  # edit models: a first sampler's LATENT → ReferenceLatent on the positive
 IMAGE = {"xdit_qwen_image_edit": "turn it into a watercolor painting, soft washes of colour"}  # prompt with a picture

@@ -172,6 +172,10 @@ def load_single_file_pipeline(path: str | Path, *, dtype: torch.dtype | None = N
     scheduler = getattr(diffusers, index["scheduler"][1]).from_pretrained(
         detected.config_dir, subfolder="scheduler", local_files_only=True)
     pipeline_cls = getattr(diffusers, index["_class_name"])
+    if issubclass(pipeline_cls, diffusers.ModularPipeline):  # FLUX 3: its blocks make the other components as none
+        pipeline = pipeline_cls()
+        pipeline.update_components(**components, scheduler=scheduler)
+        return pipeline
     modules, optional = pipeline_cls._get_signature_keys(pipeline_cls)
     absent = {name: None for name in modules if name not in components and name != "scheduler"}
     settings = {name: index[name] for name in optional if name in index}  # e.g. Wan 2.2's boundary_ratio

@@ -61,7 +61,7 @@ class Img2Img:
         total = max(steps, int(steps / denoise))
         noise = kwargs["latents"]
         scheduler = copy.deepcopy(self.module.scheduler.module)
-        call = inspect.signature(self.module.__call__).parameters
+        call = self.call_parameter_names()
         if "sigmas" not in call and "timesteps" not in call and hasattr(scheduler, "set_begin_index"):
             scheduler.set_timesteps(total)  # the pipeline takes no schedule: __call__ cuts the scheduler's own
             start = scheduler.timesteps[(total - steps) * scheduler.order :][:1]

@@ -65,6 +65,25 @@ class ModelCallGlue:
         2×2 patch where the pipeline packs latent pixels into tokens itself (Flux, Qwen-Image, FLUX.2)."""
         return self.module.transformer.config.in_channels // (self.latent_patch or 1) ** 2
 
+    def initial_noise(self, generator: torch.Generator, height: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """The initial noise of one image as the pipeline draws it from `generator` (its `prepare_latents`), as its
+        `latents` argument takes it; a pipeline without `prepare_latents` (a modular one) says how it draws."""
+        import inspect
+
+        pipeline = self.module
+        parameters = inspect.signature(pipeline.prepare_latents).parameters
+        if "num_frames" in parameters:
+            raise ValueError(f"{type(pipeline).__name__} is a video pipeline: --prompt makes image inputs only; "
+                             "write its IN file with 5-D latents (see the README's input shapes)")
+        arguments = {"batch_size": 1, "height": height, "width": width, "dtype": dtype, "device": torch.device("cpu"),
+                     "generator": generator,
+                     "num_latents_channels" if "num_latents_channels" in parameters else "num_channels_latents":
+                         self.noise_channels()}
+        # edit pipelines draw the noise beside their references' latents: the noise alone here
+        arguments.update({name: None for name in ("image", "images") if name in parameters})
+        latents = pipeline.prepare_latents(**arguments)
+        return self.noise_input(latents[0] if isinstance(latents, tuple) else latents, height, width)
+
     def noise_input(self, prepared: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """The initial noise as `prepare_latents` returns it (prompt_inputs.py), as this pipeline's `latents`
         argument takes it: as returned, for most."""

@@ -174,11 +174,19 @@ class xFuserPipelineBaseWrapper(LayoutChecks, Img2Img, ModelCallGlue, xFuserBase
             return kwargs, batch, self.sequence_tokens(kwargs)
         return kwargs, batch, self.check_layout(kwargs, batch)
 
+    def call_parameter_names(self) -> set[str]:
+        """The keyword arguments the pipeline's `__call__` takes (img2img and step callbacks choose by them)."""
+        return set(inspect.signature(self.module.__call__).parameters)
+
+    def run_pipeline(self, arguments: dict[str, Any]):
+        """One call of the diffusers pipeline with this rank's arguments."""
+        return self.module(**arguments)
+
     def step_callbacks(self, step_callback: Callable[[int, torch.Tensor], None]
                        ) -> tuple[dict[str, Any], contextlib.AbstractContextManager]:
         """`step_callback(step_index, latents)` in the pipeline's own callback style: the call's arguments, and a
         context to call it in (where the pipeline takes no callback, the scheduler calls it after each step)."""
-        parameters = inspect.signature(self.module.__call__).parameters
+        parameters = self.call_parameter_names()
         if "callback_on_step_end" in parameters:
             def on_step_end(pipeline, index, timestep, tensors):
                 step_callback(index, tensors["latents"])
@@ -227,7 +235,7 @@ class xFuserPipelineBaseWrapper(LayoutChecks, Img2Img, ModelCallGlue, xFuserBase
             runtime.flow_combine = self.guidance_combine(kwargs) if self.uses_cfg(kwargs) else None
         try:
             with schedule, after_step, caching as self.cache_report, self.call_context(local):
-                output = self.module(**local)
+                output = self.run_pipeline(local)
         finally:
             for name in ("transformer", "transformer_2"):
                 if name in self._original:
