@@ -88,7 +88,7 @@ def _sequence_parallel_attention(query, key, value, attn_mask, dropout_p, is_cau
         return out.transpose(1, 2) if tokens_dim == 1 else out
     text_tokens = get_runtime_state().text_tokens
     if layer.text_layout is TextLayout.CAUSAL_PREFIX:  # the keys' replicated prefix: the sequence's, or a cached one
-        text_tokens = key.shape[tokens_dim] - query.shape[tokens_dim]
+        text_tokens = key.shape[2] - query.shape[2]  # [B, H, S, D] by now
     if layer.kv_cache is not None:  # a PipeFusion patch may hold the text alone, or no text
         text_tokens = layer.kv_cache.text_tokens(text_tokens)
     out = usp_attention(
