@@ -74,7 +74,9 @@ class PoolTransformer(torch.nn.Module):
             x = x[:, :, 0]
         batch = x.shape[0]
         conditioning = {self.conds[name]: value.float() for name, value in {"context": context, **kwargs}.items()
-                        if value is not None and name in self.conds}
+                        if value is not None and name in self.conds and name != "ref_latents"}
+        if kwargs.get("ref_latents") is not None and "ref_latents" in self.conds:
+            conditioning.update(_references(kwargs["ref_latents"]))
         if "guidance" in conditioning:
             conditioning["guidance"] = conditioning["guidance"].reshape(-1).expand(batch).contiguous()
         tensors = {"latents": x.float().contiguous(), "sigma": sigma.float().reshape(-1).expand(batch).contiguous()}
@@ -88,6 +90,15 @@ class PoolTransformer(torch.nn.Module):
         except JobCancelledError:
             comfy_compat.raise_interrupted()
         return prediction[:, :, None] if one_frame else prediction
+
+
+def _references(value: list) -> dict[str, torch.Tensor]:
+    """ReferenceLatent's images ([B, C, h, w] each, any sizes) as the pool takes them: `reference_latents`, their
+    pixels flattened and joined, [B, C, Σ h·w], and `reference_sizes`, each image's (h, w), [B, N, 2]."""
+    images = [image[:, :, 0] if image.ndim == 5 else image for image in value]  # [B, C, 1, h, w]: Qwen-Image's
+    sizes = torch.tensor([list(image.shape[-2:]) for image in images], dtype=torch.float32)
+    return {"reference_latents": torch.cat([image.float().flatten(2) for image in images], dim=2),
+            "reference_sizes": sizes.expand(len(images[0]), -1, -1).contiguous()}
 
 
 def _refuse_patches(control, options: dict) -> None:
@@ -138,8 +149,7 @@ def comfy_model(pool, comfy_file=None, expert: str = "") -> PoolModelPatcher:
     family's ComfyUI model class."""
     adapter = adapter_for(pool.pipeline, pool.latent_scale)
     if not adapter.data.model_call_conds:
-        raise ConditioningError(f"the pool's {pool.pipeline} takes no model calls yet (SD3, Flux.1 and Qwen-Image "
-                                "do); sample it with xDiT Sampler")
+        raise ConditioningError(f"the pool's {pool.pipeline} takes no model calls yet; sample it with xDiT Sampler")
     if comfy_file is not None:
         model_config, weights = comfy_file.model_config, comfy_file.weights
         model_config.unet_config["disable_unet_model_creation"] = True
@@ -165,7 +175,7 @@ class XDiTModel(io.ComfyNode):
             display_name="Model from xDiT Pool",
             category="sampling/xDiT",
             description="The pool as a MODEL for KSampler, SamplerCustomAdvanced and guiders: ComfyUI's samplers "
-                        "step here, each model call runs in parallel on the pool (SD3, Flux.1, Qwen-Image).",
+                        "step here, each model call runs in parallel on the pool.",
             inputs=[XDiTPoolType.Input("pool", tooltip="The xDiT Pool (or xDiT LoRA) that evaluates the model.")],
             outputs=[io.Model.Output()],
         )

@@ -37,8 +37,7 @@ def check_model_call(wrapper, tensors: dict[str, torch.Tensor], expert: str = ""
     pipeline = type(wrapper.module).__name__
     expert_of(wrapper, expert)
     if not wrapper.model_call_inputs:
-        raise ValueError(f"{pipeline} takes no single model calls on this pool yet (xDiT Model supports "
-                         "SD3, Flux.1, Qwen-Image and Wan 2.1 / 2.2 text-to-video); sample it with xDiT Sampler")
+        raise ValueError(f"{pipeline} takes no single model calls on this pool yet; sample it with xDiT Sampler")
     c = wrapper.parallel_config
     if c.pipefusion_degree > 1:
         raise LayoutError("PipeFusion pipelines patches across the steps of one sampling run, which single model "
