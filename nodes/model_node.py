@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import comfy.model_patcher
+import comfy.patcher_extension
 import comfy.supported_models
 from comfy_api.latest import io
 
@@ -59,8 +60,16 @@ class PoolTransformer(torch.nn.Module):
             destination[prefix + name] = torch.empty(shape, device="meta")
 
     def forward(self, x, timesteps, context=None, control=None, transformer_options=None, **kwargs):
+        """As ComfyUI's own diffusion models: the call runs inside the model's DIFFUSION_MODEL wrappers, so those that
+        work on its input and output (EasyCache, which reuses an earlier output instead of calling) work here too."""
         options = transformer_options or {}
+        wrappers = comfy.patcher_extension.get_all_wrappers(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, options)
+        return comfy.patcher_extension.WrapperExecutor.new_class_executor(self._evaluate, self, wrappers).execute(
+            x, timesteps, context, control, options, **kwargs)
+
+    def _evaluate(self, x, timesteps, context, control, options, **kwargs):
         _refuse_patches(control, options)
+        kwargs.pop("denoise_mask", None)  # Wan 2.2's: ComfyUI's model already turned it into per-frame timesteps
         unknown = sorted(name for name, value in kwargs.items() if value is not None and name not in self.conds)
         if unknown:
             raise UnsupportedPatch(f"xDiT Model: the conditioning carries {unknown}, which this pool's "
@@ -79,7 +88,11 @@ class PoolTransformer(torch.nn.Module):
             conditioning.update(_references(kwargs["ref_latents"]))
         if "guidance" in conditioning:
             conditioning["guidance"] = conditioning["guidance"].reshape(-1).expand(batch).contiguous()
-        tensors = {"latents": x.float().contiguous(), "sigma": sigma.float().reshape(-1).expand(batch).contiguous()}
+        sigma = sigma.float().reshape(-1).expand(batch)
+        if timesteps.ndim == 2:  # one per latent frame (Wan 2.2 TI2V: its start frame's 0), ComfyUI's mask × timestep
+            top = timesteps.float().amax(dim=1, keepdim=True)
+            sigma = sigma[:, None] * torch.where(top > 0, timesteps.float() / top.clamp_min(1e-12), 1.0)
+        tensors = {"latents": x.float().contiguous(), "sigma": sigma.contiguous()}
         loras = self.pool.lora_params() + [{"path": path, "strength": strength} for path, strength in options.get(LORAS, ())]
 
         from ..workers.client import JobCancelledError

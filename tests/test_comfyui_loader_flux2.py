@@ -23,6 +23,10 @@ from safetensors.torch import save_file
 from test_comfyui_loader import _loader, _run
 from xdit_test_helpers import TOLERANCE
 
+# ComfyUI's attention as on the GPUs a pool runs on (PyTorch's SDPA, its default there), not its CPU default (the
+# sub-quadratic kernel, whose 1e-5 rounding CFG 5 and multistep samplers carry to 1e-3 on these peaked tiny models)
+COMFY_ARGS = ("--use-pytorch-cross-attention",)
+
 KLEIN, DEV, KONTEXT = "tiny-flux-2-klein-base.safetensors", "tiny-flux2-dev.safetensors", "tiny-flux1-kontext-dev.safetensors"
 STEPS, SIZE, TEXT = 3, 64, 96  # FLUX.2's text: three hidden layers of its encoder stacked (3 × 32 here)
 
@@ -177,3 +181,24 @@ def test_flux1_kontext_reference_latent_with_the_loader_swapped_equals_comfyuis_
     stock = _equal(_run(comfy, _kontext(swapped=True)), _run(comfy, _kontext(swapped=False)), "ksampler")
     assert (_run(comfy, _kontext(swapped=True, reference=False))["ksampler"] - stock).abs().max().item() > 1e-3
 
+
+
+def _cached(swapped: bool, cache: str | None) -> dict:
+    """The [klein] template at 8 steps with ComfyUI's EasyCache or LazyCache between the loader and the guider (a
+    high threshold, so that steps are reused)."""
+    prompt = _klein(swapped)
+    prompt["sigmas"]["inputs"]["steps"] = 8
+    if cache:
+        prompt["cache"] = {"class_type": cache, "inputs": {"model": ["unet", 0], "reuse_threshold": 3.0,
+                                                           "start_percent": 0.15, "end_percent": 0.95, "verbose": False}}
+        prompt["guider"]["inputs"]["model"] = ["cache", 0]
+    return prompt
+
+
+def test_comfyuis_easycache_and_lazycache_on_the_loaders_model_equal_them_on_comfyuis_own(comfy, files):
+    """They reuse earlier outputs instead of calling the model (EasyCache around the diffusion model call, LazyCache
+    around the guider's): on the pool's MODEL as on ComfyUI's own; without them the result differs."""
+    plain = _run(comfy, _cached(swapped=False, cache=None))["custom"]
+    for cache in ("EasyCache", "LazyCache"):
+        stock = _equal(_run(comfy, _cached(swapped=True, cache=cache)), _run(comfy, _cached(swapped=False, cache=cache)))
+        assert (stock - plain).abs().max().item() > 1e-3, cache  # steps were reused
