@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import comfy.model_patcher
+import comfy.patcher_extension
 import comfy.supported_models
 from comfy_api.latest import io
 
@@ -59,8 +60,16 @@ class PoolTransformer(torch.nn.Module):
             destination[prefix + name] = torch.empty(shape, device="meta")
 
     def forward(self, x, timesteps, context=None, control=None, transformer_options=None, **kwargs):
+        """As ComfyUI's own diffusion models: the call runs inside the model's DIFFUSION_MODEL wrappers, so those that
+        work on its input and output (EasyCache, which reuses an earlier output instead of calling) work here too."""
         options = transformer_options or {}
+        wrappers = comfy.patcher_extension.get_all_wrappers(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, options)
+        return comfy.patcher_extension.WrapperExecutor.new_class_executor(self._evaluate, self, wrappers).execute(
+            x, timesteps, context, control, options, **kwargs)
+
+    def _evaluate(self, x, timesteps, context, control, options, **kwargs):
         _refuse_patches(control, options)
+        kwargs.pop("denoise_mask", None)  # Wan 2.2's: ComfyUI's model already turned it into per-frame timesteps
         unknown = sorted(name for name, value in kwargs.items() if value is not None and name not in self.conds)
         if unknown:
             raise UnsupportedPatch(f"xDiT Model: the conditioning carries {unknown}, which this pool's "
@@ -74,10 +83,16 @@ class PoolTransformer(torch.nn.Module):
             x = x[:, :, 0]
         batch = x.shape[0]
         conditioning = {self.conds[name]: value.float() for name, value in {"context": context, **kwargs}.items()
-                        if value is not None and name in self.conds}
+                        if value is not None and name in self.conds and name != "ref_latents"}
+        if kwargs.get("ref_latents") is not None and "ref_latents" in self.conds:
+            conditioning.update(_references(kwargs["ref_latents"]))
         if "guidance" in conditioning:
             conditioning["guidance"] = conditioning["guidance"].reshape(-1).expand(batch).contiguous()
-        tensors = {"latents": x.float().contiguous(), "sigma": sigma.float().reshape(-1).expand(batch).contiguous()}
+        sigma = sigma.float().reshape(-1).expand(batch)
+        if timesteps.ndim == 2:  # one per latent frame (Wan 2.2 TI2V: its start frame's 0), ComfyUI's mask × timestep
+            top = timesteps.float().amax(dim=1, keepdim=True)
+            sigma = sigma[:, None] * torch.where(top > 0, timesteps.float() / top.clamp_min(1e-12), 1.0)
+        tensors = {"latents": x.float().contiguous(), "sigma": sigma.contiguous()}
         loras = self.pool.lora_params() + [{"path": path, "strength": strength} for path, strength in options.get(LORAS, ())]
 
         from ..workers.client import JobCancelledError
@@ -88,6 +103,15 @@ class PoolTransformer(torch.nn.Module):
         except JobCancelledError:
             comfy_compat.raise_interrupted()
         return prediction[:, :, None] if one_frame else prediction
+
+
+def _references(value: list) -> dict[str, torch.Tensor]:
+    """ReferenceLatent's images ([B, C, h, w] each, any sizes) as the pool takes them: `reference_latents`, their
+    pixels flattened and joined, [B, C, Σ h·w], and `reference_sizes`, each image's (h, w), [B, N, 2]."""
+    images = [image[:, :, 0] if image.ndim == 5 else image for image in value]  # [B, C, 1, h, w]: Qwen-Image's
+    sizes = torch.tensor([list(image.shape[-2:]) for image in images], dtype=torch.float32)
+    return {"reference_latents": torch.cat([image.float().flatten(2) for image in images], dim=2),
+            "reference_sizes": sizes.expand(len(images[0]), -1, -1).contiguous()}
 
 
 def _refuse_patches(control, options: dict) -> None:
@@ -138,8 +162,7 @@ def comfy_model(pool, comfy_file=None, expert: str = "") -> PoolModelPatcher:
     family's ComfyUI model class."""
     adapter = adapter_for(pool.pipeline, pool.latent_scale)
     if not adapter.data.model_call_conds:
-        raise ConditioningError(f"the pool's {pool.pipeline} takes no model calls yet (SD3, Flux.1 and Qwen-Image "
-                                "do); sample it with xDiT Sampler")
+        raise ConditioningError(f"the pool's {pool.pipeline} takes no model calls yet; sample it with xDiT Sampler")
     if comfy_file is not None:
         model_config, weights = comfy_file.model_config, comfy_file.weights
         model_config.unet_config["disable_unet_model_creation"] = True
@@ -165,7 +188,7 @@ class XDiTModel(io.ComfyNode):
             display_name="Model from xDiT Pool",
             category="sampling/xDiT",
             description="The pool as a MODEL for KSampler, SamplerCustomAdvanced and guiders: ComfyUI's samplers "
-                        "step here, each model call runs in parallel on the pool (SD3, Flux.1, Qwen-Image).",
+                        "step here, each model call runs in parallel on the pool.",
             inputs=[XDiTPoolType.Input("pool", tooltip="The xDiT Pool (or xDiT LoRA) that evaluates the model.")],
             outputs=[io.Model.Output()],
         )

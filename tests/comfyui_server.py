@@ -26,7 +26,7 @@ PROBE = Path(__file__).resolve().parent / "comfyui_probe"
 
 
 class ComfyServer:
-    def __init__(self, comfy: Path, python: Path, work: Path):
+    def __init__(self, comfy: Path, python: Path, work: Path, args: tuple[str, ...] = ()):
         self.work, self.comfy, self.python = work, comfy, python
         for name in ("probe_before", "custom_nodes", "probe_after", "test_nodes", "models/diffusers", "models/diffusion_models", "models/loras", "models/vae",
                      "input", "output", "user/default"):
@@ -50,7 +50,7 @@ class ComfyServer:
             str(python), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port), "--disable-auto-launch",
             "--extra-model-paths-config", str(work / "extra.yaml"), "--cache-none", "--database-url", "sqlite:///:memory:",
             "--input-directory", str(work / "input"), "--output-directory", str(work / "output"),
-            "--user-directory", str(work / "user"),
+            "--user-directory", str(work / "user"), *args,
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.process = subprocess.Popen(command, cwd=comfy, env=env, stdout=self.log.open("wb"), stderr=subprocess.STDOUT,

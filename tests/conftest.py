@@ -63,11 +63,11 @@ def pytest_runtest_makereport(item, call):
 
 
 @pytest.fixture(scope="module")
-def comfy(comfyui_install, tmp_path_factory):
-    """A real ComfyUI server with this pack, one per test module that asks for it."""
+def comfy(request, comfyui_install, tmp_path_factory):
+    """A real ComfyUI server with this pack, one per test module that asks for it (with the module's COMFY_ARGS)."""
     from comfyui_server import ComfyServer
 
-    server = ComfyServer(*comfyui_install, tmp_path_factory.mktemp("comfy"))
+    server = ComfyServer(*comfyui_install, tmp_path_factory.mktemp("comfy"), getattr(request.module, "COMFY_ARGS", ()))
     yield server
     server.stop()
     assert "IMPORT FAILED" not in server.log.read_text()

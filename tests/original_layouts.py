@@ -377,6 +377,8 @@ def original_layout(family: str, transformer) -> dict:
         return flux3_to_bfl(sd)
     if family in ("flux", "flux-kontext"):
         return flux_to_bfl(sd, config)
+    if family.startswith("flux2"):
+        return flux2_to_bfl(sd, config)
     if family == "sd3":
         return sd3_to_sai(sd, config)
     if family == "qwen-image":  # Comfy-Org's files keep diffusers' names, under ComfyUI's prefix

@@ -9,11 +9,16 @@ XDiTTestConditioning node: UMT5-XXL is too big for a CPU test), the same for bot
 
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
 from test_comfyui_loader import _loader, _run
 from xdit_test_helpers import TOLERANCE
+
+# ComfyUI's attention as on the GPUs a pool runs on (PyTorch's SDPA, its default there), not its CPU default (the
+# sub-quadratic kernel, whose 1e-5 rounding CFG 5 and multistep samplers carry to 1e-3 on these peaked tiny models)
+COMFY_ARGS = ("--use-pytorch-cross-attention",)
 
 WAN21 = "tiny-wan21-t2v-comfy.safetensors"
 WAN22 = {"high": "tiny_wan2.2_t2v_high_noise_14B_fp16.safetensors",  # names as Comfy-Org ships the pair
@@ -21,8 +26,10 @@ WAN22 = {"high": "tiny_wan2.2_t2v_high_noise_14B_fp16.safetensors",  # names as 
 STEPS, SIZE, FRAMES = 4, 64, 5
 
 
-def _wan_file(comfy, name: str, seed: int) -> None:
-    """A two-block Wan 2.1-architecture transformer, attention made peaked, in Wan's own names."""
+def _wan_file(comfy, name: str, seed: int, in_channels: int = 16, out_channels: int = 16, peak: float = 4.0,
+              **more) -> None:
+    """A two-block Wan 2.1-architecture transformer, attention made peaked (q and k × `peak`), in Wan's own names
+    (`more`: Wan 2.1 I2V's CLIP vision widths)."""
     from diffusers import WanTransformer3DModel
 
     from original_layouts import original_layout
@@ -30,18 +37,20 @@ def _wan_file(comfy, name: str, seed: int) -> None:
 
     transformer = tiny_models._peak_attention(tiny_models._seeded(
         seed, WanTransformer3DModel, patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=128,
-        in_channels=16, out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=512, num_layers=2, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", eps=1e-6), tiny_models.QK_SCALE)
+        in_channels=in_channels, out_channels=out_channels, text_dim=4096, freq_dim=256, ffn_dim=512, num_layers=2,
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, **more), peak)
     weights = original_layout("wan", transformer)
     save_file({k: v.contiguous() for k, v in weights.items()}, comfy.work / "models" / "diffusion_models" / name)
 
 
 def _prompts(comfy) -> None:
-    """UMT5's CONDITIONING for a positive and a negative prompt: [1, tokens, 4096] (ComfyUI's wan encoder trims the
-    padding, so the two lengths differ)."""
+    """UMT5's CONDITIONING for a positive and a negative prompt as ComfyUI's wan encoder gives it: [1, 512, 4096], the
+    tokens after the prompt's zeroed (its tokenizer pads to 512, its model zeroes the masked tokens)."""
     g = torch.Generator().manual_seed(11)
     for name, tokens in (("wan-positive", 12), ("wan-negative", 7)):
-        save_file({"cond": torch.randn(1, tokens, 4096, generator=g)}, comfy.work / "input" / f"{name}.safetensors")
+        cond = torch.zeros(1, 512, 4096)
+        cond[:, :tokens] = torch.randn(1, tokens, 4096, generator=g)
+        save_file({"cond": cond}, comfy.work / "input" / f"{name}.safetensors")
 
 
 def _unet(name: str, swapped: bool) -> dict:
@@ -122,3 +131,122 @@ def test_wan22_expert_pair_with_both_loaders_swapped_equals_comfyuis_own_and_sha
     assert len(pools) == 1 and pools[0]["key"]["model"].endswith(WAN22["high"]), pools
     crossed = _run(comfy, _wan22_template(swapped=True, experts=("low", "high")))["low"]
     assert (crossed - expected).abs().max().item() > 1e-3
+
+
+# ------------------------------------------------------------------------------ image-to-video, TI2V 5B
+I2V = {"high": "tiny_wan2.2_i2v_high_noise_14B_fp16.safetensors", "low": "tiny_wan2.2_i2v_low_noise_14B_fp16.safetensors",
+       "wan21": "tiny_wan2.1_i2v_480p_14B_fp16.safetensors", "5b": "tiny_wan2.2_ti2v_5B_fp16.safetensors"}
+CLIP_VISION = 1280  # ComfyUI's Wan 2.1 I2V projects CLIP ViT-H's 1280-wide features (fixed in its code)
+
+
+@pytest.fixture(scope="module")
+def i2v_files(comfy) -> None:
+    """Wan 2.2 I2V A14B's two experts and Wan 2.1 I2V (36 input channels: noise, frame mask, start image; the
+    latter with CLIP vision), Wan 2.2 TI2V 5B (48 channels); the Wan 2.1 VAE at width 8 in its own layout (ComfyUI
+    reads the width from the file) for WanImageToVideo, a start image, CLIP vision features."""
+    import numpy as np
+    from diffusers import AutoencoderKLWan
+    from PIL import Image
+
+    from original_layouts import wan_vae_to_original
+    from parallel.loading import tiny_models
+
+    for kind, seed in (("high", 3), ("low", 6)):
+        _wan_file(comfy, I2V[kind], seed, in_channels=36)
+    # ComfyUI's Wan computes its timestep embedding's frequencies as 10000^(-i/128), diffusers as exp(-i·ln 10000/128):
+    # 3e-6 apart per call, which CFG 5 and UniPC carry to 3e-4 through this model's extra image attention at peak 4
+    _wan_file(comfy, I2V["wan21"], 4, in_channels=36, peak=2.0, image_dim=CLIP_VISION, added_kv_proj_dim=256)
+    _wan_file(comfy, I2V["5b"], 5, in_channels=48, out_channels=48)
+    vae = tiny_models._seeded(5, AutoencoderKLWan, base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                              temperal_downsample=[False, True, True])
+    save_file({k: v.contiguous() for k, v in wan_vae_to_original(vae).items()},
+              comfy.work / "models" / "vae" / "tiny_wan_2.1_vae.safetensors")
+    g = torch.Generator().manual_seed(12)
+    Image.fromarray(torch.randint(0, 256, (SIZE, SIZE, 3), generator=g, dtype=torch.uint8).numpy().astype(np.uint8)).save(
+        comfy.work / "input" / "wan-start.png")
+    save_file({"penultimate_hidden_states": torch.randn(1, 257, CLIP_VISION, generator=g)},
+              comfy.work / "input" / "wan-clip-vision.safetensors")
+    # Wan22ImageToVideoLatent's LATENT (its Wan 2.2 VAE is built at width 160): the start frame's latent first, the
+    # rest zero; noise mask 0 on the start frame
+    latent = torch.zeros(1, 48, 2, SIZE // 16, SIZE // 16)
+    latent[:, :, :1] = torch.randn(1, 48, 1, SIZE // 16, SIZE // 16, generator=g)
+    mask = torch.ones(1, 1, 2, SIZE // 16, SIZE // 16)
+    mask[:, :, :1] = 0
+    save_file({"samples": latent, "noise_mask": mask}, comfy.work / "input" / "wan22-5b-i2v.safetensors")
+    save_file({"samples": latent}, comfy.work / "input" / "wan22-5b-i2v-unmasked.safetensors")
+    save_file({"samples": torch.zeros(1, 48, 2, SIZE // 16, SIZE // 16)}, comfy.work / "input" / "wan22-5b-t2v.safetensors")
+    _prompts(comfy)
+
+
+def _image_to_video(prompt: dict, clip_vision: bool = False) -> dict:
+    """WanImageToVideo as the templates wire it: the prompts, the VAE, the start image (and CLIP vision)."""
+    prompt.update({
+        "vae": {"class_type": "VAELoader", "inputs": {"vae_name": "tiny_wan_2.1_vae.safetensors"}},
+        "image": {"class_type": "LoadImage", "inputs": {"image": "wan-start.png"}},
+        "i2v": {"class_type": "WanImageToVideo", "inputs": {
+            "positive": ["positive", 0], "negative": ["negative", 0], "vae": ["vae", 0], "width": SIZE, "height": SIZE,
+            "length": FRAMES, "batch_size": 1, "start_image": ["image", 0]}},
+    })
+    if clip_vision:
+        prompt["clip"] = {"class_type": "XDiTTestClipVision", "inputs": {"tensors": "wan-clip-vision.safetensors"}}
+        prompt["i2v"]["inputs"]["clip_vision_output"] = ["clip", 0]
+    return prompt
+
+
+def _wan22_i2v_template(swapped: bool, image: bool = True) -> dict:
+    """Wan 2.2 14B image-to-video's sampling part: _wan22_template on WanImageToVideo's conditioning and latent,
+    ModelSamplingSD3 at shift 5."""
+    prompt = _image_to_video(_wan22_template(swapped))
+    for name, kind in (("unet-high", "high"), ("unet-low", "low")):
+        prompt[name] = _unet(I2V[kind], swapped)
+        prompt[f"shift-{kind}"]["inputs"]["shift"] = 5.0
+        prompt[kind]["inputs"].update(positive=["i2v", 0], negative=["i2v", 1])
+    prompt["high"]["inputs"]["latent_image"] = ["i2v", 2]
+    if not image:  # negative control: WanImageToVideo without its start image
+        del prompt["i2v"]["inputs"]["start_image"]
+    return prompt
+
+
+def test_wan22_image_to_video_with_both_loaders_swapped_equals_comfyuis_own(comfy, i2v_files):
+    expected = _run(comfy, _wan22_i2v_template(swapped=False))["low"]
+    assert expected.abs().max().item() > 0.1
+    assert (_run(comfy, _wan22_i2v_template(swapped=True))["low"] - expected).abs().max().item() <= TOLERANCE
+    assert (_run(comfy, _wan22_i2v_template(swapped=True, image=False))["low"] - expected).abs().max().item() > 1e-3
+
+
+def _wan21_i2v(swapped: bool, clip_vision: bool = True) -> dict:
+    """Wan 2.1 I2V: WanImageToVideo with CLIP vision features, KSampler at cfg 5 (on CFG 2 for the loader)."""
+    prompt = _image_to_video(_wan21_template(swapped), clip_vision=clip_vision)
+    prompt["unet"] = _unet(I2V["wan21"], False) if not swapped else {**_loader(cfg_parallel=True), "inputs": {
+        **_loader(cfg_parallel=True)["inputs"], "unet_name": I2V["wan21"]}}
+    prompt["ksampler"]["inputs"].update(positive=["i2v", 0], negative=["i2v", 1], latent_image=["i2v", 2], cfg=5.0)
+    return prompt
+
+
+def test_wan21_image_to_video_with_clip_vision_on_cfg_2_equals_comfyuis_own(comfy, i2v_files):
+    expected = _run(comfy, _wan21_i2v(swapped=False))["ksampler"]
+    assert (_run(comfy, _wan21_i2v(swapped=True))["ksampler"] - expected).abs().max().item() <= TOLERANCE
+    other = _run(comfy, _wan21_i2v(swapped=False, clip_vision=False))["ksampler"]
+    assert (other - expected).abs().max().item() > 1e-3  # negative control: the CLIP vision features act
+
+
+def _wan22_5b_template(swapped: bool, latent: str) -> dict:
+    """Wan 2.2 TI2V 5B's sampling part: ModelSamplingSD3 (shift 8), KSampler uni_pc / simple at cfg 5, on
+    Wan22ImageToVideoLatent's LATENT (with a start image: its noise mask keeps the first frame)."""
+    prompt = _wan21_template(swapped)
+    prompt["unet"] = _unet(I2V["5b"], swapped)
+    prompt["latent"] = {"class_type": "XDiTTestLatent", "inputs": {"tensors": f"wan22-5b-{latent}.safetensors"}}
+    prompt["ksampler"]["inputs"]["cfg"] = 5.0
+    return prompt
+
+
+def test_wan22_ti2v_5b_text_and_image_to_video_with_the_loader_swapped_equal_comfyuis_own(comfy, i2v_files):
+    for latent in ("t2v", "i2v"):
+        expected = _run(comfy, _wan22_5b_template(swapped=False, latent=latent))["ksampler"]
+        assert expected.shape == (1, 48, 2, SIZE // 16, SIZE // 16) and expected.abs().max().item() > 0.1
+        got = _run(comfy, _wan22_5b_template(swapped=True, latent=latent))["ksampler"]
+        assert (got - expected).abs().max().item() <= TOLERANCE, latent
+    # negative control: the start frame's noise level (0, from the noise mask) shapes the frames after it
+    unmasked = _run(comfy, _wan22_5b_template(swapped=True, latent="i2v-unmasked"))["ksampler"]
+    assert (unmasked[:, :, 1:] - expected[:, :, 1:]).abs().max().item() > 1e-3
+

@@ -13,6 +13,8 @@ miss; the transformer without its VAE is one error naming it.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Transformer2DModel
@@ -151,10 +153,14 @@ def test_a_flux2_dev_file_needs_no_vae(tmp_path):
     assert (got - other_guidance).abs().max().item() > 10 * TOLERANCE  # the guidance embedder is loaded and used
 
 
-def test_without_its_vae_one_error_names_it(files, tmp_path):
-    with pytest.raises(ValueError, match=r"is FLUX.2 \[klein\] base, which needs its VAE file beside it \(.*batch-norm "
-                                         r"statistics\): choose the FLUX.2 VAE \(flux2-vae.safetensors\) as the pool's vae"):
-        load_pipeline(files["base"])
+def test_without_its_vae_it_loads_for_model_calls_and_sampling_names_the_file(files, tmp_path):
+    from parallel.loading.checkpoints.load import missing_vae
+
+    alone = load_pipeline(files["base"])
+    assert alone.vae is None and alone.transformer is not None
+    assert re.search(r"is FLUX.2 \[klein\] base, which needs its VAE file beside it to sample \(.*batch-norm "
+                     r"statistics\): choose the FLUX.2 VAE \(flux2-vae.safetensors\) as the pool's vae", missing_vae(alone))
+    assert missing_vae(load_pipeline(files["base"], vae=files["vae"])) is None
     wan_like = tmp_path / "wan_2.1_vae.safetensors"
     save_file({"conv2.weight": torch.zeros(16, 16, 1, 1, 1)}, wan_like)
     with pytest.raises(ValueError, match="is not a FLUX.2 VAE .* file"):

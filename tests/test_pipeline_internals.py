@@ -98,7 +98,9 @@ def stub_transformer(wrapper, outputs: list[torch.Tensor], calls: list[dict]):
 
     def forward(*args, **kwargs):
         calls.append(kwargs)
-        return (outputs[min(len(calls), len(outputs)) - 1].to(kwargs["hidden_states"].dtype),)
+        output = outputs[min(len(calls), len(outputs)) - 1]
+        output = torch.zeros_like(kwargs["hidden_states"]) if output is None else output  # None: zeros of its input
+        return (output.to(kwargs["hidden_states"].dtype),)
 
     transformer.forward = forward
     try:
@@ -150,18 +152,21 @@ MODEL_CALLS = [f for f in tiny_models.FAMILIES if _model_calls(f)]
 def test_a_model_calls_arguments_are_the_pipelines_own(rank, family):
     """The transformer call of a model call (latents unpacked, the scheduler's timestep) equals the one the
     pipeline's loop makes at its first step."""
-    assert {"flux", "qwen-image", "sd3"} <= set(MODEL_CALLS)
+    assert {"flux", "flux2-klein", "flux2-dev", "qwen-image", "sd3"} <= set(MODEL_CALLS)
     wrapper = wrap_pipeline(tiny_models.build_tiny_pipeline(family))
     pipeline = wrapper.module
     inputs = tiny_models.make_inputs(family, height=64, width=64, negative=False)
     calls: list[dict] = []
     guidance = {"guidance_scale": 1.0} if family == "sd3" else {}
-    with stub_transformer(wrapper, [torch.zeros(inputs["latents"].shape)], calls):
+    with stub_transformer(wrapper, [None], calls):
         _call(wrapper, family, 2, negative=False, **guidance)
     own = calls[0]
     latents = own["hidden_states"]
     if wrapper.comfy.packed:
         latents = unpack_2x2(latents, 64, 64, pipeline.vae_scale_factor)
+    elif wrapper.comfy.loop_tokens:  # FLUX.2: one token per latent pixel of its 1/16 LATENT
+        side = 64 // wrapper.latent_scale()
+        latents = latents.transpose(1, 2).unflatten(2, (side, side))
     timestep = pipeline.scheduler.timesteps[:1].expand(latents.shape[0])
     conditioning = {name: inputs[name] for name in wrapper.model_call_inputs if name in inputs}
     if "guidance" in wrapper.model_call_inputs and own.get("guidance") is not None:

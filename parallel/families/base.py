@@ -99,7 +99,8 @@ class ComfyData:
                     latent format and conditioning an xDiT Model carries (ComfyUI's samplers on the pool);
                     "": no xDiT Model for this family.
     model_call_conds: keyword of ComfyUI's diffusion model call (context, y, guidance) → the pipeline's name
-                    for it in a model call (the wrapper's model_call_inputs).
+                    for it in a model call (the wrapper's model_call_inputs); `ref_latents` (ReferenceLatent's images)
+                    travel as `reference_latents` and `reference_sizes` (see `references`).
     """
 
     latent_formats: dict[int, str]
@@ -233,6 +234,21 @@ def pack_2x2(latents: torch.Tensor) -> torch.Tensor:
     """[B, C, H, W] → [B, H/2·W/2, 4C]: 2×2 latent pixels per token, as packing pipelines (Flux) take them."""
     b, c, h, w = latents.shape
     return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def references(inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """A model call's reference images, [B, C, h, w] each: `reference_latents` holds their pixels flattened and
+    joined, [B, C, Σ h·w], `reference_sizes` each one's (h, w), [B, N, 2] (ComfyUI's ReferenceLatent, any sizes)."""
+    flat, sizes = inputs.get("reference_latents"), inputs.get("reference_sizes")
+    if flat is None:
+        return []
+    if sizes is None or sizes.ndim != 3 or sizes.shape[2] != 2 or flat.ndim != 3:
+        raise ValueError("reference_latents [B, C, Σ h·w] go with reference_sizes [B, N, 2], each image's (h, w)")
+    shapes = [(int(h), int(w)) for h, w in sizes[0].tolist()]
+    if sum(h * w for h, w in shapes) != flat.shape[2]:
+        raise ValueError(f"reference_sizes {shapes} do not add up to the {flat.shape[2]} pixels of reference_latents")
+    parts = flat.split([h * w for h, w in shapes], dim=2)
+    return [part.unflatten(2, shape) for part, shape in zip(parts, shapes)]
 
 
 @contextlib.contextmanager

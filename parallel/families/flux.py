@@ -29,7 +29,7 @@ from ..model_executor.attention import TextLayout
 from ..model_executor.pipeline import xFuserPipelineBaseWrapper
 from ..model_executor.pipeline.img2img import linear_sigmas
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PatchFlow, PipeFusionPlan, Split, TokenRows
-from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant, pack_2x2, unpack_2x2
+from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant, pack_2x2, references, unpack_2x2
 
 
 class xFuserFluxPipeline(xFuserPipelineBaseWrapper):
@@ -100,8 +100,31 @@ class xFuserFluxKontextPipeline(xFuserFluxPipeline):
     by default), so every call gets max_area = height·width; pixel references keep their own size
     (no snapping to Kontext's preferred resolutions)."""
 
-    comfy = dataclasses.replace(xFuserFluxPipeline.comfy, reference_latents="image")  # ComfyUI's ReferenceLatent
+    comfy = dataclasses.replace(  # ComfyUI's ReferenceLatent: `image` sampling, `reference_latents` in model calls
+        xFuserFluxPipeline.comfy, reference_latents="image",
+        model_call_conds={**xFuserFluxPipeline.comfy.model_call_conds, "ref_latents": "reference_latents"})
     tensor_inputs = (*xFuserFluxPipeline.tensor_inputs, "image")
+    model_call_inputs = (*xFuserFluxPipeline.model_call_inputs, "reference_latents", "reference_sizes")
+
+    def model_call_arguments(self, latents, timestep, inputs):
+        """FluxKontextPipeline's loop: the reference's packed tokens after the noisy ones, their ids at index 1 (as
+        ComfyUI's Flux places one ReferenceLatent)."""
+        arguments = super().model_call_arguments(latents, timestep, inputs)
+        images = references(inputs)
+        if not images:
+            return arguments
+        if len(images) != 1:
+            raise ValueError(f"FLUX.1 Kontext takes one reference image; this call has {len(images)}: chain one "
+                             "ReferenceLatent node")
+        reference = images[0]
+        ids = self.module._prepare_latent_image_ids(reference.shape[0], reference.shape[2] // 2, reference.shape[3] // 2,
+                                                    reference.device, reference.dtype)
+        ids[..., 0] = 1
+        return {**arguments, "hidden_states": torch.cat([arguments["hidden_states"], pack_2x2(reference)], dim=1),
+                "img_ids": torch.cat([arguments["img_ids"], ids])}
+
+    def model_call_output(self, output, latents):
+        return super().model_call_output(output[:, : (latents.shape[2] // 2) * (latents.shape[3] // 2)], latents)
 
     def prepare(self, kwargs: dict[str, Any], check_layout: bool = True) -> tuple[dict[str, Any], int, int]:
         kwargs, batch, tokens = super().prepare(kwargs, check_layout)

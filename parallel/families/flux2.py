@@ -33,7 +33,7 @@ from ..layout.config import LayoutError
 from ..model_executor.pipeline import xFuserPipelineBaseWrapper
 from ..model_executor.pipeline.img2img import linear_sigmas
 from ..model_executor.plans import JoinedStream, Split
-from .base import FAMILIES, ComfyData, DeclaredLatentFormat, Family, SingleFile, TinyModel, Variant, VaeFile
+from .base import FAMILIES, ComfyData, DeclaredLatentFormat, Family, SingleFile, TinyModel, Variant, VaeFile, references
 from .flux import FLUX
 
 TRANSFORMER_MODULE = "diffusers.models.transformers.transformer_flux2"
@@ -71,10 +71,37 @@ class xFuserFlux2KleinPipeline(xFuserPipelineBaseWrapper):
                 "[klein]: Qwen3 4B or 8B, three hidden layers stacked: 7680 or 12288 wide)",
         empty_latent="EmptyFlux2LatentImage (ComfyUI 0.33), or xDiT Empty Latent on a ComfyUI without it: 128 channels "
                      "at 1/16 size",
+        model_class="Flux2",
+        model_call_conds={"context": "prompt_embeds", "guidance": "guidance", "ref_latents": "reference_latents"},
     )
     latent_patch = 2
     embedding_sizes = {"prompt_embeds": "joint_attention_dim", "negative_prompt_embeds": "joint_attention_dim"}
     tensor_inputs = ("image",)
+    # guidance: [dev]'s distilled guidance (FluxGuidance), ignored by [klein]; ReferenceLatent's images (base.references)
+    model_call_inputs = ("prompt_embeds", "guidance", "reference_latents", "reference_sizes")
+    model_call_required = ("prompt_embeds",)
+
+    def model_call_arguments(self, latents, timestep, inputs):
+        """The pipelines' loop: one token per latent pixel, each reference's tokens after them at time index 10, 20,
+        ... (`_prepare_image_ids`, as ComfyUI's FLUX.2 places ReferenceLatent's images), the text's ids along L."""
+        pipeline, embeds = self.module, inputs["prompt_embeds"]
+        tokens, ids = pipeline._pack_latents(latents), pipeline._prepare_latent_ids(latents)
+        parts = references(inputs)
+        if parts:
+            reference_ids = pipeline._prepare_image_ids([part[:1] for part in parts]).expand(len(latents), -1, -1)
+            tokens = torch.cat([tokens, *(pipeline._pack_latents(part) for part in parts)], dim=1)
+            ids = torch.cat([ids, reference_ids], dim=1)
+        guided = pipeline.transformer.config.guidance_embeds
+        if guided and inputs.get("guidance") is None:
+            raise ValueError("FLUX.2 [dev] has distilled guidance: send 'guidance' (FluxGuidance's value) per sample")
+        return {"hidden_states": tokens, "timestep": timestep / 1000, "encoder_hidden_states": embeds,
+                "guidance": inputs["guidance"] if guided else None, "txt_ids": pipeline._prepare_text_ids(embeds).to(embeds.device),
+                "img_ids": ids.to(latents.device)}
+
+    def model_call_output(self, output, latents):
+        """The noisy tokens back to [B, 128, h, w] (the references' are dropped, as the pipelines drop them)."""
+        batch, channels, height, width = latents.shape
+        return output[:, : height * width].transpose(1, 2).reshape(batch, channels, height, width)
 
     def prepare(self, kwargs: dict[str, Any], check_layout: bool = True) -> tuple[dict[str, Any], int, int]:
         if isinstance(kwargs.get("image"), torch.Tensor):

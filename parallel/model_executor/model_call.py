@@ -3,7 +3,7 @@
 KSampler and SamplerCustomAdvanced step in ComfyUI and ask the model for one prediction per call; a pool
 answers each call with one parallel evaluation here. A model call names its inputs as the pipeline does:
 `latents` [B, C, H, W] in the model's latent space (unpacked, as ComfyUI holds them), `sigma` [B] the
-flow-matching noise level, and the family's conditioning (`model_call_inputs`: prompt_embeds, pooled, ...).
+flow-matching noise level (or [B, T'] per latent frame, where the model takes it so: Wan 2.2 TI2V), and the family's conditioning (`model_call_inputs`: prompt_embeds, pooled, ...).
 The family's wrapper turns them into the transformer call its pipeline's loop makes (`model_call_arguments`,
 `model_call_output`), so the prediction is exactly the one the pipeline computes for the same latents and
 timestep, under every layout the plan applies (Ulysses, Ring, USP, uneven tokens).
@@ -37,8 +37,7 @@ def check_model_call(wrapper, tensors: dict[str, torch.Tensor], expert: str = ""
     pipeline = type(wrapper.module).__name__
     expert_of(wrapper, expert)
     if not wrapper.model_call_inputs:
-        raise ValueError(f"{pipeline} takes no single model calls on this pool yet (xDiT Model supports "
-                         "SD3, Flux.1, Qwen-Image and Wan 2.1 / 2.2 text-to-video); sample it with xDiT Sampler")
+        raise ValueError(f"{pipeline} takes no single model calls on this pool yet; sample it with xDiT Sampler")
     c = wrapper.parallel_config
     if c.pipefusion_degree > 1:
         raise LayoutError("PipeFusion pipelines patches across the steps of one sampling run, which single model "
@@ -58,8 +57,10 @@ def check_model_call(wrapper, tensors: dict[str, torch.Tensor], expert: str = ""
     if latents.ndim != (5 if video else 4) or latents.shape[1] != channels:
         layout = f"[batch, {channels}, frames, height, width]" if video else f"[batch, {channels}, height, width]"
         raise ValueError(f"latents have shape {list(latents.shape)}; {pipeline} takes {layout} in its model space")
-    if sigma.shape != (batch,):
-        raise ValueError(f"sigma must hold one noise level per sample, shape [{batch}], not {list(sigma.shape)}")
+    frames = (batch, latents.shape[2]) if video and wrapper.frame_timesteps() else None
+    if sigma.shape != (batch,) and sigma.shape != frames:
+        per_frame = f", or one per latent frame, [{batch}, {latents.shape[2]}]" if frames else ""
+        raise ValueError(f"sigma must hold one noise level per sample, shape [{batch}]{per_frame}, not {list(sigma.shape)}")
     for name in wrapper.model_call_inputs:
         if name in tensors and tensors[name].shape[0] != batch:
             raise ValueError(f"{name} has batch {tensors[name].shape[0]} but latents have {batch}: send one per sample")

@@ -6,7 +6,7 @@ ComfyUI's own text encoders are built at their released, multi-billion-parameter
 CONDITIONING: XDiTTestConditioning builds one from tensors a test saved, in exactly the layout the encoder node
 gives (its `cond`, and its extras under their ComfyUI keys: `attention_mask`, `conditioning_byt5small`,
 `reference_latents` as TextEncodeQwenImageEdit(Plus) appends them, ...). XDiTTestClipVision stands for
-CLIPVisionEncode's output the same way.
+CLIPVisionEncode's output the same way, XDiTTestLatent a latent node's LATENT.
 
 A file holds `cond` and extras by key; a list (reference_latents) as `key.0`, `key.1`, ...; a float (guidance) as
 a 0-d tensor.
@@ -64,4 +64,21 @@ class XDiTTestClipVision:
         return (output,)
 
 
-NODE_CLASS_MAPPINGS = {"XDiTTestConditioning": XDiTTestConditioning, "XDiTTestClipVision": XDiTTestClipVision}
+class XDiTTestLatent:
+    """A LATENT as a latent node that needs a released-size VAE makes it (Wan22ImageToVideoLatent: the Wan 2.2 VAE is
+    built at width 160): `samples`, and its `noise_mask` where the file has one."""
+
+    CATEGORY = "testing/xdit"
+    RETURN_TYPES = ("LATENT",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"tensors": ("STRING", {"default": ""})}}
+
+    def load(self, tensors):
+        return (dict(_load(tensors)),)
+
+
+NODE_CLASS_MAPPINGS = {"XDiTTestConditioning": XDiTTestConditioning, "XDiTTestClipVision": XDiTTestClipVision,
+                       "XDiTTestLatent": XDiTTestLatent}

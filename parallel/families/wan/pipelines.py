@@ -39,12 +39,26 @@ class xFuserWanPipeline(xFuserPipelineBaseWrapper):
         return transformer.config
 
     def model_call_arguments(self, latents, timestep, inputs):
-        """WanPipeline's loop: the 5-D latents as they are, the scheduler's timestep per sample, the text (Wan 2.2 TI2V's
-        per-token timesteps are the pipeline's loop only)."""
-        if self.module.config.get("expand_timesteps"):
-            raise ValueError("a model call of Wan 2.2 TI2V 5B (one timestep per token) is not supported yet; sample it "
-                             "with xDiT Sampler")
-        return {"hidden_states": latents, "timestep": timestep, "encoder_hidden_states": inputs["prompt_embeds"]}
+        """WanPipeline's loop: the 5-D latents as they are (image-to-video's: noise, frame mask and start image joined,
+        as ComfyUI's WanImageToVideo joins them), the scheduler's timestep per sample, the text, Wan 2.1 I2V's CLIP
+        vision features; Wan 2.2 TI2V takes one timestep per token, each latent frame's for its tokens (its start
+        frame's 0 in image-to-video, as ComfyUI's Wan22ImageToVideoLatent noise mask makes it)."""
+        arguments = {"hidden_states": latents, "timestep": timestep, "encoder_hidden_states": inputs["prompt_embeds"]}
+        if inputs.get("image_embeds") is not None:
+            if inputs["prompt_embeds"].shape[1] != PROMPT_TOKENS:  # diffusers' Wan 2.1 I2V cuts image from text there
+                raise ValueError(f"Wan 2.1 I2V takes its text as {PROMPT_TOKENS} tokens (UMT5's padded length, as "
+                                 f"ComfyUI's wan text encoder gives it), not {inputs['prompt_embeds'].shape[1]}: encode "
+                                 "the prompt with the wan CLIP loader, without concatenating conditionings")
+            arguments["encoder_hidden_states_image"] = inputs["image_embeds"]
+        if self.frame_timesteps():
+            patch_t, patch_h, patch_w = self._config().patch_size
+            frames = latents.shape[2] // patch_t
+            steps = timestep[:, None].expand(-1, frames) if timestep.ndim == 1 else timestep
+            arguments["timestep"] = steps.repeat_interleave((latents.shape[3] // patch_h) * (latents.shape[4] // patch_w), dim=1)
+        return arguments
+
+    def frame_timesteps(self) -> bool:
+        return bool(self.module.config.get("expand_timesteps"))
 
     def encode_text(self, prompt: str) -> dict[str, torch.Tensor]:
         """As `WanPipeline(prompt=...)` encodes it: UMT5, padded with zeros to 512 tokens."""
@@ -127,7 +141,10 @@ class xFuserWanImageToVideoPipeline(xFuserWanPipeline):
     given (`image_embeds`, [1, 257, 1280]: ComfyUI's CLIPVisionEncode), as a single-file pool needs."""
 
     tensor_inputs = ("image", "image_latents", "image_embeds")
-    comfy = dataclasses.replace(xFuserWanPipeline.comfy, concat_latents="image_latents", clip_vision="image_embeds")
+    comfy = dataclasses.replace(xFuserWanPipeline.comfy, concat_latents="image_latents", clip_vision="image_embeds",
+                                model_class="WAN21_I2V",
+                                model_call_conds={**xFuserWanPipeline.comfy.model_call_conds, "clip_fea": "image_embeds"})
+    model_call_inputs = ("prompt_embeds", "image_embeds")  # image_embeds: Wan 2.1 I2V's CLIP vision (ComfyUI's clip_fea)
 
     def input_widths(self) -> dict[str, int]:
         image_dim = self.module.transformer.config.image_dim  # Wan 2.1 I2V only

@@ -150,7 +150,8 @@ def load_single_file_pipeline(path: str | Path, *, dtype: torch.dtype | None = N
     """The detected family's diffusers pipeline around the file's transformer (dtype None: as stored; fp8
     files compute in bf16 then, from weights that stay fp8 unless `keep_fp8` is off); a file that is one of
     two experts brings its partner file (`expert_files`); `vae`: the VAE file that goes with it (vae.py),
-    which the variants whose shipped model_index.json lists a `vae` need."""
+    which the variants whose shipped model_index.json lists a `vae` need to sample (a pool serving model calls
+    alone needs none: `missing_vae` says why its sampling runs are refused)."""
     checkpoint = CheckpointFile(path)
     experts = expert_files(detect_checkpoint(checkpoint), checkpoint)
     detected = experts["transformer"][0]
@@ -161,10 +162,12 @@ def load_single_file_pipeline(path: str | Path, *, dtype: torch.dtype | None = N
         words = " / ".join(f"{a} and {b}" for a, b in detected.single_file.experts.words)
         raise ValueError(f"{Path(path).name} is one expert of {title}, but its name does not say which: keep the "
                          f"two files as released, named {words}, side by side")
-    if vae is None and "vae" in index:
+    missing_vae = None
+    if vae is None and "vae" in index:  # model calls need none; sampling runs are refused with this (missing_vae)
         layout = detected.single_file.vae
-        raise ValueError(f"{Path(path).name} is {title}, which needs its VAE file beside it ({layout.needed}): choose "
-                         f"the {layout.title} as the pool's vae (--vae FILE, from ComfyUI's models/vae)")
+        missing_vae = (f"{Path(path).name} is {title}, which needs its VAE file beside it to sample ({layout.needed}): "
+                       f"choose the {layout.title} as the pool's vae (--vae FILE, from ComfyUI's models/vae); its "
+                       "model calls (Load Diffusion Model (xDiT Pool)) need none")
     components = {name: load_transformer(found, file, index, dtype, keep_fp8, subfolder=name)
                   for name, (found, file) in experts.items()}
     if vae is not None:
@@ -181,4 +184,10 @@ def load_single_file_pipeline(path: str | Path, *, dtype: torch.dtype | None = N
     settings = {name: index[name] for name in optional if name in index}  # e.g. Wan 2.2's boundary_ratio
     pipeline = pipeline_cls(**absent, **settings, **components, scheduler=scheduler)
     pipeline.register_to_config(_name_or_path=str(path))
+    pipeline._xdit_missing_vae = missing_vae
     return pipeline
+
+
+def missing_vae(pipeline) -> str | None:
+    """Why this single-file pipeline cannot sample without the VAE file it was loaded without; None: it can."""
+    return getattr(pipeline, "_xdit_missing_vae", None)

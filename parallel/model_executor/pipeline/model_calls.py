@@ -36,6 +36,10 @@ class ModelCallGlue:
         as the pipeline's loop makes them (families with model_call_inputs)."""
         raise NotImplementedError
 
+    def frame_timesteps(self) -> bool:
+        """Whether a model call may carry one noise level per latent frame, sigma [B, T'] (Wan 2.2 TI2V)."""
+        return False
+
     def model_call_output(self, output: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
         """The transformer's output as a prediction shaped like `latents`."""
         return output

@@ -165,6 +165,10 @@ class xFuserPipelineBaseWrapper(LayoutChecks, Img2Img, ModelCallGlue, xFuserBase
     def prepare(self, kwargs: dict[str, Any], check_layout: bool = True) -> tuple[dict[str, Any], int, int]:
         """The call's full keyword arguments, its batch size and image tokens; raises if it can't run (without
         `check_layout`: if its inputs do not fit the model, whatever the layout)."""
+        from ...loading.checkpoints.load import missing_vae
+
+        if missing := missing_vae(self.module):  # a transformer file loaded alone serves model calls only
+            raise ValueError(missing)
         kwargs = {**self.call_defaults, **kwargs}
         if not kwargs.get("height") or not kwargs.get("width"):
             raise ValueError("pass height and width: the layout is checked against the token count they give")
