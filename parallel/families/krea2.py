@@ -84,14 +84,22 @@ class xFuserKrea2Pipeline(xFuserPipelineBaseWrapper):
                                       f"joined; choose a size or a prompt whose sum divides by {c.patches * c.sp_degree}")
         return tokens
 
-    def prepare(self, kwargs: dict[str, Any], check_layout: bool = True) -> tuple[dict[str, Any], int, int]:
+    def converted(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         kwargs = self._unflattened(kwargs)
         for embeds, mask in TEXTS.items():  # the pipeline needs a mask with given embeddings: none given is all valid
             if isinstance(kwargs.get(embeds), torch.Tensor):
                 given = kwargs.get(mask)
-                kwargs[mask] = (torch.ones(kwargs[embeds].shape[:2], dtype=torch.bool) if given is None
-                                else given.bool())
-        return super().prepare(kwargs, check_layout)
+                kwargs[mask] = (torch.ones(kwargs[embeds].shape[:2], dtype=torch.bool, device=kwargs[embeds].device)
+                                if given is None else given.bool())
+        # Its loop takes both texts' positions from the prompt's length: a shorter text (ComfyUI's carry no padding)
+        # is padded at its end, masked, which changes nothing (the text carries no position)
+        longest = max((kwargs[name].shape[1] for name in TEXTS if isinstance(kwargs.get(name), torch.Tensor)), default=0)
+        for embeds, mask in TEXTS.items():
+            short = longest - kwargs[embeds].shape[1] if isinstance(kwargs.get(embeds), torch.Tensor) else 0
+            if short:
+                kwargs[embeds] = torch.nn.functional.pad(kwargs[embeds], (0, 0, 0, 0, 0, short))
+                kwargs[mask] = torch.nn.functional.pad(kwargs[mask], (0, short), value=False)
+        return kwargs
 
     def _unflattened(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Embeddings [B, tokens, layers · width] (ComfyUI's conditioning) as the pipeline takes them, [B, tokens,
@@ -108,9 +116,11 @@ class xFuserKrea2Pipeline(xFuserPipelineBaseWrapper):
         return out
 
     def encode_text(self, prompt: str) -> dict[str, torch.Tensor]:
-        """The pipeline's encoding, its layers flattened as ComfyUI's conditioning holds them."""
+        """The pipeline's encoding as ComfyUI's CLIPLoader krea2 gives it: the valid tokens alone (the text carries no
+        position, so dropping its masked padding is exact) and the layers flattened. ComfyUI's own Krea 2 takes no
+        mask, so the conditioning then samples alike on it and on the pool."""
         embeds, mask = self.module.encode_prompt(prompt, device=self.module.transformer.device)
-        return {"prompt_embeds": embeds.flatten(2), "prompt_embeds_mask": mask}
+        return {"prompt_embeds": embeds[:, mask[0].bool()].flatten(2)}
 
     def model_call_arguments(self, latents, timestep, inputs):
         """Krea2Pipeline's loop: 2×2-packed tokens, their and the text's positions, timestep / 1000, the text's mask

@@ -162,6 +162,12 @@ class xFuserPipelineBaseWrapper(LayoutChecks, Img2Img, ModelCallGlue, xFuserBase
         does not know and stand in for what they replace (Wan image-to-video's given image encoding)."""
         return contextlib.nullcontext()
 
+    def converted(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The call's tensors as the pipeline takes them, where a client sends them otherwise (ComfyUI's flattened
+        layers). `prepare` converts them, and a call run from a prepared result converts the tensors this rank holds
+        again (they replace the prepared ones), so a conversion must leave converted tensors as they are."""
+        return kwargs
+
     def prepare(self, kwargs: dict[str, Any], check_layout: bool = True) -> tuple[dict[str, Any], int, int]:
         """The call's full keyword arguments, its batch size and image tokens; raises if it can't run (without
         `check_layout`: if its inputs do not fit the model, whatever the layout)."""
@@ -169,7 +175,7 @@ class xFuserPipelineBaseWrapper(LayoutChecks, Img2Img, ModelCallGlue, xFuserBase
 
         if missing := missing_vae(self.module):  # a transformer file loaded alone serves model calls only
             raise ValueError(missing)
-        kwargs = {**self.call_defaults, **kwargs}
+        kwargs = self.converted({**self.call_defaults, **kwargs})
         if not kwargs.get("height") or not kwargs.get("width"):
             raise ValueError("pass height and width: the layout is checked against the token count they give")
         batch = batch_size(kwargs)
@@ -216,7 +222,7 @@ class xFuserPipelineBaseWrapper(LayoutChecks, Img2Img, ModelCallGlue, xFuserBase
             kwargs, batch, tokens = self.prepare(kwargs)
         else:
             checked, batch, tokens = prepared
-            kwargs = {**checked, **kwargs}
+            kwargs = self.converted({**checked, **kwargs})
         after_step = contextlib.nullcontext()
         if step_callback is not None:
             arguments, after_step = self.step_callbacks(step_callback)

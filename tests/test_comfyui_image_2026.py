@@ -1,0 +1,149 @@
+"""Krea 2 and Qwen-Image 2.1 in a real ComfyUI 0.33.0, one server for both.
+
+Krea 2, which ComfyUI 0.33 runs natively: a tiny model of ComfyUI's own shape (ComfyUI reads its widths and depth
+from the file but fixes heads of 128, 20 text heads and an MLP multiplier of 4: 2 heads of 128 over 1 key/value
+head, a 40-wide text of 3 stacked layers) saved as a diffusers folder (for xDiT Text Encode's pool) and as Krea's
+single file. The Krea 2 Turbo template's sampling part (UNETLoader → KSampler on EmptyLatentImage, cfg 1 with
+ConditioningZeroOut; and cfg 4 with a negative) with the loader swapped for Load Diffusion Model (xDiT Pool) on
+Ulysses 2 and on CFG 2 equals ComfyUI's own Krea 2 model on the same file within 1e-4. xDiT Text Encode + ComfyUI's
+EmptySD3LatentImage + xDiT Sampler on the built-in tiny Krea 2 (Ulysses 2) gives a LATENT in ComfyUI's own Wan 2.1
+format equal to diffusers' Krea2Pipeline within 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+from safetensors.torch import save_file
+
+from original_layouts import original_layout
+from test_comfyui import native_format_taken, saved_latent
+from test_comfyui_model import latents_of
+from xdit_test_helpers import TOLERANCE, diffusers_latents
+
+KREA, STEPS, SEED, SIZE = "tiny-krea2-comfy", 4, 5, 64
+POSITIVE, NEGATIVE = "a lighthouse at dusk", "blurry"
+LAYOUT = {"nproc": 2, "ulysses_degree": 1, "ring_degree": 1, "pipefusion_degree": 1, "num_patches": 0, "warmup_steps": 1,
+          "cfg_parallel": False, "dp_degree": 1, "devices": "", "threads_per_rank": 1, "endpoint": ""}
+
+
+def _entry(comfy, prompt) -> dict:
+    entry = comfy.wait(comfy.queue(prompt), 900)
+    errors = [(m[1]["node_type"], m[1]["exception_message"], m[1]["traceback"][-3:])
+              for m in entry["status"]["messages"] if m[0] == "execution_error"]
+    assert entry["status"]["status_str"] == "success", errors or json.dumps(entry["status"])[-2000:]
+    return entry
+
+
+def _run(comfy, prompt) -> dict[str, torch.Tensor]:
+    return latents_of(comfy, _entry(comfy, prompt))
+
+
+# ---------------------------------------------------------------------------------------------------- Krea 2
+@pytest.fixture(scope="module")
+def krea_files(comfy) -> str:
+    """The ComfyUI-shaped tiny Krea 2: its diffusers folder (text encoders included) and Krea's single file."""
+    from diffusers import Krea2Transformer2DModel
+
+    from parallel.families.krea2 import _random_norms
+    from parallel.loading import tiny_models as tm
+
+    pipe = tm.build_tiny_pipeline("krea2", seed=6)
+    transformer = tm._seeded(6, Krea2Transformer2DModel, in_channels=64, num_layers=2, attention_head_dim=128,
+                             num_attention_heads=2, num_key_value_heads=1, intermediate_size=768, timestep_embed_dim=256,
+                             text_hidden_dim=40, num_text_layers=3, text_num_attention_heads=20,
+                             text_num_key_value_heads=20, text_intermediate_size=128)
+    _random_norms(transformer, 6)
+    tokenizer, text_encoder = tm._qwen3_vl(7, 40, "Qwen3VLModel", layers=3)
+    pipe = type(pipe)(**{**pipe.components, "transformer": transformer, "tokenizer": tokenizer,
+                         "text_encoder": text_encoder}, text_encoder_select_layers=(1, 2, 3))
+    pipe.save_pretrained(comfy.work / "models" / "diffusers" / KREA, safe_serialization=True)
+    weights = original_layout("krea2", transformer)
+    save_file({k: v.contiguous() for k, v in weights.items()}, comfy.work / "models" / "diffusion_models" / f"{KREA}.safetensors")
+    return KREA
+
+
+def _krea_template(model: dict) -> dict:
+    """The Krea 2 Turbo template's sampling: EmptyLatentImage, KSampler euler/simple at cfg 1 on the prompt and its
+    ConditioningZeroOut; and at cfg 4 with a negative prompt (Krea's own guidance, 3)."""
+    ksampler = {"seed": SEED, "steps": STEPS, "sampler_name": "euler", "scheduler": "simple", "latent_image": ["latent", 0],
+                "denoise": 1.0, "model": ["unet", 0], "positive": ["text", 0]}
+    return {
+        "pool": {"class_type": "XDiTPool", "inputs": {**LAYOUT, "model": KREA, "nproc": 1, "text_encoders": True,
+                                                       "dtype": "auto"}},
+        "text": {"class_type": "XDiTTextEncode", "inputs": {"pool": ["pool", 0], "text": POSITIVE}},
+        "negative": {"class_type": "XDiTTextEncode", "inputs": {"pool": ["pool", 0], "text": NEGATIVE}},
+        "zero": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["text", 0]}},
+        "latent": {"class_type": "EmptyLatentImage", "inputs": {"width": SIZE, "height": SIZE, "batch_size": 1}},
+        "unet": model,
+        "turbo": {"class_type": "KSampler", "inputs": {**ksampler, "cfg": 1.0, "negative": ["zero", 0]}},
+        "save-turbo": {"class_type": "SaveLatent", "inputs": {"samples": ["turbo", 0], "filename_prefix": "turbo"}},
+        "guided": {"class_type": "KSampler", "inputs": {**ksampler, "cfg": 4.0, "negative": ["negative", 0]}},
+        "save-guided": {"class_type": "SaveLatent", "inputs": {"samples": ["guided", 0], "filename_prefix": "guided"}},
+    }
+
+
+def _swapped(**layout) -> dict:
+    return {"class_type": "XDiTLoadDiffusionModel", "inputs": {
+        **LAYOUT, "unet_name": f"{KREA}.safetensors", "weight_dtype": "default", **layout}}
+
+
+@pytest.fixture(scope="module")
+def krea_stock(comfy, krea_files) -> dict[str, torch.Tensor]:
+    return _run(comfy, _krea_template({"class_type": "UNETLoader", "inputs": {"unet_name": f"{KREA}.safetensors",
+                                                                             "weight_dtype": "default"}}))
+
+
+@pytest.mark.parametrize("layout", [{"ulysses_degree": 2}, {"cfg_parallel": True}], ids=["ulysses2", "cfg2"])
+def test_krea2_with_the_loader_swapped_equals_comfyuis_own_krea2(comfy, krea_stock, layout):
+    swapped = _run(comfy, _krea_template(_swapped(**layout)))
+    for name in ("turbo", "guided"):
+        assert swapped[name].shape == krea_stock[name].shape == (1, 16, 1, SIZE // 8, SIZE // 8)
+        assert (swapped[name] - krea_stock[name]).abs().max().item() <= TOLERANCE, name
+        assert krea_stock[name].abs().max().item() > 0.1
+    # negative control: guidance changes the result, so agreeing per cfg is agreeing on something
+    assert (swapped["guided"] - krea_stock["turbo"]).abs().max().item() > 1e-2
+
+
+def _sampler_workflow(family: str, cfg: float, empty: str, prefix: str) -> dict:
+    """xDiT Pool (the built-in tiny model, Ulysses 2) → xDiT Text Encode ×2 → `empty` → xDiT Sampler → SaveLatent."""
+    empty_inputs = {"width": SIZE, "height": SIZE, "batch_size": 1}
+    return {
+        "1": {"class_type": "XDiTPool", "inputs": {**LAYOUT, "model": f"xdit-tiny-{family} (built-in, no download)",
+                                                    "ulysses_degree": 2, "text_encoders": True, "dtype": "auto"}},
+        "2": {"class_type": "XDiTTextEncode", "inputs": {"pool": ["1", 0], "text": POSITIVE}},
+        "3": {"class_type": "XDiTTextEncode", "inputs": {"pool": ["1", 0], "text": NEGATIVE}},
+        "4": {"class_type": empty, "inputs": {**empty_inputs, **({"pool": ["1", 0]} if empty.startswith("XDiT") else {})}},
+        "5": {"class_type": "XDiTSampler", "inputs": {
+            "pool": ["1", 0], "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0], "seed": SEED,
+            "steps": STEPS, "cfg": cfg, "sampler": "default", "denoise": 1.0, "preview": True}},
+        "6": {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": prefix}},
+    }
+
+
+def _in_comfy_space(pipeline, packed: torch.Tensor) -> torch.Tensor:
+    """The pipeline's packed model-space latents as ComfyUI keeps a Wan 2.1-format image: [B, 16, 1, h, w] in the
+    VAE's space (comfy.latent_formats.Wan21.process_out: the VAE's per-channel std and mean)."""
+    latents = pipeline._unpack_latents(packed, SIZE, SIZE)
+    config = pipeline.vae.config
+    mean, std = (torch.tensor(v).view(1, -1, 1, 1, 1) for v in (config.latents_mean, config.latents_std))
+    return latents * std + mean
+
+
+def test_krea2_xdit_sampler_equals_diffusers_in_comfyuis_own_latent_format(comfy, tiny_model_dirs):
+    entry = _entry(comfy, _sampler_workflow("krea2", 4.0, "EmptySD3LatentImage", "krea2"))
+    pipeline = DiffusionPipeline.from_pretrained(tiny_model_dirs["krea2"])
+    noise = torch.randn((1, 16, SIZE // 8, SIZE // 8), generator=torch.manual_seed(SEED))
+    call = {"prompt": POSITIVE, "negative_prompt": NEGATIVE, "num_inference_steps": STEPS, "height": SIZE, "width": SIZE,
+            "latents": pipeline._pack_latents(noise, 1, 16, SIZE // 8, SIZE // 8)}
+    expected = _in_comfy_space(pipeline, diffusers_latents(pipeline, "krea2", guidance_scale=3.0, **call))
+    latent = saved_latent(comfy, entry)
+    assert latent.shape == expected.shape == (1, 16, 1, SIZE // 8, SIZE // 8)
+    assert (latent - expected).abs().max().item() <= TOLERANCE
+    assert native_format_taken(comfy, "Krea2Pipeline", "Wan21")
+    # negative control: ComfyUI's cfg 4 is Krea's guidance 3, not 4
+    other = _in_comfy_space(pipeline, diffusers_latents(pipeline, "krea2", guidance_scale=4.0, **call))
+    assert (latent - other).abs().max().item() > 100 * TOLERANCE
