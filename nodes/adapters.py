@@ -95,9 +95,11 @@ class FamilyAdapter:
         """The pipeline's loop latents (its results with `model_latents`, its previews) image-shaped."""
         if self.data.packed:
             return unpack_2x2(latents, height, width, self.latent_scale)
-        if self.data.loop_tokens and latents.ndim == 3:
+        if self.data.loop_tokens and latents.ndim == 3:  # tokens [B, (T')·h·w, C] → [B, C, (T',) h, w]
             scale = self.latent_scale
-            return latents.transpose(1, 2).reshape(latents.shape[0], latents.shape[2], height // scale, width // scale)
+            frames = (-1,) if self.data.temporal else ()
+            return latents.transpose(1, 2).reshape(latents.shape[0], latents.shape[2], *frames, height // scale,
+                                                   width // scale)
         return latents
 
     def to_comfy(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -118,6 +120,33 @@ class FamilyAdapter:
         (a video's middle latent frame)."""
         preview = self._from_loop(preview, height, width)
         return preview[:, :, preview.shape[2] // 2] if preview.ndim == 5 else preview
+
+    # -- video with sound ---------------------------------------------------------------------------------
+    def streams(self, samples) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A LATENT's samples as (video, audio): ComfyUI's AV latent (LTXVConcatAVLatent's NestedTensor of both) for a
+        model that samples sound with its video (`audio_stream`), a plain latent (audio None) for the others."""
+        nested = getattr(samples, "is_nested", False) and hasattr(samples, "tensors")
+        if nested and not self.data.audio_stream:
+            raise ConditioningError(f"{self.name} samples no audio: give it the video latent alone (LTXVSeparateAVLatent "
+                                    "splits an audio–video latent)")
+        if not self.data.audio_stream:
+            return samples, None
+        if not nested or len(samples.unbind()) != 2:
+            raise ConditioningError(f"{self.name} samples video with sound from one latent holding both: use "
+                                    f"{self.data.empty_latent}")
+        video, audio = samples.unbind()
+        return video, audio
+
+    def av_latent(self, video: torch.Tensor, outputs: dict[str, torch.Tensor]):
+        """The sampled video (ComfyUI's space) with the pool's audio output as ComfyUI's AV latent."""
+        return comfy_compat.nested_latent(video, outputs[self.data.audio_stream[1]].float())
+
+    def conditioning_calls(self, positive) -> dict:
+        """The call parameters the positive conditioning sets (LTXVConditioning's frame_rate), ComfyUI's value where
+        it sets none."""
+        _, extras = self._single(positive, "positive")
+        return {name: type(default)(extras.get(key, default))
+                for key, (name, default) in self.data.conditioning_calls.items()}
 
     # -- conditioning -------------------------------------------------------------------------------
     def pipeline_inputs(self, positive, negative, batch: int, widths: dict[str, int]) -> tuple[dict, float | None]:

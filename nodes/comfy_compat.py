@@ -100,3 +100,10 @@ def raise_interrupted():
 
     comfy.model_management.throw_exception_if_processing_interrupted()
     raise comfy.model_management.InterruptProcessingException()
+
+
+def nested_latent(*tensors):
+    """ComfyUI's NestedTensor of streams (0.33's AV latents; 0.3.64 has none and makes no AV latent to sample)."""
+    import comfy.nested_tensor
+
+    return comfy.nested_tensor.NestedTensor(tensors)

@@ -54,16 +54,21 @@ class XDiTSampler(io.ComfyNode):
         adapter = adapter_for(pool.pipeline, pool.latent_scale)
         if denoise <= 0.0:
             return io.NodeOutput(latent_image)  # nothing to denoise, as KSampler
-        samples = adapter.comfy_latent(latent_image["samples"])  # images [B, C, H, W]; video (Wan) [B, C, T', H, W]
+        video, audio = adapter.streams(latent_image["samples"])  # audio: an AV latent's second stream (LTX-2)
+        samples = adapter.comfy_latent(video)  # images [B, C, H, W]; video (Wan) [B, C, T', H, W]
         batch = samples.shape[0]
         size = adapter.job_size(samples)
         height, width = size.pop("height"), size.pop("width")
-        call = size  # the family's own call parameters (Wan: num_frames)
-        noise = comfy.sample.prepare_noise(samples, seed, latent_image.get("batch_index"))
+        call = {**size, **adapter.conditioning_calls(positive)}  # the family's own call parameters (Wan: num_frames)
+        noise = comfy.sample.prepare_noise(latent_image["samples"] if audio is not None else samples, seed,
+                                           latent_image.get("batch_index"))
+        noise, audio_noise = adapter.streams(noise)
         use_negative = cfg > 1.0
         tensors, conditioning_guidance = adapter.pipeline_inputs(positive, negative if use_negative else None, batch,
                                                                  pool.status.get("inputs", {}))
-        tensors["latents"] = adapter.noise_to_model(noise).float()
+        tensors["latents"] = adapter.noise_to_model(adapter.comfy_latent(noise)).float()
+        if audio_noise is not None:
+            tensors[adapter.data.audio_stream[0]] = audio_noise.float()
         params = {"steps": steps, "height": height, "width": width, "preview": preview, "scheduler": sampler,
                   "model_latents": True,
                   "loras": pool.lora_params()}
@@ -99,11 +104,13 @@ class XDiTSampler(io.ComfyNode):
 
         try:
             client = POOLS.client(pool.endpoint)
-            latents = client.sample(tensors, params, on_step=on_step, should_cancel=should_cancel)
+            outputs = client.sample_outputs(tensors, params, on_step=on_step, should_cancel=should_cancel)
         except JobCancelledError:
             comfy_compat.raise_interrupted()
         if "cache" in client.last_result:
             logging.info("xDiT Sampler: %s", client.last_result["cache"]["text"])
         out = latent_image.copy()
-        out["samples"] = adapter.to_comfy(latents.float(), height, width)
+        out["samples"] = adapter.to_comfy(outputs["latents"].float(), height, width)
+        if audio is not None:
+            out["samples"] = adapter.av_latent(out["samples"], outputs)
         return io.NodeOutput(out)

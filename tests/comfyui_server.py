@@ -29,6 +29,7 @@ class ComfyServer:
     def __init__(self, comfy: Path, python: Path, work: Path, args: tuple[str, ...] = ()):
         self.work, self.comfy, self.python = work, comfy, python
         for name in ("probe_before", "custom_nodes", "probe_after", "test_nodes", "models/diffusers", "models/diffusion_models", "models/loras", "models/vae",
+                     "models/checkpoints",
                      "input", "output", "user/default"):
             (work / name).mkdir(parents=True, exist_ok=True)
         if (comfy / "input" / "example.png").is_file():  # what a fresh install's input folder holds
@@ -40,7 +41,7 @@ class ComfyServer:
         (work / "extra.yaml").write_text(  # custom_nodes folders load in this order
             f"xdit:\n  base_path: {work}\n  custom_nodes: \"probe_before\\ncustom_nodes\\nprobe_after\\ntest_nodes\"\n"
             "  diffusers: models/diffusers\n  diffusion_models: models/diffusion_models\n  loras: models/loras\n"
-            "  vae: models/vae\n"
+            "  vae: models/vae\n  checkpoints: models/checkpoints\n"
         )
         (work / "user" / "default" / "comfy.settings.json").write_text(json.dumps({"Comfy.TutorialCompleted": True}))
         self.port = free_port()

@@ -101,6 +101,11 @@ class ComfyData:
     model_call_conds: keyword of ComfyUI's diffusion model call (context, y, guidance) → the pipeline's name
                     for it in a model call (the wrapper's model_call_inputs); `ref_latents` (ReferenceLatent's images)
                     travel as `reference_latents` and `reference_sizes` (see `references`).
+    audio_stream:   (input, output): the model samples video with sound from ComfyUI's AV latent (LTXVConcatAVLatent's
+                    NestedTensor of the video and the audio latent); the audio goes to the pipeline as `input`, comes
+                    back as its `output`, both in the loop's space as the video (`model_latents`); (): video alone.
+    conditioning_calls: key of a conditioning's extras → (the call parameter it sets, ComfyUI's value without it)
+                    (LTXVConditioning's frame_rate, 25 when none set it).
     """
 
     latent_formats: dict[int, str]
@@ -127,6 +132,8 @@ class ComfyData:
     optional_texts: tuple[str, ...] = ()
     model_class: str = ""
     model_call_conds: dict[str, str] = field(default_factory=dict)
+    audio_stream: tuple[str, str] = ()
+    conditioning_calls: dict[str, tuple[str, float]] = field(default_factory=dict)
 
 
 class Variant(NamedTuple):

@@ -184,6 +184,8 @@ class JobRunner:
                 raise JobCancelled(index + 1)
 
         kwargs = request.pipeline_kwargs(inputs)
+        if request.model_latents:
+            kwargs = self.pipeline.from_model_latents(kwargs)
         init_latents = kwargs.pop("init_latents", None)
         if init_latents is not None:
             kwargs = self.pipeline.partial_denoise(kwargs, init_latents, request.denoise)
@@ -191,8 +193,8 @@ class JobRunner:
             output = self.pipeline(**kwargs, output_type="latent", return_dict=False, step_callback=on_step,
                                    prepared=prepared)
             messages.flush()
-            latents = self.pipeline.model_latents(output[0]) if request.model_latents else output[0]
-            return {"latents": latents, **dict(zip(self.pipeline.extra_outputs, output[1:]))}
+            outputs = {"latents": output[0], **dict(zip(self.pipeline.extra_outputs, output[1:]))}
+            return self.pipeline.model_outputs(outputs) if request.model_latents else outputs
         except JobCancelled as cancelled:
             raise JobCancelled(self.step if cancelled.step < 0 else cancelled.step) from None
         finally:

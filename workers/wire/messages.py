@@ -105,7 +105,7 @@ class Submit(SampleRequest, Kind, kind="submit"):
 
     scheduler: str = declared("default")
     preview: bool = declared(True)
-    model_latents: bool = declared(False)  # the result as the pipeline's loop keeps latents (xDiT Sampler's conversion)
+    model_latents: bool = declared(False)  # latents in and out as the pipeline's loop keeps them (xDiT Sampler's conversion)
     loras: tuple[LoraSpec, ...] = declared((), check=_loras)
 
     tensor_names = staticmethod(job_inputs)

@@ -26,7 +26,8 @@ class xFuserLTX2Pipeline(xFuserPipelineBaseWrapper):
     as the video's is: a pipeline left to draw it would draw different noise on every rank."""
 
     comfy = ComfyData(
-        latent_formats={128: "LTXAV"}, temporal=8,
+        latent_formats={128: "LTXAV"}, temporal=8, loop_tokens=True, audio_stream=("audio_latents", "audio"),
+        conditioning_calls={"frame_rate": ("frame_rate", 25.0)},
         expects="Gemma's stacked hidden states as LTX2Pipeline's prompt_embeds, with prompt_attention_mask",
         empty_latent="EmptyLTXVLatentVideo and LTXVEmptyLatentAudio into LTXVConcatAVLatent",
     )
@@ -49,6 +50,32 @@ class xFuserLTX2Pipeline(xFuserPipelineBaseWrapper):
         "audio_guidance_rescale": CallParameter(float, "guidance rescale of the audio (default: guidance_rescale)", 0.0,
                                                 1.0),
     }
+
+    # -- the loop's space: both VAEs' latents normalised by their statistics (ComfyUI's LTXAV latents) ------
+    def model_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """The video the pipeline returns (denormalised: its VAE's space) normalised as its loop samples it."""
+        vae = self.module.vae
+        return self.module._normalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+
+    def model_outputs(self, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        outputs = super().model_outputs(outputs)
+        return {**outputs, "audio": self._audio(outputs["audio"], self.module._normalize_audio_latents)}
+
+    def from_model_latents(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Normalised video and audio latents (ComfyUI's) denormalised, as the pipeline normalises what it is given."""
+        vae, kwargs = self.module.vae, dict(kwargs)
+        if isinstance(kwargs.get("latents"), torch.Tensor):
+            kwargs["latents"] = self.module._denormalize_latents(kwargs["latents"], vae.latents_mean, vae.latents_std,
+                                                                 vae.config.scaling_factor)
+        if isinstance(kwargs.get("audio_latents"), torch.Tensor):
+            kwargs["audio_latents"] = self._audio(kwargs["audio_latents"], self.module._denormalize_audio_latents)
+        return kwargs
+
+    def _audio(self, latents: torch.Tensor, change) -> torch.Tensor:
+        """Audio latents [B, C, L, M] through one of the pipeline's statistics functions (on packed [B, L, C·M])."""
+        audio_vae, pipeline = self.module.audio_vae, self.module
+        packed = change(pipeline._pack_audio_latents(latents), audio_vae.latents_mean, audio_vae.latents_std)
+        return pipeline._unpack_audio_latents(packed, latents.shape[2], latents.shape[3])
 
     # -- shapes: one token per latent pixel of each latent frame (patch 1 × 1 × 1) ------------------------
     def latent_scale(self) -> int:

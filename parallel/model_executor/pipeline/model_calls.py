@@ -49,6 +49,16 @@ class ModelCallGlue:
         sees): the same for most pipelines; a family overrides it where its pipeline returns them otherwise."""
         return latents
 
+    def model_outputs(self, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every output of an `output_type="latent"` call by name (`latents`, and LTX-2's `audio`) as the loop keeps
+        it (a job asking for `model_latents`): its latents through `model_latents`, the rest as returned."""
+        return {**outputs, "latents": self.model_latents(outputs["latents"])}
+
+    def from_model_latents(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """A call's latents given as the loop keeps them (`model_latents`) as the pipeline's arguments take them: the
+        same for most pipelines; a family overrides it where its pipeline takes them in another space (LTX-2)."""
+        return kwargs
+
     def decode_audio(self, latents: torch.Tensor) -> torch.Tensor:
         """Audio latents [B, C, L, M] in the audio VAE's own space (what the pipeline returns as `audio` with
         output_type="latent") → waveforms [B, channels, samples], as the pipeline's own decode makes them: its audio
