@@ -33,6 +33,7 @@ import socket
 import subprocess
 import threading
 import time
+from dataclasses import replace
 
 import zmq
 
@@ -71,7 +72,7 @@ class Pool(Reports):
 
     def __init__(self, spec: PoolSpec):
         spec.check()
-        self.spec = spec
+        self.spec = replace(spec, curve_dir=spec.key_folder())  # the keys it serves with, the owner's by default
         self.restarts = 0
         self.jobs_done = 0
         self.state = "starting"
