@@ -45,7 +45,7 @@ def owner_socket(kind: int = zmq.DEALER, server: bool = False) -> zmq.Socket:
 
 
 def pool_processes(status: dict) -> list[int]:
-    """Every rank's pid plus torchrun's (the ranks' parent)."""
+    """Every rank's pid plus their parent's (the supervisor's process on one machine)."""
     pids = list(status["pids"])
     with open(f"/proc/{pids[0]}/stat") as stat:
         pids.append(int(stat.read().rsplit(")", 1)[1].split()[1]))

@@ -53,15 +53,21 @@ _GROUPS: dict[str, GroupCoordinator] = {}
 _LAYOUT: RankLayout | None = None
 
 
-def init_distributed_environment(backend: str | None = None) -> GroupCoordinator:
-    """Join the torchrun world (env://): NCCL when CUDA is present, gloo otherwise."""
+def init_distributed_environment(backend: str | None = None, store: dist.Store | None = None) -> GroupCoordinator:
+    """Join the world: torchrun's (env://), or through `store`, one its launcher hosts (the pool's supervisor binds
+    it to one address, which torchrun cannot), this rank's RANK and WORLD_SIZE from the environment either way.
+    NCCL when CUDA is present, gloo otherwise."""
     global _WORLD
     if not dist.is_initialized():
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend=backend)
+        if store is None:
+            dist.init_process_group(backend=backend)
+        else:
+            dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]))
     if _WORLD is None:
         _WORLD = GroupCoordinator("world", list(range(dist.get_world_size())), dist.group.WORLD)
     return _WORLD

@@ -2,7 +2,7 @@
 
 `check()` turns every mistake that would only show up later on some rank into one clear error
 before anything starts; `rank_arguments()` is the rank command line the supervisor builds from it
-(torchrun's own comes from parallel/cli/launch.py); `key_folder()` the keys its client endpoint serves with.
+(ranks.py starts the ranks with it); `key_folder()` the keys its client endpoint serves with.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from ..engine import AutoLayout, LayoutError, ParallelConfig, fields
 from ..wire import owner_keys
 from ..wire.auth import ServerKeys, check_endpoint
+from .rendezvous import rendezvous_address
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,8 @@ class PoolSpec:
             raise ValueError(f"--hang-timeout {self.hang_timeout_s:g} is too short: ranks beat every second; give 3 s or more")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT, node 0's address (e.g. 192.168.1.10:29400)")
+        if self.nnodes > 1:
+            rendezvous_address(self.rdzv_endpoint)
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} is outside 0 … {self.nnodes - 1} (--nnodes {self.nnodes})")
         if self.node_rank == 0 and self.endpoint is None:
