@@ -56,10 +56,11 @@ class PoolRefused(PoolUnreachable):
 
 
 class JobFailed(RuntimeError):
-    def __init__(self, message: str, rank: int, missing: bool = False):
+    def __init__(self, message: str, rank: int, missing: bool = False, mistake: bool = False):
         super().__init__(message if rank < 0 else f"rank {rank}: {message}")
         self.rank = rank
         self.missing = missing  # a model call named conditioning the pool does not hold (conditioning.py)
+        self.mistake = mistake  # refused at submit: it cannot run as asked (messages.Error)
 
 
 class JobCancelledError(RuntimeError):
@@ -363,4 +364,4 @@ class PoolClient:
                 raise JobCancelledError(reply.params.get("step", 0))
             elif reply.type == "error":
                 raise JobFailed(reply.params.get("message", "unknown error"), reply.params.get("rank", -1),
-                                reply.params.get("missing", False) is True)
+                                reply.params.get("missing", False) is True, reply.params.get("mistake", False) is True)

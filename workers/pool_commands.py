@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from .client import JobCancelledError, JobFailed, PoolClient, PoolUnreachable
 from .engine import config, engine, request
-from .supervisor import Pool, PoolError, PoolSpec
+from .supervisor import Pool, PoolError, PoolSpec, SettingsRefused
 from .wire.endpoints import free_endpoint
 
 builtin_models = engine("loading.builtin_models")
@@ -112,7 +112,7 @@ def _run_in_foreground(pool, banner: str) -> int:
     pool.stop()
     if pool.state == "error":
         print(f"error: {pool.error}", file=sys.stderr, flush=True)
-        return 1
+        return 2 if pool.refused else 1
     print("xdit pool stopped", flush=True)
     return 0
 
@@ -211,7 +211,8 @@ def sample(args) -> int:
     except (JobFailed, PoolUnreachable, PoolError) as error:
         log = f" (the ranks' log: {pool.spec.log_file})" if pool is not None else ""
         print(f"error: {error}{log}", file=sys.stderr)
-        return 1
+        refused = isinstance(error, SettingsRefused) or isinstance(error, JobFailed) and error.mistake
+        return 2 if refused else 1  # a layout or inputs that cannot run, against a job or a pool that failed
     finally:
         if pool is not None:
             pool.stop()

@@ -238,8 +238,9 @@ def main(argv=None) -> int:
     except Exception as error:  # noqa: BLE001 - start-up failures go to the supervisor verbatim
         # On several machines a failed collective means a node was lost: the supervisors try again.
         fatal = rank.args.nnodes == 1 or rank.phase != "world" or isinstance(error, StartRefused)
+        mistake = isinstance(error, (StartRefused, ValueError, FileNotFoundError))  # as contract E tells them apart
         rank.control.send(control.Failed(error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc(),
-                                         fatal=fatal))
+                                         fatal=fatal, mistake=mistake))
         time.sleep(0.5)
         return 1
     JobLoop(rank).run()

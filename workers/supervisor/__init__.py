@@ -2,7 +2,7 @@
 where they meet (rendezvous.py), watched and restarted (pool.py), and the stand-in that answers clients while rank 0
 cannot (standin.py)."""
 
-from .pool import Pool, PoolError
+from .pool import Pool, PoolError, SettingsRefused
 from .spec import PoolSpec
 
-__all__ = ["Pool", "PoolError", "PoolSpec"]
+__all__ = ["Pool", "PoolError", "PoolSpec", "SettingsRefused"]

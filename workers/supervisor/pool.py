@@ -58,7 +58,12 @@ class PoolError(RuntimeError):
     """The pool could not start (the message carries the failing rank's own error)."""
 
 
-__all__ = ["Pool", "PoolError", "PoolSpec"]
+class SettingsRefused(PoolError):
+    """The ranks refused what the pool was asked to run (a layout that cannot work, a model that cannot load): the
+    user's mistake, not a failure."""
+
+
+__all__ = ["Pool", "PoolError", "PoolSpec", "SettingsRefused"]
 
 
 def describe_node(row: dict) -> str:
@@ -77,6 +82,7 @@ class Pool(Reports):
         self.jobs_done = 0
         self.state = "starting"
         self.error: str | None = None
+        self.refused = False  # the error is the ranks' refusal of the settings (SettingsRefused)
         self.restart_reason: str | None = None
         self.nodes: list[dict] = []  # the world's nodes, as rank 0 last reported them
         self.host = socket.gethostname()
@@ -102,7 +108,7 @@ class Pool(Reports):
             raise PoolError(f"the pool did not become ready within {timeout_s:.0f} s")
         if self.state == "error":
             self.stop()
-            raise PoolError(self.error)
+            raise (SettingsRefused if self.refused else PoolError)(self.error)
         return self
 
     def stop(self, timeout_s: float = 15) -> None:
@@ -299,9 +305,9 @@ class Pool(Reports):
         self.restarts += 1
         self._relaunch_after(JOIN_RELAUNCH_DELAY_S if self.spec.node_rank else 0.0)
 
-    def _start_failed(self, reason: str) -> None:
+    def _start_failed(self, reason: str, refused: bool = False) -> None:
         log.error("%s", reason)
-        self.state, self.error = "error", reason
+        self.state, self.error, self.refused = "error", reason, refused
         self._kill_ranks()
         self._ready.set()
         self._stop_requested.set()
