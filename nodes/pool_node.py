@@ -203,7 +203,8 @@ class XDiTPool(io.ComfyNode):
                 io.String.Input("endpoint", default="", tooltip="Use a pool started with `python -m workers serve` at this endpoint instead."),
                 io.String.Input("curve_dir", default="", optional=True,
                                 tooltip="With endpoint, for a pool served with --curve-dir: a folder holding its server.key and "
-                                        "an allowed client.key_secret (from `python -m workers keys`). Empty: $XDIT_CURVE_DIR, if set."),
+                                        "an allowed client.key_secret (from `python -m workers keys`). Empty: your own keys "
+                                        "($XDIT_CURVE_DIR, else ~/.cache/xdit-pool/keys), which every pool you start uses."),
                 *layout_inputs(LATER_LAYOUT_INPUTS, optional=True),
                 io.Combo.Input("vae", options=vae_files(), default=NO_VAE, optional=True,
                                tooltip="With a single-file model: its VAE file from models/vae (wan_2.1_vae.safetensors for "

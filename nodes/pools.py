@@ -5,14 +5,14 @@ node with the same settings reuses it. A managed pool's spec is its key without 
 when it starts); a pool reached at an endpoint is keyed by a spec naming that endpoint.
 Managed pools are stopped when ComfyUI exits (atexit; and the ranks' parent-death signal covers a
 killed ComfyUI). Every node and route gets its own PoolClient per thread (ZMQ sockets are not
-thread-safe). A pool reached at an endpoint may need CURVE keys (workers/wire/auth.py): the registry
-remembers each endpoint's key folder, so every client of that endpoint uses it.
+thread-safe). Every pool speaks CURVE (workers/wire/auth.py): managed pools and their clients use this user's
+own keys (workers/wire/owner_keys.py) with nothing to set; a pool reached at an endpoint uses the node's key
+folder when it names one, and the registry remembers each endpoint's folder, so every client of it uses it.
 """
 
 from __future__ import annotations
 
 import atexit
-import os
 import threading
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -22,7 +22,6 @@ from ..parallel.loading import builtin_models
 from ..parallel.request import LoraSpec
 from ..workers.client import PoolClient, PoolUnreachable
 from ..workers.supervisor import Pool, PoolSpec
-from ..workers.wire.auth import ENV as CURVE_ENV
 from ..workers.wire.endpoints import free_endpoint
 from ..workers.wire.messages import PoolStatus
 
@@ -77,7 +76,7 @@ class PoolRegistry:
         """The running pool for `key`, started (and waited for) if needed."""
         if key.endpoint:
             endpoint = key.endpoint
-            self._curve_dirs[endpoint] = key.curve_dir or os.environ.get(CURVE_ENV) or None
+            self._curve_dirs[endpoint] = key.curve_dir  # None: this user's own keys
         else:
             with self._lock:
                 pool = self._pools.get(key)

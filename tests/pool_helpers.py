@@ -11,9 +11,12 @@ import time
 from pathlib import Path
 
 import torch
+import zmq
 
 from parallel.cli.launch import rank_environment
 from workers.client import PoolClient
+from workers.wire import owner_keys
+from workers.wire.auth import ClientKeys, ServerKeys
 from workers.wire.endpoints import free_endpoint  # noqa: F401 - the pool tests take it from here
 from workers.supervisor.processes import is_alive
 
@@ -28,8 +31,21 @@ def start_serve(model_dir: Path, endpoint: str, *flags: str, log: Path) -> subpr
                             start_new_session=True)
 
 
+def owner_socket(kind: int = zmq.DEALER, server: bool = False) -> zmq.Socket:
+    """A raw ZMQ socket with this user's own CURVE keys, as the pools this user starts expect: a client's (hostile
+    clients are the owner's own here), or with `server` a server's (a stand-in for a pool)."""
+    socket = zmq.Context.instance().socket(kind)
+    folder = owner_keys.owner_folder()
+    if server:
+        keys = ServerKeys.load(folder)
+        socket.curve_secretkey, socket.curve_publickey, socket.curve_server = keys.secret, keys.public, True
+    else:
+        ClientKeys.load(folder).apply(socket)
+    return socket
+
+
 def pool_processes(status: dict) -> list[int]:
-    """Every rank's pid plus torchrun's (the ranks' parent)."""
+    """Every rank's pid plus their parent's (the supervisor's process on one machine)."""
     pids = list(status["pids"])
     with open(f"/proc/{pids[0]}/stat") as stat:
         pids.append(int(stat.read().rsplit(")", 1)[1].split()[1]))

@@ -2,8 +2,8 @@
 
 A real ComfyUI server runs a workflow whose xDiT Pool node points at a `python -m workers serve`
 pool with keys (loopback here; keys make it authenticated whatever the address). With the client
-keys the result equals diffusers' single-process pipeline; without them the node fails with an error
-that says what is missing. Skipped without the ComfyUI test bed, like tests/test_comfyui.py.
+keys the result equals diffusers' single-process pipeline; without them (the node then uses the user's own
+keys, which this pool was not served with) the node fails with an error that says what is missing. Skipped without the ComfyUI test bed, like tests/test_comfyui.py.
 """
 
 from __future__ import annotations
@@ -56,4 +56,4 @@ def test_the_pool_node_without_keys_says_what_is_missing(comfy, keyed_pool):
     entry = comfy.wait(comfy.queue(remote_workflow(keyed_pool["endpoint"], "")), 120)
     assert entry["status"]["status_str"] == "error"
     errors = json.dumps([m for m in entry["status"]["messages"] if m[0] == "execution_error"])
-    assert "requires CURVE keys" in errors and "curve-dir" in errors
+    assert "other keys than your own" in errors and "curve-dir" in errors  # the user's own keys are not the pool's

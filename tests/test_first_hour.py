@@ -67,6 +67,14 @@ MISTAKES = {
     "cli-degree-product": (
         lambda w: ["-m", "workers", "sample", "--model", TINY, "--nproc", "2", "--ulysses-degree", "4", "--prompt", "x",
                    "--output", str(w / "o.png")], ["= 4, but there are 2 ranks", "--nproc)"]),
+    "cli-heads-do-not-split": (  # refused by the pool's own check at submit, not before it starts
+        lambda w: ["-m", "workers", "sample", "--model", TINY, "--nproc", "3", "--ulysses-degree", "3", "--threads-per-rank",
+                   "1", "--inputs", str(w / "in.safetensors"), "--output", str(w / "o.safetensors"), *SMALL],
+        ["4 attention heads, which do not split over ulysses degree 3", "--ring-degree"]),
+    "cli-shard-weights-with-fp8": (  # refused by the ranks as they load: the pool stops before any job
+        lambda w: ["-m", "workers", "sample", "--model", TINY, "--nproc", "2", "--ulysses-degree", "2", "--shard-weights",
+                   "--dtype", "fp8", "--threads-per-rank", "1", "--inputs", str(w / "in.safetensors"), "--output",
+                   str(w / "o.safetensors"), *SMALL], ["failed to start", "does not work with --dtype fp8", "bf16"]),
     "cli-vae-beside-a-pipeline": (
         lambda w: ["-m", "workers", "sample", "--model", TINY, "--vae", str(w / "in.safetensors"), "--prompt", "x",
                    "--output", str(w / "o.png")], ["--vae goes with a single-file checkpoint", "drop --vae"]),
@@ -129,11 +137,16 @@ MISTAKES = {
 }
 
 
+UNREACHABLE = {"cli-sample-nothing-listening", "cli-stop-nothing-listening", "cli-status-nothing-listening"}
+
+
 @pytest.mark.parametrize("name", list(MISTAKES))
 def test_a_mistake_ends_in_one_error_line_without_traceback(work, name):
     build, words = MISTAKES[name]
     result = run(*build(work))
     assert result.returncode != 0
+    if name.startswith("cli-"):  # the pool CLI: 2 for a mistake, 1 for a pool it cannot reach (contract E: see README)
+        assert result.returncode == (1 if name in UNREACHABLE else 2), (result.returncode, result.stderr[-2000:])
     assert_no_traceback(result)
     errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
     assert len(errors) == 1, result.stdout[-2000:] + result.stderr[-4000:]

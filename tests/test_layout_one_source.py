@@ -45,7 +45,7 @@ def test_every_field_travels_through_the_flags_and_the_rank_command_line(config)
     add_parallel_arguments(parser)
     assert config_from_args(parser.parse_args(to_flags(config))) == config
     spec = PoolSpec("m", 2, "tcp://127.0.0.1:1", config)
-    rank_args = parse_args([*spec.rank_arguments(), "--control", "tcp://127.0.0.1:2"])
+    rank_args = parse_args([*spec.rank_arguments(), "--control", "ipc:///tmp/control", "--store", "127.0.0.1:3"])
     assert config_from_args(rank_args) == config
     status = spec.layout_status()
     assert {f.name for f in fields_of(ParallelConfig)} <= set(status), "the status shows every field"
@@ -55,7 +55,7 @@ def test_the_negative_control_a_field_without_its_flag_does_not_travel():
     """What the tests above would catch: a field whose value the flags do not carry comes back at its default."""
     config = ParallelConfig(ulysses_degree=3)
     argv = [a for a in PoolSpec("m", 3, "tcp://127.0.0.1:1", config).rank_arguments() if a not in ("--ulysses-degree", "3")]
-    assert config_from_args(parse_args([*argv, "--control", "tcp://127.0.0.1:2"])) != config
+    assert config_from_args(parse_args([*argv, "--control", "ipc:///tmp/control", "--store", "127.0.0.1:3"])) != config
 
 
 @pytest.fixture

@@ -101,8 +101,11 @@ def test_clients_without_an_allowed_key_get_nothing_and_the_pool_logs_them(pool,
     ClientKeys.load(keys / "unknown").apply(unknown)  # right server key, client key not accepted
     assert _silence(unknown, pool["endpoint"])
 
-    with PoolClient(pool["endpoint"]) as bare, pytest.raises(PoolRefused, match="requires CURVE keys.*--curve-dir"):
+    with PoolClient(pool["endpoint"], insecure=True) as bare, \
+            pytest.raises(PoolRefused, match="requires CURVE keys.*--curve-dir"):
         bare.status(timeout_s=5)
+    with PoolClient(pool["endpoint"]) as own, pytest.raises(PoolRefused, match="other keys than your own.*--curve-dir"):
+        own.status(timeout_s=5)  # this user's own keys: not the ones this pool was served with
     with PoolClient(pool["endpoint"], curve_dir=str(keys / "unknown")) as stranger, \
             pytest.raises(PoolRefused, match="refused this client's key"):
         stranger.sample(pool["inputs"], PARAMS)
@@ -168,3 +171,86 @@ def test_the_node_registry_reaches_a_keyed_pool(pool, keys, monkeypatch):
     assert (latents - pool["expected"]).abs().max().item() <= TOLERANCE
     registry.remember(key, handle.endpoint)  # as the node does, for the web panel
     assert registry.describe()[0]["status"]["state"] == "idle"
+
+
+# -- the owner's own keys (workers/wire/owner_keys.py) and plain TCP behind --insecure-tcp ------------------------
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch):
+    """A fresh user cache: the owner's key folder is made in it on first use."""
+    monkeypatch.delenv("XDIT_CURVE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "xdit-pool" / "keys"
+
+
+def test_the_owners_keys_are_made_on_first_use_private_and_kept(own_cache):
+    from workers.wire import owner_keys
+
+    assert owner_keys.owner_folder() == own_cache
+    assert stat.S_IMODE(own_cache.stat().st_mode) == 0o700
+    assert stat.S_IMODE(own_cache.parent.stat().st_mode) == 0o700
+    server = (own_cache / "server.key_secret").read_bytes()
+    ClientKeys.load(own_cache)  # a client finds what the pool serves with
+    assert owner_keys.owner_folder() == own_cache and (own_cache / "server.key_secret").read_bytes() == server
+
+
+def test_two_first_uses_at_once_make_one_set_of_keys(own_cache):
+    import threading
+
+    from workers.wire import owner_keys
+
+    barrier, found = threading.Barrier(4), []
+
+    def first_use():
+        barrier.wait()
+        found.append((owner_keys.owner_folder() / "server.key_secret").read_bytes())
+
+    threads = [threading.Thread(target=first_use) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(found) == 4 and len(set(found)) == 1
+    assert sorted(p.name for p in own_cache.parent.iterdir()) == ["keys"]  # no staging folder left
+
+
+def test_a_key_folder_others_can_open_is_refused_in_one_line(own_cache):
+    from workers.wire import owner_keys
+
+    owner_keys.owner_folder()
+    own_cache.chmod(0o750)
+    with pytest.raises(ValueError, match=r"open to group or others \(mode 750\).*chmod 700"):
+        owner_keys.owner_folder()
+    run = cli("status", "--endpoint", free_endpoint(), env={"XDG_CACHE_HOME": str(own_cache.parent.parent)})
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert run.returncode == 2 and len(errors) == 1 and "chmod 700" in errors[0], run.stderr
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "geteuid") or __import__("os").geteuid() != 0,
+                    reason="giving the folder to another user needs root")
+def test_a_key_folder_of_another_user_is_refused(own_cache):
+    import os
+
+    from workers.wire import owner_keys
+
+    owner_keys.owner_folder()
+    os.chown(own_cache, 65534, 65534)
+    with pytest.raises(ValueError, match=r"belongs to uid 65534, not to you"):
+        owner_keys.owner_folder()
+
+
+def test_plain_tcp_only_behind_its_flag_and_only_on_loopback(tiny_model_dirs, tmp_path):
+    model = str(tiny_model_dirs[FAMILY])
+    with pytest.raises(ValueError, match="--insecure-tcp: anyone on the network"):
+        PoolSpec(model=model, nproc=1, endpoint="tcp://0.0.0.0:5599", insecure_tcp=True).check()
+    with pytest.raises(ValueError, match="drop one of the two"):
+        PoolSpec(model=model, nproc=1, endpoint="tcp://127.0.0.1:5599", insecure_tcp=True, curve_dir="k").check()
+    endpoint = free_endpoint()
+    process = start_serve(tiny_model_dirs[FAMILY], endpoint, "--nproc", "1", "--insecure-tcp", log=tmp_path / "serve.log")
+    try:
+        with PoolClient(endpoint, insecure=True) as plain:
+            assert plain.wait_until_idle(120)["state"] == "idle"
+        assert not _silence(zmq.Context.instance().socket(zmq.DEALER), endpoint)  # anyone is answered
+        with PoolClient(endpoint) as own, pytest.raises(PoolRefused, match="--insecure-tcp"):
+            own.status(timeout_s=5)
+    finally:
+        stop_serve(process)

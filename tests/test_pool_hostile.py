@@ -28,8 +28,8 @@ from workers.client import JobFailed, PoolClient, PoolRefused, PoolUnreachable
 from workers.wire.protocol import Message
 
 from xdit_test_helpers import TOLERANCE
-from pool_helpers import (PARAMS, free_endpoint, idle_client, pool_processes, reference, start_serve, stop_serve,
-                          wait_gone)
+from pool_helpers import (PARAMS, free_endpoint, idle_client, owner_socket, pool_processes, reference, start_serve,
+                          stop_serve, wait_gone)
 
 FAMILY = "flux"
 HANG_S = 10
@@ -68,7 +68,7 @@ def _timed_job(pool) -> float:
 
 def test_a_client_that_never_reads_does_not_slow_the_others(pool):
     normal = min(_timed_job(pool) for _ in range(2))
-    flooder = zmq.Context.instance().socket(zmq.DEALER)
+    flooder = owner_socket()
     flooder.setsockopt(zmq.LINGER, 0)
     flooder.connect(pool["endpoint"])
     own_job = f"flood-{uuid.uuid4().hex[:8]}"  # a long job, which it loses once its pipe is full
@@ -154,8 +154,7 @@ def test_a_long_job_is_cancelled_inside_its_first_step(pool):
 def test_a_submit_the_pool_never_acknowledges_fails_within_its_timeout(monkeypatch):
     """ZMQ drops an oversized message without a word: here a ROUTER that reads and never answers."""
     monkeypatch.setattr(client_module, "ACCEPT_WITHIN_S", 1.0)
-    context = zmq.Context.instance()
-    silent = context.socket(zmq.ROUTER)
+    silent = owner_socket(zmq.ROUTER, server=True)  # the handshake succeeds: only the reply never comes
     port = silent.bind_to_random_port("tcp://127.0.0.1")
     try:
         with PoolClient(f"tcp://127.0.0.1:{port}") as client:

@@ -1,7 +1,8 @@
 """A pool over two "machines" on this one: `serve --nnodes 2 --node-rank 0` and `join --node-rank 1`.
 
-Two supervisors, two torchrun elastic agents meeting in a c10d rendezvous on 127.0.0.1, one rank
-each (Ulysses 2 across the nodes), CURVE keys on the endpoint as in the README's two-machine recipe.
+Two supervisors, two torchrun elastic agents meeting in a c10d rendezvous that node 0's supervisor hosts
+on 127.0.0.1 (nothing listens elsewhere), one rank each (Ulysses 2 across the nodes), CURVE keys on the
+endpoint as in the README's two-machine recipe.
 Results are compared with diffusers' single-process output. Then node 1 is killed outright (its
 supervisor's process group, its torchrun and its rank, all SIGKILL, as when a machine dies), and the
 pool must fail the running job naming the node, say `waiting for nodes`, and come back when node 1
@@ -62,7 +63,8 @@ def two_nodes(tiny_model_dirs, tmp_path_factory):
     assert made.returncode == 0, made.stderr
     model = tiny_model_dirs[FAMILY]
     endpoint = free_endpoint()
-    shared = ("--nproc", "1", "--ulysses-degree", "2", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}")
+    rendezvous = ("127.0.0.1", free_port())
+    shared = ("--nproc", "1", "--ulysses-degree", "2", "--nnodes", "2", "--rdzv-endpoint", "%s:%d" % rendezvous)
     node0 = start_serve(model, endpoint, *shared, "--node-rank", "0", "--curve-dir", str(keys), log=work / "node0.log")
     join = lambda: start_join(model, *shared, "--node-rank", "1", log=work / "node1.log")  # noqa: E731
     state = {"node1": join()}
@@ -70,7 +72,7 @@ def two_nodes(tiny_model_dirs, tmp_path_factory):
     client.wait_until_idle(180)
     inputs = tiny_models.make_inputs(FAMILY)
     yield {"client": client, "inputs": inputs, "expected": reference(model, FAMILY, inputs), "join": join,
-           "state": state, "work": work}
+           "state": state, "work": work, "node0": node0, "rendezvous": rendezvous}
     pids = [pid for node in client.status()["nodes"] for pid in node["pids"]]
     client.stop()  # a client's stop ends every machine's share, and each supervisor with it
     client.close()
@@ -91,6 +93,20 @@ def test_two_nodes_equal_diffusers_and_status_lists_both(two_nodes):
     assert all(n["host"] == socket.gethostname() and len(n["pids"]) == 1 for n in status["nodes"])
     latents = client.sample(two_nodes["inputs"], PARAMS)
     assert (latents - two_nodes["expected"]).abs().max().item() <= TOLERANCE
+
+
+def test_every_listener_is_on_the_rendezvous_address(two_nodes):
+    """torchrun's agents host no store (theirs would listen on every interface): node 0's supervisor hosts the
+    rendezvous on --rdzv-endpoint's address, and gloo listens on the interface towards it (loopback here)."""
+    import psutil
+
+    tree = [p for node in (two_nodes["node0"], two_nodes["state"]["node1"])
+            for p in (psutil.Process(node.pid), *psutil.Process(node.pid).children(recursive=True))]
+    listening = [(c.laddr.ip, c.laddr.port, p.pid) for p in tree for c in p.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN]
+    assert len(listening) >= 4, listening  # rendezvous, client endpoint, gloo on each rank
+    assert {ip for ip, _, _ in listening} == {"127.0.0.1"}, listening
+    assert (two_nodes["rendezvous"][0], two_nodes["rendezvous"][1], two_nodes["node0"].pid) in listening
 
 
 def test_losing_node_1_fails_the_job_waits_and_recovers_when_it_joins_again(two_nodes):

@@ -24,7 +24,7 @@ from workers.wire import protocol
 from workers.wire.protocol import Message
 
 from xdit_test_helpers import TOLERANCE
-from pool_helpers import PARAMS, free_endpoint, idle_client, reference, start_serve, stop_serve
+from pool_helpers import PARAMS, free_endpoint, idle_client, owner_socket, reference, start_serve, stop_serve
 
 FAMILY = "sd3"
 SIDE_EFFECTS: list[str] = []
@@ -52,7 +52,7 @@ def pool(tiny_model_dirs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def raw(pool):
-    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket = owner_socket()
     socket.setsockopt(zmq.IDENTITY, f"fuzz-{uuid.uuid4().hex}".encode())
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(pool["endpoint"])
@@ -137,7 +137,7 @@ def test_nonsense_values_get_one_clear_error_and_no_result(pool, case):
 
 
 def test_client_that_disappears_mid_job_frees_the_pool(pool):
-    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket = owner_socket()
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(pool["endpoint"])
     socket.send_multipart(protocol.encode(Message("submit", "vanishing", {**PARAMS, "steps": 1000}, pool["inputs"])))

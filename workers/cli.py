@@ -9,19 +9,26 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 
-from .client import PoolClient, PoolUnreachable
+from .client import PoolClient, PoolRefused, PoolUnreachable
 from .engine import ArgumentParser, LayoutError
 from .wire import auth
 
 LIGHT = ("status", "stop", "keys")
 
 
+INSECURE_HELP = ("no CURVE keys: anyone who can connect to the endpoint (every user of this machine, on loopback) "
+                 "could submit jobs on its GPUs, read its status and stop it")
+
+
 def _client_keys_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--curve-dir", default=os.environ.get(auth.ENV) or None,
-                        help=f"folder with server.key and client.key_secret, for a pool with CURVE keys (default: ${auth.ENV})")
+    parser.add_argument("--curve-dir", default=None,
+                        help=f"folder with a pool's server.key and an allowed client.key_secret, for a pool served with "
+                             f"--curve-dir (default: your own keys, ${auth.ENV} or ~/.cache/xdit-pool/keys, which the "
+                             "pools you start use)")
+    parser.add_argument("--insecure-tcp", action="store_true",
+                        help=f"reach a pool served with --insecure-tcp, whose endpoint has {INSECURE_HELP}")
 
 
 def build_parser(light: bool = False) -> argparse.ArgumentParser:
@@ -31,9 +38,10 @@ def build_parser(light: bool = False) -> argparse.ArgumentParser:
     if not light:
         from . import pool_commands
 
-        pool_commands.add_parsers(commands, _client_keys_argument)
+        pool_commands.add_parsers(commands, _client_keys_argument, INSECURE_HELP)
 
-    keys = commands.add_parser("keys", help="create CURVE keys for a pool reachable from other machines")
+    keys = commands.add_parser("keys", help="create CURVE keys for a pool reachable from other machines (pools on "
+                                            "loopback use your own, made on first use)")
     keys.add_argument("--out", required=True, help="a new folder for the keys")
 
     for name, text in (("status", "print the pool's status"), ("stop", "stop a pool")):
@@ -57,9 +65,11 @@ def keys(args) -> int:
 
 
 def status(args) -> int:
-    with PoolClient(args.endpoint, curve_dir=args.curve_dir) as client:
+    with PoolClient(args.endpoint, curve_dir=args.curve_dir, insecure=args.insecure_tcp) as client:
         try:
             info = (client.wait_for_state(args.wait, timeout_s=600) if args.wait else client.status()).params()
+        except PoolRefused:
+            raise  # not a state of the pool: this client may not ask (main prints the one line)
         except PoolUnreachable as error:
             info = {"state": "unreachable", "error": str(error)}
     if args.json:
@@ -77,7 +87,7 @@ def status(args) -> int:
 
 
 def stop(args) -> int:
-    with PoolClient(args.endpoint, curve_dir=args.curve_dir) as client:
+    with PoolClient(args.endpoint, curve_dir=args.curve_dir, insecure=args.insecure_tcp) as client:
         client.stop()
     print(f"xdit: asked the pool at {args.endpoint} to stop", flush=True)
     return 0

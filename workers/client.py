@@ -3,9 +3,11 @@
 `PoolClient.sample(...)` submits a job and yields nothing but a result: it calls `on_step` for each
 streamed step, raises JobFailed / JobCancelledError, and notices a pool that stopped answering.
 A client has a fixed identity, so it keeps receiving its replies across the pool's restarts.
-A pool with CURVE keys (auth.py) answers only clients with an allowed key, so a client given
-`curve_dir` speaks CURVE; the client watches its own handshakes, because a refused client gets no
-reply at all, and says at once what is wrong with its keys instead of waiting for a timeout.
+A pool answers only clients with an allowed CURVE key (auth.py), so a client speaks CURVE with the keys in
+`curve_dir`, or by default with its user's own (owner_keys.py), which the pools that user starts serve with;
+only `insecure=True` speaks plain TCP, to a pool served with --insecure-tcp. The client watches its own
+handshakes, because a refused client gets no reply at all, and says at once what was refused and why
+instead of waiting for a timeout; an ipc:// socket it may not open is named as such, permission denied.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import errno
 import socket
 import time
 import uuid
-from urllib.parse import urlsplit
 from typing import TYPE_CHECKING, Callable
 
 import zmq
@@ -22,7 +23,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from .engine import fields
 from .wire import protocol
-from .wire.auth import ENV, HANDSHAKE_FAILURES, ClientKeys
+from .wire import owner_keys
+from .wire.auth import HANDSHAKE_FAILURES, ClientKeys
 from .wire.messages import Cancel, Decode, Encode, PoolStatus, StatusQuery, Stop, key_of
 from .wire.protocol import Message
 
@@ -32,6 +34,10 @@ if TYPE_CHECKING:  # torch only where tensors are: `status` and `stop` run witho
 PING_EVERY_S = 5.0
 MISSED_PINGS = 3
 HANDSHAKE_WITHIN_S = 5.0  # a live pool completes it in milliseconds, CURVE included
+CONNECT_WITHIN_S = 2.0  # a pool that neither accepts nor refuses a client by then: the replies' timeouts speak instead
+LINK_STATES = {zmq.EVENT_CONNECTED: "connected", zmq.EVENT_HANDSHAKE_SUCCEEDED: "ready",
+               zmq.EVENT_CONNECT_RETRIED: "refused", zmq.EVENT_DISCONNECTED: "down"}
+LINK_EVENTS = sum(LINK_STATES)  # one bit each
 ACCEPT_WITHIN_S = 10.0  # the pool acknowledges every submit at once (accepted or error)
 UNKNOWN_PINGS = 2  # pings in a row saying the pool has no such job: its result is not coming
 
@@ -45,14 +51,16 @@ class NothingListening(PoolUnreachable):
 
 
 class PoolRefused(PoolUnreachable):
-    """The pool's endpoint refused this client's keys (or their absence): retrying will not help."""
+    """The pool's endpoint refused this client's keys (or their absence), or its socket may not be opened: retrying
+    will not help."""
 
 
 class JobFailed(RuntimeError):
-    def __init__(self, message: str, rank: int, missing: bool = False):
+    def __init__(self, message: str, rank: int, missing: bool = False, mistake: bool = False):
         super().__init__(message if rank < 0 else f"rank {rank}: {message}")
         self.rank = rank
         self.missing = missing  # a model call named conditioning the pool does not hold (conditioning.py)
+        self.mistake = mistake  # refused at submit: it cannot run as asked (messages.Error)
 
 
 class JobCancelledError(RuntimeError):
@@ -62,8 +70,11 @@ class JobCancelledError(RuntimeError):
 
 
 class PoolClient:
-    def __init__(self, endpoint: str, context: zmq.Context | None = None, curve_dir: str | None = None):
-        self.endpoint, self.curve_dir = endpoint, curve_dir
+    def __init__(self, endpoint: str, context: zmq.Context | None = None, curve_dir: str | None = None,
+                 insecure: bool = False):
+        self.endpoint, self.implicit_keys = endpoint, curve_dir is None and not insecure
+        self.curve_dir = None if insecure else curve_dir or str(owner_keys.owner_folder())
+        keys = ClientKeys.load(self.curve_dir) if self.curve_dir else None  # a key mistake before any socket exists
         self.last_result: dict = {}  # the last sample's result params (sample returns its latents)
         self.last_call_bytes = 0  # tensor bytes the last model call sent (conditioning only when not held)
         self._held: set[str] = set()  # conditioning keys this client has sent to the pool
@@ -74,17 +85,16 @@ class PoolClient:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDTIMEO, 10_000)
         self.socket.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_WITHIN_S * 1000))
-        if curve_dir:
-            ClientKeys.load(curve_dir).apply(self.socket)
-        self._handshakes = self.socket.get_monitor_socket(HANDSHAKE_FAILURES)
-        # Checked before connecting: a check between connect and the first send would let a refused
-        # handshake tear the pipe down first, and the send would block instead of reporting the refusal.
-        self._listening = self._accepts_connections()
+        if keys is not None:
+            keys.apply(self.socket)
+        self._events = self.socket.get_monitor_socket(HANDSHAKE_FAILURES | LINK_EVENTS)
+        self._link: str | None = None  # what the monitor last said of the connection (see _take_events)
+        self._denied = self._ipc_denied()
         self.socket.connect(endpoint)
 
     def close(self) -> None:
         self.socket.disable_monitor()
-        self._handshakes.close(linger=0)
+        self._events.close(linger=0)
         self.socket.close(linger=0)
 
     def __enter__(self) -> "PoolClient":
@@ -98,21 +108,32 @@ class PoolClient:
         try:
             self.socket.send_multipart(protocol.encode(message), copy=False)
         except zmq.Again:  # no pipe to queue on within SNDTIMEO: a refused handshake tore it down
-            if self._handshakes.poll(0):
-                raise self._handshake_failed(recv_monitor_message(self._handshakes)) from None
+            self._take_events()
             raise PoolUnreachable(f"the pool at {self.endpoint} took no message within "
                                   f"{self.socket.getsockopt(zmq.SNDTIMEO) / 1000:.0f} s") from None
 
     def receive(self, timeout_s: float) -> Message | None:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
-        poller.register(self._handshakes, zmq.POLLIN)
-        ready = dict(poller.poll(int(timeout_s * 1000)))
-        if self._handshakes in ready:
-            raise self._handshake_failed(recv_monitor_message(self._handshakes))
-        if self.socket not in ready:
-            return None
-        return protocol.decode(self.socket.recv_multipart(copy=False), from_client=False)
+        poller.register(self._events, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ready = dict(poller.poll(max(0, int((deadline - time.monotonic()) * 1000))))
+            if self._events in ready:
+                self._take_events()
+            if self.socket in ready:
+                return protocol.decode(self.socket.recv_multipart(copy=False), from_client=False)
+            if time.monotonic() >= deadline:
+                return None
+
+    def _take_events(self) -> None:
+        """Read what the socket's monitor said of its connection (`_link`); a failed handshake raises."""
+        while self._events.poll(0):
+            event = recv_monitor_message(self._events)
+            if event["event"] in LINK_STATES:
+                self._link = LINK_STATES[event["event"]]
+            else:
+                raise self._handshake_failed(event)
 
     def _handshake_failed(self, event: dict) -> PoolUnreachable:
         where = f"the pool at {self.endpoint}"
@@ -121,37 +142,58 @@ class PoolClient:
             return PoolUnreachable(f"{where} accepted the connection but did not complete the ZMQ handshake within "
                                    f"{HANDSHAKE_WITHIN_S:.0f} s: the process serving it is hung or stopped (the pool's "
                                    "watchdog restarts a hung rank after --hang-timeout)")
+        named = ("pass --curve-dir DIR with that pool's server.key and an allowed client.key_secret, from "
+                 "`python -m workers keys`")
         if not self.curve_dir:
-            why = (f"requires CURVE keys: pass --curve-dir DIR (or set {ENV}) with its server.key and an "
-                   "allowed client.key_secret, from `python -m workers keys`")
+            why = f"requires CURVE keys (this client used --insecure-tcp): drop it to use your own keys, or {named}"
+        elif event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            why = "does not use CURVE keys (it was served with --insecure-tcp): connect with --insecure-tcp"
         elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             why = f"refused this client's key: its public key ({self.curve_dir}/client.key) is not in the pool's clients/ folder"
-        elif event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-            why = "does not use CURVE keys: connect without --curve-dir"
-        else:
-            why = f"did not accept the handshake: is {self.curve_dir}/server.key that pool's server key?"
+        else:  # another server key; or no keys at all, where the pool hung up before this client read its greeting
+            plain = (", or none (one served with --insecure-tcp: connect with --insecure-tcp)"
+                     if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL else "")
+            why = (f"refused this client: it serves other keys than your own in {self.curve_dir} (another user's pool, "
+                   f"or one served with --curve-dir){plain}; to reach a pool served with --curve-dir, {named}"
+                   if self.implicit_keys else
+                   f"did not accept the handshake: is {self.curve_dir}/server.key that pool's server key?{plain}")
         return PoolRefused(f"{where} {why}")
 
-    def _accepts_connections(self) -> bool:
-        address = urlsplit(self.endpoint)
-        if address.scheme != "tcp" or address.hostname in (None, "*", "0.0.0.0"):
-            return True
+    def _ipc_denied(self) -> PoolRefused | None:
+        """An ipc:// socket this user may not open: ZMQ would retry it in silence, as if nothing listened there."""
+        if not self.endpoint.startswith("ipc://"):
+            return None
         try:
-            socket.create_connection((address.hostname, address.port), timeout=2).close()
+            with socket.socket(socket.AF_UNIX) as unix:
+                unix.connect(self.endpoint[len("ipc://"):])
+        except PermissionError:
+            return PoolRefused(f"permission denied opening {self.endpoint}: it is a private socket of another "
+                               "user's pool (its folder is closed to you)")
         except OSError:
-            return False
-        return True
+            pass  # nothing there: the monitor says so like for tcp://
+        return None
 
-    def check_listening(self) -> None:
-        """Raise NothingListening when a tcp:// endpoint refuses connections (ZMQ would queue and wait)."""
-        self._listening = self._listening or self._accepts_connections()
-        if not self._listening:
+    def check_listening(self, wait_s: float = CONNECT_WITHIN_S) -> None:
+        """Before sending, and after a silence: raise NothingListening when the endpoint refuses connections (ZMQ
+        would queue and wait), PoolRefused when the pool refuses this client (its handshake) or its socket may not
+        be opened. Waits up to `wait_s` for the handshake's outcome: sent after a refusal, a message would wait for
+        a pipe that is gone. The monitor tells, not a connection of our own: a pool logs every connection that
+        ends inside its handshake as a refused client."""
+        if self._denied is not None:
+            raise self._denied
+        deadline = time.monotonic() + wait_s
+        self._take_events()
+        while self._link not in ("ready", "refused"):
+            if not self._events.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+                break
+            self._take_events()
+        if self._link == "refused":
             raise NothingListening(f"nothing is listening at {self.endpoint}: no pool runs there; start one with "
                                    "`python -m workers serve --model M --endpoint ...` or check the address")
 
     def request(self, kind: StatusQuery | Stop, job: str = "", timeout_s: float = 10.0) -> Message:
         """Send a status or stop message and return the reply that belongs to it."""
-        self.check_listening()
+        self.check_listening(min(timeout_s, CONNECT_WITHIN_S))
         tag = job or f"{kind.TYPE}-{uuid.uuid4().hex[:12]}"
         self.send(Message.of(kind, tag))
         deadline = time.monotonic() + timeout_s
@@ -159,9 +201,10 @@ class PoolClient:
             reply = self.receive(left)
             if reply is not None and reply.job == tag and reply.type != "step":
                 return reply
-        self._listening = False
         self.check_listening()
-        keys = "" if self.curve_dir else f"; a pool with CURVE keys answers only clients with an allowed key (--curve-dir or {ENV})"
+        keys = ("; a pool answers only clients with one of its CURVE keys (yours by default, a pool's own with "
+                "--curve-dir)" if self.curve_dir else "; a pool with CURVE keys answers only clients with an allowed key "
+                "(drop --insecure-tcp, or pass --curve-dir)")
         raise PoolUnreachable(f"no reply from the pool at {self.endpoint} within {timeout_s:.0f} s: it may be hung or overloaded{keys}")
 
     def status(self, timeout_s: float = 10.0) -> PoolStatus:
@@ -317,7 +360,6 @@ class PoolClient:
                     if ping is not None:
                         missed += 1
                         if missed >= MISSED_PINGS:
-                            self._listening = False
                             self.check_listening()
                             raise PoolUnreachable(f"the pool at {self.endpoint} stopped answering during job {job}")
                     ping = f"ping-{uuid.uuid4().hex[:12]}"
@@ -343,4 +385,4 @@ class PoolClient:
                 raise JobCancelledError(reply.params.get("step", 0))
             elif reply.type == "error":
                 raise JobFailed(reply.params.get("message", "unknown error"), reply.params.get("rank", -1),
-                                reply.params.get("missing", False) is True)
+                                reply.params.get("missing", False) is True, reply.params.get("mistake", False) is True)

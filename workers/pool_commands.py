@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from .client import JobCancelledError, JobFailed, PoolClient, PoolUnreachable
 from .engine import config, engine, request
-from .supervisor import Pool, PoolError, PoolSpec
+from .supervisor import Pool, PoolError, PoolSpec, SettingsRefused
 from .wire.endpoints import free_endpoint
 
 builtin_models = engine("loading.builtin_models")
@@ -53,13 +53,16 @@ def _node_arguments(parser: argparse.ArgumentParser, join: bool) -> None:
     group.add_argument("--rdzv-id", default="xdit-pool", help="the pool's rendezvous id (the same on every machine)")
 
 
-def add_parsers(commands, client_keys) -> None:
-    """serve, join and sample; `client_keys(parser)` adds the client's --curve-dir."""
+def add_parsers(commands, client_keys, insecure_help: str) -> None:
+    """serve, join and sample; `client_keys(parser)` adds the client's --curve-dir and --insecure-tcp."""
     serve = commands.add_parser("serve", help="run a pool in the foreground (SIGTERM stops every rank)")
     _pool_arguments(serve, required=True)
     serve.add_argument("--endpoint", default="tcp://127.0.0.1:5599")
     serve.add_argument("--curve-dir", default=None,
-                       help="keys from `python -m workers keys` (server.key_secret, clients/*.key); required off loopback")
+                       help="keys from `python -m workers keys` (server.key_secret, clients/*.key); required off loopback "
+                            "(default: your own keys, made on first use, which your clients find by themselves)")
+    serve.add_argument("--insecure-tcp", action="store_true",
+                       help=f"serve a loopback endpoint with {insecure_help}; only for clients that cannot speak CURVE")
     _node_arguments(serve, join=False)
 
     join = commands.add_parser("join", help="run this machine's ranks of node 0's pool (several machines)")
@@ -83,13 +86,14 @@ def add_parsers(commands, client_keys) -> None:
     client_keys(sample)
 
 
-def _spec(args, endpoint: str | None, curve_dir: str | None = None):
+def _spec(args, endpoint: str | None, curve_dir: str | None = None, insecure_tcp: bool = False):
     builtin_models.check_model(args.model, args.vae)
     return PoolSpec(
         model=args.model, vae=args.vae, nproc=args.nproc, endpoint=endpoint, parallel=config.config_from_args(args),
         auto=config.auto_layout_from_args(args),
         text_encoders=args.text_encoders, dtype=args.dtype, threads_per_rank=args.threads_per_rank, devices=args.devices,
-        curve_dir=curve_dir, nnodes=getattr(args, "nnodes", 1), node_rank=getattr(args, "node_rank", 0),
+        curve_dir=curve_dir, insecure_tcp=insecure_tcp, nnodes=getattr(args, "nnodes", 1),
+        node_rank=getattr(args, "node_rank", 0),
         rdzv_endpoint=getattr(args, "rdzv_endpoint", None), rdzv_id=getattr(args, "rdzv_id", "xdit-pool"),
         max_megapixels=args.max_megapixels, max_job_seconds=args.max_job_seconds, hang_timeout_s=args.hang_timeout,
     )
@@ -110,13 +114,13 @@ def _run_in_foreground(pool, banner: str) -> int:
     pool.stop()
     if pool.state == "error":
         print(f"error: {pool.error}", file=sys.stderr, flush=True)
-        return 1
+        return 2 if pool.refused else 1
     print("xdit pool stopped", flush=True)
     return 0
 
 
 def serve(args) -> int:
-    pool = Pool(_spec(args, args.endpoint, args.curve_dir))
+    pool = Pool(_spec(args, args.endpoint, args.curve_dir, args.insecure_tcp))
     nodes = f" over {args.nnodes} nodes" if args.nnodes > 1 else ""
     return _run_in_foreground(pool, f"xdit pool serving {args.model} on {args.endpoint} with {pool.spec.world_size} "
                                     f"rank(s){nodes} [{pool.spec.describe_layout()}]")
@@ -179,14 +183,14 @@ def sample(args) -> int:
         args.text_encoders = args.text_encoders or bool(args.prompt)
         # The ranks' own output (loading bars, a failed job's traceback) goes to a log; the error line names it.
         log_file = os.path.join(tempfile.gettempdir(), f"xdit-sample-{os.getpid()}.log")
-        pool = Pool(replace(_spec(args, endpoint), log_file=log_file))
-    curve_dir = args.curve_dir if pool is None else None  # a pool started here binds loopback without keys
+        pool = Pool(replace(_spec(args, endpoint, insecure_tcp=args.insecure_tcp), log_file=log_file))
+    curve_dir = args.curve_dir if pool is None else None  # a pool started here serves with this user's own keys
     interrupted = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: interrupted.set())
     try:
         if pool is not None:
             pool.start()
-        with PoolClient(endpoint, curve_dir=curve_dir) as client:
+        with PoolClient(endpoint, curve_dir=curve_dir, insecure=args.insecure_tcp) as client:
             start = time.perf_counter()
 
             def on_step(message):
@@ -209,7 +213,8 @@ def sample(args) -> int:
     except (JobFailed, PoolUnreachable, PoolError) as error:
         log = f" (the ranks' log: {pool.spec.log_file})" if pool is not None else ""
         print(f"error: {error}{log}", file=sys.stderr)
-        return 1
+        refused = isinstance(error, SettingsRefused) or isinstance(error, JobFailed) and error.mistake
+        return 2 if refused else 1  # a layout or inputs that cannot run, against a job or a pool that failed
     finally:
         if pool is not None:
             pool.stop()

@@ -1,8 +1,9 @@
 """Starting ranks: the one place that builds torchrun command lines and the environment of a rank.
 
-The pool supervisor, the demo, the benchmarks and the tests all start ranks through here, so how a
-rank is launched (standalone or a c10d rendezvous across machines, threads per rank, the repo root on
-the path) is decided once. Light on purpose: launchers import it without torch.
+The demo, the benchmarks, the tests and a pool over several machines start ranks through torchrun here; a
+one-machine pool starts its ranks itself (workers/supervisor/ranks.py) with this environment. So how a rank is
+launched (standalone or a c10d rendezvous across machines, threads per rank, the repo root on the path) is
+decided here. Light on purpose: launchers import it without torch.
 """
 
 from __future__ import annotations
@@ -17,18 +18,19 @@ ROOT = Path(__file__).resolve().parents[2]
 THREADS_ENV = "XDIT_THREADS_PER_RANK"
 
 
-def torchrun_command(nproc: int, *args: str, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
+def torchrun_command(nproc: int, *args: str, nnodes: int = 1, rdzv_endpoint: str | None = None,
                      rdzv_id: str = "xdit-pool", options: tuple[str, ...] = ()) -> list[str]:
     """`python -m torch.distributed.run` with `nproc` ranks on this machine, then `options` (torchrun's
     own) and `args` (the module or script and its arguments). One machine: --standalone. Several: a
-    c10d rendezvous at `rdzv_endpoint`, hosted by node 0."""
+    c10d rendezvous whose store the launcher hosts at `rdzv_endpoint` itself (no agent hosts it: an
+    agent's store would listen on every interface)."""
     if nnodes == 1:
         launch = ["--standalone", "--nproc-per-node", str(nproc)]
     else:
         # c10d orders nodes its own way (it ignores --node-rank); the ranks put node 0 first themselves.
-        host_conf = ["--rdzv-conf", "is_host=0"] if node_rank else []  # node 0 hosts the rendezvous store
         launch = ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-                  "--rdzv-endpoint", str(rdzv_endpoint), "--rdzv-id", rdzv_id, *host_conf, "--max-restarts", "0"]
+                  "--rdzv-endpoint", str(rdzv_endpoint), "--rdzv-id", rdzv_id, "--rdzv-conf", "is_host=0",
+                  "--max-restarts", "0"]
     return [sys.executable, "-m", "torch.distributed.run", *launch, *options, *args]
 
 

@@ -54,10 +54,13 @@ _GROUPS: dict[str, GroupCoordinator] = {}
 _LAYOUT: RankLayout | None = None
 
 
-def init_distributed_environment(backend: str | None = None, share_gpus: bool = False) -> GroupCoordinator:
-    """Join the torchrun world (env://): NCCL when CUDA is present, gloo otherwise. Before NCCL starts, this machine's
-    cards are checked and each rank placed (devices.py: peer access, mixed cards, more ranks than cards, which
-    `share_gpus` allows over gloo); a DeviceError is one line naming the fix."""
+def init_distributed_environment(backend: str | None = None, share_gpus: bool = False,
+                                 store: dist.Store | None = None) -> GroupCoordinator:
+    """Join the world: torchrun's (env://), or through `store`, one its launcher hosts (the pool's supervisor binds
+    it to one address, which torchrun cannot), this rank's RANK and WORLD_SIZE from the environment either way.
+    NCCL when CUDA is present, gloo otherwise. Before NCCL starts, this machine's cards are checked and each rank
+    placed (devices.py: peer access, mixed cards, more ranks than cards, which `share_gpus` allows over gloo); a
+    DeviceError is one line naming the fix."""
     global _WORLD
     if not dist.is_initialized():
         if backend is None:
@@ -65,7 +68,11 @@ def init_distributed_environment(backend: str | None = None, share_gpus: bool = 
             backend = plan.backend
         elif backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend=backend)
+        if store is None:
+            dist.init_process_group(backend=backend)
+        else:
+            dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]))
     if _WORLD is None:
         _WORLD = GroupCoordinator("world", list(range(dist.get_world_size())), dist.group.WORLD)
     return _WORLD

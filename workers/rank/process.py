@@ -1,6 +1,6 @@
-"""What each torchrun rank runs: `python -m workers.rank --model DIR --endpoint E --control C ...`.
+"""What each rank runs: `python -m workers.rank --model DIR --endpoint E --control C --store HOST:PORT ...`.
 
-Start-up: join the world, report to the supervisor, take a census of the world (every rank's node and pid,
+Start-up: join the world through the store its supervisor (node 0's) hosts, report to the supervisor, take a census of the world (every rank's node and pid,
 and one layout for all), load and wrap the pipeline, wait for every rank, then report ready (rank 0 already
 taking jobs). Rank 0 also serves clients (server.ClientServer), checking each job (validation.py); then every
 rank runs the job loop (loop.py). A `Rank` holds what this rank knows; those units read and update it.
@@ -50,6 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--endpoint", default=None, help="rank 0 serves clients here (node 0 only)")
     parser.add_argument("--curve-dir", default=None)
     parser.add_argument("--control", required=True)
+    parser.add_argument("--store", required=True, help="HOST:PORT of the world's store (supervisor/rendezvous.py)")
     parser.add_argument("--nnodes", type=int, default=1)
     parser.add_argument("--node-rank", type=int, default=0)
     parser.add_argument("--text-encoders", action="store_true")
@@ -91,7 +92,7 @@ class Rank:
         if self.args.nnodes == 1:
             return int(os.environ["RANK"])
         rank = self.args.node_rank * int(os.environ["LOCAL_WORLD_SIZE"]) + int(os.environ["LOCAL_RANK"])
-        os.environ["RANK"] = str(rank)  # read by init_process_group (env://)
+        os.environ["RANK"] = str(rank)  # read by init_distributed_environment
         return rank
 
     def progress(self) -> control.Beat:
@@ -115,7 +116,10 @@ class Rank:
         if self.args.nnodes > 1 and int(os.environ["WORLD_SIZE"]) != nodes_nproc:
             raise StartRefused(f"the world has {os.environ['WORLD_SIZE']} ranks but {self.args.nnodes} nodes × "
                                f"--nproc {os.environ['LOCAL_WORLD_SIZE']} = {nodes_nproc}: give every node the same --nproc")
-        world = distributed.init_distributed_environment(share_gpus=self.args.share_gpus)
+        host, _, port = self.args.store.rpartition(":")
+        store = dist.TCPStore(host.strip("[]"), int(port), int(os.environ["WORLD_SIZE"]), is_master=False,
+                              timeout=dist.default_pg_timeout)
+        world = distributed.init_distributed_environment(share_gpus=self.args.share_gpus, store=store)
         self.world_size = world.world_size
         self.config = config.config_from_args(self.args)
         self.auto = config.auto_layout_from_args(self.args)  # None: the degrees as given
@@ -234,8 +238,9 @@ def main(argv=None) -> int:
     except Exception as error:  # noqa: BLE001 - start-up failures go to the supervisor verbatim
         # On several machines a failed collective means a node was lost: the supervisors try again.
         fatal = rank.args.nnodes == 1 or rank.phase != "world" or isinstance(error, StartRefused)
+        mistake = isinstance(error, (StartRefused, ValueError, FileNotFoundError))  # as contract E tells them apart
         rank.control.send(control.Failed(error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc(),
-                                         fatal=fatal))
+                                         fatal=fatal, mistake=mistake))
         time.sleep(0.5)
         return 1
     JobLoop(rank).run()

@@ -197,7 +197,9 @@ class ClientServer(threading.Thread):
             getattr(self, f"_on_{message.type}")(client, message)
         except (ProtocolError, ValueError) as error:
             missing = getattr(error, "missing", False)  # conditioning.NotHeld: the client sends it again
-            self._reply(client, Message.of(Error(message=str(error), rank=0, missing=missing), message.job))
+            mistake = not missing and not isinstance(error, ProtocolError)  # the job's own checks refused it
+            self._reply(client, Message.of(Error(message=str(error), rank=0, missing=missing, mistake=mistake),
+                                           message.job))
 
     def _on_submit(self, client: bytes, message: Message) -> None:
         if not message.job:

@@ -1,7 +1,8 @@
-"""This machine's share of a pool, supervised: what it is made of (spec.py), torchrun and its ranks watched and
-restarted (pool.py), and the stand-in that answers clients while rank 0 cannot (standin.py)."""
+"""This machine's share of a pool, supervised: what it is made of (spec.py), its ranks started and ended (ranks.py)
+where they meet (rendezvous.py), watched and restarted (pool.py), and the stand-in that answers clients while rank 0
+cannot (standin.py)."""
 
-from .pool import Pool, PoolError
+from .pool import Pool, PoolError, SettingsRefused
 from .spec import PoolSpec
 
-__all__ = ["Pool", "PoolError", "PoolSpec"]
+__all__ = ["Pool", "PoolError", "PoolSpec", "SettingsRefused"]

@@ -1,46 +1,47 @@
-"""Starts, watches and restarts this machine's share of a pool: torchrun as a child process group, plus its control channel.
+"""Starts, watches and restarts this machine's share of a pool: its ranks (ranks.py) and its control channel.
 
-The supervisor, not torchrun's agent, decides what a rank's death means: it polls every rank's
-pid every 50 ms (torchrun's own monitor runs every second), so it sees the rank that died first and
-can name it to the client before it stops the others. A rank that lives but stops beating (SIGSTOP,
-a wedge that even its heartbeat thread cannot get past) for `hang_timeout_s` is declared hung the same
-way, and a pool a client asked to stop is ended STOP_GRACE_S later if its ranks are still busy.
+The supervisor decides what a rank's death means: it polls every rank's pid every 50 ms, so it sees the
+rank that died first and can name it to the client before it stops the others. A rank that lives but stops
+beating (SIGSTOP, a wedge that even its heartbeat thread cannot get past) for `hang_timeout_s` is declared hung
+the same way, and a pool a client asked to stop is ended STOP_GRACE_S later if its ranks are still busy.
 
 The `Pool` object lives in the process that owns the pool (ComfyUI, `python -m workers serve` or
-`join`). Its supervisor thread is the only user of its ZMQ sockets. It launches torchrun, hands the
+`join`). Its supervisor thread is the only user of its ZMQ sockets. It launches the ranks, hands the
 client endpoint to rank 0 once rank 0 is up, and meanwhile answers clients itself (standin.StandIn),
 so the endpoint never goes silent: during start-up, and after a crash, when it also tells the running
-job's client what happened. Ranks die with their parent: torchrun gets SIGTERM when the supervisor
-thread's process dies (PR_SET_PDEATHSIG), and each rank gets SIGKILL when torchrun dies.
+job's client what happened. Ranks die with their parent (PR_SET_PDEATHSIG), even when it is SIGKILLed.
+
+Nothing here listens beyond what it must: the client endpoint is CURVE-authenticated (the owner's own keys
+unless --curve-dir; plain only with --insecure-tcp, on loopback), the control channel is an ipc:// socket in
+a fresh folder only this user may open, and the ranks' store listens on loopback (rendezvous.py).
 
 Several machines (nnodes > 1): each runs a supervisor over its own ranks, under torchrun's elastic
-agent with the c10d rendezvous. Node 0 (`serve`) hosts the rendezvous store and the client endpoint;
-the others `join`. Every launch is `--max-restarts 0`: when the world breaks (a rank or a whole node
-is lost, which the ranks notice in their collectives and report as `world_lost`), every supervisor
-stops its share and launches it again. Node 0's new agent hosts a fresh rendezvous, the others'
-agents exit when theirs disappears and are relaunched into it, and the world forms again as soon as
-every node is back; until then node 0's stand-in says `waiting for nodes`. The control channel stays
-on each machine: node 0's supervisor knows the other nodes only from rank 0's reports.
+agent with the c10d rendezvous, whose store node 0's supervisor hosts on the --rdzv-endpoint address.
+Node 0 (`serve`) also owns the client endpoint; the others `join`. Every launch is `--max-restarts 0`:
+when the world breaks (a rank or a whole node is lost, which the ranks notice in their collectives and
+report as `world_lost`), every supervisor stops its share and launches it again. Node 0's new launch hosts
+a fresh rendezvous, the others' agents exit when their world is gone and are relaunched into it, and the
+world forms again as soon as every node is back; until then node 0's stand-in says `waiting for nodes`. The
+control channel stays on each machine: node 0's supervisor knows the other nodes only from rank 0's reports.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
-import signal
+import shutil
 import socket
-import subprocess
+import tempfile
 import threading
 import time
+from dataclasses import replace
 
 import zmq
 
-from ..engine import launch
 from ..wire.control import MAX_CONTROL_BYTES, read_report
 from ..wire.framing import ProtocolError
 from ..wire.messages import Error, PoolStatus
 from ..wire.protocol import Message
+from . import ranks
 from .processes import is_alive
 from .reports import STOP_GRACE_S, WAITING, Reports
 from .spec import PoolSpec
@@ -57,7 +58,12 @@ class PoolError(RuntimeError):
     """The pool could not start (the message carries the failing rank's own error)."""
 
 
-__all__ = ["Pool", "PoolError", "PoolSpec"]
+class SettingsRefused(PoolError):
+    """The ranks refused what the pool was asked to run (a layout that cannot work, a model that cannot load): the
+    user's mistake, not a failure."""
+
+
+__all__ = ["Pool", "PoolError", "PoolSpec", "SettingsRefused"]
 
 
 def describe_node(row: dict) -> str:
@@ -71,11 +77,12 @@ class Pool(Reports):
 
     def __init__(self, spec: PoolSpec):
         spec.check()
-        self.spec = spec
+        self.spec = replace(spec, curve_dir=spec.key_folder())  # the keys it serves with, the owner's by default
         self.restarts = 0
         self.jobs_done = 0
         self.state = "starting"
         self.error: str | None = None
+        self.refused = False  # the error is the ranks' refusal of the settings (SettingsRefused)
         self.restart_reason: str | None = None
         self.nodes: list[dict] = []  # the world's nodes, as rank 0 last reported them
         self.host = socket.gethostname()
@@ -83,7 +90,7 @@ class Pool(Reports):
         self._stopped = threading.Event()
         self._stop_requested = threading.Event()
         self._thread: threading.Thread | None = None
-        self.process: subprocess.Popen | None = None
+        self._ranks: ranks.Launch | None = None
         self.pids: dict[int, int] = {}
 
     # -- public -------------------------------------------------------------------------------------
@@ -101,7 +108,7 @@ class Pool(Reports):
             raise PoolError(f"the pool did not become ready within {timeout_s:.0f} s")
         if self.state == "error":
             self.stop()
-            raise PoolError(self.error)
+            raise (SettingsRefused if self.refused else PoolError)(self.error)
         return self
 
     def stop(self, timeout_s: float = 15) -> None:
@@ -134,8 +141,9 @@ class Pool(Reports):
         self._control = self._context.socket(zmq.ROUTER)
         self._control.setsockopt(zmq.LINGER, 0)
         self._control.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
-        port = self._control.bind_to_random_port("tcp://127.0.0.1")
-        self._control_endpoint = f"tcp://127.0.0.1:{port}"
+        self._private = tempfile.mkdtemp(prefix="xdit-pool-")  # 0700: no other user may open the socket in it
+        self._control_endpoint = f"ipc://{self._private}/control"
+        self._control.bind(self._control_endpoint)
         self._standin: StandIn | None = None
         self._launch_at: float | None = None
         try:
@@ -159,6 +167,7 @@ class Pool(Reports):
                 self._standin.shutdown()
             self._control.close()
             self._context.term()
+            shutil.rmtree(self._private, ignore_errors=True)
             self.state = "stopped" if self.state != "error" else self.state
             self._ready.set()
             self._stopped.set()
@@ -171,24 +180,18 @@ class Pool(Reports):
         self._job_error_since = 0.0
         self._beats: dict[int, float] = {}  # rank -> when its heartbeat last came (control.Heartbeat)
         self._stop_deadline: float | None = None
-        spec = self.spec
-        command = launch.torchrun_command(
-            spec.nproc, "-m", "workers.rank", *spec.rank_arguments(),
-            "--control", self._control_endpoint, "--jobs-done", str(self.jobs_done), "--restarts", str(self.restarts),
-            nnodes=spec.nnodes, node_rank=spec.node_rank, rdzv_endpoint=spec.rdzv_endpoint, rdzv_id=spec.rdzv_id,
-            options=("--monitor-interval", "1"),
-        )
-        env = launch.rank_environment(spec.threads_per_rank, spec.devices)
+        arguments = [*self.spec.rank_arguments(), "--control", self._control_endpoint, "--jobs-done",
+                     str(self.jobs_done), "--restarts", str(self.restarts)]
         output = open(self.spec.log_file, "ab") if self.spec.log_file else None
-        self.process = subprocess.Popen(
-            command, cwd=launch.ROOT, env=env, stdout=output, stderr=subprocess.STDOUT if output else None,
-            start_new_session=True, preexec_fn=functools.partial(launch.die_with_parent, signal.SIGTERM),
-        )
-        if output:
-            output.close()
+        try:
+            self._ranks = ranks.start(self.spec, arguments, output)
+        finally:
+            if output:
+                output.close()
+        self.pids = dict(self._ranks.pids)  # ranks started here are known at once; torchrun's say hello
 
     def _relaunch_after(self, delay_s: float) -> None:
-        self.process, self._launch_at = None, time.monotonic() + delay_s
+        self._ranks, self._launch_at = None, time.monotonic() + delay_s
 
     def _poll_once(self) -> None:
         poller = zmq.Poller()
@@ -224,7 +227,7 @@ class Pool(Reports):
         return sorted(r for r, pid in self.pids.items() if not is_alive(pid))
 
     def _check_liveness(self) -> None:
-        if self.process is None or self._stop_requested.is_set():
+        if self._ranks is None or self._stop_requested.is_set():
             return
         if self._job_errors and time.monotonic() - self._job_error_since > JOB_ERROR_GRACE_S:
             rank = min(self._job_errors)
@@ -236,9 +239,9 @@ class Pool(Reports):
             what = ", ".join(f"rank {r} (pid {self.pids.get(r)})" for r in hung)
             return self._crashed(f"{what} stopped responding: no heartbeat for {self.spec.hang_timeout_s:g} s "
                                  "(hung, stopped or starved); the pool is restarting")
-        exit_code = self.process.poll()
+        exited = self._ranks.exited()
         dead = self._dead_ranks()
-        if exit_code is None and not dead:
+        if exited is None and not dead:
             return
         self._drain_control()  # a "stopped" that came in since the poll: the exit is that stop
         if self._stop_requested.is_set():
@@ -246,19 +249,19 @@ class Pool(Reports):
         if self._stop_deadline is not None:  # the ranks said a client stopped the pool: their exit is that stop
             return self._stop_requested.set()
         if self.state == WAITING:
-            self.restart_reason = (f"torchrun exited with code {exit_code} while waiting for the other nodes at "
-                                   f"{self.spec.rdzv_endpoint}; waiting again")
+            self.restart_reason = f"{exited} while waiting for the other nodes at {self.spec.rdzv_endpoint}; waiting again"
             log.warning("%s", self.restart_reason)
             self._kill_ranks()
             return self._relaunch_after(RENDEZVOUS_RETRY_S)
         if self.spec.nnodes == 1 and self.state != "ready":
-            return self._start_failed(f"torchrun exited with code {exit_code} while the pool was starting")
+            what = exited or ", ".join(f"rank {r} (pid {self.pids[r]}) died" for r in dead)
+            return self._start_failed(f"{what} while the pool was starting")
         if dead:
             what = ", ".join(f"rank {r} (pid {self.pids[r]})" for r in dead)
             return self._crashed(f"{what} died; the pool is restarting")
         if self.spec.nnodes > 1:
-            return self._world_broke(None, f"torchrun exited with code {exit_code}")
-        self._crashed(f"torchrun (exit code {exit_code}) died; the pool is restarting")
+            return self._world_broke(None, exited)
+        self._crashed(f"{exited}; the pool is restarting")
 
     def _hung_ranks(self) -> list[int]:
         """Ranks of a ready pool whose heartbeat stopped: the watchdog that gloo's 30-minute timeout is not."""
@@ -302,58 +305,23 @@ class Pool(Reports):
         self.restarts += 1
         self._relaunch_after(JOIN_RELAUNCH_DELAY_S if self.spec.node_rank else 0.0)
 
-    def _start_failed(self, reason: str) -> None:
+    def _start_failed(self, reason: str, refused: bool = False) -> None:
         log.error("%s", reason)
-        self.state, self.error = "error", reason
+        self.state, self.error, self.refused = "error", reason, refused
         self._kill_ranks()
         self._ready.set()
         self._stop_requested.set()
 
     def _shutdown_ranks(self) -> None:
         """Let ranks that were asked to stop exit by themselves; then make sure of it."""
-        if self.process and self.process.poll() is None:
-            try:
-                self.process.wait(3 if not any(is_alive(p) for p in self.pids.values()) else 0.5)
-            except subprocess.TimeoutExpired:
-                pass
+        if self._ranks is not None:
+            self._ranks.wait(3 if not any(is_alive(p) for p in self.pids.values()) else 0.5)
         self._kill_ranks()
 
     def _kill_ranks(self) -> None:
-        """Stop torchrun and every rank, whatever state they are in; wait until they are gone.
-
-        The ranks go first (SIGTERM: they exit 0 at once), so torchrun sees its workers finish and exits
-        by itself; SIGTERM to torchrun would print its SignalException traceback. SIGKILL is the fallback.
-        """
-        if self.process is None:
-            return
-        for pid in self.pids.values():
-            self._signal(pid, signal.SIGTERM)
-            self._signal(pid, signal.SIGCONT)  # a stopped rank acts on SIGTERM only once it runs
-        self._wait_exited(3.0)
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self._wait_exited(5.0)
-        for pid in self.pids.values():  # ranks are in torchrun's session; this is only a safety net
-            self._signal(pid, signal.SIGKILL)
-        try:
-            self.process.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
-
-    @staticmethod
-    def _signal(pid: int, sig: int) -> None:
-        if is_alive(pid):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def _wait_exited(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not (self.process.poll() is not None and not any(is_alive(p) for p in self.pids.values())):
-            time.sleep(0.02)
+        """Stop every process of the launch, whatever state it is in; wait until they are gone (ranks.Launch.end)."""
+        if self._ranks is not None:
+            self._ranks.end(self.pids.values())
 
     # -- what the stand-in answers ------------------------------------------------------------------
     def status(self) -> PoolStatus:

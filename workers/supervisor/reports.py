@@ -53,7 +53,7 @@ class Reports:
 
     def _on_failed(self, identity: bytes, report: Report) -> None:
         if report.body.fatal:
-            self._start_failed(f"rank {report.rank} failed to start: {report.body.error}")
+            self._start_failed(f"rank {report.rank} failed to start: {report.body.error}", report.body.mistake)
         else:
             self._world_broke(report.rank, report.body.error)
 

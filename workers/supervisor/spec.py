@@ -2,7 +2,7 @@
 
 `check()` turns every mistake that would only show up later on some rank into one clear error
 before anything starts; `rank_arguments()` is the rank command line the supervisor builds from it
-(torchrun's own comes from parallel/cli/launch.py).
+(ranks.py starts the ranks with it); `key_folder()` the keys its client endpoint serves with.
 """
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..engine import AutoLayout, LayoutError, ParallelConfig, engine, fields
+from ..wire import owner_keys
 from ..wire.auth import ServerKeys, check_endpoint
+from .rendezvous import rendezvous_address
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,8 @@ class PoolSpec:
     threads_per_rank: int | None = None
     log_file: str | None = None
     devices: str | None = None  # CUDA_VISIBLE_DEVICES for the ranks, e.g. "0,1,2,3"
-    curve_dir: str | None = None  # CURVE keys of the client endpoint (auth.py)
+    curve_dir: str | None = None  # CURVE keys of the client endpoint (auth.py); None: the owner's own (owner_keys.py)
+    insecure_tcp: bool = False  # a plain client endpoint, on loopback only: every local user could use the pool
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str | None = None  # HOST:PORT of node 0's rendezvous
@@ -69,6 +72,8 @@ class PoolSpec:
             raise ValueError(f"--hang-timeout {self.hang_timeout_s:g} is too short: ranks beat every second; give 3 s or more")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT, node 0's address (e.g. 192.168.1.10:29400)")
+        if self.nnodes > 1:
+            rendezvous_address(self.rdzv_endpoint)
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} is outside 0 … {self.nnodes - 1} (--nnodes {self.nnodes})")
         if self.node_rank == 0 and self.endpoint is None:
@@ -77,9 +82,16 @@ class PoolSpec:
             raise ValueError(f"--node-rank {self.node_rank}: only node 0 serves clients; start node {self.node_rank} "
                              "with `python -m workers join`")
         if self.endpoint is not None:
-            check_endpoint(self.endpoint, self.curve_dir)
+            check_endpoint(self.endpoint, self.curve_dir, self.insecure_tcp)
             if self.curve_dir:
                 ServerKeys.load(self.curve_dir)
+
+    def key_folder(self) -> str | None:
+        """The keys the client endpoint serves with: --curve-dir, else the owner's own, created on first use; None
+        without an endpoint here or with --insecure-tcp."""
+        if self.endpoint is None or self.insecure_tcp:
+            return None
+        return self.curve_dir or str(owner_keys.owner_folder())
 
     def rank_arguments(self) -> list[str]:
         """The rank command line (workers/rank/process.py parses it): the layout travels as its own flags."""

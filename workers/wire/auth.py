@@ -1,7 +1,9 @@
-"""CURVE authentication for pool endpoints that leave loopback.
+"""CURVE authentication for every pool endpoint, loopback included (loopback is every local user's too).
 
-A pool binding anything but loopback must have keys: a server keypair, and the public keys of the
-clients it accepts. `python -m workers keys --out DIR` writes them (0600):
+A pool's keys are a server keypair and the public keys of the clients it accepts. Without `--curve-dir` a pool
+and its clients use the owner's own folder (owner_keys.py), so the owner sets nothing up; beyond loopback the
+folder must be named (its keys are then copied to other machines). `python -m workers keys --out DIR` writes
+them (0600):
 
     DIR/server.key          server public key   (clients need it)
     DIR/server.key_secret   server keypair      (only the pool)
@@ -12,10 +14,12 @@ clients it accepts. `python -m workers keys --out DIR` writes them (0600):
 The pool's client-facing sockets (rank 0's ROUTER, the supervisor's stand-in) run in CURVE server
 mode behind a ZAP handler that accepts only the keys in DIR/clients (read on every handshake, so a
 key added there works without a restart). A refused client gets no reply at all; the pool logs it.
+Only `--insecure-tcp` serves a plain endpoint, and only on loopback.
 """
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import os
@@ -72,8 +76,13 @@ def is_loopback(endpoint: str) -> bool:
         return False
 
 
-def check_endpoint(endpoint: str, curve_dir: str | None) -> None:
-    """Refuse (before any bind) to serve a non-loopback endpoint without keys."""
+def check_endpoint(endpoint: str, curve_dir: str | None, insecure: bool = False) -> None:
+    """Refuse (before any bind) to serve a non-loopback endpoint without named keys, or any plainly but on loopback."""
+    if insecure and curve_dir is not None:
+        raise ValueError("--insecure-tcp serves without keys, --curve-dir with them: drop one of the two")
+    if insecure and not is_loopback(endpoint):
+        raise ValueError(f"refusing to serve {endpoint} with --insecure-tcp: anyone on the network could use the pool. "
+                         f"To serve beyond this machine, {HOW_TO_CREATE}; or bind tcp://127.0.0.1:PORT.")
     if curve_dir is None and not is_loopback(endpoint):
         raise ValueError(
             f"refusing to serve {endpoint} without authentication: anyone on the network could use the pool. "
@@ -86,9 +95,13 @@ def _read(directory: Path, name: str) -> tuple[bytes, bytes | None]:
     if not zmq.has("curve"):
         raise ValueError(f"this pyzmq (libzmq {zmq.zmq_version()}) was built without CURVE; install the pyzmq wheel from PyPI")
     path = directory / name
-    if not path.is_file():
-        raise ValueError(f"no {path}: {HOW_TO_CREATE}")
-    return zmq.auth.load_certificate(path)
+    try:
+        if not path.is_file():
+            raise ValueError(f"no {path}: {HOW_TO_CREATE}")
+        return zmq.auth.load_certificate(path)
+    except PermissionError:
+        raise ValueError(f"cannot read {path}: permission denied (the keys of another user?); use keys of your own "
+                         "(give no --curve-dir for yours)") from None
 
 
 def _read_pair(directory: Path, name: str) -> tuple[bytes, bytes]:
@@ -147,7 +160,9 @@ class ServerGuard:
 
     One per ZMQ context (the ZAP handler is per context); `secure()` each socket before it binds, and
     poll the monitor socket it returns from the thread that owns the socket, passing events to
-    `on_monitor()`: clients that fail before ZAP (no keys, wrong server key) only show up there.
+    `on_monitor()`: clients that fail before ZAP (no keys, wrong server key) only show up there, some of
+    them only as a connection closed inside the handshake (a keyless client that sees the server's CURVE
+    greeting first hangs up before the server reads its own).
     """
 
     def __init__(self, context: zmq.Context, keys: ServerKeys):
@@ -170,15 +185,18 @@ class ServerGuard:
     def secure(self, socket: zmq.Socket) -> zmq.Socket:
         socket.curve_secretkey, socket.curve_publickey = self.keys.secret, self.keys.public
         socket.curve_server = True
-        return socket.get_monitor_socket(HANDSHAKE_FAILURES)
+        return socket.get_monitor_socket(HANDSHAKE_FAILURES & ~zmq.EVENT_HANDSHAKE_FAILED_AUTH)  # ZAP's: callback()
 
     def on_monitor(self, monitor: zmq.Socket) -> None:
         event = recv_monitor_message(monitor)
-        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-            return  # ZAP refused it and callback() logged it with the address
         endpoint = event["endpoint"].decode(errors="replace")
-        why = {zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "it offered no CURVE keys",
-               zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: "it used another server key"}.get(event["value"], "its handshake failed (no CURVE keys, or another server key)")
+        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            why = ("it offered nothing within the handshake's time limit" if event["value"] == errno.EAGAIN else
+                   "it hung up inside the handshake (no CURVE keys, or another server key)")
+        else:
+            why = {zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "it offered no CURVE keys",
+                   zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: "it used another server key"}.get(
+                       event["value"], f"its handshake broke the protocol (ZMTP error {event['value']:#x})")
         self._refused(f"on {endpoint}: {why} (ZMQ does not report its address before authentication)")
 
     def _refused(self, detail: str) -> None:

@@ -65,11 +65,13 @@ class Ready(Control, kind="ready"):
 
 
 class Failed(Control, kind="failed"):
-    """Start-up failed; `fatal`: retrying cannot help (one machine, or a refused world), else the world broke."""
+    """Start-up failed; `fatal`: retrying cannot help (one machine, or a refused world), else the world broke;
+    `mistake`: what the pool was asked to run cannot work (a layout, a model), which the CLI exits 2 for."""
 
     error: str = declared()
     traceback: str = declared("")
     fatal: bool = declared(True)
+    mistake: bool = declared(False)
 
 
 class WorldLost(Control, kind="world_lost"):

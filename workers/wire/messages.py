@@ -196,11 +196,13 @@ class Result(Kind, kind="result"):
 
 class Error(Kind, kind="error"):
     """rank: the rank whose error it is (-1: the supervisor); missing: a model call named conditioning the pool
-    does not hold (the client sends it again)."""
+    does not hold (the client sends it again); mistake: the job was refused at submit as it cannot run as asked
+    (its inputs, the layout, the pool's limits), not failed while it ran (the CLI exits 2, not 1)."""
 
     message: str = declared()
     rank: int = declared()
     missing: bool = declared(False)
+    mistake: bool = declared(False)
 
 
 class Cancelled(Kind, kind="cancelled"):
