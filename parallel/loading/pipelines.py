@@ -28,7 +28,8 @@ SCHEDULERS = {
 FLOW_SCHEDULERS = {"flow-euler": FlowMatchEulerDiscreteScheduler, "flow-dpmsolver": DPMSolverMultistepScheduler,
                    "flow-unipc": UniPCMultistepScheduler}
 MODULAR_INDEX = "modular_model_index.json"  # a diffusers ModularPipeline's folder (no model_index.json)
-TEXT_PARTS = ("text_encoder", "tokenizer", "processor")  # loaded only with text encoders
+WEIGHTED_TEXT_PARTS = ("text_encoder", "tokenizer")  # a pipeline folder loads these only with text encoders
+TEXT_PARTS = (*WEIGHTED_TEXT_PARTS, "processor")  # a modular folder loads these only with text encoders
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 FP8_STORAGE = torch.float8_e4m3fn  # "fp8": weights stored in fp8, each layer computing in bf16
 
@@ -65,7 +66,7 @@ def load_pipeline(model_dir: str | Path, *, text_encoders: bool = False, dtype: 
     # pipeline may build on its processor when given embeddings (Qwen-Image 2.1's chat template), for images only
     # where torchvision is missing. A part saved as none loads as none (diffusers refuses such a folder otherwise).
     skipped = {name: None for name, entry in components.items()
-               if entry == [None, None] or (not text_encoders and name.startswith(TEXT_PARTS))}
+               if entry == [None, None] or (not text_encoders and name.startswith(WEIGHTED_TEXT_PARTS))}
     kwargs = {"torch_dtype": DTYPES[dtype]} if dtype else {}
     kwargs.update(vl_processors.stand_ins(model_dir, components))
     pipeline = DiffusionPipeline.from_pretrained(model_dir, **skipped, **kwargs)
