@@ -237,9 +237,24 @@ def _tiny_mistral3(seed: int, width: int):
     return tokenizer, tm._seeded(seed, Mistral3ForConditionalGeneration, config)
 
 
+def tiny_vae(seed: int):
+    """FLUX.2's VAE (FLUX 3's too), 8 channels wide, its batch norm's statistics not the identity, as a trained VAE's."""
+    from diffusers import AutoencoderKLFlux2
+
+    from ..loading import tiny_models as tm
+
+    vae = tm._seeded(seed + 3, AutoencoderKLFlux2, block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4,
+                     latent_channels=32, sample_size=64)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 4)
+        vae.bn.running_mean.copy_(0.5 * torch.randn(vae.bn.num_features))
+        vae.bn.running_var.copy_(0.5 + torch.rand(vae.bn.num_features) ** 2 * 3)
+    return vae
+
+
 def _build_tiny(seed: int, pipeline: str):
     import diffusers
-    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel, FlowMatchEulerDiscreteScheduler
+    from diffusers import Flux2Transformer2DModel, FlowMatchEulerDiscreteScheduler
 
     from ..loading import tiny_models as tm
 
@@ -247,12 +262,7 @@ def _build_tiny(seed: int, pipeline: str):
     transformer = tm._transformer(seed, Flux2Transformer2DModel, in_channels=128, num_layers=tm.BLOCKS // 2,
                                   num_single_layers=tm.BLOCKS // 2, joint_attention_dim=3 * text_width,
                                   axes_dims_rope=(4, 4, 4, 4), guidance_embeds=dev)
-    vae = tm._seeded(seed + 3, AutoencoderKLFlux2, block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4,
-                     latent_channels=32, sample_size=64)
-    with torch.random.fork_rng(devices=[]):  # batch-norm statistics that are not the identity, as a trained VAE's
-        torch.manual_seed(seed + 4)
-        vae.bn.running_mean.copy_(0.5 * torch.randn(vae.bn.num_features))
-        vae.bn.running_var.copy_(0.5 + torch.rand(vae.bn.num_features) ** 2 * 3)
+    vae = tiny_vae(seed)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_image_seq_len=256,
                                                 max_image_seq_len=4096, base_shift=0.5, max_shift=1.15)
     tokenizer, text_encoder = (_tiny_mistral3 if dev else _tiny_text_encoder)(seed + 1, text_width)

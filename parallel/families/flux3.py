@@ -36,7 +36,7 @@ from ..model_executor.pipeline.img2img import linear_sigmas
 from ..model_executor.pipeline.modular import xFuserModularPipelineWrapper
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, Split
 from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant, pictures
-from .flux2 import COMFY_FLUX2, CHAT_TEMPLATE
+from .flux2 import CHAT_TEMPLATE, COMFY_FLUX2, tiny_vae
 
 TRANSFORMER_MODULE = "diffusers.models.transformers.transformer_flux3"
 
@@ -135,7 +135,6 @@ def _references(pixels: torch.Tensor) -> list:
 
 # -- tiny built-in models ---------------------------------------------------------------------------------
 TEXT_WIDTH, TEXT_LAYERS = 8, 32  # the pipeline stacks hidden states 4, 8, ..., 32: joint_attention_dim 64
-VISION_TOKENS = ("vision_start", "vision_end", "image_pad", "video_pad")
 
 
 def _tiny_text_encoder(seed: int):
@@ -149,12 +148,7 @@ def _tiny_text_encoder(seed: int):
     from ..loading import tiny_models as tm
     from ..loading.vl_processors import images_only
 
-    tokenizer = tm._qwen_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": [f"<|{name}|>" for name in VISION_TOKENS]},
-                                 replace_extra_special_tokens=False)
-    ids = {"bos_token_id": None, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
-    vision_ids = {f"{name.removesuffix('_pad')}_token_id": tokenizer.convert_tokens_to_ids(f"<|{name}|>")
-                  for name in VISION_TOKENS}
+    tokenizer, ids, vision_ids = tm._vl_tokenizer()
     config = Qwen3VLConfig(
         text_config=dict(hidden_size=TEXT_WIDTH, intermediate_size=2 * TEXT_WIDTH, num_hidden_layers=TEXT_LAYERS,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=len(tokenizer), **ids,
@@ -173,7 +167,7 @@ def _tiny_text_encoder(seed: int):
 
 
 def _build_tiny(seed: int, distilled: bool):
-    from diffusers import AutoencoderKLFlux2, Flux3DistilledModularPipeline, Flux3ModularPipeline, Flux3Transformer2DModel
+    from diffusers import Flux3DistilledModularPipeline, Flux3ModularPipeline, Flux3Transformer2DModel
 
     from ..loading import tiny_models as tm
 
@@ -181,12 +175,7 @@ def _build_tiny(seed: int, distilled: bool):
                                   num_layers=tm.BLOCKS // 2, num_single_layers=tm.BLOCKS // 2,
                                   joint_attention_dim=TEXT_LAYERS // 4 * TEXT_WIDTH, axes_dims_rope=(4, 4, 4, 4),
                                   flow_map=distilled)
-    vae = tm._seeded(seed + 3, AutoencoderKLFlux2, block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4,
-                     latent_channels=32, sample_size=64)
-    with torch.random.fork_rng(devices=[]):  # batch-norm statistics that are not the identity, as a trained VAE's
-        torch.manual_seed(seed + 4)
-        vae.bn.running_mean.copy_(0.5 * torch.randn(vae.bn.num_features))
-        vae.bn.running_var.copy_(0.5 + torch.rand(vae.bn.num_features) ** 2 * 3)
+    vae = tiny_vae(seed)
     processor, text_encoder = _tiny_text_encoder(seed + 1)
     pipeline = (Flux3DistilledModularPipeline if distilled else Flux3ModularPipeline)()
     pipeline.update_components(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=processor)

@@ -115,7 +115,19 @@ def _clip(seed: int, with_projection: bool):
     return tok, _seeded(seed, CLIPTextModelWithProjection if with_projection else CLIPTextModel, cfg)
 
 
-QWEN3_VL_TOKENS = ("vision_start", "vision_end", "image_pad", "video_pad")  # Qwen3-VL's <|…|> tokens around pictures
+VL_TOKENS = ("vision_start", "vision_end", "image_pad", "video_pad")  # Qwen-VL's <|…|> tokens around pictures
+
+
+def _vl_tokenizer() -> tuple[Qwen2Tokenizer, dict, dict]:
+    """The byte-level Qwen tokenizer with Qwen-VL's vision tokens, its special token ids as a Qwen-VL config takes them,
+    and the vision tokens' ids (`vision_start_token_id`, ...)."""
+    tokenizer = _qwen_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [f"<|{name}|>" for name in VL_TOKENS]},
+                                 replace_extra_special_tokens=False)
+    ids = {"bos_token_id": None, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    vision_ids = {f"{name.removesuffix('_pad')}_token_id": tokenizer.convert_tokens_to_ids(f"<|{name}|>")
+                  for name in VL_TOKENS}
+    return tokenizer, ids, vision_ids
 
 
 def _qwen3_vl(seed: int, width: int, cls: str, layers: int = 2):
@@ -125,12 +137,7 @@ def _qwen3_vl(seed: int, width: int, cls: str, layers: int = 2):
     import transformers
     from transformers import Qwen3VLConfig
 
-    tokenizer = _qwen_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": [f"<|{name}|>" for name in QWEN3_VL_TOKENS]},
-                                 replace_extra_special_tokens=False)
-    ids = {"bos_token_id": None, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
-    vision_ids = {f"{name.removesuffix('_pad')}_token_id": tokenizer.convert_tokens_to_ids(f"<|{name}|>")
-                  for name in QWEN3_VL_TOKENS}
+    tokenizer, ids, vision_ids = _vl_tokenizer()
     config = Qwen3VLConfig(
         text_config=dict(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers, num_attention_heads=width // 8,
                          num_key_value_heads=1, head_dim=8, vocab_size=len(tokenizer), **ids,

@@ -9,8 +9,6 @@ from .pipelines import MASKS
 
 
 # -- tiny built-in model ----------------------------------------------------------------------------------
-VISION_TOKENS = ("vision_start", "vision_end", "image_pad", "video_pad")  # Qwen2.5-VL's <|…|> tokens around pictures
-
 
 def tiny_text_encoder(seed: int, width: int, heads: int = 2, kv_heads: int = 1):
     """Qwen2.5-VL on the byte-level Qwen tokenizer of the tiny models with Qwen2.5-VL's vision tokens, `width` wide
@@ -20,12 +18,7 @@ def tiny_text_encoder(seed: int, width: int, heads: int = 2, kv_heads: int = 1):
 
     from ...loading import tiny_models as tm
 
-    tokenizer = tm._qwen_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": [f"<|{name}|>" for name in VISION_TOKENS]},
-                                 replace_extra_special_tokens=False)
-    ids = {"bos_token_id": None, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
-    vision_ids = {f"{name.removesuffix('_pad')}_token_id": tokenizer.convert_tokens_to_ids(f"<|{name}|>")
-                  for name in VISION_TOKENS}
+    tokenizer, ids, vision_ids = tm._vl_tokenizer()
     half = width // heads // 2
     config = Qwen2_5_VLConfig(
         text_config=dict(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2, num_attention_heads=heads,
