@@ -73,13 +73,14 @@ class xFuserQwenImage21Pipeline(xFuserPipelineBaseWrapper):
         return ("CFG parallel on Qwen-Image 2.1 needs true_cfg_scale above 1 (got "
                 f"{kwargs.get('true_cfg_scale', 1.0)}) and negative prompt embeddings; add both or turn CFG parallel off.")
 
-    def prepare(self, kwargs: dict[str, Any], check_layout: bool = True) -> tuple[dict[str, Any], int, int]:
-        kwargs, batch, tokens = super().prepare(kwargs, check_layout)
-        kwargs.pop("guidance_scale", None)  # its __call__ takes none (true_cfg_scale is its guidance)
+    def converted(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Without guidance_scale (its __call__ takes none: true_cfg_scale is its guidance), masks checked; again on a
+        pool rank's own tensors after a prepared submit."""
+        kwargs.pop("guidance_scale", None)
         for embeds, mask in MASKS.items():
             if kwargs.get(mask) is not None and kwargs.get(embeds) is not None:
                 kwargs[mask] = self._checked_mask(kwargs[mask], mask)
-        return kwargs, batch, tokens
+        return kwargs
 
     def _checked_mask(self, mask: torch.Tensor, name: str) -> torch.Tensor | None:
         """An all-valid mask is none (as the pipeline's encode_prompt drops it); padding under sequence parallel is
