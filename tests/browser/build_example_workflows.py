@@ -49,6 +49,8 @@ EXAMPLES = {  # file stem: (family, empty latent node, cfg, what the example say
     "xdit_flux3": ("flux3", "XDiTEmptyLatent", 4.0,
                    "FLUX 3 [klein] (cfg: its guider's classifier-free guidance; ComfyUI 0.33.0 has no FLUX 3 nodes: "
                    "xDiT Empty Latent makes its latent, FLUX.2's, 128 channels at 1/16 size)"),
+    "xdit_krea2": ("krea2", "EmptySD3LatentImage", 3.0,
+                   "Krea 2 (cfg: classifier-free guidance with the negative; the Turbo model samples at cfg 1)"),
 }
 REFERENCE = {"xdit_flux_kontext"}  # edit models: a first sampler's LATENT → ReferenceLatent on the positive
 IMAGE = {"xdit_qwen_image_edit": "turn it into a watercolor painting, soft washes of colour"}  # prompt with a picture
