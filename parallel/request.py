@@ -73,11 +73,12 @@ class LoraSpec:
 def check_tensor_values(tensors: dict[str, Any]) -> None:
     """Refuse, before any compute, values no pipeline can use: latents, embeddings and images that are not
     floating point (a cast would silently change them), non-finite values (the result would be NaN),
-    embeddings of no token. Masks (`*_mask`, `*_mask_2`) are integer or boolean and pass as they are."""
+    embeddings of no token. Masks (`*_mask`, `*_mask_2`) and per-token tags (MiniMax-H3's `text_token_tags`: each
+    token's modality) are integer or boolean and pass as they are."""
     import torch  # here: the request's plain fields travel through processes that never hold a tensor
 
     for name, tensor in tensors.items():
-        if not isinstance(tensor, torch.Tensor) or name.rstrip("_0123456789").endswith("_mask"):
+        if not isinstance(tensor, torch.Tensor) or name.rstrip("_0123456789").endswith(("_mask", "_tags")):
             continue
         if not tensor.is_floating_point():
             raise ValueError(f"{name} is {str(tensor.dtype).removeprefix('torch.')}; send floating-point values "

@@ -41,7 +41,9 @@ def _forgetful_patch_copy(scheduler, rows):
 
 
 def _swap_audio_rows(module, args, kwargs):
-    """Negative control for a replicated stream (LTX-2's audio): sequence-parallel rank 1 holds its rows swapped."""
+    """Negative control for the audio stream: sequence-parallel rank 1 holds the audio rows rolled by half (LTX-2's
+    replicated audio disagrees with rank 0's; in MiniMax-H3's split sequence, rank 1's shard holds rank 0's audio rows
+    under its own rows' tags and positions)."""
     if get_sp_group().rank_in_group == 1:
         audio = kwargs["audio_hidden_states"]
         kwargs["audio_hidden_states"] = audio.roll(audio.shape[1] // 2, dims=1)

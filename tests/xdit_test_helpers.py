@@ -104,11 +104,12 @@ def is_modular(model) -> bool:
     return (Path(model) / "modular_model_index.json").is_file() and not (Path(model) / "model_index.json").is_file()
 
 
-def modular_latents(model, *, scheduler: str | None = None, blocks: tuple[str, ...] = ("denoise",), **call):
+def modular_latents(model, *, scheduler: str | None = None, blocks: tuple[str, ...] = ("denoise",),
+                    outputs: tuple[str, ...] = ("latents",), **call):
     """diffusers' own modular pipeline in this one process, as its documentation composes one: the blocks that
     sample from embeddings (`blocks`: FLUX 3's "denoise", with "vae_encoder" first for reference images) made a
     pipeline of their own (`init_pipeline`) on the loaded pipeline's components, its guider a copy at the call's
-    guidance_scale (`guider.new`); returns the state's `latents`."""
+    guidance_scale (`guider.new`); returns the state's `latents` (several `outputs`: a tuple of those values)."""
     import torch
     from diffusers import ModularPipeline
     from diffusers.modular_pipelines import SequentialPipelineBlocks
@@ -132,7 +133,8 @@ def modular_latents(model, *, scheduler: str | None = None, blocks: tuple[str, .
     call.pop("output_type", None), call.pop("return_dict", None)
     pipeline.set_progress_bar_config(disable=True)
     with torch.no_grad():
-        return pipeline(**call, output="latents")
+        state = pipeline(**call, output=list(outputs))
+    return state[outputs[0]] if len(outputs) == 1 else tuple(state[name] for name in outputs)
 
 
 def modular_text_encoding(pipeline, prompt: str):

@@ -21,6 +21,7 @@ from diffusers import (
     DPMSolverMultistepScheduler,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
+    MiniMaxH3Scheduler,
     UniPCMultistepScheduler,
 )
 
@@ -114,6 +115,7 @@ def _replace_sample(result, latents: torch.Tensor):
 @xFuserSchedulerWrappersRegister.register(
     DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler, DDIMScheduler, EulerDiscreteScheduler,
     UniPCMultistepScheduler,  # Wan's default (flow sigmas, flow_prediction)
+    MiniMaxH3Scheduler,  # MiniMax-H3's two (video, audio): rectified-flow Euler, the terminal sigma counted as a step
 )
 class xFuserSchedulerWrapper(xFuserSchedulerBaseWrapper):
     """Every listed scheduler steps on whole latents; no per-class change is needed yet."""

@@ -31,10 +31,13 @@ class xFuserModularPipelineWrapper(xFuserPipelineBaseWrapper):
                       "vae_encoder" for its reference images, then "denoise"); the text encoder, prompt upsampler and
                       decoder blocks stay out of a sampling call.
     guider_arguments: call arguments that configure the pipeline's guider for one call (its attributes).
+    state_outputs:    what a sampling call returns, from the blocks' state, in order: the latents, then one per name of
+                      `extra_outputs` (MiniMax-H3: its `audio_latents`, the wrapper's `audio`).
     """
 
     sampling_blocks: ClassVar[tuple[str, ...]] = ("denoise",)
     guider_arguments: ClassVar[tuple[str, ...]] = ("guidance_scale",)
+    state_outputs: ClassVar[tuple[str, ...]] = ("latents",)
     guidance_needs_negative = True  # the guider's unconditional branch is the negative prompt's
 
     def __init__(self, pipeline, attention_kernel: str | None = None, reversible: bool = False):
@@ -57,7 +60,8 @@ class xFuserModularPipelineWrapper(xFuserPipelineBaseWrapper):
         return guider is not None and guider._enabled and super().uses_cfg(kwargs)
 
     def run_pipeline(self, arguments: dict[str, Any]):
-        """The pipeline's `__call__` running its sampling blocks; `(latents,)` as `return_dict=False` gives elsewhere."""
+        """The pipeline's `__call__` running its sampling blocks; `(latents, *extra outputs)` as `return_dict=False`
+        gives elsewhere."""
         from ...families.base import replaced
 
         arguments = dict(arguments)
@@ -73,8 +77,9 @@ class xFuserModularPipelineWrapper(xFuserPipelineBaseWrapper):
                 for name, value in settings.items():
                     stack.enter_context(replaced(guider, name, value))
                 stack.enter_context(named_branches(guider, self.module.transformer))
-            latents = self.module(**arguments, output="latents")
-        return _Output(images=latents) if return_dict else (latents,)
+            state = self.module(**arguments, output=list(self.state_outputs))
+        outputs = tuple(state[name] for name in self.state_outputs)
+        return _Output(images=outputs[0]) if return_dict else outputs
 
 
 class _Output:

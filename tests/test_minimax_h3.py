@@ -1,0 +1,134 @@
+"""MiniMax-H3 (video with sound, one packed sequence) through real torchrun ranks equals diffusers' own modular
+pipeline in one process (fp32, 1e-4), its video latents and its audio latents each.
+
+The tiny model (the released layout: 24 video and 32 audio latent channels, 2 blocks) samples the shortest video its
+blocks take, 124 frames (5 s at 24 fps) at 64×64: 148 video rows, 414 audio rows (207 latents × 2 stereo channels)
+and 23 text rows, one packed sequence of 585 rows that no degree divides (shards of 293/292 and 147/146/146/146).
+4 steps are 3 transformer calls (its scheduler counts the final step). One torchrun launch per world size runs the
+layouts through tests/engine_cases.py; data parallel takes a batch of 2, one video per rank. Negative control:
+sequence-parallel rank 1 holding the audio rows rolled by half (rank 0's audio rows under rank 1's tags and
+positions). CFG parallel (the model is guidance-distilled: no unconditional branch) and PipeFusion are refused in one
+line each with the reason; contract E takes audio_latents and text_token_tags in IN and writes `audio` beside `latents`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from parallel.loading import tiny_models
+
+from test_engine_layouts import LAYOUTS
+from xdit_test_helpers import TOLERANCE, case_errors, modular_latents, torchrun
+
+FAMILY, STEPS, SIZE, FRAMES = "minimax-h3", 4, 64, 124
+CALL = {"num_inference_steps": STEPS, "height": SIZE, "width": SIZE}
+CASES = [(2, "ulysses2", 1), (2, "ring2", 1), (2, "dp2", 2), (4, "ulysses4", 1), (4, "ulysses2_ring2", 1)]
+CONTROLS = [(2, "ulysses2", "swapped_audio")]
+REFUSED = {(2, "cfg2"): "MiniMax-H3 is guidance-distilled: one transformer call per step, no unconditional branch",
+           (4, "cfg2_ulysses2"): "MiniMax-H3 is guidance-distilled",
+           (2, "pp2"): "MiniMaxH3Transformer3DModel has no PipeFusion plan (its blocks take per-row modulation indices"}
+
+
+def reference(model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' MiniMaxH3ModularPipeline (its denoise blocks), one call per sample: (video, audio [B, 2, 32, L])."""
+    from diffusers import ModularPipeline
+
+    if not isinstance(model, ModularPipeline):
+        model = ModularPipeline.from_pretrained(str(model))
+        model.load_components(names=["transformer", "scheduler", "audio_scheduler"])
+    videos, audios = [], []
+    for b in range(inputs["latents"].shape[0]):
+        video, audio = modular_latents(
+            model, outputs=("latents", "audio_latents"), **CALL, latents=inputs["latents"][b : b + 1],
+            audio_latents=inputs["audio_latents"][b], prompt_embeds=inputs["prompt_embeds"][b : b + 1],
+            text_token_tags=inputs["text_token_tags"])
+        videos.append(video)
+        audios.append(audio[None])
+    return torch.cat(videos), torch.cat(audios)
+
+
+@pytest.fixture(scope="module")
+def matrix(video_model_dirs, tmp_path_factory):
+    """Both launches once: {(nproc, layout, variant): output file}, and the inputs by batch."""
+    work = tmp_path_factory.mktemp("minimax_h3")
+    model = video_model_dirs[FAMILY]
+    inputs = {}
+    for batch in (1, 2):
+        inputs[batch] = work / f"in-b{batch}.safetensors"
+        save_file(tiny_models.make_inputs(FAMILY, batch=batch, height=SIZE, width=SIZE, num_frames=FRAMES),
+                  inputs[batch])
+    layouts = {n: {**LAYOUTS[n], "pp2": {"pipefusion_degree": 2, "warmup_steps": STEPS}} for n in (2, 4)}
+    outputs = {}
+    for nproc in (2, 4):
+        specs = []
+        cases = [c for c in CASES + CONTROLS if c[0] == nproc] + [(n, l, 1) for n, l in REFUSED if n == nproc]
+        for case in cases:
+            _, layout, variant = case
+            batch = variant if isinstance(variant, int) else 1
+            output = work / f"{nproc}-{layout}-{variant}.safetensors"
+            specs.append({"name": f"{layout}-{variant}", "model": str(model), "inputs": str(inputs[batch]),
+                          "output": str(output), "layout": layouts[nproc][layout], "call": CALL,
+                          "fault": variant if isinstance(variant, str) else None})
+            outputs[case] = output
+        spec_file = work / f"cases{nproc}.json"
+        spec_file.write_text(json.dumps(specs))
+        run = torchrun(nproc, "tests/engine_cases.py", str(spec_file))
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return outputs, {batch: load_file(path) for batch, path in inputs.items()}, model
+
+
+@pytest.fixture(scope="module")
+def references(matrix):
+    _, inputs, model = matrix
+    return {batch: reference(model, tensors) for batch, tensors in inputs.items()}
+
+
+def _result(matrix, case) -> tuple[torch.Tensor, torch.Tensor]:
+    output = matrix[0][case]
+    errors = case_errors(output)
+    assert not errors, errors[-3000:]
+    saved = load_file(output)
+    return saved["latents"], saved["audio"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_layout_matches_single_process_diffusers(matrix, references, case):
+    video, audio = _result(matrix, case)
+    expected_video, expected_audio = references[case[2]]
+    assert video.shape == expected_video.shape and audio.shape == expected_audio.shape
+    errors = (video - expected_video).abs().max().item(), (audio - expected_audio).abs().max().item()
+    assert max(errors) <= TOLERANCE, f"{case}: max |parallel - diffusers| video {errors[0]:.3g}, audio {errors[1]:.3g}"
+
+
+def test_audio_rows_on_the_wrong_rank_fail_the_check(matrix, references):
+    video, audio = _result(matrix, CONTROLS[0])
+    expected_video, expected_audio = references[1]
+    assert (audio - expected_audio).abs().max().item() > 100 * TOLERANCE
+    assert (video - expected_video).abs().max().item() > 100 * TOLERANCE  # the video attends to the audio
+
+
+@pytest.mark.parametrize("case", list(REFUSED), ids=[f"{n}-{l}" for n, l in REFUSED])
+def test_refused_layouts_say_why_in_one_line(matrix, case):
+    output = matrix[0][(*case, 1)]
+    assert not output.exists()
+    assert REFUSED[case] in case_errors(output)
+
+
+def test_contract_e_takes_audio_and_tags_in_and_writes_audio_out(video_model_dirs, tmp_path):
+    """IN holds audio_latents and text_token_tags; OUT holds `latents` and `audio`, both equal to diffusers'."""
+    model = video_model_dirs[FAMILY]
+    inputs, output = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    tensors = tiny_models.make_inputs(FAMILY, height=SIZE, width=SIZE, num_frames=FRAMES, text_tokens=18)
+    save_file(tensors, inputs)
+    run = torchrun(2, "-m", "parallel.run", "--model", str(model), "--inputs", str(inputs), "--output", str(output),
+                   "--steps", str(STEPS), "--height", str(SIZE), "--width", str(SIZE), "--ring-degree", "2")
+    assert run.returncode == 0, run.stderr[-3000:]
+    saved = load_file(output)
+    assert set(saved) == {"latents", "audio"}
+    for name, tensor in zip(("latents", "audio"), reference(model, tensors)):
+        assert (saved[name] - tensor).abs().max().item() <= TOLERANCE, name
