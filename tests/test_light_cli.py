@@ -1,7 +1,8 @@
 """`python -m workers status` and `stop` import neither torch nor diffusers: asking a pool how it is must not cost
 a model library's import (seconds on a loaded box). The commands run for real against a real pool elsewhere
 (tests/test_pool.py); here, in a fresh interpreter, what they import while a socket answers them as rank 0 does
-(the real codec both ways: the request encoded and sent, the typed reply decoded and printed)."""
+(the real codec both ways: the request encoded and sent, the typed reply decoded and printed), over CURVE with the
+owner's own keys as every pool speaks it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import threading
 import pytest
 import zmq
 
-from workers.wire import protocol
+from workers.wire import owner_keys, protocol
+from workers.wire.auth import ServerGuard, ServerKeys, release
 from workers.wire.endpoints import free_endpoint
 from workers.wire.messages import PoolStatus, StatusQuery, Stopping
 from xdit_test_helpers import ROOT
@@ -38,14 +40,21 @@ def _answer_one(router) -> None:
 @pytest.mark.parametrize("command", ["status", "stop"])
 def test_status_and_stop_import_no_model_library(command):
     endpoint = free_endpoint()
-    with zmq.Context() as context, context.socket(zmq.ROUTER) as router:
-        router.bind(endpoint)
-        answering = threading.Thread(target=_answer_one, args=(router,), daemon=True)
-        answering.start()
-        code = f"from workers.cli import main\nassert main([{command!r}, '--endpoint', {endpoint!r}]) == 0"
-        assert not modules_after(code) & set(HEAVY)
-        answering.join(timeout=5)
-        assert not answering.is_alive()
+    with zmq.Context() as context:
+        router = context.socket(zmq.ROUTER)
+        guard = ServerGuard(context, ServerKeys.load(owner_keys.owner_folder()))
+        monitor = guard.secure(router)
+        try:
+            router.bind(endpoint)
+            answering = threading.Thread(target=_answer_one, args=(router,), daemon=True)
+            answering.start()
+            code = f"from workers.cli import main\nassert main([{command!r}, '--endpoint', {endpoint!r}]) == 0"
+            assert not modules_after(code) & set(HEAVY)
+            answering.join(timeout=5)
+            assert not answering.is_alive()
+        finally:
+            release(router, monitor)
+            guard.stop()
 
 
 def test_the_negative_control_sample_does_import_them():
