@@ -51,6 +51,19 @@ def test_bench_model_call_tiny_prices_a_call_and_its_bytes(tmp_path):
     assert 0 < result["later_call_bytes"] < result["first_call_bytes"]  # the conditioning travelled once
 
 
+def test_bench_loader_call_tiny_times_both_models_of_one_file(tmp_path, comfyui_install):
+    """The loader's MODEL and ComfyUI's own, built by ComfyUI from one file, timed side by side: equal answers."""
+    comfy, python = comfyui_install
+    out = tmp_path / "loader_call.json"
+    run = subprocess.run([sys.executable, "-m", "bench.loader_call", "--tiny", "--runs", "2", "--comfyui", str(comfy),
+                          "--python", str(python), "--json", str(out)],
+                         cwd=ROOT, env=rank_environment(threads_per_rank=None), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert all(len(times) == 2 and all(math.isfinite(t) for t in times) for times in result["runs"].values())
+    assert set(result["runs"]) == {"comfyui", "loader"} and result["max_abs_diff"] < 1e-4
+
+
 def test_bench_quantized_storage_tiny_keeps_fp8_and_q8_0_under_055(tmp_path):
     out = tmp_path / "quantized_storage.json"
     run = subprocess.run([sys.executable, "-m", "bench.quantized_storage", "--model", "tiny", "--runs", "1",
