@@ -6,7 +6,6 @@ case against the reference computed here, in one process, by the unmodified diff
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from parallel.loading import tiny_models
 
-from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, torchrun
+from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, run_engine_cases
 
 STEPS, SIZE = 4, 64
 LAYOUTS = {
@@ -83,10 +82,7 @@ def matrix(tiny_model_dirs, tmp_path_factory):
                 "fault": "no_exchange" if variant == "fault" else None,
             })
             results[case] = (Path(specs[-1]["output"]), inputs)
-        spec_file = work / f"cases{nproc}.json"
-        spec_file.write_text(json.dumps(specs))
-        run = torchrun(nproc, "tests/engine_cases.py", str(spec_file))
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        run_engine_cases(nproc, specs, work)
     return results, tiny_model_dirs
 
 

@@ -11,7 +11,6 @@ Contract E runs twice and refuses layouts that cannot split the heads or the vid
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from parallel.loading import tiny_models
 from parallel.model_executor.token_split import UnevenSplit
 
 from test_engine_layouts import LAYOUTS  # the same layouts as the image families
-from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, torchrun
+from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, run_engine_cases, torchrun
 
 STEPS, GUIDANCE = 4, 5.0
 # name: (num_frames, height, width); TI2V 5B's ×16 VAE needs twice the pixels for the same tokens
@@ -105,10 +104,7 @@ def matrix(video_model_dirs, image_to_video_dirs, tmp_path_factory):
                 "fault": variant if variant in ("no_exchange", "padded_keys") else None,
             })
             results[case] = (Path(specs[-1]["output"]), inputs)
-        spec_file = work / f"cases{nproc}.json"
-        spec_file.write_text(json.dumps(specs))
-        run = torchrun(nproc, "tests/engine_cases.py", str(spec_file))
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        run_engine_cases(nproc, specs, work)
     return results, {**video_model_dirs, **image_to_video_dirs}
 
 

@@ -15,7 +15,6 @@ it as diffusers does, runs img2img (denoise 0.5) as the tail of the schedule FLU
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
@@ -27,7 +26,7 @@ from workers.client import JobCancelledError
 
 from pool_helpers import serving
 from xdit_test_helpers import (TOLERANCE, case_errors, diffusers_latents, load_pipeline_folder, modular_text_encoding,
-                               torchrun)
+                               run_engine_cases, torchrun)
 
 HEIGHT, WIDTH, STEPS, GUIDANCE = 48, 80, 3, 4.0
 CALL = {"num_inference_steps": STEPS, "guidance_scale": GUIDANCE, "height": HEIGHT, "width": WIDTH}
@@ -67,9 +66,7 @@ def uneven(tiny_model_dirs, tmp_path_factory):
                           "output": str(output), "layout": degrees, "call": CALL,
                           "fault": "padded_keys" if layout == "padded_keys" else None})
             results[family, layout] = (output, inputs)
-    (work / "cases.json").write_text(json.dumps(specs))
-    run = torchrun(2, "tests/engine_cases.py", str(work / "cases.json"))
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run_engine_cases(2, specs, work)
     return results
 
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from parallel.loading import tiny_models
 
-from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, torchrun
+from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, run_engine_cases, torchrun
 
 FAMILY, STEPS, GUIDANCE, SIZE = "flux-kontext", 4, 3.5, 64
 REFERENCE = (1, 16, 6, 10)  # latents of a 48 × 80 pixel reference image: 3 × 5 = 15 tokens
@@ -86,10 +86,7 @@ def runs(kontext):
             specs.append({"name": name, "model": str(kontext["model"]), "inputs": str(inputs), "output": str(output),
                           "layout": layout, "call": call_kwargs(name), "fault": fault})
             results[name] = (output, inputs)
-        spec_file = work / f"cases{nproc}.json"
-        spec_file.write_text(json.dumps(specs))
-        run = torchrun(nproc, "tests/engine_cases.py", str(spec_file))
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        run_engine_cases(nproc, specs, work)
     return results
 
 

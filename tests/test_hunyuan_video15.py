@@ -16,7 +16,6 @@ the scheduler's steps.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import PIL.Image
@@ -30,7 +29,7 @@ from parallel.loading.pipelines import make_scheduler
 
 from pool_helpers import serving
 from test_engine_layouts import LAYOUTS
-from xdit_test_helpers import TOLERANCE, case_errors, torchrun
+from xdit_test_helpers import TOLERANCE, case_errors, run_engine_cases
 
 FAMILY, I2V, STEPS, GUIDANCE = "hunyuanvideo15", "hunyuanvideo15-i2v", 4, 6.0
 VIDEOS = {"even": (5, 64, 64), "uneven": (9, 48, 48), "wide": (9, 48, 80)}  # (num_frames, height, width)
@@ -118,10 +117,7 @@ def matrix(video_model_dirs, tmp_path_factory):
                           "scheduler": variant if variant.startswith("flow-") else "default",
                           "fault": variant if variant == "no_exchange" else None})
             results[case] = (Path(specs[-1]["output"]), inputs, dirs[model])
-        spec_file = work / f"cases{nproc}.json"
-        spec_file.write_text(json.dumps(specs))
-        run = torchrun(nproc, "tests/engine_cases.py", str(spec_file))
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        run_engine_cases(nproc, specs, work)
     return results
 
 

@@ -12,7 +12,6 @@ under Ulysses in one line. The model calls of ComfyUI's samplers equal the trans
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from parallel.loading import tiny_models
 
-from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, torchrun
+from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, run_engine_cases
 
 FAMILY, STEPS, GUIDANCE = "krea2", 4, 3.0
 HEIGHT, WIDTH, TEXT = 48, 80, 24
@@ -64,10 +63,7 @@ def runs(tiny_model_dirs, tmp_path_factory):
                   "output": str(work / f"{name}.safetensors"), "layout": layout, "call": call,
                   "fault": "no_exchange" if name.endswith("no-exchange") else None}
                  for name, (n, layout, given, call) in CASES.items() if n == nproc]
-        spec_file = work / f"cases{nproc}.json"
-        spec_file.write_text(json.dumps(specs))
-        run = torchrun(nproc, "tests/engine_cases.py", str(spec_file))
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        run_engine_cases(nproc, specs, work)
     return work
 
 

@@ -16,7 +16,6 @@ refused in one line with its reason; contract E takes audio_latents in IN and wr
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from parallel.loading import tiny_models
 
 from test_engine_layouts import LAYOUTS
-from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, torchrun
+from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, run_engine_cases, torchrun
 
 FAMILY, I2V, STEPS, GUIDANCE = "ltx2", "ltx2-i2v", 3, 4.0
 FRAMES, HEIGHT, WIDTH, RATE = 17, 96, 160, 25.0
@@ -73,10 +72,7 @@ def matrix(video_model_dirs, tmp_path_factory):
                           "layout": layouts[layout], "call": CALL,
                           "fault": variant if case in CONTROLS else None})
             results[case] = (output, inputs, model)
-        spec_file = work / f"cases{nproc}.json"
-        spec_file.write_text(json.dumps(specs))
-        run = torchrun(nproc, "tests/engine_cases.py", str(spec_file))
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        run_engine_cases(nproc, specs, work)
     return results
 
 

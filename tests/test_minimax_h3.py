@@ -13,7 +13,6 @@ line each with the reason; contract E takes audio_latents and text_token_tags in
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from parallel.loading import tiny_models
 
 from test_engine_layouts import LAYOUTS
-from xdit_test_helpers import TOLERANCE, case_errors, modular_latents, torchrun
+from xdit_test_helpers import TOLERANCE, case_errors, modular_latents, run_engine_cases, torchrun
 
 FAMILY, STEPS, SIZE, FRAMES = "minimax-h3", 4, 64, 124
 CALL = {"num_inference_steps": STEPS, "height": SIZE, "width": SIZE}
@@ -75,10 +74,7 @@ def matrix(video_model_dirs, tmp_path_factory):
                           "output": str(output), "layout": layouts[nproc][layout], "call": CALL,
                           "fault": variant if isinstance(variant, str) else None})
             outputs[case] = output
-        spec_file = work / f"cases{nproc}.json"
-        spec_file.write_text(json.dumps(specs))
-        run = torchrun(nproc, "tests/engine_cases.py", str(spec_file))
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        run_engine_cases(nproc, specs, work)
     return outputs, {batch: load_file(path) for batch, path in inputs.items()}, model
 
 

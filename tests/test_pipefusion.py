@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from parallel.loading import tiny_models
 from test_engine_layouts import STEPS, SIZE, reference
-from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, torchrun
+from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, run_engine_cases
 
 EXACT = {  # name: (nproc, layout); warm-up covers every step, so the pipeline is synchronous
     2: {"pp2": {"pipefusion_degree": 2}},
@@ -94,10 +94,7 @@ def runs(tiny_model_dirs, tmp_path_factory):
             specs.append({"name": name, "model": str(tiny_model_dirs[family]), "inputs": str(inputs), "output": str(output),
                           "layout": layout, "call": call(family, name), "report_memory": True, "scheduler": scheduler, **extra})
             results[(family, name)] = (output, inputs)
-        spec_file = work / f"cases{nproc}.json"
-        spec_file.write_text(json.dumps(specs))
-        run = torchrun(nproc, "tests/engine_cases.py", str(spec_file))
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        run_engine_cases(nproc, specs, work)
     return results, tiny_model_dirs
 
 

@@ -10,7 +10,6 @@ diffusers' encode_prompt, and its job equal to diffusers.
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from parallel.loading import tiny_models
 
 from pool_helpers import serving
-from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, torchrun
+from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, run_engine_cases
 
 FAMILY, STEPS = "qwen-image", 4
 LAYOUTS = {"ulysses2": (2, {"ulysses_degree": 2}), "ring2": (2, {"ring_degree": 2}),
@@ -52,10 +51,7 @@ def runs(tiny_model_dirs, tmp_path_factory):
         specs = [{"name": name, "model": str(tiny_model_dirs[FAMILY]), "inputs": str(path), "layout": layout,
                   "output": str(work / f"{name}.safetensors"), "call": call()}
                  for name, (n, layout, path) in cases.items() if n == nproc]
-        spec_file = work / f"cases{nproc}.json"
-        spec_file.write_text(json.dumps(specs))
-        run = torchrun(nproc, "tests/engine_cases.py", str(spec_file))
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        run_engine_cases(nproc, specs, work)
     return work, inputs
 
 

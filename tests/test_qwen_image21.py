@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from parallel.loading import tiny_models
 
-from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, torchrun
+from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, run_engine_cases
 
 FAMILY, STEPS, HEIGHT, WIDTH = "qwen-image-2.1", 4, 64, 96
 GUIDED = {"num_inference_steps": STEPS, "true_cfg_scale": 4.0, "height": HEIGHT, "width": WIDTH}
@@ -52,10 +52,7 @@ def runs(tiny_model_dirs, tmp_path_factory):
                   "fault": "no_exchange" if name.endswith("no-exchange") else None,
                   "report_prefix_cache": name in ("ulysses2", "ring2")}
                  for name, (n, layout, given, call) in CASES.items() if n == nproc]
-        spec_file = work / f"cases{nproc}.json"
-        spec_file.write_text(json.dumps(specs))
-        run = torchrun(nproc, "tests/engine_cases.py", str(spec_file))
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        run_engine_cases(nproc, specs, work)
     return work
 
 

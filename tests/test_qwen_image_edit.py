@@ -22,7 +22,8 @@ from safetensors.torch import load_file, save_file
 from parallel.loading import tiny_models
 
 from pool_helpers import serving
-from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, diffusers_with_reference_latents, torchrun
+from xdit_test_helpers import (TOLERANCE, case_errors, diffusers_latents, diffusers_with_reference_latents,
+                               run_engine_cases)
 
 EDIT, PLUS, STEPS = "qwen-image-edit", "qwen-image-edit-plus", 2
 
@@ -74,10 +75,7 @@ def runs(tiny_model_dirs, tmp_path_factory):
         save_file(edit_inputs(model, batch, references, height, width), inputs)
         specs.append({"name": name, "model": str(tiny_model_dirs[model]), "inputs": str(inputs), "layout": layout,
                       "output": str(work / f"{name}.safetensors"), "call": call(height, width)})
-    spec_file = work / "cases.json"
-    spec_file.write_text(json.dumps(specs))
-    run = torchrun(2, "tests/engine_cases.py", str(spec_file))
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run_engine_cases(2, specs, work)
     return {spec["name"]: spec for spec in specs}
 
 

@@ -11,7 +11,6 @@ rows do not divide into patches are refused before any compute.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from parallel.loading import tiny_models
 
 from test_engine_video import STEPS, call_kwargs, reference, video_of
-from xdit_test_helpers import TOLERANCE, case_errors, torchrun
+from xdit_test_helpers import TOLERANCE, case_errors, run_engine_cases
 
 EXACT = {  # nproc: [(family, name, layout)]; warm-up covers every step
     2: [(f, "pp2", {"pipefusion_degree": 2}) for f in ("wan", "wan22", "wan22-5b", "wan22-i2v")]
@@ -63,10 +62,7 @@ def runs(video_model_dirs, tmp_path_factory):
             specs.append(_case(work, dirs, "wan", "pp2_patches3", {"pipefusion_degree": 2, "num_patches": 3}))
         for spec in specs:
             cases[(Path(spec["model"]).name, spec["name"])] = spec
-        spec_file = work / f"cases{nproc}.json"
-        spec_file.write_text(json.dumps(specs))
-        run = torchrun(nproc, "tests/engine_cases.py", str(spec_file))
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        run_engine_cases(nproc, specs, work)
     return cases, dirs
 
 

@@ -40,6 +40,18 @@ def torchrun(nproc: int, *args: str, timeout: float = 600) -> subprocess.Complet
                           text=True, timeout=timeout)
 
 
+
+def run_engine_cases(nproc: int, specs: list[dict], work) -> None:
+    """One torchrun launch of `nproc` ranks running every case of `specs` (tests/engine_cases.py); fails the test if
+    the launch does (a case's own failure is in its error files: case_errors)."""
+    import json
+    from pathlib import Path
+
+    spec_file = Path(work) / f"cases{nproc}.json"
+    spec_file.write_text(json.dumps(specs))
+    run = torchrun(nproc, "tests/engine_cases.py", str(spec_file))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
 def flux_file_on_two_ranks(model, inputs, output, *layout: str):
     """Contract E on 2 ranks for the quantized tiny-Flux file tests: fp32 compute, 4 steps at 64², guidance 3.5,
     the `layout` flags; the latents it wrote."""

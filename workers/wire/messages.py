@@ -137,7 +137,7 @@ class Evaluate(Kind, kind="evaluate"):
 
     conditioning: dict[str, Any] = declared(factory=dict, check=_conditioning)  # tensor name → key: each checked there
     loras: tuple[LoraSpec, ...] = declared((), check=_loras)
-    expert: str = declared("")  # the pipeline's transformer to call ("transformer_2": Wan 2.2's low-noise expert)
+    expert: str = declared("")  # the pipeline's transformer to call by attribute name ("": `transformer`; e.g. "transformer_2")
 
     tensor_names = staticmethod(model_call_tensors)
 
