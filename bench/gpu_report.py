@@ -47,9 +47,12 @@ def rows(folder: Path, seconds: float) -> list[tuple[str, str, str]]:
     pool = _load(folder, "pool_overhead.json")
     if pool:
         r = pool["rows"]
+        split = (f"; rank 0's steps {r['pool']['steps_on_rank_s']:.3f} s, outside them {r['pool']['outside_steps_s']:.3f} s"
+                 if "steps_on_rank_s" in r["pool"] else "")
         out.append((f"1-rank pool (NCCL, bf16) vs the same pipeline in-process, {pool['model']}, {pool['steps']} steps",
                     f"{r['pool']['overhead'] * 100:+.1f}% ({r['in-process']['median_s']:.3f} s in-process, "
-                    f"{r['pool']['median_s']:.3f} s pool; previews {r['pool + previews']['overhead'] * 100:+.1f}%)", "≤ 2%"))
+                    f"{r['pool']['median_s']:.3f} s pool{split}; previews {r['pool + previews']['overhead'] * 100:+.1f}%)",
+                    "≤ 2%"))
     else:
         out.append(("1-rank pool vs in-process", "did not finish", "≤ 2%"))
     if "pool_bf16_relative_l2_from_fp32" in measured:
@@ -59,6 +62,9 @@ def rows(folder: Path, seconds: float) -> list[tuple[str, str, str]]:
     storage = _load(folder, "quantized_storage.json")
     if storage:
         r, bf16 = storage["rows"], storage["rows"]["bf16"]["step_s"]
+        if storage.get("blocks"):
+            out.append(("quantized files: the model", f"{storage['model']} with {storage['blocks'][0]} double and "
+                        f"{storage['blocks'][1]} single blocks", "—"))
         for name in ("fp8_scaled", "gguf_q8_0"):
             out.append((f"{name} file kept quantized: bytes ÷ bf16, step ÷ bf16, relative L2 to bf16",
                         f"{r[name]['ratio_to_bf16']:.3f}, {r[name]['step_s'] / bf16:.2f}, {r[name]['relative_l2_to_bf16']:.1e}", "—"))

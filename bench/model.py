@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -105,6 +105,14 @@ MODELS = {
                                        "pooled_projection_dim": 768, "axes_dims_rope": (16, 56, 56)},
                         height=1024, width=1024, text_tokens=512, steps=1),
 }
+
+
+def with_blocks(model: BenchModel, blocks: tuple[int, int] | None) -> BenchModel:
+    """`model` with (double, single) Flux blocks where given: a lent GPU's time is short, and a per-block
+    ratio (fp8 against bf16) needs few blocks."""
+    if blocks is None:
+        return model
+    return replace(model, transformer={**model.transformer, "num_layers": blocks[0], "num_single_layers": blocks[1]})
 
 
 def start_drive(spec: dict):

@@ -22,6 +22,9 @@ def test_pool_overhead_benchmark(tmp_path):
     assert set(report["rows"]) == {"in-process", "pool", "pool + previews"}
     assert all(math.isfinite(row["median_s"]) for row in report["rows"].values())
     assert report["max_abs_diff"] == 0.0  # the pool computes exactly what the pipeline does
+    for side in ("pool", "pool + previews"):  # the pool's time split at rank 0's steps
+        row = report["rows"][side]
+        assert 0 < row["steps_on_rank_s"] <= row["median_s"] and row["outside_steps_s"] >= 0
 
 
 def test_pipefusion_benchmark(tmp_path):

@@ -34,7 +34,8 @@ def _stand_in_outputs(folder, speedup: float) -> None:
                                       '<testcase name="test_a"/><testcase name="test_b"/></testsuite></testsuites>')
     (folder / "tests.json").write_text(json.dumps({"cancel_latency_s": 0.4, "pool_bf16_relative_l2_from_fp32": 0.011,
                                                    "diffusers_bf16_relative_l2_from_fp32": 0.010}))
-    rows = {"in-process": {"median_s": 1.0, "overhead": 0.0}, "pool": {"median_s": 1.01, "overhead": 0.01},
+    rows = {"in-process": {"median_s": 1.0, "overhead": 0.0},
+            "pool": {"median_s": 1.01, "overhead": 0.01, "steps_on_rank_s": 1.002, "outside_steps_s": 0.008},
             "pool + previews": {"median_s": 1.02, "overhead": 0.02}}
     (folder / "pool_overhead.json").write_text(json.dumps({"model": "large-flux", "steps": 4, "rows": rows}))
     side = lambda step, ratio: {"step_s": step, "ratio_to_bf16": ratio, "relative_l2_to_bf16": 0.02}  # noqa: E731
@@ -53,6 +54,7 @@ def test_gpu_report_writes_the_cards_section_and_replaces_it_on_a_rerun(tmp_path
     text = results.read_text()
     assert "## Earlier section\n\nkept" in text and f"## GPU check on {card}" in text and "not yet" not in text
     assert "| 1-rank pool (NCCL, bf16) vs the same pipeline in-process, large-flux, 4 steps | +1.0%" in text
+    assert "rank 0's steps 1.002 s, outside them 0.008 s" in text
     assert "0.200 s vs 0.300 s: 1.50×" in text and "| tests/gpu (pytest) | 2 of 2 passed in 95 s |" in text
     assert "| bench.link_table calibrated | did not finish |" in text  # a stage without output says so
     _stand_in_outputs(tmp_path, 2.0)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -34,16 +33,25 @@ def relative_l2(result: torch.Tensor, reference: torch.Tensor) -> float:
     return ((result - reference).norm() / reference.norm()).item()
 
 
+def _keep(name: str, value) -> None:
+    _RECORDS[name] = value
+    out = os.environ.get("XDIT_GPU_OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "tests.json").write_text(json.dumps(_RECORDS, indent=1, default=str))
+
+
+def pytest_runtest_logreport(report):
+    """Each test's seconds (setup, call and teardown), kept as it ends: a check stopped at its time limit still
+    says where the time went (the first lent H200 ran 11 of 13 tests in the 250 s)."""
+    durations = _RECORDS.get("durations_s", {})
+    durations[report.nodeid] = round(durations.get(report.nodeid, 0.0) + report.duration, 2)
+    _keep("durations_s", durations)
+
+
 @pytest.fixture(scope="session")
 def record():
-    def keep(name: str, value) -> None:
-        _RECORDS[name] = value
-        out = os.environ.get("XDIT_GPU_OUT")
-        if out:
-            Path(out).mkdir(parents=True, exist_ok=True)
-            (Path(out) / "tests.json").write_text(json.dumps(_RECORDS, indent=1, default=str))
-
-    return keep
+    return _keep
 
 
 @pytest.fixture(scope="session")
@@ -62,12 +70,9 @@ def world():
 
 def bench_model(blocks: tuple[int, int] | None = None):
     """bench/model.py's FLUX.1-width model (`large`), with (double, single) blocks where given."""
-    from bench.model import MODELS
+    from bench.model import MODELS, with_blocks
 
-    large = MODELS["large"]
-    if blocks is None:
-        return large
-    return replace(large, transformer={**large.transformer, "num_layers": blocks[0], "num_single_layers": blocks[1]})
+    return with_blocks(MODELS["large"], blocks)
 
 
 def call_of(model) -> dict:
@@ -98,6 +103,7 @@ def flux_width(tmp_path_factory):
     folder = tmp_path_factory.mktemp("flux_width") / "model"
     reference = {"fp32": diffusers_run(pipeline, inputs, torch.float32, call),
                  "bf16": diffusers_run(pipeline, inputs, torch.bfloat16, call)}
+    sigmas = pipeline.scheduler.sigmas.clone()  # the bf16 run's steps: xDiT Model's test steps through them
     pipeline.to(torch.bfloat16).save_pretrained(folder)
-    return {"model": model, "folder": folder, "inputs": inputs, "call": call, "reference": reference,
+    return {"model": model, "folder": folder, "inputs": inputs, "call": call, "reference": reference, "sigmas": sigmas,
             "own_error": relative_l2(reference["bf16"], reference["fp32"])}
