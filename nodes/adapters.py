@@ -74,7 +74,7 @@ class FamilyAdapter:
         self.format_name(samples.shape[1])
         scale = self.latent_scale
         size = {"height": samples.shape[-2] * scale, "width": samples.shape[-1] * scale}
-        if video:
+        if video and not self.data.derives_frames:
             size["num_frames"] = (samples.shape[2] - 1) * self.data.temporal + 1
         return size
 
@@ -137,9 +137,16 @@ class FamilyAdapter:
         video, audio = samples.unbind()
         return video, audio
 
+    def audio_to_model(self, audio: torch.Tensor) -> torch.Tensor:
+        """ComfyUI's audio stream in the pipeline's layout (`audio_axes`)."""
+        return audio.permute(*self.data.audio_axes) if self.data.audio_axes else audio
+
     def av_latent(self, video: torch.Tensor, outputs: dict[str, torch.Tensor]):
         """The sampled video (ComfyUI's space) with the pool's audio output as ComfyUI's AV latent."""
-        return comfy_compat.nested_latent(video, outputs[self.data.audio_stream[1]].float())
+        audio = outputs[self.data.audio_stream[1]].float()
+        if self.data.audio_axes:
+            audio = audio.permute(*sorted(range(audio.ndim), key=self.data.audio_axes.__getitem__))
+        return comfy_compat.nested_latent(video, audio.contiguous())
 
     def conditioning_calls(self, positive) -> dict:
         """The call parameters the positive conditioning sets (LTXVConditioning's frame_rate), ComfyUI's value where
@@ -170,6 +177,11 @@ class FamilyAdapter:
                 if reference is not None:
                     name = self.data.reference_latents
                     tensors[name] = reference if name in self.shared_inputs else _repeat(reference, batch)
+            if not prefix:
+                for key, name in self.data.conditioning_inputs.items():
+                    if key in extras:
+                        value = extras[key]
+                        tensors[name] = value if name in self.shared_inputs else _repeat(value, batch)
             if not prefix and self.data.concat_latents:
                 tensors[self.data.concat_latents] = _repeat(self._start_image(extras), batch)
             if not prefix and self.data.clip_vision in widths:

@@ -68,7 +68,7 @@ class XDiTSampler(io.ComfyNode):
                                                                  pool.status.get("inputs", {}))
         tensors["latents"] = adapter.noise_to_model(adapter.comfy_latent(noise)).float()
         if audio_noise is not None:
-            tensors[adapter.data.audio_stream[0]] = audio_noise.float()
+            tensors[adapter.data.audio_stream[0]] = adapter.audio_to_model(audio_noise).float()
         params = {"steps": steps, "height": height, "width": width, "preview": preview, "scheduler": sampler,
                   "model_latents": True,
                   "loras": pool.lora_params()}

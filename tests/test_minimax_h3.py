@@ -128,3 +128,16 @@ def test_contract_e_takes_audio_and_tags_in_and_writes_audio_out(video_model_dir
     assert set(saved) == {"latents", "audio"}
     for name, tensor in zip(("latents", "audio"), reference(model, tensors)):
         assert (saved[name] - tensor).abs().max().item() <= TOLERANCE, name
+
+
+def test_preview_latents_are_diffusers_patch_rows_unfolded():
+    """Previews: the loop's patch rows back as the video, the inverse of diffusers' own patchify (a swapped patch
+    order is caught)."""
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
+
+    from parallel.families.minimax_h3.pipelines import unpatchify_video_rows
+
+    video = torch.randn(1, 24, 7, 4, 6)
+    rows = patchify_video_latents(video, (1, 2, 2))
+    assert torch.equal(unpatchify_video_rows(rows, video.shape, (1, 2, 2)), video)
+    assert not torch.equal(unpatchify_video_rows(rows, (1, 24, 7, 6, 4), (1, 2, 2)).transpose(-1, -2), video)

@@ -104,8 +104,14 @@ class ComfyData:
     audio_stream:   (input, output): the model samples video with sound from ComfyUI's AV latent (LTXVConcatAVLatent's
                     NestedTensor of the video and the audio latent); the audio goes to the pipeline as `input`, comes
                     back as its `output`, both in the loop's space as the video (`model_latents`); (): video alone.
+    audio_axes:     the pipeline's audio latents are ComfyUI's audio stream with its axes in this order (MiniMax-H3:
+                    ComfyUI's [B, 32, 2, L] is the pipeline's [B, 2, 32, L]); (): the same layout.
     conditioning_calls: key of a conditioning's extras → (the call parameter it sets, ComfyUI's value without it)
                     (LTXVConditioning's frame_rate, 25 when none set it).
+    conditioning_inputs: key of the positive conditioning's extras → the pipeline input it is, as given (MiniMax-H3's
+                    text encoder returns each token's modality tag as `minimax_token_tags`).
+    derives_frames: the pipeline counts its frames from the latents' (MiniMax-H3: 5n+2 latent frames hold 17n+5
+                    frames, not (T'−1)·temporal+1); the job names none.
     """
 
     latent_formats: dict[int, str]
@@ -133,7 +139,10 @@ class ComfyData:
     model_class: str = ""
     model_call_conds: dict[str, str] = field(default_factory=dict)
     audio_stream: tuple[str, str] = ()
+    audio_axes: tuple[int, ...] = ()
     conditioning_calls: dict[str, tuple[str, float]] = field(default_factory=dict)
+    conditioning_inputs: dict[str, str] = field(default_factory=dict)
+    derives_frames: bool = False
 
 
 class Variant(NamedTuple):

@@ -12,7 +12,8 @@ from ...model_executor.pipeline.modular import xFuserModularPipelineWrapper
 from ..base import ComfyData
 
 COMFY = ComfyData(
-    latent_formats={24: "MiniMaxH3AV"}, temporal=4, audio_stream=("audio_latents", "audio"),
+    latent_formats={24: "MiniMaxH3AV"}, temporal=4, audio_stream=("audio_latents", "audio"), audio_axes=(0, 2, 1, 3),
+    conditioning_inputs={"minimax_token_tags": "text_token_tags"}, derives_frames=True,
     expects="the MiniMax-H3 text encoder's hidden states (Qwen3-VL's layer 50) with their modality tags",
     empty_latent="EmptyMiniMaxH3LatentAV",
 )
@@ -104,8 +105,18 @@ class xFuserMiniMaxH3Pipeline(xFuserModularPipelineWrapper):
                               f"use a data-parallel degree of {batch}, or one video per job")
         return super().check_layout(kwargs, batch)
 
+    def step_callbacks(self, step_callback):
+        """Previews see the video: the loop keeps it as patch rows [T'·h/2·w/2, 24·2·2], handed back as the sample's
+        latents [1, 24, T', h, w] (the call's one sample; the shape is the running call's, set by run_pipeline)."""
+        def as_video(index: int, rows: torch.Tensor) -> None:
+            step_callback(index, unpatchify_video_rows(rows, self._video_shape, self.module.patch_size))
+
+        return super().step_callbacks(as_video)
+
     def run_pipeline(self, arguments: dict[str, Any]):
         """The call's one sample: its audio as the pipeline's two stereo batch items, and back."""
+        self._video_shape = self.expected_latents_shape(1, arguments["height"], arguments["width"],
+                                                        self.latent_frames(arguments))
         audio = arguments.get("audio_latents")
         if isinstance(audio, torch.Tensor):
             arguments = {**arguments, "audio_latents": audio[0]}
@@ -119,3 +130,12 @@ class xFuserMiniMaxH3Pipeline(xFuserModularPipelineWrapper):
     def cfg_parallel_hint(self, kwargs: dict[str, Any]) -> str:
         return ("MiniMax-H3 is guidance-distilled: one transformer call per step, no unconditional branch for CFG "
                 "parallel to split; turn CFG parallel off (use its degree for Ulysses, Ring or data parallel)")
+
+
+def unpatchify_video_rows(rows: torch.Tensor, shape: tuple[int, ...], patch: tuple[int, int, int]) -> torch.Tensor:
+    """The inverse of diffusers' `patchify_video_latents`: rows [B·t·h·w, C·pt·ph·pw] (frame-major, then row-major) as
+    latents `shape` [B, C, T', H, W]."""
+    batch, channels, frames, height, width = shape
+    pt, ph, pw = patch
+    rows = rows.reshape(batch, frames // pt, height // ph, width // pw, channels, pt, ph, pw)
+    return rows.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(shape)

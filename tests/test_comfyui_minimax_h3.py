@@ -1,0 +1,76 @@
+"""MiniMax-H3 (video with sound) in a real ComfyUI 0.33: ComfyUI's own AV latent through xDiT Sampler.
+
+ComfyUI's EmptyMiniMaxH3LatentAV (a NestedTensor of the video [B, 24, 5n+2, H/16, W/16] and the stereo audio
+[B, 32, 2, L], 40 latents a second) is sampled on a 2-rank Ulysses pool of the tiny MiniMax-H3; LTXVSeparateAVLatent
+splits the result and SaveLatent writes each stream. Both equal diffusers' single-process MiniMaxH3ModularPipeline
+within 1e-4, started from ComfyUI's noise of the seed (video then audio, as ComfyUI draws it for a nested latent).
+ComfyUI's space is the model's for both streams (MiniMaxH3AV scales by 1); its audio is the pipeline's [2, 32, L]
+with the stereo and channel axes swapped, and its frame count (124 = 5 s at 24 fps: 37 latent frames) is the
+pipeline's own count, not (T'−1)·4+1. The text is the tiny model's hidden states with their modality tags under
+ComfyUI's key (`minimax_token_tags`, as ComfyUI's MiniMax-H3 text encoder returns them), through the test-only
+XDiTTestConditioning (Qwen3-VL 32B is too big for a CPU test). A negative control: the tags given as all text
+where the tiny model's tags mark vision rows moves the result far beyond the tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import save_file
+
+from parallel.loading import tiny_models
+
+from test_comfyui import saved_latent
+from test_minimax_h3 import FAMILY, FRAMES, SIZE, STEPS, reference
+from xdit_test_helpers import TOLERANCE
+
+SEED = 5
+COMFY_AUDIO = (0, 2, 1, 3)  # ComfyUI's [B, 32, 2, L] ↔ the pipeline's [B, 2, 32, L]
+
+
+def workflow(conditioning: str) -> dict:
+    return {
+        "pool": {"class_type": "XDiTPool", "inputs": {
+            "model": f"xdit-tiny-{FAMILY} (built-in, no download)", "nproc": 2, "ulysses_degree": 2, "ring_degree": 1,
+            "pipefusion_degree": 1, "num_patches": 0, "warmup_steps": 1, "cfg_parallel": False, "dp_degree": 1,
+            "text_encoders": True, "dtype": "auto", "devices": "", "threads_per_rank": 1, "endpoint": ""}},
+        "text": {"class_type": "XDiTTestConditioning", "inputs": {"tensors": conditioning}},
+        "av": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": SIZE, "height": SIZE, "length": FRAMES}},
+        "sample": {"class_type": "XDiTSampler", "inputs": {  # guidance-distilled: cfg 1, the negative unused
+            "pool": ["pool", 0], "positive": ["text", 0], "negative": ["text", 0], "latent_image": ["av", 0],
+            "seed": SEED, "steps": STEPS, "cfg": 1.0, "sampler": "default", "denoise": 1.0, "preview": True}},
+        "split": {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["sample", 0]}},
+        "save_video": {"class_type": "SaveLatent", "inputs": {"samples": ["split", 0], "filename_prefix": "h3_video"}},
+        "save_audio": {"class_type": "SaveLatent", "inputs": {"samples": ["split", 1], "filename_prefix": "h3_audio"}},
+    }
+
+
+def test_xdit_sampler_takes_and_returns_comfyuis_minimax_h3_av_latent(comfy, video_model_dirs):
+    inputs = tiny_models.make_inputs(FAMILY, height=SIZE, width=SIZE, num_frames=FRAMES)
+    tags = inputs["text_token_tags"].clone()
+    tags[: len(tags) // 3] = 0  # the first third as vision rows (video modality), as a picture's tokens are tagged
+    save_file({"cond": inputs["prompt_embeds"], "minimax_token_tags": tags}, comfy.work / "input" / "h3-text.safetensors")
+    prompt_id, _, previews, _ = comfy.run_watching(workflow("h3-text.safetensors"))
+    entry = comfy.wait(prompt_id)
+    errors = [(m[1]["node_type"], m[1]["exception_message"], m[1]["traceback"][-3:])
+              for m in entry["status"]["messages"] if m[0] == "execution_error"]
+    assert entry["status"]["status_str"] == "success", errors or json.dumps(entry["status"])[-2000:]
+    assert previews >= 1
+    video, audio = saved_latent(comfy, entry, "save_video"), saved_latent(comfy, entry, "save_audio")
+    assert video.shape == (1, 24, 37, SIZE // 16, SIZE // 16) and audio.shape == (1, 32, 2, 207)
+
+    generator = torch.manual_seed(SEED)
+    noise = {"latents": torch.randn(video.shape, generator=generator),
+             "audio_latents": torch.randn(audio.shape, generator=generator).permute(*COMFY_AUDIO)}
+    model = video_model_dirs[FAMILY]
+    expected_video, expected_audio = reference(model, {**noise, "prompt_embeds": inputs["prompt_embeds"],
+                                                       "text_token_tags": tags})
+    errors = ((video - expected_video).abs().max().item(),
+              (audio - expected_audio.permute(*COMFY_AUDIO)).abs().max().item())
+    assert max(errors) <= TOLERANCE, errors
+
+    # negative control: the same noise with every row tagged text (the tags ignored) gives another result
+    untagged_video, _ = reference(model, {**noise, "prompt_embeds": inputs["prompt_embeds"],
+                                                       "text_token_tags": torch.ones_like(tags)})
+    assert (video - untagged_video).abs().max().item() > 100 * TOLERANCE
