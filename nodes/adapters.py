@@ -125,17 +125,16 @@ class FamilyAdapter:
     def streams(self, samples) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A LATENT's samples as (video, audio): ComfyUI's AV latent (LTXVConcatAVLatent's NestedTensor of both) for a
         model that samples sound with its video (`audio_stream`), a plain latent (audio None) for the others."""
-        nested = getattr(samples, "is_nested", False) and hasattr(samples, "tensors")
-        if nested and not self.data.audio_stream:
+        streams = comfy_compat.latent_streams(samples)
+        if len(streams) > 1 and not self.data.audio_stream:
             raise ConditioningError(f"{self.name} samples no audio: give it the video latent alone (LTXVSeparateAVLatent "
                                     "splits an audio–video latent)")
         if not self.data.audio_stream:
             return samples, None
-        if not nested or len(samples.unbind()) != 2:
+        if len(streams) != 2:
             raise ConditioningError(f"{self.name} samples video with sound from one latent holding both: use "
                                     f"{self.data.empty_latent}")
-        video, audio = samples.unbind()
-        return video, audio
+        return streams
 
     def audio_to_model(self, audio: torch.Tensor) -> torch.Tensor:
         """ComfyUI's audio stream in the pipeline's layout (`audio_axes`)."""

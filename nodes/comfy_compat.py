@@ -102,6 +102,13 @@ def raise_interrupted():
     raise comfy.model_management.InterruptProcessingException()
 
 
+def latent_streams(samples) -> tuple:
+    """A LATENT's samples as their streams: an AV latent's (a NestedTensor: video, audio), or the one tensor."""
+    if getattr(samples, "is_nested", False) and hasattr(samples, "tensors"):
+        return tuple(samples.unbind())
+    return (samples,)
+
+
 def nested_latent(*tensors):
     """ComfyUI's NestedTensor of streams (0.33's AV latents; 0.3.64 has none and makes no AV latent to sample)."""
     import comfy.nested_tensor

@@ -3,7 +3,9 @@
 The step that runs out of memory first on a long clip is the decode, on one device. Here each rank
 decodes about one tile (diffusers' tiled decode, blended exactly as in one process; see
 parallel/model_executor/vae_decode.py), so a rank holds about 1/world of the activations. The LATENT is in the VAE's own
-space, as every ComfyUI LATENT is; video comes back as its frames.
+space, as every ComfyUI LATENT is, except where ComfyUI's VAE normalises inside it (LTX-2: the pool converts it
+first); video comes back as its frames. A video-with-sound latent (LTX-2's AV latent) also gives its sound, decoded
+by the pool's audio VAE and vocoder, as ComfyUI's AUDIO (CreateVideo joins the two).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import comfy.model_management
 import comfy.utils
 from comfy_api.latest import io
 
+from . import comfy_compat
+from .adapters import adapter_for
 from .pool_node import XDiTPoolType
 from .pools import POOLS
 
@@ -26,25 +30,31 @@ class XDiTVAEDecode(io.ComfyNode):
             description="Decodes a LATENT with the pool model's VAE, its tiles decoded in parallel on the pool's ranks.",
             inputs=[
                 XDiTPoolType.Input("pool", tooltip="The xDiT Pool whose model made the latent (its VAE decodes it)."),
-                io.Latent.Input("samples", tooltip="The latent to decode (images, or a video's latent frames)."),
+                io.Latent.Input("samples", tooltip="The latent to decode (images, a video's latent frames, or a video "
+                                "with its sound)."),
                 io.Int.Input("tile_size", default=0, min=0, max=4096, step=8,
                              tooltip="Tile side in latent pixels, an eighth of it overlapping (0: about 1/⌈√ranks⌉ of the "
                                      "longer side, at least one tile per rank)."),
             ],
-            outputs=[io.Image.Output()],
+            outputs=[io.Image.Output(), io.Audio.Output(tooltip="The sound of a video-with-sound latent (None for others).")],
         )
 
     @classmethod
     def execute(cls, pool, samples, tile_size) -> io.NodeOutput:
-        latents = samples["samples"].float()
+        streams = comfy_compat.latent_streams(samples["samples"])
+        tensors = {"latents": streams[0].float(), **({"audio": streams[1].float()} if len(streams) > 1 else {})}
         comfy.model_management.throw_exception_if_processing_interrupted()
         progress = comfy.utils.ProgressBar(1)
 
         def on_step(message):
             progress.update_absolute(message.params["index"], message.params["total"])
 
-        decoded, _ = POOLS.client(pool.endpoint).decode(latents, tile_size, on_step=on_step)
-        images = (decoded.float() / 2 + 0.5).clamp(0, 1)
+        normalised = adapter_for(pool.pipeline, pool.latent_scale).data.vae_normalises
+        reply = POOLS.client(pool.endpoint).decode_streams(tensors, tile_size, model_latents=normalised, on_step=on_step)
+        images = (reply.tensors["images"].float() / 2 + 0.5).clamp(0, 1)
         if images.ndim == 5:  # video [B, 3, T, H, W] → frames
             images = images.movedim(2, 1).flatten(0, 1)
-        return io.NodeOutput(images.movedim(1, -1).contiguous())
+        audio = None
+        if "audio" in reply.tensors:
+            audio = {"waveform": reply.tensors["audio"].float().contiguous(), "sample_rate": reply.params["sample_rate"]}
+        return io.NodeOutput(images.movedim(1, -1).contiguous(), audio)

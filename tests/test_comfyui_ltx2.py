@@ -17,7 +17,7 @@ import json
 import subprocess
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from parallel.loading import tiny_models
 
@@ -77,11 +77,17 @@ def workflow(comfy, inputs: dict) -> dict:
         "split": {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["sample", 0]}},
         "save_video": {"class_type": "SaveLatent", "inputs": {"samples": ["split", 0], "filename_prefix": "ltx2_video"}},
         "save_audio": {"class_type": "SaveLatent", "inputs": {"samples": ["split", 1], "filename_prefix": "ltx2_audio"}},
+        "decode": {"class_type": "XDiTVAEDecode", "inputs": {"pool": ["pool", 0], "samples": ["sample", 0], "tile_size": 0}},
+        "sound": {"class_type": "XDiTTestSaveAudio", "inputs": {"audio": ["decode", 1], "name": "ltx2-sound.safetensors"}},
+        "clip": {"class_type": "CreateVideo", "inputs": {"images": ["decode", 0], "fps": RATE, "audio": ["decode", 1]}},
+        "save_clip": {"class_type": "SaveVideo", "inputs": {"video": ["clip", 0], "filename_prefix": "ltx2_clip",
+                                                            "format": "auto", "codec": "auto"}},
     }
 
 
-def reference(model_dir, inputs: dict, video_shape, audio_shape) -> tuple[torch.Tensor, torch.Tensor]:
-    """diffusers' LTX2Pipeline from ComfyUI's noise of SEED, in and out of ComfyUI's (normalised) space."""
+def reference(model_dir, inputs: dict, video_shape, audio_shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """diffusers' LTX2Pipeline from ComfyUI's noise of SEED, in and out of ComfyUI's (normalised) space, and the
+    waveform its own call decodes (output_type="pt")."""
     from xdit_test_helpers import load_pipeline_folder
 
     pipeline = load_pipeline_folder(model_dir)
@@ -93,13 +99,14 @@ def reference(model_dir, inputs: dict, video_shape, audio_shape) -> tuple[torch.
         packed = change(pipeline._pack_audio_latents(latents), audio_vae.latents_mean, audio_vae.latents_std)
         return pipeline._unpack_audio_latents(packed, latents.shape[2], latents.shape[3])
 
-    video, audio = diffusers_latents(
-        pipeline, **inputs, all_outputs=True, num_inference_steps=STEPS, guidance_scale=CFG, height=HEIGHT,
-        width=WIDTH, num_frames=FRAMES, frame_rate=RATE,
-        latents=pipeline._denormalize_latents(video_noise, vae.latents_mean, vae.latents_std),
-        audio_latents=audio_space(audio_noise, pipeline._denormalize_audio_latents))
+    call = dict(num_inference_steps=STEPS, guidance_scale=CFG, height=HEIGHT, width=WIDTH, num_frames=FRAMES,
+                frame_rate=RATE, latents=pipeline._denormalize_latents(video_noise, vae.latents_mean, vae.latents_std),
+                audio_latents=audio_space(audio_noise, pipeline._denormalize_audio_latents))
+    video, audio = diffusers_latents(pipeline, **inputs, **call, all_outputs=True)
+    with torch.no_grad():
+        _, waveform = pipeline(**inputs, **call, output_type="pt", return_dict=False)
     return (pipeline._normalize_latents(video, vae.latents_mean, vae.latents_std),
-            audio_space(audio, pipeline._normalize_audio_latents))
+            audio_space(audio, pipeline._normalize_audio_latents), waveform)
 
 
 def test_xdit_sampler_takes_and_returns_comfyuis_av_latent(comfy, video_model_dirs):
@@ -116,14 +123,21 @@ def test_xdit_sampler_takes_and_returns_comfyuis_av_latent(comfy, video_model_di
     video, audio = saved_latent(comfy, entry, "save_video"), saved_latent(comfy, entry, "save_audio")
     audio_frames = round(FRAMES / RATE * 25)  # 16 kHz, hop 160, ×4: 25 latent frames a second
     assert video.shape == (1, 128, 3, HEIGHT // 32, WIDTH // 32) and audio.shape == (1, 4, audio_frames, 4)
-    expected_video, expected_audio = reference(video_model_dirs["ltx2"], text, video.shape, audio.shape)
+    expected_video, expected_audio, expected_sound = reference(video_model_dirs["ltx2"], text, video.shape, audio.shape)
     errors = (video - expected_video).abs().max().item(), (audio - expected_audio).abs().max().item()
     assert max(errors) <= TOLERANCE, errors
+    # xDiT VAE Decode: the AV latent's sound through the pool's audio VAE and vocoder equals the pipeline's own decode
+    sound = load_file(comfy.work / "output" / "ltx2-sound.safetensors")
+    assert int(sound["sample_rate"]) == 16000 and sound["waveform"].shape == expected_sound.shape
+    assert (sound["waveform"] - expected_sound).abs().max().item() <= TOLERANCE
+    assert expected_sound.abs().max().item() > 100 * TOLERANCE  # a waveform, not silence
+    clip = entry["outputs"]["save_clip"]  # CreateVideo joined the frames and the sound; SaveVideo wrote them
+    assert any(item["filename"].startswith("ltx2_clip") for item in next(iter(clip.values())))
     # not a result that any start would give: the pool's result moved well away from ComfyUI's noise
     assert (video - torch.randn(video.shape, generator=torch.manual_seed(SEED))).abs().max().item() > 0.1
 
     plain = {**graph, "sample": {**graph["sample"], "inputs": {**graph["sample"]["inputs"], "latent_image": ["video", 0]}}}
-    plain = {k: v for k, v in plain.items() if k not in ("split", "save_video", "save_audio")}
+    plain = {k: v for k, v in plain.items() if k in ("pool", "positive", "negative", "rate", "video", "sample")}
     plain["save"] = {"class_type": "SaveLatent", "inputs": {"samples": ["sample", 0], "filename_prefix": "ltx2_plain"}}
     failed = comfy.wait(comfy.queue(plain))
     assert failed["status"]["status_str"] == "error"

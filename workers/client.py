@@ -322,19 +322,24 @@ class PoolClient:
                should_cancel: Callable[[], bool] | None = None) -> tuple[torch.Tensor, dict]:
         """Decode `latents` (the VAE's own space) with the pool's VAE, its tiles over the ranks (`tile`: the
         tile side in latent pixels, a multiple of 8; 0: about 1/⌈√ranks⌉ of the longer side, a tile per rank at least); the VAE's sample in [-1, 1] and what each rank held."""
-        self.check_listening()
-        job = f"decode-{uuid.uuid4().hex[:16]}"
-        self.send(Message.of(Decode(tile=tile), job, {"latents": latents}))
-        reply = self._follow(job, on_step, should_cancel)
+        reply = self.decode_streams({"latents": latents}, tile, on_step=on_step, should_cancel=should_cancel)
         return reply.tensors["images"], reply.params
 
     def decode_audio(self, audio: torch.Tensor, should_cancel: Callable[[], bool] | None = None) -> torch.Tensor:
         """Decode audio latents (the audio VAE's own space, [B, C, frames, mel bins]) with the pool's audio VAE and
         vocoder: waveforms [B, channels, samples], as the pipeline's own decode makes them."""
+        return self.decode_streams({"audio": audio}, should_cancel=should_cancel).tensors["audio"]
+
+    def decode_streams(self, tensors: dict[str, torch.Tensor], tile: int = 0, model_latents: bool = False,
+                       on_step: Callable[[Message], None] | None = None,
+                       should_cancel: Callable[[], bool] | None = None) -> Message:
+        """Decode `latents` and/or `audio` in one job (a video with its sound); `model_latents`: given in the sampling
+        loop's space (xDiT Sampler's). The reply: `images` and `audio` (waveforms), its params `sample_rate` and the
+        ranks' shares."""
         self.check_listening()
         job = f"decode-{uuid.uuid4().hex[:16]}"
-        self.send(Message.of(Decode(), job, {"audio": audio}))
-        return self._follow(job, None, should_cancel).tensors["audio"]
+        self.send(Message.of(Decode(tile=tile, model_latents=model_latents), job, tensors))
+        return self._follow(job, on_step, should_cancel)
 
     def _follow(self, job: str, on_step, should_cancel) -> Message:
         """Wait for the job's final message, passing steps on; raise for errors and cancels.

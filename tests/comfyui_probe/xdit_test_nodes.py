@@ -6,7 +6,7 @@ ComfyUI's own text encoders are built at their released, multi-billion-parameter
 CONDITIONING: XDiTTestConditioning builds one from tensors a test saved, in exactly the layout the encoder node
 gives (its `cond`, and its extras under their ComfyUI keys: `attention_mask`, `conditioning_byt5small`,
 `reference_latents` as TextEncodeQwenImageEdit(Plus) appends them, ...). XDiTTestClipVision stands for
-CLIPVisionEncode's output the same way, XDiTTestLatent a latent node's LATENT.
+CLIPVisionEncode's output the same way, XDiTTestLatent a latent node's LATENT; XDiTTestSaveAudio keeps an AUDIO exactly.
 
 A file holds `cond` and extras by key; a list (reference_latents) as `key.0`, `key.1`, ...; a float (guidance) as
 a 0-d tensor.
@@ -80,5 +80,27 @@ class XDiTTestLatent:
         return (dict(_load(tensors)),)
 
 
+class XDiTTestSaveAudio:
+    """An AUDIO kept exactly (SaveAudio's FLAC rounds it to 16 bits): its waveform and sample rate as a safetensors
+    file `name` in the output folder."""
+
+    CATEGORY = "testing/xdit"
+    RETURN_TYPES = ()
+    FUNCTION = "save"
+    OUTPUT_NODE = True
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"audio": ("AUDIO",), "name": ("STRING", {"default": "audio.safetensors"})}}
+
+    def save(self, audio, name):
+        import torch
+        from safetensors.torch import save_file
+
+        save_file({"waveform": audio["waveform"].contiguous(), "sample_rate": torch.tensor(audio["sample_rate"])},
+                  os.path.join(folder_paths.get_output_directory(), name))
+        return {}
+
+
 NODE_CLASS_MAPPINGS = {"XDiTTestConditioning": XDiTTestConditioning, "XDiTTestClipVision": XDiTTestClipVision,
-                       "XDiTTestLatent": XDiTTestLatent}
+                       "XDiTTestLatent": XDiTTestLatent, "XDiTTestSaveAudio": XDiTTestSaveAudio}

@@ -103,7 +103,8 @@ class JobLoop:
         try:
             if work.type == "decode":
                 decoded, tiles, ranks = rank.runner.decode(work, client)
-                reply = Message.of(Result(tiles=tiles, ranks=ranks), work.job, decoded)
+                rate = rank.runner.pipeline.audio_sample_rate() if "audio" in decoded else 0
+                reply = Message.of(Result(tiles=tiles, ranks=ranks, sample_rate=rate), work.job, decoded)
                 rank.jobs_done += 1
             elif work.type == ModelCall.TYPE:
                 rank.loras.apply(work.body.loras)

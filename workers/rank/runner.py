@@ -234,14 +234,18 @@ class JobRunner:
         and its audio latents with the pipeline's audio VAE and vocoder on rank 0; rank 0 returns the image and the
         waveforms ({"images", "audio"}, as given), and, per rank, the tiles it decoded and its peak memory above its
         resting one."""
-        decoded = {}
-        if "audio" in work.tensors and dist.get_rank() == 0:
-            decoded["audio"] = self.pipeline.decode_audio(work.tensors["audio"])
-        if "latents" not in work.tensors:
+        decoded, tensors = {}, dict(work.tensors)
+        if work.body.model_latents:  # the loop's space: the pipeline's own conversion to its VAEs' (every rank alike)
+            given = self.pipeline.from_model_latents({"latents": tensors.get("latents"), "audio_latents": tensors.get("audio")})
+            tensors = {name: given[key] for name, key in (("latents", "latents"), ("audio", "audio_latents"))
+                       if name in tensors}
+        if "audio" in tensors and dist.get_rank() == 0:
+            decoded["audio"] = self.pipeline.decode_audio(tensors["audio"])
+        if "latents" not in tensors:
             return decoded, 0, ()
         vae_decode = engine("model_executor.vae_decode")
         vae = self.pipeline.module.vae
-        latents = work.tensors["latents"].to(vae.device, vae.dtype)
+        latents = tensors["latents"].to(vae.device, vae.dtype)
         rank, world = dist.get_rank(), dist.get_world_size()
         tiles = vae_decode.fit_tiles(vae, latents, world, work.body.tile)
         started = time.perf_counter()

@@ -145,9 +145,11 @@ class Evaluate(Kind, kind="evaluate"):
 class Decode(Kind, kind="decode"):
     """LATENT tensors decoded with the pool's VAE, tiles over the ranks (parallel/model_executor/vae_decode.py); tile in latent
     pixels, 0: about one tile per rank. `audio`: audio latents decoded with the pool's audio VAE and vocoder (LTX-2),
-    beside the video's latents or alone."""
+    beside the video's latents or alone. model_latents: both are in the sampling loop's space (a job's results with
+    `model_latents`; LTX-2's normalised latents, as ComfyUI keeps them), which the pipeline turns into its VAEs' first."""
 
     tile: int = declared(0)
+    model_latents: bool = declared(False)
 
     @classmethod
     def tensor_names(cls) -> tuple[str, ...]:
@@ -187,11 +189,12 @@ class Step(Kind, kind="step"):
 
 class Result(Kind, kind="result"):
     """A job's tensors, with what it reports beside them: its step cache's full and cached model calls, or a
-    decode's tiles and each rank's share."""
+    decode's tiles, each rank's share and its audio's samples a second (0: no audio)."""
 
     cache: dict[str, Any] | None = declared(None)
     tiles: int = declared(0)
     ranks: tuple[dict[str, Any], ...] = declared(())
+    sample_rate: int = declared(0)
 
 
 class Error(Kind, kind="error"):

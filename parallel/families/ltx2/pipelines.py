@@ -27,6 +27,7 @@ class xFuserLTX2Pipeline(xFuserPipelineBaseWrapper):
 
     comfy = ComfyData(
         latent_formats={128: "LTXAV"}, temporal=8, loop_tokens=True, audio_stream=("audio_latents", "audio"),
+        vae_normalises=True,
         conditioning_calls={"frame_rate": ("frame_rate", 25.0)},
         expects="Gemma's stacked hidden states as LTX2Pipeline's prompt_embeds, with prompt_attention_mask",
         empty_latent="EmptyLTXVLatentVideo and LTXVEmptyLatentAudio into LTXVConcatAVLatent",

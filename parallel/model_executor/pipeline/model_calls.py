@@ -70,6 +70,10 @@ class ModelCallGlue:
             mel = audio_vae.decode(latents.to(audio_vae.device, audio_vae.dtype), return_dict=False)[0]
             return vocoder(mel)
 
+    def audio_sample_rate(self) -> int:
+        """The waveforms' samples a second (decode_audio's): the vocoder's output rate."""
+        return int(self.module.vocoder.config.output_sampling_rate)
+
     def comfy_model_class(self) -> str:
         """comfy.supported_models' class for this model (ComfyData.model_class; a family may tell variants apart)."""
         return self.comfy.model_class
