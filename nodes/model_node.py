@@ -83,7 +83,7 @@ class PoolTransformer(torch.nn.Module):
             x = x[:, :, 0]
         batch = x.shape[0]
         conditioning = {self.conds[name]: value.float() for name, value in {"context": context, **kwargs}.items()
-                        if value is not None and name in self.conds and name != "ref_latents"}
+                        if value is not None and self.conds.get(name) and name != "ref_latents"}  # "": not used
         if kwargs.get("ref_latents") is not None and "ref_latents" in self.conds:
             conditioning.update(_references(kwargs["ref_latents"]))
         if "guidance" in conditioning:

@@ -371,12 +371,49 @@ def flux3_to_bfl(sd: dict) -> dict:
     return out
 
 
+def hunyuan_video15_to_original(sd: dict) -> dict:
+    """Tencent's HunyuanVideo 1.5 layout with q, k, v fused, as ComfyUI loads it: the inverse of the pack's converter
+    (parallel/families/hunyuanvideo15_file.py), checked to convert back to exactly these tensors."""
+    from parallel.families.hunyuanvideo15_file import _DOUBLE, _FUSED, _NAMES, _REFINER, convert_checkpoint
+
+    def inverse(table, fused=()):
+        names = {target: pattern.replace("\\", "") for pattern, target in table}
+        return names, {_FUSED[name]: name for name in fused}
+
+    scopes = [("context_embedder.token_refiner.refiner_blocks.", "txt_in.individual_token_refiner.blocks.",
+               inverse(_REFINER, ["self_attn_qkv"])),
+              ("transformer_blocks.", "double_blocks.", inverse(_DOUBLE, ["img_attn_qkv", "txt_attn_qkv"]))]
+    out, src = {}, dict(sd)
+    for key in sd:
+        if key not in src:
+            continue
+        stem, kind = key.rsplit(".", 1)
+        if stem == "norm_out.linear":
+            out[f"final_layer.adaLN_modulation.1.{kind}"] = _swap_halves(src.pop(key))
+            continue
+        prefix, rest, (names, fused) = "", stem, inverse(_NAMES)
+        for start, original, scope in scopes:
+            if match := re.fullmatch(rf"{re.escape(start)}(\d+)\.(.+)", stem):
+                prefix, rest, (names, fused) = f"{original}{match[1]}.", match[2], scope
+                base = f"{start}{match[1]}."
+        parts = next((p for p in fused if rest in p), None)
+        if parts is not None:
+            out[f"{prefix}{fused[parts]}.{kind}"] = torch.cat([src.pop(f"{base}{part}.{kind}") for part in parts])
+        else:
+            out[f"{prefix}{names[rest]}.{kind}"] = src.pop(key)
+    back = convert_checkpoint(dict(out), {})
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd), "HunyuanVideo 1.5 names do not round-trip"
+    return out
+
+
 def original_layout(family: str, transformer) -> dict:
     sd, config = transformer.state_dict(), transformer.config
     if family.startswith("flux3"):
         return flux3_to_bfl(sd)
     if family in ("flux", "flux-kontext"):
         return flux_to_bfl(sd, config)
+    if family.startswith("hunyuanvideo15"):
+        return hunyuan_video15_to_original(sd)
     if family.startswith("flux2"):
         return flux2_to_bfl(sd, config)
     if family == "sd3":

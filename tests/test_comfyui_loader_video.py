@@ -1,10 +1,10 @@
-"""Load Diffusion Model (xDiT Pool) on Wan in a real ComfyUI 0.33: the sampling part of the official Wan 2.1
-text-to-video and Wan 2.2 14B templates runs with only UNETLoader swapped, and gives what ComfyUI's own Wan gives
-on the same files.
+"""Load Diffusion Model (xDiT Pool) on Wan and HunyuanVideo 1.5 in a real ComfyUI 0.33: the sampling part of the
+official Wan 2.1 text-to-video, Wan 2.2 14B and HunyuanVideo 1.5 720p templates runs with only UNETLoader swapped,
+and gives what ComfyUI's own model gives on the same files.
 
-The files are tiny Wan transformers in Wan's own layout at ComfyUI's fixed head size (128) and text width (4096),
-which ComfyUI's UNETLoader detects natively. The prompt is a CONDITIONING in UMT5's layout (the test-only
-XDiTTestConditioning node: UMT5-XXL is too big for a CPU test), the same for both models.
+The files are tiny transformers in their own layouts (Wan's, Tencent's) at ComfyUI's fixed head size (128) and text
+widths, which ComfyUI's UNETLoader detects natively. The prompt is a CONDITIONING in the text encoder's layout (the
+test-only XDiTTestConditioning node: UMT5-XXL and Qwen2.5-VL 7B are too big for a CPU test), the same for both models.
 """
 
 from __future__ import annotations
@@ -139,17 +139,26 @@ I2V = {"high": "tiny_wan2.2_i2v_high_noise_14B_fp16.safetensors", "low": "tiny_w
 CLIP_VISION = 1280  # ComfyUI's Wan 2.1 I2V projects CLIP ViT-H's 1280-wide features (fixed in its code)
 
 
+def _wan_vae(comfy) -> None:
+    """The Wan 2.1 VAE at width 8 in its own layout (ComfyUI reads the width from the file)."""
+    from diffusers import AutoencoderKLWan
+
+    from original_layouts import wan_vae_to_original
+    from parallel.loading import tiny_models
+
+    vae = tiny_models._seeded(5, AutoencoderKLWan, base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                              temperal_downsample=[False, True, True])
+    save_file({k: v.contiguous() for k, v in wan_vae_to_original(vae).items()},
+              comfy.work / "models" / "vae" / "tiny_wan_2.1_vae.safetensors")
+
+
 @pytest.fixture(scope="module")
 def i2v_files(comfy) -> None:
     """Wan 2.2 I2V A14B's two experts and Wan 2.1 I2V (36 input channels: noise, frame mask, start image; the
     latter with CLIP vision), Wan 2.2 TI2V 5B (48 channels); the Wan 2.1 VAE at width 8 in its own layout (ComfyUI
     reads the width from the file) for WanImageToVideo, a start image, CLIP vision features."""
     import numpy as np
-    from diffusers import AutoencoderKLWan
     from PIL import Image
-
-    from original_layouts import wan_vae_to_original
-    from parallel.loading import tiny_models
 
     for kind, seed in (("high", 3), ("low", 6)):
         _wan_file(comfy, I2V[kind], seed, in_channels=36)
@@ -157,10 +166,7 @@ def i2v_files(comfy) -> None:
     # 3e-6 apart per call, which CFG 5 and UniPC carry to 3e-4 through this model's extra image attention at peak 4
     _wan_file(comfy, I2V["wan21"], 4, in_channels=36, peak=2.0, image_dim=CLIP_VISION, added_kv_proj_dim=256)
     _wan_file(comfy, I2V["5b"], 5, in_channels=48, out_channels=48)
-    vae = tiny_models._seeded(5, AutoencoderKLWan, base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
-                              temperal_downsample=[False, True, True])
-    save_file({k: v.contiguous() for k, v in wan_vae_to_original(vae).items()},
-              comfy.work / "models" / "vae" / "tiny_wan_2.1_vae.safetensors")
+    _wan_vae(comfy)
     g = torch.Generator().manual_seed(12)
     Image.fromarray(torch.randint(0, 256, (SIZE, SIZE, 3), generator=g, dtype=torch.uint8).numpy().astype(np.uint8)).save(
         comfy.work / "input" / "wan-start.png")
@@ -250,3 +256,108 @@ def test_wan22_ti2v_5b_text_and_image_to_video_with_the_loader_swapped_equal_com
     unmasked = _run(comfy, _wan22_5b_template(swapped=True, latent="i2v-unmasked"))["ksampler"]
     assert (unmasked[:, :, 1:] - expected[:, :, 1:]).abs().max().item() > 1e-3
 
+
+# ------------------------------------------------------------------------------------------ HunyuanVideo 1.5
+HUNYUAN = {"t2v": "tiny_hunyuanvideo1.5_720p_t2v_fp16.safetensors",  # named as Comfy-Org ships them: the name
+           "i2v": "tiny_hunyuanvideo1.5_720p_i2v_fp16.safetensors"}  # gives the pool its pipeline (t2v or i2v)
+GLYPH, VISION = 1472, 1152  # ComfyUI's HunyuanVideo 1.5 fixes byT5's and SigLIP's widths in its code
+
+
+def _hunyuan_prompt(comfy, name: str, g: torch.Generator, tokens: int, glyphs: int, **more) -> None:
+    """A prompt as ComfyUI's hunyuan_video_15 encoder gives it: Qwen2.5-VL's hidden states (one prompt: no mask), the
+    glyph text's byT5 states where the prompt quotes text, a pooled output its model class passes (unused)."""
+    tensors = {"cond": torch.randn(1, tokens, 64, generator=g), "pooled_output": torch.randn(1, 64, generator=g), **more}
+    if glyphs:
+        tensors["conditioning_byt5small"] = torch.randn(1, glyphs, GLYPH, generator=g)
+    save_file(tensors, comfy.work / "input" / f"{name}.safetensors")
+
+
+@pytest.fixture(scope="module")
+def hunyuan_files(comfy) -> None:
+    """One-block HunyuanVideo 1.5 transformers (65 input channels: noise, start image, frame mask) in Tencent's layout
+    (q, k, v fused) at ComfyUI's head size (128); t2v prompts of different lengths (the negative without glyph text,
+    so ComfyUI calls the two apart), i2v prompts of equal shapes (one batched call, split over the CFG ranks) carrying
+    the start frame as HunyuanVideo15ImageToVideo sets it (its latent, the frame mask), SigLIP vision tokens."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    from original_layouts import original_layout
+    from parallel.loading import tiny_models as tm
+
+    for task, seed in (("t2v", 3), ("i2v", 4)):
+        transformer = tm._peak_attention(tm._seeded(
+            seed, HunyuanVideo15Transformer3DModel, in_channels=65, out_channels=32, num_attention_heads=2,
+            attention_head_dim=128, num_layers=1, num_refiner_layers=2, mlp_ratio=4.0, text_embed_dim=64,
+            text_embed_2_dim=GLYPH, image_embed_dim=VISION, rope_axes_dim=(16, 56, 56)), tm.QK_SCALE)
+        weights = original_layout("hunyuanvideo15", transformer)
+        save_file({k: v.contiguous() for k, v in weights.items()}, comfy.work / "models" / "diffusion_models" / HUNYUAN[task])
+    g = torch.Generator().manual_seed(13)
+    _hunyuan_prompt(comfy, "hunyuan-positive", g, 14, 9)
+    _hunyuan_prompt(comfy, "hunyuan-negative", g, 5, 0)
+    start = torch.zeros(1, 32, 2, SIZE // 16, SIZE // 16)
+    start[:, :, :1] = torch.randn(1, 32, 1, SIZE // 16, SIZE // 16, generator=g)
+    mask = torch.ones(1, 1, 2, SIZE // 16, SIZE // 16)
+    mask[:, :, :1] = 0
+    for name in ("hunyuan-i2v-positive", "hunyuan-i2v-negative"):
+        _hunyuan_prompt(comfy, name, g, 12, 6, concat_latent_image=start, concat_mask=mask)
+    save_file({"last_hidden_state": torch.randn(1, 16, VISION, generator=g)}, comfy.work / "input" / "hunyuan-vision.safetensors")
+    _wan_vae(comfy)
+
+
+def _hunyuan_template(swapped: bool, task: str = "t2v", cfg: float = 6.0, vision: bool = True, **layout) -> dict:
+    """HunyuanVideo 1.5 720p's sampling part (its EasyCache bypassed, as the templates ship it): ModelSamplingSD3
+    (shift 7), CFGGuider 6, BasicScheduler simple, KSamplerSelect euler, RandomNoise, SamplerCustomAdvanced, on
+    EmptyHunyuanVideo15Latent (t2v) or HunyuanVideo15ImageToVideo's conditioning and latent (i2v: its start image's
+    latent and mask come in the test conditioning, as the node sets them with the VAE, which is not built here; a
+    Wan VAE stands in at its required, then unused, input)."""
+    unet = _unet(HUNYUAN[task], swapped)
+    if swapped and layout:
+        unet["inputs"].update({"ulysses_degree": 1, **layout})
+    prefix = "hunyuan-i2v" if task == "i2v" else "hunyuan"
+    prompt = {
+        "positive": {"class_type": "XDiTTestConditioning", "inputs": {"tensors": f"{prefix}-positive.safetensors"}},
+        "negative": {"class_type": "XDiTTestConditioning", "inputs": {"tensors": f"{prefix}-negative.safetensors"}},
+        "latent": {"class_type": "EmptyHunyuanVideo15Latent", "inputs": {"width": SIZE, "height": SIZE, "length": FRAMES,
+                                                                         "batch_size": 1}},
+        "unet": unet,
+        "shift": {"class_type": "ModelSamplingSD3", "inputs": {"model": ["unet", 0], "shift": 7.0}},
+        "guider": {"class_type": "CFGGuider", "inputs": {"model": ["shift", 0], "positive": ["positive", 0],
+                                                         "negative": ["negative", 0], "cfg": cfg}},
+        "sigmas": {"class_type": "BasicScheduler", "inputs": {"model": ["shift", 0], "scheduler": "simple", "steps": STEPS,
+                                                              "denoise": 1.0}},
+        "sampler": {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "euler"}},
+        "noise": {"class_type": "RandomNoise", "inputs": {"noise_seed": 5}},
+        "custom": {"class_type": "SamplerCustomAdvanced", "inputs": {
+            "noise": ["noise", 0], "guider": ["guider", 0], "sampler": ["sampler", 0], "sigmas": ["sigmas", 0],
+            "latent_image": ["latent", 0]}},
+        "save-custom": {"class_type": "SaveLatent", "inputs": {"samples": ["custom", 0], "filename_prefix": "hunyuan"}},
+    }
+    if task == "i2v":
+        prompt["vae"] = {"class_type": "VAELoader", "inputs": {"vae_name": "tiny_wan_2.1_vae.safetensors"}}
+        prompt["i2v"] = {"class_type": "HunyuanVideo15ImageToVideo", "inputs": {
+            "positive": ["positive", 0], "negative": ["negative", 0], "vae": ["vae", 0], "width": SIZE, "height": SIZE,
+            "length": FRAMES, "batch_size": 1}}
+        if vision:
+            prompt["vision"] = {"class_type": "XDiTTestClipVision", "inputs": {"tensors": "hunyuan-vision.safetensors"}}
+            prompt["i2v"]["inputs"]["clip_vision_output"] = ["vision", 0]
+        prompt["guider"]["inputs"].update(positive=["i2v", 0], negative=["i2v", 1])
+        prompt["custom"]["inputs"]["latent_image"] = ["i2v", 2]
+    return prompt
+
+
+def test_hunyuan_video15_text_to_video_with_the_loader_swapped_equals_comfyuis_own(comfy, hunyuan_files):
+    spec = comfy.get("/object_info/XDiTPool")["XDiTPool"]["input"]["required"]["model"]  # xDiT Pool lists the files
+    assert {f"file: diffusion_models/{name}" for name in HUNYUAN.values()} <= set(
+        spec[1]["options"] if spec[0] == "COMBO" else spec[0])
+    expected = _run(comfy, _hunyuan_template(swapped=False))["custom"]
+    assert expected.shape == (1, 32, 2, SIZE // 16, SIZE // 16) and expected.abs().max().item() > 0.1
+    assert (_run(comfy, _hunyuan_template(swapped=True))["custom"] - expected).abs().max().item() <= TOLERANCE
+    assert (_run(comfy, _hunyuan_template(swapped=True, cfg=3.0))["custom"] - expected).abs().max().item() > 1e-3
+
+
+def test_hunyuan_video15_image_to_video_on_cfg_2_equals_comfyuis_own(comfy, hunyuan_files):
+    expected = _run(comfy, _hunyuan_template(swapped=False, task="i2v"))["custom"]
+    got = _run(comfy, _hunyuan_template(swapped=True, task="i2v", cfg_parallel=True))["custom"]
+    assert (got - expected).abs().max().item() <= TOLERANCE
+    # negative control: the vision tokens act (on the pool as in ComfyUI)
+    other = _run(comfy, _hunyuan_template(swapped=True, task="i2v", vision=False, cfg_parallel=True))["custom"]
+    assert (other - expected).abs().max().item() > 1e-3

@@ -11,7 +11,8 @@ CFG; with warm-up 1 it stays within PipeFusion's stale-K/V bound. Two torchrun l
 matrix through tests/engine_cases.py. Negative controls: a split without exchange; the stale warm-up-1 run. A
 batch whose texts differ in length is refused under Ulysses in one line and runs under CFG and DP; image-to-video
 without an image is refused. A 2-rank pool encodes prompts as the pipeline does and samples with its progress from
-the scheduler's steps.
+the scheduler's steps. Single files (Comfy-Org's): their names tell the variants apart; what does not load yet is
+not listed.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from diffusers import ClassifierFreeGuidance, DiffusionPipeline
 from safetensors.torch import load_file, save_file
 
 from parallel.loading import tiny_models
+from parallel.loading.checkpoints.detect import checkpoint_variant, detect_checkpoint
 from parallel.loading.pipelines import make_scheduler
 
 from pool_helpers import serving
@@ -203,3 +205,24 @@ def test_pool_encodes_as_the_pipeline_and_samples_with_progress(video_model_dirs
                             output_type="latent", return_dict=False)[0]
     assert steps == list(range(1, STEPS + 1))
     assert (latents - expected).abs().max().item() <= TOLERANCE
+
+
+def test_single_files_are_told_apart_by_name_and_the_distilled_ones_not_listed(tmp_path):
+    """HunyuanVideo 1.5's variants share one shape: Comfy-Org's names tell 480p / 720p and t2v / i2v apart. Its step-
+    distilled (`time_r_in`) and super-resolution (98 input channels) files do not load yet: xDiT Pool lists neither."""
+    def write(name: str, channels: int = 65, **more) -> str:
+        shapes = {"img_in.proj.weight": (256, channels, 1, 1, 1), "final_layer.linear.weight": (32, 256),
+                  "cond_type_embedding.weight": (3, 256), "vision_in.proj.0.weight": (1152,),
+                  "byt5_in.fc1.weight": (256, 1472), "double_blocks.0.img_mlp.fc1.weight": (1024, 256),
+                  "txt_in.input_embedder.weight": (256, 64), "txt_in.individual_token_refiner.blocks.0.norm1.weight": (256,),
+                  **more}
+        save_file({k: torch.zeros(v) for k, v in shapes.items()}, tmp_path / name)
+        return str(tmp_path / name)
+
+    assert checkpoint_variant(write("hunyuanvideo1.5_720p_i2v_fp16.safetensors")) == "hunyuanvideo1.5-720p-i2v"
+    assert checkpoint_variant(write("hunyuanvideo1.5_480p_t2v_fp16.safetensors")) == "hunyuanvideo1.5-480p-t2v"
+    for path in (write("hunyuanvideo1.5_480p_i2v_step_distilled.safetensors", **{"time_r_in.mlp.0.weight": (256, 256)}),
+                 write("hunyuanvideo1.5_1080p_sr_distilled_fp16.safetensors", channels=98)):
+        assert checkpoint_variant(path) is None
+        with pytest.raises(ValueError, match="step-distilled or super-resolution"):
+            detect_checkpoint(path)

@@ -99,7 +99,8 @@ class ComfyData:
                     latent format and conditioning an xDiT Model carries (ComfyUI's samplers on the pool);
                     "": no xDiT Model for this family.
     model_call_conds: keyword of ComfyUI's diffusion model call (context, y, guidance) → the pipeline's name
-                    for it in a model call (the wrapper's model_call_inputs); `ref_latents` (ReferenceLatent's images)
+                    for it in a model call (the wrapper's model_call_inputs; "": ComfyUI's model passes it, this model
+                    does not use it); `ref_latents` (ReferenceLatent's images)
                     travel as `reference_latents` and `reference_sizes` (see `references`).
     audio_stream:   (input, output): the model samples video with sound from ComfyUI's AV latent (LTXVConcatAVLatent's
                     NestedTensor of the video and the audio latent); the audio goes to the pipeline as `input`, comes

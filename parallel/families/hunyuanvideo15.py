@@ -34,6 +34,7 @@ from ..model_executor.attention import TextLayout
 from ..model_executor.pipeline.img2img import linear_sigmas
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split, TextPadding, TokenRows
 from .base import FAMILIES, ComfyData, DeclaredLatentFormat, Family, TinyModel, pictures, replaced
+from .hunyuanvideo15_file import SINGLE_FILE
 from .wan import xFuserWanPipeline
 from .wan.pipelines import vae_encodes_as
 
@@ -65,7 +66,10 @@ class xFuserHunyuanVideo15Pipeline(xFuserWanPipeline):
         empty_latent="EmptyHunyuanVideo15Latent (ComfyUI 0.33), or xDiT Empty Latent on a ComfyUI without it: 32 "
                      "channels at 1/16 size",
         text_masks=MASKS, conditioning_keys={"conditioning_byt5small": "prompt_embeds_2"},
-        optional_texts=("prompt_embeds_2",),
+        optional_texts=("prompt_embeds_2",), model_class="HunyuanVideo15",
+        # ComfyUI's model passes its pooled output (y) and a guidance value, which this model does not use
+        model_call_conds={"context": "prompt_embeds", "attention_mask": "prompt_embeds_mask", "txt_byt5": "prompt_embeds_2",
+                          "clip_fea": "image_embeds", "y": "", "guidance": ""},
     )
     tensor_inputs = tuple(MASKS.values()) + ("prompt_embeds_2", "negative_prompt_embeds_2")
     embedding_sizes = {"prompt_embeds": "text_embed_dim", "negative_prompt_embeds": "text_embed_dim",
@@ -73,6 +77,22 @@ class xFuserHunyuanVideo15Pipeline(xFuserWanPipeline):
     call_parameters = {
         "num_frames": CallParameter(int, "video frames, 4k+1 (default: as many as the latents hold)", 1, 10_000),
     }
+
+    model_call_inputs = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "image_embeds")
+    model_call_required = ("prompt_embeds",)
+
+    def model_call_arguments(self, latents, timestep, inputs):
+        """The pipelines' transformer call: the latents with ComfyUI's condition and mask channels (65), the LLM text
+        (all valid without a mask), the glyph text (one masked token without one, as ComfyUI leaves it out), the
+        vision tokens (zeros without them, which the transformer masks, as ComfyUI leaves them out)."""
+        config, embeds = self._config(), inputs["prompt_embeds"]
+        batch, mask = len(embeds), inputs.get("prompt_embeds_mask")
+        glyph, image = inputs.get("prompt_embeds_2"), inputs.get("image_embeds")
+        return {"hidden_states": latents, "timestep": timestep, "encoder_hidden_states": embeds,
+                "encoder_attention_mask": embeds.new_ones(embeds.shape[:2]) if mask is None else mask,
+                "encoder_hidden_states_2": embeds.new_zeros(batch, 1, config.text_embed_2_dim) if glyph is None else glyph,
+                "encoder_attention_mask_2": embeds.new_zeros(batch, 1) if glyph is None else glyph.new_ones(glyph.shape[:2]),
+                "image_embeds": embeds.new_zeros(batch, 1, config.image_embed_dim) if image is None else image}
 
     def encode_text(self, prompt: str) -> dict[str, torch.Tensor]:
         embeds, mask, embeds_2, mask_2 = self.module.encode_prompt(prompt, device=self.module.transformer.device)
@@ -321,6 +341,7 @@ HUNYUAN_VIDEO_15 = FAMILIES.register(Family(
             token_inputs={"freqs_cis": TokenRows(dim=0)},  # (cos, sin), [video tokens, head dim] each
         ),
     ),
+    single_file=SINGLE_FILE,
     tiny={"hunyuanvideo15": TinyModel("HunyuanVideo15Pipeline", build_tiny, tiny_inputs, guidance=6.0),
           "hunyuanvideo15-i2v": TinyModel("HunyuanVideo15ImageToVideoPipeline",
                                           lambda seed: build_tiny(seed, image_to_video=True),

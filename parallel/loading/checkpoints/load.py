@@ -26,7 +26,7 @@ from pathlib import Path
 import diffusers
 import torch
 from accelerate import init_empty_weights
-from diffusers.loaders.single_file_model import FromOriginalModelMixin
+from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 
 from . import fp8, scaled
 from .detect import CheckpointFile, Detected, detect_checkpoint
@@ -93,7 +93,7 @@ def load_transformer(detected: Detected, checkpoint: CheckpointFile, index: dict
         original = scaled.dequantize(original, scales)
     quantized = {}
     if checkpoint.is_gguf:
-        if not issubclass(cls, FromOriginalModelMixin):
+        if cls.__name__ not in SINGLE_FILE_LOADABLE_CLASSES:
             raise ValueError(f"{detected.path}: GGUF files load for the families diffusers' single-file loader "
                              f"takes (Flux, SD3, ...), not {cls.__name__}; use its .safetensors file")
         from diffusers import GGUFQuantizationConfig
@@ -114,7 +114,7 @@ def load_transformer(detected: Detected, checkpoint: CheckpointFile, index: dict
     if keep_fp8:
         layer_scales = fp8.converted_scales(detected.single_file.convert, original, scales, config, state_dict)
         return fp8.load_keeping_fp8(model, state_dict, layer_scales, dtype, comfy_fast=fast)
-    if issubclass(cls, FromOriginalModelMixin):
+    if cls.__name__ in SINGLE_FILE_LOADABLE_CLASSES:  # diffusers' own loader (GGUF too)
         return cls.from_single_file(state_dict, config=str(detected.config_dir), subfolder=subfolder,
                                     local_files_only=True, torch_dtype=dtype, **quantized, **detected.overrides)
     state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
@@ -162,27 +162,35 @@ def load_single_file_pipeline(path: str | Path, *, dtype: torch.dtype | None = N
         words = " / ".join(f"{a} and {b}" for a, b in detected.single_file.experts.words)
         raise ValueError(f"{Path(path).name} is one expert of {title}, but its name does not say which: keep the "
                          f"two files as released, named {words}, side by side")
+    components = {name: load_transformer(found, file, index, dtype, keep_fp8, subfolder=name)
+                  for name, (found, file) in experts.items()}
     missing_vae = None
-    if vae is None and "vae" in index:  # model calls need none; sampling runs are refused with this (missing_vae)
+    if vae is not None:
+        components["vae"] = load_vae(vae, detected, dtype or components["transformer"].dtype)
+    elif "vae" in index:  # model calls need none; sampling runs are refused with this (missing_vae)
         layout = detected.single_file.vae
         missing_vae = (f"{Path(path).name} is {title}, which needs its VAE file beside it to sample ({layout.needed}): "
                        f"choose the {layout.title} as the pool's vae (--vae FILE, from ComfyUI's models/vae); its "
-                       "model calls (Load Diffusion Model (xDiT Pool)) need none")
-    components = {name: load_transformer(found, file, index, dtype, keep_fp8, subfolder=name)
-                  for name, (found, file) in experts.items()}
-    if vae is not None:
-        components["vae"] = load_vae(vae, detected, dtype or components["transformer"].dtype)
-    scheduler = getattr(diffusers, index["scheduler"][1]).from_pretrained(
-        detected.config_dir, subfolder="scheduler", local_files_only=True)
+                       "model calls (Load Diffusion Model (xDiT Pool)) need none") if layout else (
+                       f"{Path(path).name} is {title}, whose VAE file does not load beside it yet: its pool serves model "
+                       "calls (Load Diffusion Model (xDiT Pool)); sample it with xDiT Sampler from its diffusers folder")
+        if layout is None:  # the pipeline reads its VAE's config: one without weights (meta) stands in
+            with init_empty_weights():
+                components["vae"] = getattr(diffusers, index["vae"][1]).from_config(
+                    getattr(diffusers, index["vae"][1]).load_config(detected.config_dir, subfolder="vae"))
+    for name in ("scheduler", "guider"):  # configs without weights (HunyuanVideo 1.5's guider)
+        if name in index:
+            components[name] = getattr(diffusers, index[name][1]).from_pretrained(
+                detected.config_dir, subfolder=name, local_files_only=True)
     pipeline_cls = getattr(diffusers, index["_class_name"])
     if issubclass(pipeline_cls, diffusers.ModularPipeline):  # FLUX 3: its blocks make the other components as none
         pipeline = pipeline_cls()
-        pipeline.update_components(**components, scheduler=scheduler)
+        pipeline.update_components(**components)
         return pipeline
     modules, optional = pipeline_cls._get_signature_keys(pipeline_cls)
-    absent = {name: None for name in modules if name not in components and name != "scheduler"}
-    settings = {name: index[name] for name in optional if name in index}  # e.g. Wan 2.2's boundary_ratio
-    pipeline = pipeline_cls(**absent, **settings, **components, scheduler=scheduler)
+    absent = {name: None for name in modules if name not in components}
+    settings = {name: index[name] for name in optional if name in index and not isinstance(index[name], list)}
+    pipeline = pipeline_cls(**absent, **settings, **components)  # settings: e.g. Wan 2.2's boundary_ratio
     pipeline.register_to_config(_name_or_path=str(path))
     pipeline._xdit_missing_vae = missing_vae
     return pipeline
