@@ -38,7 +38,8 @@ FORMATS = ("bf16", "fp8_scaled", "gguf_q8_0")
 
 def write_files(transformer: torch.nn.Module, root: Path) -> dict[str, Path]:
     sys.path.insert(0, str(ROOT / "tests"))
-    from original_layouts import fp8_scaled, gguf_file, original_layout
+    from original_layouts import original_layout
+    from quantized_files import fp8_scaled, gguf_file
 
     weights = original_layout("flux", transformer)
     paths = {name: root / f"flux1-dev-{name}.{'gguf' if name.startswith('gguf') else 'safetensors'}" for name in FORMATS}

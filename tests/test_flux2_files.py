@@ -24,7 +24,8 @@ from parallel.loading import tiny_models
 from parallel.loading.checkpoints import CheckpointFile, detect_checkpoint
 from parallel.loading.pipelines import load_pipeline
 
-from original_layouts import flux2_to_bfl, flux2_vae_to_original, fp8_scaled, gguf_file
+from original_layouts import flux2_to_bfl, flux2_vae_to_original
+from quantized_files import fp8_scaled, gguf_file
 from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
 
 FAMILY, SIZE = "flux2-klein", 64

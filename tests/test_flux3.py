@@ -182,7 +182,8 @@ def test_single_files_in_bfls_layout_load_as_their_folder(tiny_model_dirs, tmp_p
     from parallel.loading.checkpoints.fp8 import Fp8Linear
     from parallel.loading.pipelines import load_pipeline
 
-    from original_layouts import fp8_scaled, original_layout
+    from original_layouts import original_layout
+    from quantized_files import fp8_scaled
 
     folder = load_pipeline(tiny_model_dirs[family])
     weights = original_layout(family, folder.transformer)

@@ -21,7 +21,8 @@ from parallel.loading import tiny_models
 from parallel.loading.checkpoints.fp8 import Fp8Linear, storage_of
 from parallel.loading.pipelines import load_pipeline
 
-from original_layouts import fp8_scaled, original_layout
+from original_layouts import original_layout
+from quantized_files import fp8_scaled
 from pool_helpers import serving
 from test_lora import peft_lora
 from xdit_test_helpers import TOLERANCE, diffusers_latents, flux_file_on_two_ranks

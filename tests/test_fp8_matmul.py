@@ -28,7 +28,8 @@ from parallel.loading.checkpoints.fp8 import Fp8Linear, use_fp8_matmul
 from parallel.loading.checkpoints.fp8_matmul import hardware_mode, linear, quantize
 from parallel.loading.pipelines import load_pipeline
 
-from original_layouts import fp8_scaled, original_layout
+from original_layouts import original_layout
+from quantized_files import fp8_scaled
 from xdit_test_helpers import diffusers_latents
 
 BOUND = {"row": 4e-2, "tensor": 4e-2}  # relative L2 of one layer from the dequantized layer (measured 2.3e-2 both)

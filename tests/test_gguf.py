@@ -43,7 +43,8 @@ def _q8_0(tensor: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    from original_layouts import gguf_file, original_layout
+    from original_layouts import original_layout
+    from quantized_files import gguf_file
 
     root = tmp_path_factory.mktemp("gguf")
     pipeline = tiny_models.build_tiny_pipeline("flux", seed=3)
@@ -203,7 +204,8 @@ def test_every_quant_type_reads_as_written_and_runs_exactly(request, files, tmp_
     that fp16 rounding (measured 1.8e-3, against 7 for the unquantized weights)."""
     from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
 
-    from original_layouts import gguf_file, original_layout
+    from original_layouts import original_layout
+    from quantized_files import gguf_file
 
     from parallel.loading.checkpoints.fp8 import storage_of
     from parallel.loading.checkpoints.load import load_single_file_pipeline

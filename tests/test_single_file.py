@@ -25,7 +25,8 @@ from parallel.loading import tiny_models
 from parallel.loading.checkpoints import CheckpointFile, detect_checkpoint
 from parallel.loading.checkpoints.detect import CONFIGS, supported_variants
 from parallel.loading.pipelines import load_pipeline
-from original_layouts import fp8_scaled, original_layout
+from original_layouts import original_layout
+from quantized_files import fp8_scaled
 from xdit_test_helpers import TOLERANCE, at_requested_size, import_node_module, torchrun
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # read at import by the torchrun ranks' huggingface_hub
@@ -309,7 +310,7 @@ def test_quantized_files_of_every_family_equal_their_dequantized_weights(checkpo
     to a plain file of the weights it means; the quantization is real (the original weights differ)."""
     from parallel.loading.checkpoints.fp8 import storage_of
 
-    from original_layouts import gguf_file
+    from quantized_files import gguf_file
 
     family, _ = VARIANTS[variant]
     _, path = checkpoints[variant]

@@ -18,7 +18,8 @@ from parallel.loading import tiny_models
 from parallel.loading.checkpoints.load import load_single_file_pipeline
 from parallel.loading.pipelines import load_pipeline
 
-from original_layouts import fp8_scaled, original_layout
+from original_layouts import original_layout
+from quantized_files import fp8_scaled
 from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
 
 FAMILY = "wan22"

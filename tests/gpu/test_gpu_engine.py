@@ -46,7 +46,8 @@ def test_compile_is_within_diffusers_own_bf16_error(world, flux_width, record):
 def quantized(tmp_path_factory):
     """The small FLUX.1-width model as bf16, scaled-fp8 and GGUF Q8_0 files, the weights each means, inputs."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from original_layouts import fp8_scaled, gguf_file, original_layout
+    from original_layouts import original_layout
+    from quantized_files import fp8_scaled, gguf_file
     from safetensors.torch import save_file
 
     model = bench_model(SMALL)
