@@ -1,7 +1,7 @@
 """`python -m bench SUITE`: launch the torchrun jobs a suite needs, then print and save its tables.
 
     python -m bench {overhead,efficiency,diffusers-cp,all} [--runs 5] [--json OUT.json] [--tiny | --large]
-                    [--settle SECONDS] [--max-ranks N]
+                    [--settle SECONDS] [--max-ranks N] [--link pcie4 [--gpu-tflops 400]]
 
 Each job is `torchrun --nproc-per-node N -m bench.driver` with one thread per rank. A job needing more
 ranks than this machine has cores is skipped with a one-line reason: oversubscribed ranks would time
@@ -23,6 +23,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from parallel.cli.launch import ROOT, rank_environment, torchrun_command
+from parallel.layout.config import LINKS
 
 from . import machine, report
 from .analytic import ModelDims
@@ -45,6 +46,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="before each round, wait up to this long for other processes to leave the cores idle")
     parser.add_argument("--max-ranks", type=int, default=len(os.sched_getaffinity(0)),
                         help="default: the cores available")
+    parser.add_argument("--link", choices=list(LINKS), default=None,
+                        help="time every call with its collectives delayed as this link would delay them, relative to "
+                             "the GPU of --gpu-tflops (bench/emulated_link.py); default: this machine's own loopback")
+    parser.add_argument("--gpu-tflops", type=float, default=400.0,
+                        help="with --link: the dense bf16 TFLOP/s of the GPU the link joins (default 400, an H100's)")
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
@@ -53,7 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run_job(ranks: int, names: list[str], model: str, args: argparse.Namespace, workdir: Path) -> dict:
     spec, result = workdir / f"spec{ranks}.json", workdir / f"result{ranks}.json"
-    spec.write_text(json.dumps({"model": model, "layouts": names, "runs": args.runs, "settle_s": args.settle}))
+    link = {"name": args.link, "gpu_tflops": args.gpu_tflops} if args.link else None
+    spec.write_text(json.dumps({"model": model, "layouts": names, "runs": args.runs, "settle_s": args.settle, "link": link}))
     command = torchrun_command(ranks, "-m", "bench.driver", str(spec), str(result))
     print(f"$ {' '.join(command[1:])}   # {', '.join(names)}", file=sys.stderr, flush=True)
     done = subprocess.run(command, cwd=ROOT, env=rank_environment(), capture_output=True, text=True)
@@ -86,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "meta": {
             "command": "python -m bench " + " ".join(sys.argv[1:] if argv is None else argv),
-            **{key: meta[key] for key in ("model", "height", "width", "steps", "threads_per_rank", "backend", "device")},
+            **{key: meta[key] for key in ("model", "height", "width", "steps", "threads_per_rank", "backend", "device",
+                                          "link", "cpu_tflops")},
             "image_tokens": dims.image_tokens, "text_tokens": dims.text_tokens,
             "runs": args.runs, "settle_s": args.settle,
             "cores": len(os.sched_getaffinity(0)), "cpu": machine.cpu_model(),

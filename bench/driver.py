@@ -2,7 +2,8 @@
 
     torchrun --nproc-per-node N -m bench.driver SPEC.json RESULT.json
 
-SPEC: {"model": "medium"|"tiny"|"large", "layouts": [names], "runs": R, "settle_s": S}. One untimed pass over every layout
+SPEC: {"model": "medium"|"tiny"|"large", "layouts": [names], "runs": R, "settle_s": S, "link": {"name": LINK,
+"gpu_tflops": F} or absent}; with a link, every timed call's collectives run under it (emulated_link.py). One untimed pass over every layout
 comes first (it also records bytes sent and each output's distance from its 1-rank baseline), then R
 rounds; round r starts at layout r mod L, so no layout always runs first after the set-up of another.
 Our engine's mesh is built and torn down around every run (as the pool does when it switches layout);
@@ -31,6 +32,7 @@ from parallel.distributed.parallel_state import all_coordinators
 from parallel.model_executor.layout_scope import under_layout
 
 from . import machine
+from .emulated_link import EmulatedLink, cpu_tflops, emulating, link_for
 from .diffusers_cp import FunctionalCollectiveBytes, enable_context_parallel
 from .layouts import LAYOUTS, Layout
 from .model import MODELS, BenchModel, on_gpu, synchronize
@@ -89,13 +91,14 @@ def _xdit_bytes_sent() -> int:
     return sum(coordinator.bytes_sent for coordinator in all_coordinators().values())
 
 
-def timed(run: Run) -> tuple[float, torch.Tensor | None, list[int], float]:
+def timed(run: Run, link: EmulatedLink | None = None) -> tuple[float, torch.Tensor | None, list[int], float]:
     """Seconds from a world barrier to the slowest rank's return, the latents, bytes sent per rank, and
-    the cores other processes kept busy meanwhile (see machine.py)."""
+    the cores other processes kept busy meanwhile (see machine.py); the call's collectives under `link`."""
     before = run.bytes_sent()
     dist.barrier()
     busy, cpu, start = machine.busy_seconds(), time.process_time(), time.perf_counter()
-    latents = run.call()
+    with emulating(link):
+        latents = run.call()
     synchronize()  # on a GPU: the queued kernels count
     wire = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
     finished = torch.tensor([time.perf_counter() - start, time.process_time() - cpu], dtype=torch.float64, device=wire)
@@ -116,6 +119,15 @@ def settle(limit_seconds: float, rank: int) -> None:
     dist.barrier()
 
 
+def emulated_link(spec: dict, rank: int) -> tuple[EmulatedLink | None, float | None]:
+    """The SPEC's link, stretched by rank 0's measured compute speed (every rank gets the same)."""
+    if not spec.get("link"):
+        return None, None
+    speed = torch.tensor([cpu_tflops() if rank == 0 else 0.0], dtype=torch.float64)
+    dist.broadcast(speed, src=0)
+    return link_for(spec["link"]["name"], spec["link"]["gpu_tflops"], speed.item()), speed.item()
+
+
 def main(spec_path: str, result_path: str) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)  # diffusers' own funcol deprecations
     torch.set_num_threads(1)
@@ -124,13 +136,14 @@ def main(spec_path: str, result_path: str) -> int:
     layouts = sorted((LAYOUTS[name] for name in spec["layouts"]), key=lambda l: l.engine != "diffusers")
     world = init_distributed_environment()
     runners = Runners(model, world.rank, layouts)
+    link, own_tflops = emulated_link(spec, world.rank)
     results: dict[str, dict] = {name: {"unavailable": why} for name, why in runners.unavailable.items()}
     layouts = [layout for layout in layouts if layout.name not in runners.unavailable]
     results.update({layout.name: {"times_s": [], "foreign_cores": []} for layout in layouts})
     outputs: dict[str, torch.Tensor] = {}
     for layout in layouts:  # warm-up, traffic and correctness
         with runners.prepare(layout) as run:
-            _, latents, sent, _ = timed(run)
+            _, latents, sent, _ = timed(run, link)
         if latents is not None:
             outputs[layout.name] = latents
         results[layout.name]["bytes_per_step_per_rank"] = [b / model.steps for b in sent]
@@ -141,7 +154,7 @@ def main(spec_path: str, result_path: str) -> int:
         settle(spec.get("settle_s", 0), world.rank)
         for layout in layouts[shift:] + layouts[:shift]:
             with runners.prepare(layout) as run:
-                seconds, _, _, foreign = timed(run)
+                seconds, _, _, foreign = timed(run, link)
             results[layout.name]["times_s"].append(seconds)
             results[layout.name]["foreign_cores"].append(foreign)
     if world.rank == 0:
@@ -150,6 +163,7 @@ def main(spec_path: str, result_path: str) -> int:
             "height": model.height, "width": model.width, "steps": model.steps, "backend": dist.get_backend(),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "dims": asdict(model.dims(runners.pipeline)),
+            "link": link.describe() if link else None, "cpu_tflops": own_tflops,
         }
         Path(result_path).write_text(json.dumps({"meta": meta, "layouts": results}, indent=1))
     destroy_distributed_environment()

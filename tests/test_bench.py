@@ -40,6 +40,55 @@ def test_bench_all_tiny_writes_finite_results(tmp_path):
     assert {g["layout"] for g in results["goals"]} >= {"xdit-1", "xdit-ulysses2", "xdit-cfg2"}
 
 
+def test_an_emulated_link_delays_a_collective_by_its_bytes_and_hides_behind_compute():
+    """bench/emulated_link.py on a real (one-rank gloo) group: a collective waited on at once takes the link's time for
+    its bytes, stretched by `scale`; an asynchronous one started before compute that outlasts it costs nothing at its
+    wait; outside `emulating` nothing is delayed."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from bench.emulated_link import emulating, link_for
+
+    link = link_for("10gbe", gpu_tflops=2.0, own_tflops=0.5)
+    assert link.scale == 4.0 and math.isclose(link.delay(1.25e6, messages=2), (2 * 30e-6 + 1e-3) * 4.0)
+    tensor = torch.zeros(12_500_000 // 4)  # 12.5 MB: 10 ms on 10 GbE, 40 ms stretched
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        def seconds(call) -> float:
+            start = time.perf_counter()
+            call()
+            return time.perf_counter() - start
+
+        def overlapped() -> None:  # start the transfer, compute for longer than it takes, then wait for it
+            work = dist.broadcast(tensor, src=0, async_op=True)
+            time.sleep(compute)
+            work.wait()
+
+        compute = link.delay(tensor.nbytes) + 0.02
+        with emulating(link):
+            waited = seconds(lambda: dist.broadcast(tensor, src=0))
+            hidden = seconds(overlapped) - compute
+        plain = seconds(lambda: dist.broadcast(tensor, src=0))
+    finally:
+        dist.destroy_process_group()
+    assert waited >= link.delay(tensor.nbytes) > 0.04 and hidden < 0.01 and plain < 0.01, (waited, hidden, plain)
+
+
+def test_bench_under_an_emulated_link_records_it_and_keeps_the_results(tmp_path):
+    out = tmp_path / "results.json"
+    run = subprocess.run([sys.executable, "-m", "bench", "efficiency", "--tiny", "--runs", "1", "--link", "10gbe",
+                          "--gpu-tflops", "0.5", "--json", str(out)],
+                         cwd=ROOT, env=rank_environment(threads_per_rank=None), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(out.read_text())
+    meta = results["meta"]
+    assert meta["link"]["name"] == "10gbe" and math.isclose(meta["link"]["scale"], 0.5 / meta["cpu_tflops"])
+    rows = {row["layout"]: row for row in results["suites"]["efficiency"]["rows"]}
+    assert rows["xdit-ulysses2"]["max_abs_diff"] < 1e-4 and rows["xdit-ring2"]["max_abs_diff"] < 1e-4  # time, not results
+
+
 def test_bench_model_call_tiny_prices_a_call_and_its_bytes(tmp_path):
     out = tmp_path / "model_call.json"
     run = subprocess.run([sys.executable, "-m", "bench.model_call", "--model", "tiny", "--runs", "2", "--json", str(out)],
