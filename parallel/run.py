@@ -1,15 +1,19 @@
 """One-shot parallel sampling (contract E in docs/architecture.md).
 
-    torchrun --nproc-per-node N -m parallel.run --model DIR --inputs IN.safetensors \
+    python -m parallel.run --nproc-per-node N --model DIR --inputs IN.safetensors \
         --output OUT.safetensors --steps S --guidance-scale G --height H --width W [--call NAME=VALUE]
         [layout flags | --layout auto [--link LINK]]
+    torchrun --nproc-per-node N -m parallel.run ...      (the same run, torchrun's launch)
 
 IN holds the tensor keyword arguments of the pipeline's `__call__` (latents, prompt_embeds, ...; write
 one from a prompt with `python -m parallel.make_inputs`); OUT gets `latents`: what the same pipeline
 returns with output_type="latent", and what the pipeline returns beside them under its own names (LTX-2: `audio`,
 the audio latents). The family's own call parameters come with `--call NAME=VALUE` (or
 the shorthands `--true-cfg-scale`, `--num-frames`). DIR may be a built-in tiny model name
-(builtin_models.py). A mistake ends in one `error:` line from rank 0 and no traceback (torchrun_exit.py).
+(builtin_models.py). A mistake ends in one `error:` line from rank 0 and no traceback. Started with
+`--nproc-per-node` by itself (cli/launcher.py), the run exits 2 on a refused layout or bad input, 1 on a failed
+job and 128 + N on signal N; under torchrun, whose only failure status is 1, a refusal stops it with 137
+(torchrun_exit.py).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from .families import FAMILIES
 from .cli.launch import apply_threads_per_rank, die_with_parent
 from .loading.pipelines import DTYPES, FLOW_SCHEDULERS, SCHEDULERS, load_pipeline, set_scheduler
 from .request import add_request_arguments, request_from_args
+from .cli import launcher, rendezvous
 from .cli.torchrun_exit import exit_after_work, exit_quietly
 from .loading.weight_sharding import parameter_shares
 
@@ -117,8 +122,31 @@ def _auto_layout(pipeline, base, args: argparse.Namespace, inputs: dict[str, tor
     return chosen
 
 
+def launch(nproc: int, argv: list[str]) -> int:
+    """`--nproc-per-node N` outside torchrun: the mistakes one process can see, then the ranks (cli/launcher.py)."""
+    args = parse_args(argv)
+    if args.list_supported:
+        from .model_executor import capability_table
+
+        print(capability_table())
+        return 0
+    try:
+        check_files(args)
+        if args.auto is None:  # --layout auto chooses the degrees for the ranks it has
+            config_from_args(args).check(nproc)
+    except (LayoutError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
+    return launcher.launch(nproc, argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()
+    argv = sys.argv[1:] if argv is None else argv
+    if "RANK" not in os.environ:
+        nproc, argv = launcher.nproc_of(argv)
+        if nproc is not None:
+            return launch(nproc, argv)
     args = parse_args(argv)
     from .model_executor import capability_table, wrap_pipeline
 
@@ -129,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     from .distributed import destroy_distributed_environment, init_distributed_environment, initialize_model_parallel
 
     try:
-        world = init_distributed_environment(share_gpus=args.share_gpus)
+        store = os.environ.get(launcher.STORE_ENV)  # started by the launcher: its store, on loopback
+        world = init_distributed_environment(share_gpus=args.share_gpus, store=store and rendezvous.join(
+            store, int(os.environ["WORLD_SIZE"])))
     except DeviceError as error:  # before the world exists: every rank of this machine says it alike; one prints
         if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"error: {error}", file=sys.stderr, flush=True)

@@ -184,7 +184,7 @@ def test_a_managed_pool_as_comfyui_starts_it_listens_on_loopback_only(tiny_model
 
 
 def test_gloo_and_nccl_are_told_loopback_on_one_machine_and_the_way_to_node_0_on_several(monkeypatch):
-    from workers.supervisor.rendezvous import network_environment, rendezvous_address
+    from parallel.cli.rendezvous import network_environment, rendezvous_address
 
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9")
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)

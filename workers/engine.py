@@ -24,6 +24,7 @@ fields = engine("fields")  # declared fields: every typed structure's checks, pl
 request = engine("request")  # the one request type: SampleRequest, LoraSpec, their flags and checks
 config = engine("layout.config")  # the parallel layout: ParallelConfig, AutoLayout, LayoutError
 launch = engine("cli.launch")  # torchrun's command line and the ranks' environment
+rendezvous = engine("cli.rendezvous")  # where ranks meet: a store bound to one address, the interfaces they listen on
 ArgumentParser = engine("cli.arguments").ArgumentParser
 LayoutError, ParallelConfig, AutoLayout = config.LayoutError, config.ParallelConfig, config.AutoLayout
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from ..engine import config, engine, fields
+from ..engine import config, engine, fields, rendezvous
 from ..wire import control
 from ..wire.control import Heartbeat, RankChannel
 from ..wire.framing import pack_header, unpack_header
@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--endpoint", default=None, help="rank 0 serves clients here (node 0 only)")
     parser.add_argument("--curve-dir", default=None)
     parser.add_argument("--control", required=True)
-    parser.add_argument("--store", required=True, help="HOST:PORT of the world's store (supervisor/rendezvous.py)")
+    parser.add_argument("--store", required=True, help="HOST:PORT of the world's store (parallel/cli/rendezvous.py)")
     parser.add_argument("--nnodes", type=int, default=1)
     parser.add_argument("--node-rank", type=int, default=0)
     parser.add_argument("--text-encoders", action="store_true")
@@ -116,9 +116,7 @@ class Rank:
         if self.args.nnodes > 1 and int(os.environ["WORLD_SIZE"]) != nodes_nproc:
             raise StartRefused(f"the world has {os.environ['WORLD_SIZE']} ranks but {self.args.nnodes} nodes × "
                                f"--nproc {os.environ['LOCAL_WORLD_SIZE']} = {nodes_nproc}: give every node the same --nproc")
-        host, _, port = self.args.store.rpartition(":")
-        store = dist.TCPStore(host.strip("[]"), int(port), int(os.environ["WORLD_SIZE"]), is_master=False,
-                              timeout=dist.default_pg_timeout)
+        store = rendezvous.join(self.args.store, int(os.environ["WORLD_SIZE"]))
         world = distributed.init_distributed_environment(share_gpus=self.args.share_gpus, store=store)
         self.world_size = world.world_size
         self.config = config.config_from_args(self.args)

@@ -13,7 +13,7 @@ job's client what happened. Ranks die with their parent (PR_SET_PDEATHSIG), even
 
 Nothing here listens beyond what it must: the client endpoint is CURVE-authenticated (the owner's own keys
 unless --curve-dir; plain only with --insecure-tcp, on loopback), the control channel is an ipc:// socket in
-a fresh folder only this user may open, and the ranks' store listens on loopback (rendezvous.py).
+a fresh folder only this user may open, and the ranks' store listens on loopback (parallel/cli/rendezvous.py).
 
 Several machines (nnodes > 1): each runs a supervisor over its own ranks, under torchrun's elastic
 agent with the c10d rendezvous, whose store node 0's supervisor hosts on the --rdzv-endpoint address.

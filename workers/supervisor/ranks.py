@@ -2,7 +2,7 @@
 
 One machine: the supervisor starts every rank itself (`python -m workers.rank`), with the environment torchrun
 would give it (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE; one OpenMP thread unless chosen), and the ranks
-meet through the store it hosts on loopback (rendezvous.py). torchrun's agent would add nothing here: the pool
+meet through the store it hosts on loopback (parallel/cli/rendezvous.py). torchrun's agent would add nothing here: the pool
 launches with --max-restarts 0, and the supervisor already watches every pid and heartbeat and restarts; but its
 stores listen on every interface. Several machines: torchrun's elastic agent per machine, as before, meeting in
 the c10d rendezvous node 0's supervisor hosts on the address of --rdzv-endpoint.
@@ -21,9 +21,8 @@ import sys
 import time
 from typing import Iterable
 
-from ..engine import launch
+from ..engine import launch, rendezvous
 from .processes import is_alive
-from .rendezvous import Store, network_environment, rendezvous_address
 from .spec import PoolSpec
 
 RANK_MODULE = ("-m", "workers.rank")
@@ -99,8 +98,8 @@ def start(spec: PoolSpec, arguments: list[str], output) -> Launch:
     environment = launch.rank_environment(spec.threads_per_rank, spec.devices)
     if spec.nnodes > 1:
         return _start_torchrun(spec, arguments, environment, outputs)
-    store = Store()
-    environment |= network_environment()
+    store = rendezvous.Store()
+    environment |= rendezvous.network_environment()
     if spec.nproc > 1:
         environment.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default: ranks would share the cores
     world = {"WORLD_SIZE": str(spec.nproc), "LOCAL_WORLD_SIZE": str(spec.nproc)}
@@ -119,9 +118,9 @@ def start(spec: PoolSpec, arguments: list[str], output) -> Launch:
 
 def _start_torchrun(spec: PoolSpec, arguments: list[str], environment: dict, outputs: dict) -> Launch:
     """Several machines: node 0 hosts the rendezvous on the address of --rdzv-endpoint (the others reach it there)."""
-    host, port = rendezvous_address(spec.rdzv_endpoint)
-    store = Store(host, port) if spec.node_rank == 0 else None
-    environment |= network_environment(host) | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    host, port = rendezvous.rendezvous_address(spec.rdzv_endpoint)
+    store = rendezvous.Store(host, port) if spec.node_rank == 0 else None
+    environment |= rendezvous.network_environment(host) | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     command = launch.torchrun_command(
         spec.nproc, *RANK_MODULE, *arguments, "--store", spec.rdzv_endpoint, nnodes=spec.nnodes,
         rdzv_endpoint=spec.rdzv_endpoint, rdzv_id=spec.rdzv_id, options=("--monitor-interval", "1"),

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from ..engine import AutoLayout, LayoutError, ParallelConfig, engine, fields
 from ..wire import owner_keys
 from ..wire.auth import ServerKeys, check_endpoint
-from .rendezvous import rendezvous_address
+from ..engine import rendezvous
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class PoolSpec:
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT, node 0's address (e.g. 192.168.1.10:29400)")
         if self.nnodes > 1:
-            rendezvous_address(self.rdzv_endpoint)
+            rendezvous.rendezvous_address(self.rdzv_endpoint)
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} is outside 0 … {self.nnodes - 1} (--nnodes {self.nnodes})")
         if self.node_rank == 0 and self.endpoint is None:

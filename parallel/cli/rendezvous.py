@@ -1,4 +1,5 @@
-"""Where a pool's ranks meet: torch.distributed's TCPStore, hosted by the supervisor on one address only.
+"""Where ranks meet: torch.distributed's TCPStore, hosted by their launcher (a pool's supervisor, contract E's
+`--nproc-per-node` launcher) on one address only.
 
 A TCPStore server listens on every interface (`::`) whatever host it is given, and so do the two stores that
 torchrun's agent hosts (its c10d rendezvous, and the one it shares with the ranks); torchrun has no option to bind
@@ -53,6 +54,14 @@ class Store:
     def close(self) -> None:
         """Stop listening; connections its ranks still hold end with them."""
         self._store = None
+
+
+def join(address: str, world_size: int):
+    """A rank's client of the store its launcher hosts at `address` (HOST:PORT, or [V6]:PORT)."""
+    import torch.distributed as dist
+
+    host, _, port = address.rpartition(":")
+    return dist.TCPStore(host.strip("[]"), int(port), world_size, is_master=False, timeout=dist.default_pg_timeout)
 
 
 def rendezvous_address(endpoint: str) -> tuple[str, int]:
