@@ -70,6 +70,9 @@ CASES = {
     "qwen-image-2.1-first-block": Case(2, {"ulysses_degree": 2}, "qwen-image-2.1", true_cfg=True,
                                        refused="has no entry for QwenImage21TransformerBlock in its block registry; "
                                                "use --cache taylorseer or --cache none"),
+    # its first step's blocks return the prefix's rows too: no step may be predicted from that one alone
+    "qwen-image-2.1-taylorseer-warmup1": Case(2, {"ulysses_degree": 2}, "qwen-image-2.1", true_cfg=True,
+                                              cache={**TAYLORSEER, "warmup": 1}, refused="use --cache-warmup 2 or more"),
     "krea2-ulysses2": Case(2, {"ulysses_degree": 2}, "krea2", refused="diffusers has no cache hooks for "
                                                                       "Krea2Transformer2DModel (no CacheMixin)"),
     "qwen-image-2.1-taylorseer-cfg2_ulysses2": Case(4, {"cfg_degree": 2, "ulysses_degree": 2}, "qwen-image-2.1",
