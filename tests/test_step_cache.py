@@ -228,6 +228,7 @@ def test_pool_job_takes_the_cache_and_reports_its_calls(runs, tiny_model_dirs, t
     ({"method": "fbcache"}, "cache method 'fbcache' is not one of"),
     ({"method": "first-block", "threshold": 0}, "cache threshold is 0; use a value above 0"),
     ({"method": "taylorseer", "interval": 0}, "cache interval is 0; use 1 to 1000"),
+    ({"method": "taylorseer", "warmup": 0}, "cache warmup is 0; use 1 to 1000"),  # would predict step 0 from nothing
     ({"method": "first-block", "every": 2}, "cache does not take ['every']"),
 ])
 def test_bad_cache_settings_are_one_clear_error(settings, message):
