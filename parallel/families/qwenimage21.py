@@ -18,7 +18,8 @@ locally; the ring passes the image's K/V only). They are dropped when the call e
 Its true CFG is two calls per step named "cond" and "uncond", whose outputs hold each prompt's prefix: CFG parallel
 exchanges the image's tokens alone (`output_tail`). Prompts of one batch with different lengths pad the text, which
 sequence-parallel attention cannot mask: refused under Ulysses and Ring in one line. PipeFusion is not offered (see
-`no_pipefusion`).
+`no_pipefusion`). Step cache: TaylorSeer, with a warm-up of 2 steps or more while the prefix K/V cache is on (see
+`check_layout`); diffusers' first-block cache has no entry for its blocks, so it is refused in one line.
 
 The pipeline builds its processor's chat template at construction, even when it is given embeddings: a folder
 loads it without its text encoder, for images only where torchvision is missing (loading/vl_processors.py).
