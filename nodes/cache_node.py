@@ -33,7 +33,7 @@ class XDiTCache(io.ComfyNode):
                                        "(higher: faster, further from the uncached image)."),
                 io.Int.Input("interval", default=_DEFAULT.interval, min=1, max=1000,
                              tooltip="taylorseer: a full step every this many steps."),
-                io.Int.Input("warmup", default=_DEFAULT.warmup, min=0, max=1000,
+                io.Int.Input("warmup", default=_DEFAULT.warmup, min=1, max=1000,
                              tooltip="taylorseer: full steps before caching starts."),
                 io.Int.Input("order", default=_DEFAULT.order, min=1, max=4, tooltip="taylorseer: Taylor series order."),
             ],

@@ -34,7 +34,8 @@ class CacheSettings:
         "--cache-threshold", help="first-block: relative residual change under which a step is served from the cache"))
     interval: int = declared(5, minimum=1, maximum=1000,
                              flag=Flag("--cache-interval", help="taylorseer: a full step every N steps"))
-    warmup: int = declared(3, minimum=0, maximum=1000,
+    # at least 1: diffusers' hook would predict the first step from nothing (its own run fails mid-job)
+    warmup: int = declared(3, minimum=1, maximum=1000,
                            flag=Flag("--cache-warmup", help="taylorseer: full steps before caching"))
     order: int = declared(1, minimum=1, maximum=4, flag=Flag("--cache-order", help="taylorseer: Taylor series order"))
 

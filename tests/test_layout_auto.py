@@ -7,7 +7,8 @@ with NVLink, PCIe 4.0, 25 GbE and 10 GbE: Ulysses on NVLink, PipeFusion from PCI
 machines); Wan 2.2 at 720p on 8 GPUs. Through real
 torchrun ranks: the tiny Flux with `--layout auto` and a link given as 100 kB/s runs PipeFusion; with NVLink, and
 measured on this machine, whatever it predicts fastest; each prints its table (fastest first) and equals
-diffusers within 1e-4 (PipeFusion with warm-up = steps, so exact).
+diffusers within 1e-4 (PipeFusion with warm-up = steps, so exact). So do Krea 2 (whose attention names its heads
+`num_heads`) and Qwen-Image 2.1 (whose call takes no guidance_scale, and whose plan refuses PipeFusion).
 """
 
 from __future__ import annotations
@@ -114,6 +115,27 @@ def test_contract_e_runs_the_layout_it_predicts_fastest(tiny_model_dirs, flux_in
     assert ("links (given)" if link else "links (measured)") in run.stdout
     expected = diffusers_latents(tiny_model_dirs["flux"], "flux", **load_file(flux_inputs), num_inference_steps=4,
                                  guidance_scale=3.5, height=64, width=64)
+    assert (load_file(output)["latents"] - expected).abs().max().item() <= TOLERANCE
+
+
+# Krea 2 unguided (as Turbo samples) takes PipeFusion on the slow link (exact with warm-up = steps); Qwen-Image 2.1
+# is never offered it (its plan refuses PipeFusion), so its table holds Ulysses and Ring alone.
+@pytest.mark.parametrize("family, guidance, chosen, rows", [("krea2", 0.0, "pipefusion=2", 3),
+                                                             ("qwen-image-2.1", 1.0, None, 2)])
+def test_contract_e_runs_the_layout_it_predicts_on_2026_families(tiny_model_dirs, tmp_path, family, guidance, chosen,
+                                                                  rows):
+    inputs, output = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_file(tiny_models.make_inputs(family, negative=False), inputs)
+    run = torchrun(2, "-m", "parallel.run", "--model", str(tiny_model_dirs[family]), "--inputs", str(inputs),
+                   "--output", str(output), "--steps", "4", "--guidance-scale", str(guidance), "--height", "64",
+                   "--width", "64", "--warmup-steps", "4", "--layout", "auto", "--link", "0.0001,10000")
+    assert run.returncode == 0, run.stderr[-3000:]
+    picked = re.search(r"layout auto on 2 ranks chose \[(.+?)\]", run.stdout).group(1)
+    table = [line for line in run.stdout.splitlines() if "ms/step" in line]
+    assert len(table) == rows and picked in table[0] and (chosen is None or picked == chosen), run.stdout
+    assert rows == 3 or not any("pipefusion" in line for line in table)
+    expected = diffusers_latents(tiny_model_dirs[family], family, **load_file(inputs), num_inference_steps=4,
+                                 guidance_scale=guidance, height=64, width=64)
     assert (load_file(output)["latents"] - expected).abs().max().item() <= TOLERANCE
 
 

@@ -1,7 +1,8 @@
 """`--shard-weights` (FSDP2 over the world): every family's tiny model, sharded with data parallel (each
 rank its own sample: sharding and no activation split), with Ulysses, Ring, CFG parallel and Ulysses ×
 CFG, equals diffusers' single-process pipeline; the pool's status shows each rank holding about 1/N of the weights;
-the step cache on sharded blocks equals diffusers' cached pipeline; a wrong shard on one rank is caught
+the step cache on sharded blocks (Flux's first-block, Qwen-Image 2.1's TaylorSeer) equals diffusers' cached
+pipeline; a wrong shard on one rank is caught
 (negative control); contract E and the xDiT Pool node take the flag and refuse it with PipeFusion;
 `--offload` (the shards in CPU memory, FSDP2's CPUOffloadPolicy) is exact too and needs --shard-weights.
 `--shard-weights` alone (every degree 1) on 2 ranks runs too: each rank holds ≤ 0.55 of the weights (a 16-block tiny
@@ -37,13 +38,17 @@ CASES = [(n, f, l) for n, layouts in LAYOUTS.items() for f in FAMILIES for l in 
          if tiny_models.MODELS[f].cfg or "cfg" not in l]  # FLUX.2 [dev] has no CFG to split
 FAULT = (2, "sd3", "shard2-ulysses2-stale")
 FAULT_ALONE = (2, "flux", "shard2-stale")  # the same wrong shard with --shard-weights alone
-CACHED = (2, "flux", "shard2-ulysses2-cached")  # diffusers' first-block cache hooks on sharded blocks
-CACHE = {"method": "first-block", "threshold": 0.5}
+# diffusers' cache hooks on sharded blocks: the first-block cache on Flux, TaylorSeer on Qwen-Image 2.1 with its
+# prefix K/V cache (a branch per CFG rank), over 4 steps so that some come from the cache (in 2 none did)
+CACHED = {(2, "flux", "shard2-ulysses2-cached"): {"method": "first-block", "threshold": 0.5},
+          (2, "qwen-image-2.1", "shard2-cfg2-cached"): {"method": "taylorseer", "interval": 2, "warmup": 2, "order": 1}}
+CACHED_STEPS = 4
 
 
 def call_kwargs(family: str, layout: str) -> dict:
     tiny = tiny_models.MODELS[family]
-    kwargs = {"num_inference_steps": STEPS, "guidance_scale": tiny.guidance, "height": SIZE, "width": SIZE}
+    steps = CACHED_STEPS if layout.endswith("-cached") else STEPS
+    kwargs = {"num_inference_steps": steps, "guidance_scale": tiny.guidance, "height": SIZE, "width": SIZE}
     if family in FRAMES:
         kwargs["num_frames"] = FRAMES[family]
     if "cfg" in layout:
@@ -58,7 +63,7 @@ def matrix(tiny_model_dirs, video_model_dirs, tmp_path_factory):
     results = {}
     for nproc, layouts in LAYOUTS.items():
         specs = []
-        for case in [c for c in CASES if c[0] == nproc] + ([FAULT, FAULT_ALONE, CACHED] if nproc == 2 else []):
+        for case in [c for c in CASES if c[0] == nproc] + ([FAULT, FAULT_ALONE, *CACHED] if nproc == 2 else []):
             _, family, layout = case
             batch = 2 if "dp2" in layout else 1  # data parallel: each rank its own sample
             inputs = work / f"{family}-b{batch}.safetensors"
@@ -67,9 +72,9 @@ def matrix(tiny_model_dirs, video_model_dirs, tmp_path_factory):
                 save_file(tiny_models.make_inputs(family, batch=batch, height=SIZE, width=SIZE, **frames), inputs)
             output = work / f"{nproc}-{family}-{layout}.safetensors"
             specs.append({"model": str({**tiny_model_dirs, **video_model_dirs}[family]), "inputs": str(inputs), "output": str(output),
-                          "layout": layouts[layout.rsplit("-", 1)[0] if case in (FAULT, FAULT_ALONE, CACHED) else layout],
+                          "layout": layouts[layout.rsplit("-", 1)[0] if case in (FAULT, FAULT_ALONE, *CACHED) else layout],
                           "call": call_kwargs(family, layout), "fault": "stale_shard" if case in (FAULT, FAULT_ALONE) else None,
-                          "cache": CACHE if case == CACHED else None})
+                          "cache": CACHED.get(case)})
             results[case] = (output, inputs)
         spec_file = work / f"cases{nproc}.json"
         spec_file.write_text(json.dumps(specs))
@@ -101,14 +106,17 @@ def test_negative_control_one_wrong_shard_fails(matrix, fault):
     assert (parallel - expected).abs().max().item() > 100 * TOLERANCE
 
 
-def test_step_cache_on_sharded_weights_matches_diffusers_cached(matrix):
+@pytest.mark.parametrize("case", CACHED, ids=[family for _, family, _ in CACHED])
+def test_step_cache_on_sharded_weights_matches_diffusers_cached(matrix, case):
     from test_step_cache import reference
 
     results, dirs = matrix
-    output, inputs = results[CACHED]
+    output, inputs = results[case]
     errors = case_errors(output)
     assert not errors, errors[-3000:]
-    expected, _ = reference(dirs["flux"], "flux", load_file(inputs), call_kwargs("flux", CACHED[2]), CACHE)
+    _, family, layout = case
+    expected, decisions = reference(dirs[family], family, load_file(inputs), call_kwargs(family, layout), CACHED[case])
+    assert not all(full for calls in decisions.values() for full in calls), decisions  # some steps came from the cache
     assert (load_file(output)["latents"] - expected).abs().max().item() <= TOLERANCE
 
 

@@ -3,7 +3,8 @@
 Two torchrun launches (2 and 4 ranks) run every case with the cache as a job setting; the reference is
 diffusers' single-process pipeline with the same hook (`enable_cache`), its decisions recorded here.
 Each case must equal it within 1e-4 and skip exactly the same steps on every rank; the negative control
-(the metric of one rank's shard, agreed by broadcast) must miss.
+(the metric of one rank's shard, agreed by broadcast) must miss. Qwen-Image 2.1 takes TaylorSeer with its prefix
+K/V cache on; its first-block cache and Krea 2's every cache are refused in one line, the one --list-supported prints.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from parallel.loading import tiny_models
 from parallel.cli.launch import ROOT, rank_environment
 
 from pool_helpers import free_endpoint, idle_client, start_serve, stop_serve
-from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, torchrun
+from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, load_pipeline_folder, torchrun
 
 STEPS, SIZE, THRESHOLD = 20, 64, 0.42
 FIRST_BLOCK = {"method": "first-block", "threshold": THRESHOLD}
@@ -61,6 +62,21 @@ CASES = {
     "qwen-image-ring2": Case(2, {"ring_degree": 2}, "qwen-image", cache=QWEN_FIRST_BLOCK),  # true CFG by default
     "qwen-image-cfg2_ulysses2": Case(4, {"cfg_degree": 2, "ulysses_degree": 2}, "qwen-image", true_cfg=True,
                                      cache=QWEN_FIRST_BLOCK),
+    # Qwen-Image 2.1: TaylorSeer with the prefix K/V cache on (the image's tokens alone after the first step);
+    # diffusers' first-block cache has no entry for its blocks, and Krea 2's transformer no cache hooks at all
+    "qwen-image-2.1-taylorseer-ulysses2": Case(2, {"ulysses_degree": 2}, "qwen-image-2.1", true_cfg=True,
+                                               cache=TAYLORSEER),
+    "qwen-image-2.1-taylorseer-ring2": Case(2, {"ring_degree": 2}, "qwen-image-2.1", true_cfg=True, cache=TAYLORSEER),
+    "qwen-image-2.1-first-block": Case(2, {"ulysses_degree": 2}, "qwen-image-2.1", true_cfg=True,
+                                       refused="has no entry for QwenImage21TransformerBlock in its block registry; "
+                                               "use --cache taylorseer or --cache none"),
+    # its first step's blocks return the prefix's rows too: no step may be predicted from that one alone
+    "qwen-image-2.1-taylorseer-warmup1": Case(2, {"ulysses_degree": 2}, "qwen-image-2.1", true_cfg=True,
+                                              cache={**TAYLORSEER, "warmup": 1}, refused="use --cache-warmup 2 or more"),
+    "krea2-ulysses2": Case(2, {"ulysses_degree": 2}, "krea2", refused="diffusers has no cache hooks for "
+                                                                      "Krea2Transformer2DModel (no CacheMixin)"),
+    "qwen-image-2.1-taylorseer-cfg2_ulysses2": Case(4, {"cfg_degree": 2, "ulysses_degree": 2}, "qwen-image-2.1",
+                                                    true_cfg=True, cache=TAYLORSEER),
 }
 
 
@@ -73,12 +89,10 @@ def call_kwargs(case: Case) -> dict:
 
 def reference(model_dir: Path, family: str, inputs: dict, call: dict, cache: dict):
     """diffusers in this process with the same hook; returns (latents, decisions per cache context)."""
-    from diffusers import DiffusionPipeline
-
     from parallel.cache_settings import CacheSettings
     from parallel.model_executor import step_cache
 
-    pipeline = DiffusionPipeline.from_pretrained(model_dir)
+    pipeline = load_pipeline_folder(model_dir)  # Qwen-Image 2.1's processor for images only without torchvision
     settings = CacheSettings.from_params(cache)
     decisions: dict[str, list[bool]] = {}
     for transformer in filter(None, (pipeline.transformer, getattr(pipeline, "transformer_2", None))):
@@ -214,6 +228,7 @@ def test_pool_job_takes_the_cache_and_reports_its_calls(runs, tiny_model_dirs, t
     ({"method": "fbcache"}, "cache method 'fbcache' is not one of"),
     ({"method": "first-block", "threshold": 0}, "cache threshold is 0; use a value above 0"),
     ({"method": "taylorseer", "interval": 0}, "cache interval is 0; use 1 to 1000"),
+    ({"method": "taylorseer", "warmup": 0}, "cache warmup is 0; use 1 to 1000"),  # would predict step 0 from nothing
     ({"method": "first-block", "every": 2}, "cache does not take ['every']"),
 ])
 def test_bad_cache_settings_are_one_clear_error(settings, message):
@@ -250,6 +265,29 @@ def test_models_without_diffusers_cache_and_pipefusion_are_refused(tiny_model_di
         check_cache(cache, 2, flux)
     check_cache(cache, 1, flux)
     check_cache(CacheSettings(), 2, pixart)
+
+
+@pytest.mark.parametrize("family, pipeline, method", [("krea2", "Krea2Pipeline", "first-block"),
+                                                      ("krea2", "Krea2Pipeline", "taylorseer"),
+                                                      ("qwen-image-2.1", "QwenImage21Pipeline", "first-block")])
+def test_a_refused_cache_is_one_line_that_list_supported_prints(tiny_model_dirs, family, pipeline, method):
+    """The engine's refusal (before any rank computes) and the step cache column of `--list-supported` (README's
+    table) give one reason, derived from diffusers' classes; Qwen-Image 2.1 takes TaylorSeer (the cases above)."""
+    import diffusers
+
+    from parallel.cache_settings import CacheSettings
+    from parallel.model_executor import capability_table
+    from parallel.model_executor.step_cache import check_cache
+
+    transformer = getattr(diffusers, f"{pipeline.removesuffix('Pipeline')}Transformer2DModel")
+    with pytest.raises(ValueError) as refused:
+        check_cache(CacheSettings.from_params({"method": method}), 1,
+                    transformer.from_pretrained(tiny_model_dirs[family] / "transformer"))
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"--cache {method}: ")
+    why = message.removeprefix(f"--cache {method}: ").split("; use --cache ")[0]
+    row = next(line for line in capability_table().splitlines() if line.startswith(f"| {pipeline} |"))
+    assert why in row.split(" | ")[-1], (why, row)
 
 
 def _contract_e(nproc: int, model: Path, inputs: Path, output: Path, *flags: str):

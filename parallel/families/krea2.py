@@ -21,6 +21,9 @@ flattened, [B, tokens, layers · width] (CLIPLoader type krea2), which the wrapp
 Single files (Krea's / Comfy-Org's repackaged `krea2_*.safetensors`: `first.*`, `blocks.*`, `txtfusion.*`; also fp8
 and GGUF) are converted by diffusers' own converter; every size reads from the shapes; Turbo (few-step, fixed
 shift) from the file name. LoRAs: diffusers' Krea 2 loader reads Krea's and AI-Toolkit's layouts itself.
+
+No step cache: diffusers gives its transformer no cache hooks (no CacheMixin), so `--cache` is refused in one line
+(model_executor/step_cache.py), the reason `--list-supported` prints.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ locally; the ring passes the image's K/V only). They are dropped when the call e
 Its true CFG is two calls per step named "cond" and "uncond", whose outputs hold each prompt's prefix: CFG parallel
 exchanges the image's tokens alone (`output_tail`). Prompts of one batch with different lengths pad the text, which
 sequence-parallel attention cannot mask: refused under Ulysses and Ring in one line. PipeFusion is not offered (see
-`no_pipefusion`).
+`no_pipefusion`). Step cache: TaylorSeer, with a warm-up of 2 steps or more while the prefix K/V cache is on (see
+`check_layout`); diffusers' first-block cache has no entry for its blocks, so it is refused in one line.
 
 The pipeline builds its processor's chat template at construction, even when it is given embeddings: a folder
 loads it without its text encoder, for images only where torchvision is missing (loading/vl_processors.py).
@@ -40,6 +41,7 @@ from ..model_executor.attention import TextLayout
 from ..model_executor.pipeline import xFuserPipelineBaseWrapper
 from ..model_executor.pipeline.img2img import linear_sigmas
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, Split, TextRows
+from ..request import STEP_CACHE
 from .base import FAMILIES, ComfyData, Family, TinyModel, replaced
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,19 @@ class xFuserQwenImage21Pipeline(xFuserPipelineBaseWrapper):
     def cfg_parallel_hint(self, kwargs: dict[str, Any]) -> str:
         return ("CFG parallel on Qwen-Image 2.1 needs true_cfg_scale above 1 (got "
                 f"{kwargs.get('true_cfg_scale', 1.0)}) and negative prompt embeddings; add both or turn CFG parallel off.")
+
+    def check_layout(self, kwargs: dict[str, Any], batch: int) -> int:
+        """TaylorSeer predicts a step from the full steps before it, and with the prefix K/V cache on the first step's
+        blocks return the prefix's rows too: a step predicted from that one alone has the wrong length (diffusers'
+        own fails mid-job on the shapes), so the second step must run in full."""
+        tokens = super().check_layout(kwargs, batch)
+        cache = kwargs.get(STEP_CACHE)
+        if (cache is not None and cache.method == "taylorseer" and kwargs.get("use_kv_cache", 1)
+                and cache.warmup < 2 and cache.interval > 1):
+            raise LayoutError(f"--cache taylorseer with --cache-warmup {cache.warmup} on QwenImage21Pipeline would "
+                              "predict a step from its first, whose blocks also return the cached prefix's rows; use "
+                              "--cache-warmup 2 or more, or --call use_kv_cache=0")
+        return tokens
 
     def converted(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Without guidance_scale (its __call__ takes none: true_cfg_scale is its guidance), masks checked; again on a

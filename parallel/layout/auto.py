@@ -38,7 +38,7 @@ class Choice:
 
 def start_layout(pipeline, base: ParallelConfig, world: int) -> ParallelConfig:
     """Ulysses over the largest degree the model's heads divide, Ring over the rest."""
-    ulysses = math.gcd(attention_module(pipeline.transformer).heads, world)
+    ulysses = math.gcd(attention_module(pipeline.transformer)[1], world)
     return replace(base, ulysses_degree=ulysses, ring_degree=world // ulysses)
 
 

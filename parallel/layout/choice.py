@@ -333,9 +333,11 @@ def measure_serial_step(wrapped, kwargs: dict, blocks: list[torch.nn.Module]) ->
     return last_inside - first_inside, (last - first) - (last_inside - first_inside)
 
 
-def attention_module(transformer: torch.nn.Module) -> torch.nn.Module:
-    """The transformer's first attention layer (its heads and widths stand for every layer's)."""
-    return next(m for m in transformer.modules() if isinstance(getattr(m, "to_q", None), torch.nn.Linear) and hasattr(m, "heads"))
+def attention_module(transformer: torch.nn.Module) -> tuple[torch.nn.Module, int]:
+    """The transformer's first attention layer (its heads and widths stand for every layer's) and its head count,
+    which Krea 2's layers name `num_heads`."""
+    return next((m, heads) for m in transformer.modules() if isinstance(getattr(m, "to_q", None), torch.nn.Linear)
+                and (heads := getattr(m, "heads", None) or getattr(m, "num_heads", None)))
 
 
 def auto_layout(pipeline, base: ParallelConfig, call: dict, world: int, link: Link | None = None,
@@ -343,15 +345,13 @@ def auto_layout(pipeline, base: ParallelConfig, call: dict, world: int, link: Li
     """(the chosen layout, every prediction fastest first, the links used) for `call` on `pipeline`, the pipeline
     left unwrapped and no mesh built. Collective: every rank calls it alike."""
     from ..model_executor.layout_scope import under_layout
-    from ..model_executor.pipeline.data_parallel import batch_size
     from ..loading.weight_sharding import transformer_blocks
 
     provisional = ParallelConfig(dp_degree=world)
     transformer = pipeline.transformer  # diffusers' own, before the provisional wrapping
     with under_layout(pipeline, provisional) as wrapped:
-        kwargs = {**wrapped.call_defaults, **call}
-        batch = batch_size(kwargs)
-        wrapped.check_inputs(kwargs, batch)
+        # the call as the pipeline takes it (Qwen-Image 2.1's takes no guidance_scale), checked for any layout
+        kwargs, batch, image_tokens = wrapped.prepare(call, check_layout=False)
         plan = wrapped.module.transformer.plan
 
         def valid(config: ParallelConfig) -> bool:
@@ -367,14 +367,14 @@ def auto_layout(pipeline, base: ParallelConfig, call: dict, world: int, link: Li
             finally:
                 wrapped.parallel_config = provisional
 
-        attention = attention_module(transformer)
+        attention, heads = attention_module(transformer)
         text = kwargs.get("prompt_embeds")
         config = transformer.config
         job = Job(
-            image_tokens=wrapped.sequence_tokens(kwargs),
+            image_tokens=image_tokens,
             text_tokens=text.shape[1] if isinstance(text, torch.Tensor) else 0,
             text_splits=plan.text_input is None or any(s.text for specs in plan.inputs.values() for s in specs.values()),
-            heads=attention.heads, head_dim=attention.to_q.out_features // attention.heads,
+            heads=heads, head_dim=attention.to_q.out_features // heads,
             hidden=attention.to_q.in_features, blocks=len(transformer_blocks(transformer)),
             out_channels=config.get("out_channels") or config.get("in_channels") or attention.to_q.in_features,
             element_bytes=transformer.dtype.itemsize, batch=batch, steps=kwargs["num_inference_steps"],

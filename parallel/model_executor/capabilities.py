@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..families import FAMILIES
 from .plans import CfgMode
 from .register import xFuserSchedulerWrappersRegister
+from .step_cache import cache_refusal
 
 
 def capability_table() -> str:
@@ -12,8 +13,8 @@ def capability_table() -> str:
     parallel and weight sharding work for every pipeline (they need nothing of the plan), so they have no column."""
     from . import scheduler  # noqa: F401 - registers the scheduler wrappers
 
-    rows = ["| pipeline | transformer | sequence parallel (Ulysses, Ring, USP) | cfg parallel | pipefusion |",
-            "|---|---|---|---|---|"]
+    rows = ["| pipeline | transformer | sequence parallel (Ulysses, Ring, USP) | cfg parallel | pipefusion | step cache |",
+            "|---|---|---|---|---|---|"]
     entries = sorted(((p, f) for f in FAMILIES for p in f.pipelines), key=lambda entry: entry[0])
     for pipeline, family in entries:
         plan = family.plan
@@ -23,8 +24,21 @@ def capability_table() -> str:
         cfg = "yes (batched)" if plan.cfg is CfgMode.BATCHED else "yes (two calls)"
         pipefusion = ((f"no: {plan.no_pipefusion}" if plan.no_pipefusion else "no") if plan.pipefusion is None else
                       "yes, patches flow across steps" if plan.pipefusion.flow is not None else "yes")
-        rows.append(f"| {pipeline} | {family.transformer} | {sp} | {cfg} | {pipefusion} |")
+        rows.append(f"| {pipeline} | {family.transformer} | {sp} | {cfg} | {pipefusion} | {step_caches(family.transformer)} |")
     rows.append("")
     rows.append("Data parallel: every pipeline. "
                 f"Schedulers: {', '.join(xFuserSchedulerWrappersRegister.supported_names())}.")
     return "\n".join(rows)
+
+
+def step_caches(transformer: str) -> str:
+    """The --cache methods diffusers' hooks take on this transformer, and why the others are refused (the engine
+    refuses them with the same reason, step_cache.check_cache)."""
+    import diffusers
+
+    cls = getattr(diffusers, transformer)
+    refused = {method: cache_refusal(cls, method) for method in ("first-block", "taylorseer")}
+    taken = [method for method, why in refused.items() if not why]
+    if not taken:
+        return f"no: {refused['taylorseer']}"
+    return ", ".join(taken) + "".join(f" (not {method}: {why})" for method, why in refused.items() if why)

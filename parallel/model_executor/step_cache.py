@@ -136,20 +136,43 @@ def install(transformer: torch.nn.Module, settings: CacheSettings, report: Cache
 
 
 def check_cache(settings: CacheSettings, pipefusion_degree: int, transformer: torch.nn.Module) -> None:
-    """The cache needs diffusers' cache support on the model, and whole steps per forward (PipeFusion runs
-    each step as patches through stale K/V)."""
+    """The cache needs diffusers' cache support on the model (the first-block cache also its blocks' outputs
+    described), and whole steps per forward (PipeFusion runs each step as patches through stale K/V)."""
     if settings.method == "none":
         return
-    if not hasattr(transformer, "enable_cache"):
-        raise ValueError(
-            f"--cache {settings.method}: diffusers has no cache hooks for {type(transformer).__name__} (no CacheMixin); "
-            "use --cache none with this model (Flux and Wan take a cache)."
-        )
+    if why := cache_refusal(type(transformer), settings.method):
+        instead = "none" if cache_refusal(type(transformer), "taylorseer") else "taylorseer or --cache none"
+        raise ValueError(f"--cache {settings.method}: {why}; use --cache {instead} with this model.")
     if pipefusion_degree > 1:
         raise LayoutError(
             f"--cache {settings.method} does not combine with PipeFusion (pipefusion degree {pipefusion_degree}): "
             "its blocks see one patch at a time; use --cache none, or Ulysses/Ring/CFG parallel instead of PipeFusion."
         )
+
+
+def cache_refusal(transformer: type, method: str) -> str:
+    """Why diffusers' `method` cache cannot hook this transformer class, or "" where it can: no CacheMixin at all
+    (Krea 2, FLUX 3), or, for the first-block cache, repeated blocks whose outputs diffusers' block registry does
+    not describe (Qwen-Image 2.1: enable_cache would fail inside diffusers on every rank, in words naming no
+    option). From the class alone, so that
+    --list-supported says what a job is refused."""
+    import sys
+
+    from diffusers.hooks._helpers import TransformerBlockRegistry
+
+    if not hasattr(transformer, "enable_cache"):
+        return f"diffusers has no cache hooks for {transformer.__name__} (no CacheMixin)"
+    if method != "first-block":
+        return ""
+    unknown = []  # of its repeated blocks (`_repeated_blocks` names embedders too, which that cache never hooks)
+    for name in (name for name in getattr(transformer, "_repeated_blocks", ()) if name.endswith("Block")):
+        try:
+            TransformerBlockRegistry.get(getattr(sys.modules[transformer.__module__], name))
+        except (AttributeError, ValueError):
+            unknown.append(name)
+    if unknown:
+        return f"diffusers' first-block cache has no entry for {' and '.join(unknown)} in its block registry"
+    return ""
 
 
 @contextlib.contextmanager
