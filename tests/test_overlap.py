@@ -108,7 +108,7 @@ def test_overlap_groups_auto_is_off_where_a_group_would_hold_one_head(heads, set
 
 # -- through torchrun ranks -------------------------------------------------------------------------------------
 STEPS, SIZE = 4, 64
-FAMILIES = ("flux", "qwen-image")
+FAMILIES = ("flux", "qwen-image", "sd3")  # joint text before the image (Flux, Qwen-Image), after it (SD3)
 ON, OFF = {"ulysses_overlap_groups": 2}, {"ulysses_overlap_groups": 1}  # tiny models: 4 heads, 2 per Ulysses rank
 LAYOUTS = {
     2: {"ulysses2": {"ulysses_degree": 2}, "ring2": {"ring_degree": 2}},
