@@ -115,11 +115,11 @@ class ParallelConfig:
         choices={"auto": None, "on": True, "off": False}))
     # Ulysses heads in groups, the next group's all-to-all in flight while attention runs on this one (usp.py);
     # None: chosen per layer (usp.overlap_groups), 1: off
-    ulysses_overlap_groups: int | None = declared(None, flag=Flag("--ulysses-overlap-groups", help=(
-        "Ulysses: split each rank's heads into this many groups and send the next group's all-to-all while attention "
-        "runs on this one (1: off; default: chosen per layer)")), widget=Widget(
-        "Ulysses: heads in this many groups, the next group's all-to-all hidden behind this group's attention (0: auto, "
-        "1: off).", default=0, minimum=0, maximum=64, unset=0))
+    ulysses_overlap_groups: int | None = declared(None, flag=Flag("--ulysses-overlap-groups", metavar="GROUPS", help=(
+        "Ulysses: split each rank's heads into this many groups (at most one per head) and send the next group's "
+        "all-to-all while attention runs on this one (1: off; default: chosen per layer; not with PipeFusion)")),
+        widget=Widget("Ulysses: heads in this many groups, the next group's all-to-all hidden behind this group's "
+                      "attention (0: auto, 1: off).", default=0, minimum=0, maximum=64, unset=0))
     # derived by for_world (--shard-weights alone on N ranks): the dp ranks split a batch only where it divides
     dp_when_divisible: bool = declared(False)
 
