@@ -117,7 +117,7 @@ LAYOUTS = {
 # Ring alone (Ulysses degree 1) has no all-to-all to group: its K/V prefetch is always on, so it runs once, "on".
 CASES = [(n, family, layout, overlap) for n, layouts in LAYOUTS.items() for family in FAMILIES for layout in layouts
          for overlap in (("on", "off") if "ulysses" in layout else ("on",))]
-GROUPED = [c for c in CASES if c[3] == "off"]
+BOTH_WAYS = [c for c in CASES if c[3] == "off"]  # each with its "on" twin
 FAULTS = [(2, family, "ulysses2", "groups_out_of_order") for family in FAMILIES]
 
 
@@ -174,7 +174,7 @@ def test_layout_matches_single_process_diffusers(matrix, references, case):
     assert error <= TOLERANCE, f"{case_name(*case)}: max |parallel - diffusers| = {error:.3g}"
 
 
-@pytest.mark.parametrize("case", GROUPED, ids=[case_name(*c[:3], "on") for c in GROUPED])
+@pytest.mark.parametrize("case", BOTH_WAYS, ids=[case_name(*c[:3], "on") for c in BOTH_WAYS])
 def test_overlap_on_equals_overlap_off_bit_for_bit(matrix, case):
     on, off = result(matrix, (*case[:3], "on")), result(matrix, case)
     assert torch.equal(on, off), f"{case_name(*case)}: max |on - off| = {(on - off).abs().max().item():.3g}"
