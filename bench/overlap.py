@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from parallel.cli.launch import ROOT, rank_environment, torchrun_command
+from parallel.cli.torchrun_exit import exit_after_work
 from parallel.layout.config import Link
 
 
@@ -59,7 +60,8 @@ class EmulatedLink:
 def rank_main(args: argparse.Namespace) -> None:
     import torch
 
-    from parallel.distributed import get_ring_group, get_ulysses_group, init_distributed_environment, initialize_model_parallel
+    from parallel.distributed import (destroy_distributed_environment, get_ring_group, get_ulysses_group,
+                                      init_distributed_environment, initialize_model_parallel)
     from parallel.layout.config import ParallelConfig
     from parallel.model_executor.attention import pick_kernel, usp_attention
 
@@ -86,6 +88,7 @@ def rank_main(args: argparse.Namespace) -> None:
         rows.append({"groups": groups, "ms": 1e3 * statistics.median(times), "equal": bool(torch.equal(out, reference))})
     if world.rank == 0:
         Path(args.rank_json).write_text(json.dumps(rows))
+    destroy_distributed_environment()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     if args.rank_json:
         rank_main(args)
-        return []
+        exit_after_work(0)  # past gloo's threads at interpreter teardown (torchrun_exit.py)
     out = args.json or ROOT / "bench" / "out" / "overlap.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     passed = ["--link", args.link, "--heads", str(args.heads), "--tokens", str(args.tokens), "--head-dim",
