@@ -108,6 +108,7 @@ def test_overlap_groups_auto_is_off_where_a_group_would_hold_one_head(heads, set
 
 # -- through torchrun ranks -------------------------------------------------------------------------------------
 STEPS, SIZE = 4, 64
+ROUNDING = 1e-6  # overlap on against off: fp32 rounding, where diffusers is held to TOLERANCE
 FAMILIES = ("flux", "qwen-image", "sd3")  # joint text before the image (Flux, Qwen-Image), after it (SD3)
 ON, OFF = {"ulysses_overlap_groups": 2}, {"ulysses_overlap_groups": 1}  # tiny models: 4 heads, 2 per Ulysses rank
 LAYOUTS = {
@@ -175,9 +176,13 @@ def test_layout_matches_single_process_diffusers(matrix, references, case):
 
 
 @pytest.mark.parametrize("case", BOTH_WAYS, ids=[case_name(*c[:3], "on") for c in BOTH_WAYS])
-def test_overlap_on_equals_overlap_off_bit_for_bit(matrix, case):
+def test_overlap_on_equals_overlap_off_to_fp32_rounding(matrix, case):
+    """The same per-head math (0 measured here). Not asserted bit for bit: under Ring, the log-sum-exp merge's
+    elementwise exp rounds an element of a smaller head group in the vector loop or its scalar tail differently
+    (one ulp seen on CPU, U2xR2, 8 heads)."""
     on, off = result(matrix, (*case[:3], "on")), result(matrix, case)
-    assert torch.equal(on, off), f"{case_name(*case)}: max |on - off| = {(on - off).abs().max().item():.3g}"
+    error = (on - off).abs().max().item()
+    assert error <= ROUNDING, f"{case_name(*case)}: max |on - off| = {error:.3g}"
 
 
 @pytest.mark.parametrize("case", FAULTS, ids=[case_name(*c) for c in FAULTS])
