@@ -27,9 +27,11 @@ from parallel.model_executor.layout_scope import under_layout
 from parallel.cli.torchrun_exit import exit_after_work
 from parallel.model_executor import pipefusion
 from parallel.model_executor.attention import seam as attention_seam
+from parallel.model_executor.attention import usp as attention_usp
 
 _USP, _KEY_SHARDS = attention_seam.usp_attention, attention_seam.key_shard_attention
 _PATCH_COPY = pipefusion.patch_copy
+_JOIN_HEAD_GROUPS = attention_usp._join_head_groups
 
 
 def _forgetful_patch_copy(scheduler, rows):
@@ -54,6 +56,8 @@ FLOW_FAULTS = {"forgetful_patches": _forgetful_patch_copy}
 INPUT_FAULTS = {"swapped_audio": _swap_audio_rows}
 # Negative control for replicated queries: each rank's audio attends to its own video keys only, no merge.
 KEY_FAULTS = {"own_keys_only": lambda q, k, v, *, sp, kernel, scale=None, real=None: kernel(q, k, v, scale or q.shape[-1] ** -0.5)[0]}
+# Negative control for the overlapped Ulysses: the head groups' outputs joined group after group, not per rank.
+GROUP_FAULTS = {"groups_out_of_order": lambda parts, u: torch.cat(parts, dim=1)}
 FAULTS = {
     # Negative control: attention on the local shard only, i.e. a sequence split with no exchange.
     "no_exchange": lambda q, k, v, **kw: torch.nn.functional.scaled_dot_product_attention(q, k, v),
@@ -88,6 +92,8 @@ def run_case(case: dict, rank: int) -> None:
             hook = parallel.module.transformer.module.register_forward_pre_hook(INPUT_FAULTS[fault], with_kwargs=True)
         elif fault in KEY_FAULTS:
             attention_seam.key_shard_attention = KEY_FAULTS[fault]
+        elif fault in GROUP_FAULTS:
+            attention_usp._join_head_groups = GROUP_FAULTS[fault]
         elif fault:
             attention_seam.usp_attention = FAULTS[fault]
         try:
@@ -95,6 +101,7 @@ def run_case(case: dict, rank: int) -> None:
         finally:
             attention_seam.usp_attention, attention_seam.key_shard_attention = _USP, _KEY_SHARDS
             pipefusion.patch_copy = _PATCH_COPY
+            attention_usp._join_head_groups = _JOIN_HEAD_GROUPS
             if hook is not None:
                 hook.remove()
         if case.get("report_prefix_cache"):  # Qwen-Image 2.1's prefix K/V per rank: layers stored, bytes, still held

@@ -7,8 +7,24 @@ ideal implementation of the collective sends), so benchmarks can compare layouts
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
+
+
+class Pending:
+    """A collective in flight: `wait()` blocks until it is done and returns its result. It holds the buffers the
+    collective reads until then (`keep`), so they outlive the call that started it."""
+
+    def __init__(self, work: dist.Work | None, result: Callable[[], torch.Tensor], keep: tuple = ()):
+        self._work, self._result, self._keep = work, result, keep
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work, self._keep = None, ()
+        return self._result()
 
 
 class GroupCoordinator:
@@ -53,14 +69,19 @@ class GroupCoordinator:
 
     def all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         """Member i sends chunk j of `scatter_dim` to member j and concatenates what it receives on `gather_dim`."""
+        return self.start_all_to_all(tensor, scatter_dim, gather_dim).wait()
+
+    def start_all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int) -> "Pending":
+        """`all_to_all` started without waiting (async_op), so compute can run while it travels; `wait()` gives its
+        result. Every member must start its collectives on a group in the same order."""
         if self.world_size == 1:
-            return tensor
+            return Pending(None, lambda: tensor)
         chunks = tensor.chunk(self.world_size, dim=scatter_dim)
         send = torch.stack(chunks).contiguous()
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
+        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
         self.bytes_sent += send.nbytes * (self.world_size - 1) // self.world_size
-        return torch.cat(recv.unbind(0), dim=gather_dim)
+        return Pending(work, lambda: torch.cat(recv.unbind(0), dim=gather_dim), (send,))
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         if self.world_size == 1:

@@ -29,7 +29,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from ...distributed import get_ring_group, get_runtime_state, get_sp_group, get_ulysses_group
+from ...distributed import get_layout, get_ring_group, get_runtime_state, get_sp_group, get_ulysses_group
 from ..wrapper import xFuserBaseWrapper
 from .kernels import pick_kernel
 from .usp import TextLayout, key_shard_attention, usp_attention
@@ -103,6 +103,7 @@ def _sequence_parallel_attention(query, key, value, attn_mask, dropout_p, is_cau
         scale=scale,
         keep=getattr(get_runtime_state().token_split, "keep", None),  # uneven token split: drop padded keys
         stale_kv=functools.partial(layer.kv_cache.exchange, layer.name) if layer.kv_cache is not None else None,
+        head_groups=get_layout().config.ulysses_overlap_groups,
     )
     return out.transpose(1, 2) if tokens_dim == 1 else out
 

@@ -6,6 +6,11 @@ Q/K/V are already everywhere, so each rank just keeps its own heads. Ring attent
 image K/V around the ring group while each rank attends locally, merging partial results with
 their log-sum-exp; text K/V join only the local block so every key counts once. Afterwards the
 image output goes back through the all-to-all and the text output is all-gathered over heads.
+
+Communication hides behind compute where the data allow: the heads go in groups, the next group's Q/K/V
+all-to-all travelling while attention runs on this one and each group's output leaving as soon as it is done;
+inside Ring, the next K/V block travels while the current one is attended to. The Q/K/V projections run in
+diffusers' processor before this seam, so the first group's all-to-all cannot hide behind them.
 """
 
 from __future__ import annotations
@@ -110,6 +115,21 @@ def ring_attention(
     return out.to(q.dtype)
 
 
+def overlap_groups(heads_per_rank: int, setting: int | None) -> int:
+    """Head groups of the overlapped Ulysses all-to-all (1: none), from the layout's `ulysses_overlap_groups` (None:
+    auto). Auto takes up to 4 groups of at least two heads each: the first group's all-to-all is never hidden, and
+    one-head groups make messages and kernel calls so small that their fixed costs eat what the overlap hides."""
+    if setting is not None:
+        return max(1, min(setting, heads_per_rank))
+    return max(1, min(4, heads_per_rank // 2))
+
+
+def _join_head_groups(parts: list[torch.Tensor], u: int) -> torch.Tensor:
+    """The groups' outputs back from the all-to-all, [B, u * heads_j, S, D] each (rank-major), as [B, H, S, D]:
+    rank r's heads are its groups' heads in order, so the groups interleave per rank."""
+    return torch.cat([part.unflatten(1, (u, -1)) for part in parts], dim=2).flatten(1, 2)
+
+
 def usp_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -123,6 +143,7 @@ def usp_attention(
     scale: float | None = None,
     stale_kv: Callable[..., tuple[torch.Tensor, ...]] | None = None,
     keep: list[torch.Tensor] | None = None,
+    head_groups: int | None = 1,
 ) -> torch.Tensor:
     """Exact attention over the whole sequence from sequence-sharded [B, H, S_local, D] inputs.
 
@@ -130,12 +151,17 @@ def usp_attention(
     to the K/V to attend to; PipeFusion uses it to add the other patches' stale K/V (and the text
     patch's K/V for an image patch that runs without the text).
     `keep`, for an uneven split (token_split.UnevenSplit.keep), drops the padded image keys.
+    `head_groups` (None: auto, see overlap_groups) splits each rank's heads into groups: the next group's Q/K/V
+    all-to-all travels while attention runs on this one, and each group's output all-to-all leaves as soon as the
+    group is done. Every head's math is unchanged. Not with `stale_kv` (PipeFusion stores one K/V per layer call).
     """
     scale = default_scale(q) if scale is None else scale
     u = ulysses.world_size
     heads = q.shape[1]
     if heads % u:
         raise ValueError(f"{heads} attention heads cannot be split over Ulysses degree {u}")
+    h = heads // u
+    groups = 1 if u == 1 or stale_kv is not None else overlap_groups(h, head_groups)
     text_tokens = text_tokens if text_layout is not TextLayout.NONE else 0
     (kt, ki), (vt, vi) = (_split_text(x, text_layout, text_tokens) for x in (k, v))
     if text_layout is TextLayout.CAUSAL_PREFIX:  # the prefix's keys alone: no text queries, no text output
@@ -143,24 +169,38 @@ def usp_attention(
     else:
         qt, qi = _split_text(q, text_layout, text_tokens)
 
-    # Ulysses: image tokens scatter heads / gather tokens in one all-to-all; text keeps its own heads.
-    qkv = ulysses.all_to_all(torch.stack([qi, ki, vi]), scatter_dim=2, gather_dim=3)
-    qi, ki, vi = qkv.unbind(0)
-    h0, h1 = ulysses.rank_in_group * heads // u, (ulysses.rank_in_group + 1) * heads // u
-    qt, kt, vt = qt[:, h0:h1], kt[:, h0:h1], vt[:, h0:h1]
+    # Ulysses: image tokens scatter heads / gather tokens in all-to-alls, one per head group; text keeps its own heads.
+    image_qkv = torch.stack([qi, ki, vi]).unflatten(2, (u, h))  # [3, B, rank, head, S, D]
+    bounds = [(int(g[0]), int(g[-1]) + 1) for g in torch.arange(h).tensor_split(groups)]
+
+    def send(a: int, b: int):
+        return ulysses.start_all_to_all(image_qkv[:, :, :, a:b].flatten(2, 3), scatter_dim=2, gather_dim=3)
+
+    h0 = ulysses.rank_in_group * h
+    pending, texts, images = send(*bounds[0]), [], []
+    for j, (a, b) in enumerate(bounds):
+        qkv = pending.wait()
+        if j + 1 < groups:
+            pending = send(*bounds[j + 1])
+        text = (x[:, h0 + a : h0 + b] for x in (qt, kt, vt))
+        out = _attend(*text, *qkv.unbind(0), ring=ring, kernel=kernel, scale=scale, stale_kv=stale_kv, keep=keep)
+        texts.append(out[:, :, :text_tokens])
+        images.append(ulysses.start_all_to_all(out[:, :, text_tokens:], scatter_dim=2, gather_dim=1))
+    out_image = _join_head_groups([image.wait() for image in images], u)
+    if not text_tokens:  # no replicated text (none, or sharded with the image: one sequence shard)
+        return out_image
+    return _join_text(ulysses.all_gather(torch.cat(texts, dim=1), dim=1), out_image, text_layout)
+
+
+def _attend(qt, kt, vt, qi, ki, vi, *, ring: GroupCoordinator, kernel: AttentionKernel, scale: float,
+            stale_kv: Callable[..., tuple[torch.Tensor, ...]] | None, keep: list[torch.Tensor] | None) -> torch.Tensor:
+    """One head group's attention on this rank, [text, image] queries after the all-to-all, against the local K/V
+    and (Ring) every other ring member's image K/V."""
     if stale_kv is not None:
         kt, vt, ki, vi = stale_kv(kt, vt, ki, vi)
-
     query = torch.cat([qt, qi], dim=2)
     ki_real, vi_real = (ki, vi) if keep is None else _real_keys(ki, vi, keep[ring.rank_in_group])
     k_local, v_local = torch.cat([kt, ki_real], dim=2), torch.cat([vt, vi_real], dim=2)
     if ring.world_size == 1:
-        out, _ = kernel(query, k_local, v_local, scale)
-    else:
-        out = ring_attention(query, k_local, v_local, ki, vi, ring, kernel, scale, keep)
-
-    out_text, out_image = out[:, :, :text_tokens], out[:, :, text_tokens:]
-    out_image = ulysses.all_to_all(out_image, scatter_dim=2, gather_dim=1)
-    if not text_tokens:  # no replicated text (none, or sharded with the image: one sequence shard)
-        return out_image
-    return _join_text(ulysses.all_gather(out_text, dim=1), out_image, text_layout)
+        return kernel(query, k_local, v_local, scale)[0]
+    return ring_attention(query, k_local, v_local, ki, vi, ring, kernel, scale, keep)
