@@ -7,7 +7,8 @@ communication with compute behave on the links users have (PCIe, Ethernet) canno
 takes `latency + bytes / bandwidth` of the named link (parallel/layout/config.py's LINKS, the figures the link table
 and `--layout auto` price), stretched by how much slower this CPU computes than the GPU the figures are for
 (`scale` = the GPU's dense TFLOP/s ÷ this CPU's, one thread, measured): the communication keeps the share of a step
-it would have on that GPU and link. A collective the caller waits on at once (all_to_all_single, all_gather,
+it would have on that GPU and link. A rank's link carries one message at a time: one sent while another travels
+is delivered after it. A collective the caller waits on at once (all_to_all_single, all_gather,
 send / recv, broadcast, all_reduce) returns no sooner than that; an asynchronous one (async_op=True,
 batch_isend_irecv: Ring's exchange) is due that long after it started, so compute done meanwhile hides it, as on a
 real link. diffusers' context parallelism (functional collectives) waits at once. PipeFusion's isend is not
@@ -102,31 +103,36 @@ def emulating(link: EmulatedLink | None) -> Iterator[None]:
         "recv": lambda a, k: (_arg(a, k, 0, "tensor").nbytes, 1),  # from when it is asked for: pessimistic
     }
     originals = {name: getattr(dist, name) for name in [*sent, "batch_isend_irecv"]}
+    free_at = [0.0]  # when this rank's link is done with what it carries
+
+    def due(seconds: float) -> float:
+        free_at[0] = max(time.perf_counter(), free_at[0]) + seconds
+        return free_at[0]
     functional = {name: getattr(funcol, name) for name in ("all_to_all_single", "all_gather_tensor")}
 
     def delayed(name):
         def call(*args, **kwargs):
             nbytes, messages = sent[name](args, kwargs)
-            due = time.perf_counter() + link.delay(nbytes, max(messages, 1))
+            arrives = due(link.delay(nbytes, max(messages, 1)))
             result = originals[name](*args, **kwargs)
             if kwargs.get("async_op"):
-                return _DueWork(result, due)
-            _sleep_until(due)
+                return _DueWork(result, arrives)
+            _sleep_until(arrives)
             return result
         return call
 
     def batch_isend_irecv(ops):  # Ring's K/V exchange: due when the larger direction has crossed
         nbytes = max(sum(op.tensor.nbytes for op in ops if op.op is dist.isend),
                      sum(op.tensor.nbytes for op in ops if op.op is dist.irecv))
-        due = time.perf_counter() + link.delay(nbytes)
-        return [_DueWork(work, due) for work in originals["batch_isend_irecv"](ops)]
+        arrives = due(link.delay(nbytes))
+        return [_DueWork(work, arrives) for work in originals["batch_isend_irecv"](ops)]
 
     def functional_call(name, group_index, sent_of):
         def call(x, *args, **kwargs):
             group = kwargs["group"] if "group" in kwargs else args[group_index - 1]
-            due = time.perf_counter() + link.delay(*sent_of(x, _size(group)))
+            arrives = due(link.delay(*sent_of(x, _size(group))))
             result = funcol.wait_tensor(functional[name](x, *args, **kwargs))
-            _sleep_until(due)
+            _sleep_until(arrives)
             return result
         return call
 

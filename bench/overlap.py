@@ -6,8 +6,8 @@ its heads in 1 group (no overlap) and in more, every all-to-all held until `--li
 
 The ranks run over gloo on this machine's CPUs, one thread each; `--link` (config.Link.parse: nvlink, pcie4,
 25gbe, 10gbe or GBYTES_PER_S,LATENCY_US) delays each collective's completion to when a link of that bandwidth and
-latency, carrying this rank's messages one after another, would finish it (the real loopback transfer still runs
-underneath). The default, 0.2 GB/s, makes the transfer about a fifth of a call next to this CPU's attention, as
+latency, carrying this rank's messages one after another, would finish it (bench/emulated_link.py, unscaled; the
+real loopback transfer still runs underneath). The default, 0.2 GB/s, makes the transfer about a fifth of a call next to this CPU's attention, as
 over Ethernet next to a GPU's. So the time a schedule saves is the transfer it hides behind attention, as on a GPU
 whose copies run beside its compute; what a GPU would add (NCCL's own cost, the kernels' efficiency on smaller head
 groups) is not here.
@@ -27,34 +27,7 @@ from parallel.cli.launch import ROOT, rank_environment, torchrun_command
 from parallel.cli.torchrun_exit import exit_after_work
 from parallel.layout.config import Link
 
-
-class _Delivered:
-    """A collective in flight on the emulated link: its result no earlier than the link's delivery time."""
-
-    def __init__(self, pending, deadline: float):
-        self.pending, self.deadline = pending, deadline
-
-    def wait(self):
-        result = self.pending.wait()
-        time.sleep(max(0.0, self.deadline - time.perf_counter()))
-        return result
-
-
-class EmulatedLink:
-    """`group` (a GroupCoordinator) whose all-to-alls complete when `link` would have delivered them, one message
-    after another (a second one queues behind the first)."""
-
-    def __init__(self, group, link: Link):
-        self.group, self.link, self.free_at = group, link, 0.0
-
-    def __getattr__(self, name):
-        return getattr(self.group, name)
-
-    def start_all_to_all(self, tensor, scatter_dim: int, gather_dim: int):
-        size = self.group.world_size
-        nbytes = tensor.nbytes * (size - 1) // size
-        self.free_at = max(time.perf_counter(), self.free_at) + self.link.seconds(nbytes)
-        return _Delivered(self.group.start_all_to_all(tensor, scatter_dim, gather_dim), self.free_at)
+from .emulated_link import EmulatedLink, emulating
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -68,14 +41,17 @@ def rank_main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     world = init_distributed_environment(backend="gloo")
     initialize_model_parallel(ParallelConfig(ulysses_degree=world.world_size))
-    ulysses, ring = EmulatedLink(get_ulysses_group(), Link.parse(args.link)), get_ring_group()
+    ulysses, ring = get_ulysses_group(), get_ring_group()
+    link = Link.parse(args.link)  # its own bandwidth: the default is already slow next to this CPU
+    emulated = EmulatedLink(args.link, link.bytes_per_s, link.latency_s, scale=1.0)
     torch.manual_seed(world.rank)
     q, k, v = torch.randn(3, 1, args.heads, args.tokens // world.world_size, args.head_dim).unbind(0)
     kernel = pick_kernel(q)
     rows, reference = [], None
     for groups in args.groups:
         def call():
-            return usp_attention(q, k, v, ulysses=ulysses, ring=ring, kernel=kernel, head_groups=groups)
+            with emulating(emulated):
+                return usp_attention(q, k, v, ulysses=ulysses, ring=ring, kernel=kernel, head_groups=groups)
 
         out = call()  # warm-up
         reference = out if reference is None else reference
