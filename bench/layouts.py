@@ -29,6 +29,7 @@ class Layout:
     cfg: int = 1
     true_cfg: bool = False  # Flux's real CFG (true_cfg_scale > 1): two transformer calls per step
     replicas: int = 1  # diffusers only: this many ranks each run the whole 1-rank job at the same time
+    overlap_groups: int | None = None  # xdit Ulysses head groups (usp.py): None as `--ulysses-overlap-groups` auto, 1 off
 
     @property
     def ranks(self) -> int:
@@ -40,13 +41,15 @@ class Layout:
         return "diffusers-1-cfg" if self.true_cfg else "diffusers-1"
 
     def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(cfg_degree=self.cfg, ring_degree=self.ring, ulysses_degree=self.ulysses)
+        return ParallelConfig(cfg_degree=self.cfg, ring_degree=self.ring, ulysses_degree=self.ulysses,
+                              ulysses_overlap_groups=self.overlap_groups)
 
     def describe(self) -> str:
         if self.replicas > 1:
             return f"{self.engine} 1 rank, {self.replicas} copies at once (hardware ceiling)"
         degrees = [f"{k}{v}" for k, v in (("U", self.ulysses), ("R", self.ring), ("CFG", self.cfg)) if v > 1]
-        return f"{self.engine} {'×'.join(degrees) or '1 rank'}" + (" (true CFG)" if self.true_cfg else "")
+        return (f"{self.engine} {'×'.join(degrees) or '1 rank'}" + (" (true CFG)" if self.true_cfg else "")
+                + (" (no overlap)" if self.overlap_groups == 1 else ""))
 
 
 LAYOUTS = {
@@ -58,6 +61,7 @@ LAYOUTS = {
         Layout("diffusers-1-x4", "diffusers", replicas=4),
         Layout("xdit-1", "xdit"),
         Layout("xdit-ulysses2", "xdit", ulysses=2),
+        Layout("xdit-ulysses2-no-overlap", "xdit", ulysses=2, overlap_groups=1),
         Layout("xdit-ring2", "xdit", ring=2),
         Layout("xdit-cfg2", "xdit", cfg=2, true_cfg=True),
         Layout("xdit-ulysses2-ring2", "xdit", ulysses=2, ring=2),
@@ -74,7 +78,7 @@ SUITES: dict[str, dict[int, list[str]]] = {
         4: ["diffusers-1", "diffusers-1-x4", "xdit-ulysses2-ring2"],
     },
     "diffusers-cp": {
-        2: ["diffusers-1", "diffusers-1-x2", "xdit-ulysses2", "xdit-ring2",
+        2: ["diffusers-1", "diffusers-1-x2", "xdit-ulysses2", "xdit-ulysses2-no-overlap", "xdit-ring2",
             "diffusers-cp-ulysses2", "diffusers-cp-ring2"],
     },
 }
