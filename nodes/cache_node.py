@@ -22,7 +22,8 @@ class XDiTCache(io.ComfyNode):
             node_id="XDiTCache",
             display_name="xDiT Cache",
             category="sampling/xDiT",
-            description="Step caching on the pool (Flux and Wan): FBCache (first-block) or TaylorSeer.",
+            description="Step caching on the pool where diffusers has hooks for the model (python -m parallel.run "
+                        "--list-supported: its step cache column): FBCache (first-block) or TaylorSeer.",
             inputs=[
                 XDiTPoolType.Input("pool", tooltip="The xDiT Pool (or an xDiT LoRA) whose jobs use this cache."),
                 io.Combo.Input("method", options=list(METHODS), default="first-block",
