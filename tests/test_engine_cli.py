@@ -110,3 +110,16 @@ def test_a_signal_ends_the_run_as_that_signal_and_leaves_no_rank(tiny_model_dirs
     assert launcher.returncode == (128 + 9 if killed == "a rank" else 128 + 15), stderr[-3000:]
     gone, alive = psutil.wait_procs(ranks, timeout=10)
     assert not alive
+
+
+def test_a_job_that_fails_exits_1(tiny_model_dirs, pixart_inputs, tmp_path):
+    """Not a mistake in the command but a failure while the job runs (a weights file cut short on disk): exit 1."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dirs["pixart-alpha"], model)
+    weights = next((model / "transformer").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    run = run_engine(2, model, pixart_inputs, tmp_path / "out.safetensors", "--guidance-scale", "4.5",
+                     "--ulysses-degree", "2", launcher="own")
+    assert run.returncode == 1, run.stderr[-3000:]
