@@ -32,7 +32,7 @@ from parallel.distributed.parallel_state import all_coordinators
 from parallel.model_executor.layout_scope import under_layout
 
 from . import machine
-from .emulated_link import EmulatedLink, cpu_tflops, emulating, link_for
+from .emulated_link import EmulatedLink, emulating, from_spec
 from .diffusers_cp import FunctionalCollectiveBytes, enable_context_parallel
 from .layouts import LAYOUTS, Layout
 from .model import MODELS, BenchModel, on_gpu, synchronize
@@ -119,15 +119,6 @@ def settle(limit_seconds: float, rank: int) -> None:
     dist.barrier()
 
 
-def emulated_link(spec: dict, rank: int) -> tuple[EmulatedLink | None, float | None]:
-    """The SPEC's link, stretched by rank 0's measured compute speed (every rank gets the same)."""
-    if not spec.get("link"):
-        return None, None
-    speed = torch.tensor([cpu_tflops() if rank == 0 else 0.0], dtype=torch.float64)
-    dist.broadcast(speed, src=0)
-    return link_for(spec["link"]["name"], spec["link"]["gpu_tflops"], speed.item()), speed.item()
-
-
 def main(spec_path: str, result_path: str) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)  # diffusers' own funcol deprecations
     torch.set_num_threads(1)
@@ -136,7 +127,7 @@ def main(spec_path: str, result_path: str) -> int:
     layouts = sorted((LAYOUTS[name] for name in spec["layouts"]), key=lambda l: l.engine != "diffusers")
     world = init_distributed_environment()
     runners = Runners(model, world.rank, layouts)
-    link, own_tflops = emulated_link(spec, world.rank)
+    link, own_tflops = from_spec(spec, world.rank)
     results: dict[str, dict] = {name: {"unavailable": why} for name, why in runners.unavailable.items()}
     layouts = [layout for layout in layouts if layout.name not in runners.unavailable]
     results.update({layout.name: {"times_s": [], "foreign_cores": []} for layout in layouts})

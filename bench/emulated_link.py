@@ -60,6 +60,21 @@ def link_for(name: str, gpu_tflops: float, own_tflops: float) -> EmulatedLink:
     return EmulatedLink(name, *LINKS[name], scale=gpu_tflops / own_tflops)
 
 
+def from_spec(spec: dict, rank: int) -> tuple[EmulatedLink | None, float | None]:
+    """A bench job's SPEC link ({"name", "gpu_tflops"} or absent), stretched by rank 0's measured compute speed
+    (every rank gets the same), and that speed in TFLOP/s."""
+    if not spec.get("link"):
+        return None, None
+    speed = torch.tensor([cpu_tflops() if rank == 0 else 0.0], dtype=torch.float64)
+    dist.broadcast(speed, src=0)
+    return link_for(spec["link"]["name"], spec["link"]["gpu_tflops"], speed.item()), speed.item()
+
+
+def stretched(link: EmulatedLink) -> Link:
+    """The link as this CPU sees it under emulation: what a model that prices this machine's compute should price."""
+    return Link(link.bytes_per_s / link.scale, link.latency_s * link.scale)
+
+
 def _size(group) -> int:
     return group.size() if group is not None else dist.get_world_size()
 

@@ -89,6 +89,22 @@ def test_bench_under_an_emulated_link_records_it_and_keeps_the_results(tmp_path)
     assert rows["xdit-ulysses2"]["max_abs_diff"] < 1e-4 and rows["xdit-ring2"]["max_abs_diff"] < 1e-4  # time, not results
 
 
+def test_layout_auto_under_an_emulated_link_predicts_for_it(tmp_path):
+    """bench.layout_auto --link: every layout timed under the emulated link and predicted for that link, stretched
+    alike (not probed), each prediction beside its clock."""
+    out = tmp_path / "auto.json"
+    run = subprocess.run([sys.executable, "-m", "bench.layout_auto", "--tiny", "--runs", "1", "--steps", "2",
+                          "--link", "25gbe", "--gpu-tflops", "1", "--json", str(out)],
+                         cwd=ROOT, env=rank_environment(threads_per_rank=None), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    link = result["emulated_link"]
+    assert link["name"] == "25gbe" and math.isclose(link["scale"], 1 / result["cpu_tflops"])
+    assert result["links"].startswith("links (given)") and f"{3.1e9 / link['scale'] / 1e9:.3g} GB/s" in result["links"]
+    assert all(row["measured_s"] > 0 and row["step_s"] > 0 for row in result["layouts"])
+    assert "timed under 25gbe emulated" in run.stdout
+
+
 def test_bench_model_call_tiny_prices_a_call_and_its_bytes(tmp_path):
     out = tmp_path / "model_call.json"
     run = subprocess.run([sys.executable, "-m", "bench.model_call", "--model", "tiny", "--runs", "2", "--json", str(out)],
