@@ -106,16 +106,16 @@ def emulating(link: EmulatedLink | None) -> Iterator[None]:
     if link is None:
         yield
         return
-    sent = {  # bytes one rank puts on its link, and messages, from a call's arguments
-        "all_to_all_single": lambda a, k: (_arg(a, k, 1, "input").nbytes * (_size(_group(a, k, 4)) - 1)
-                                           // _size(_group(a, k, 4)), _size(_group(a, k, 4)) - 1),
-        "all_gather": lambda a, k: (_arg(a, k, 1, "tensor").nbytes * (_size(_group(a, k, 2)) - 1), _size(_group(a, k, 2)) - 1),
-        "all_gather_into_tensor": lambda a, k: (_arg(a, k, 1, "input_tensor").nbytes * (_size(_group(a, k, 2)) - 1), 1),
-        "broadcast": lambda a, k: (_arg(a, k, 0, "tensor").nbytes, 1),
-        "all_reduce": lambda a, k: (2 * _arg(a, k, 0, "tensor").nbytes * (_size(_group(a, k, 2)) - 1)
-                                    // _size(_group(a, k, 2)), 1),
-        "send": lambda a, k: (_arg(a, k, 0, "tensor").nbytes, 1),
-        "recv": lambda a, k: (_arg(a, k, 0, "tensor").nbytes, 1),  # from when it is asked for: pessimistic
+    # name → (its tensor's position and keyword, its group's position, (bytes, group size) → bytes one rank puts on
+    # its link and messages)
+    sent = {
+        "all_to_all_single": (1, "input", 4, lambda b, n: (b * (n - 1) // n, n - 1)),
+        "all_gather": (1, "tensor", 2, lambda b, n: (b * (n - 1), n - 1)),
+        "all_gather_into_tensor": (1, "input_tensor", 2, lambda b, n: (b * (n - 1), 1)),
+        "broadcast": (0, "tensor", 2, lambda b, n: (b, 1)),
+        "all_reduce": (0, "tensor", 2, lambda b, n: (2 * b * (n - 1) // n, 1)),
+        "send": (0, "tensor", 2, lambda b, n: (b, 1)),
+        "recv": (0, "tensor", 2, lambda b, n: (b, 1)),  # from when it is asked for: pessimistic
     }
     originals = {name: getattr(dist, name) for name in [*sent, "batch_isend_irecv"]}
     free_at = [0.0]  # when this rank's link is done with what it carries
@@ -127,7 +127,8 @@ def emulating(link: EmulatedLink | None) -> Iterator[None]:
 
     def delayed(name):
         def call(*args, **kwargs):
-            nbytes, messages = sent[name](args, kwargs)
+            index, keyword, group_index, share = sent[name]
+            nbytes, messages = share(_arg(args, kwargs, index, keyword).nbytes, _size(_group(args, kwargs, group_index)))
             arrives = due(link.delay(nbytes, max(messages, 1)))
             result = originals[name](*args, **kwargs)
             if kwargs.get("async_op"):

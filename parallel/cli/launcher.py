@@ -19,7 +19,7 @@ import sys
 import time
 
 from .launch import ROOT, die_with_parent, rank_environment
-from .rendezvous import Store, network_environment
+from .rendezvous import Store, one_machine_environments
 
 STORE_ENV = "XDIT_STORE"  # HOST:PORT of the store a launcher hosts for its ranks
 FAILED_PEERS_WAIT_S = 5.0  # after a rank fails: the others' time to fail alike (a refused layout) before they are stopped
@@ -46,12 +46,9 @@ def nproc_of(argv: list[str]) -> tuple[int | None, list[str]]:
 def launch(nproc: int, argv: list[str]) -> int:
     """Start `nproc` ranks of `python -m parallel.run argv` and return the run's exit status."""
     store = Store()
-    environment = rank_environment(threads_per_rank=None) | network_environment() | {
-        "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), STORE_ENV: store.address}
-    if nproc > 1:
-        environment.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default: ranks would share the cores
-    ranks = [subprocess.Popen([sys.executable, "-m", "parallel.run", *argv], cwd=ROOT, preexec_fn=_own_group,
-                              env={**environment, "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in range(nproc)]
+    environments = one_machine_environments(nproc, rank_environment(threads_per_rank=None) | {STORE_ENV: store.address})
+    ranks = [subprocess.Popen([sys.executable, "-m", "parallel.run", *argv], cwd=ROOT, preexec_fn=_own_group, env=env)
+             for env in environments]
     received: list[int] = []
 
     def forward(number, _frame):  # Ctrl-C or a kill of the launcher ends the ranks and the run as that signal

@@ -56,6 +56,15 @@ class Store:
         self._store = None
 
 
+def one_machine_environments(nproc: int, environment: dict[str, str]) -> list[dict[str, str]]:
+    """Each of `nproc` ranks' environment on this machine, as torchrun would give it (RANK, LOCAL_RANK, WORLD_SIZE,
+    LOCAL_WORLD_SIZE; one OpenMP thread unless chosen), gloo and NCCL told to listen on loopback."""
+    base = environment | network_environment() | {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
+    if nproc > 1:
+        base.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default: ranks would share the cores
+    return [{**base, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(nproc)]
+
+
 def join(address: str, world_size: int):
     """A rank's client of the store its launcher hosts at `address` (HOST:PORT, or [V6]:PORT)."""
     import torch.distributed as dist

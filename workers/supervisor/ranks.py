@@ -99,16 +99,11 @@ def start(spec: PoolSpec, arguments: list[str], output) -> Launch:
     if spec.nnodes > 1:
         return _start_torchrun(spec, arguments, environment, outputs)
     store = rendezvous.Store()
-    environment |= rendezvous.network_environment()
-    if spec.nproc > 1:
-        environment.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default: ranks would share the cores
-    world = {"WORLD_SIZE": str(spec.nproc), "LOCAL_WORLD_SIZE": str(spec.nproc)}
     processes: dict[str, subprocess.Popen] = {}
     group = 0
-    for rank in range(spec.nproc):
+    for rank, env in enumerate(rendezvous.one_machine_environments(spec.nproc, environment)):
         process = subprocess.Popen(
-            [sys.executable, *RANK_MODULE, *arguments, "--store", store.address], cwd=launch.ROOT,
-            env={**environment, **world, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            [sys.executable, *RANK_MODULE, *arguments, "--store", store.address], cwd=launch.ROOT, env=env,
             preexec_fn=functools.partial(_in_group, group), **outputs,
         )
         group = group or process.pid
