@@ -239,6 +239,43 @@ def weight_bytes(cls_name: str, config: dict, experts: int, ranks: int, act: int
             "per_rank": int(sharded) + 2 * max(blocks) * act + (total - sum(blocks)) * experts * act}
 
 
+def whole_bytes(cls_name: str, config: dict, experts: int) -> dict[str, int]:
+    """Per-rank weight bytes without sharding (what a pool holds by default): every expert whole on every rank, in
+    bf16, and in fp8 as ComfyUI's scaled-fp8 files keep it (the blocks' linear weights one byte each, with one fp32
+    scale per layer; the rest bf16)."""
+    import diffusers
+    import torch
+
+    from parallel.loading.weight_sharding import transformer_blocks
+
+    with torch.device("meta"):
+        model = getattr(diffusers, cls_name)(**config)
+    linear = [layer.weight.numel() for block in transformer_blocks(model) for layer in block.modules()
+              if isinstance(layer, torch.nn.Linear)]
+    total = sum(p.numel() for p in model.parameters())
+    return {"bf16": experts * total * ACT, "fp8": experts * (sum(linear) + 4 * len(linear) + (total - sum(linear)) * ACT)}
+
+
+def loader_pair(heads: int) -> list[str]:
+    """Wan 2.2 A14B as its template builds it with Load Diffusion Model (xDiT Pool): two loaders, one pool, both
+    experts on every rank (each MODEL calls its own); per rank, whole in fp8 or bf16, or sharded (bf16)."""
+    what, cls_name, config, experts, _ = RELEASED["Wan 2.2 A14B"]
+    whole = whole_bytes(cls_name, config, experts)
+    lines = [f"**Wan 2.2 A14B's two loaders on one pool** ({what}; Ulysses over the ranks, the activations of one "
+             "call; the pool holds both experts, so no expert is reloaded between the template's two samplers):", "",
+             "| ranks | weights per rank | activations | total | 24 GB |", "|---:|---|---:|---:|:---:|"]
+    fits = CARD * HEADROOM
+    for ranks in RANKS:
+        act = activation("Wan 2.2 A14B", ranks if heads % ranks == 0 else 1, 1)["peak"]
+        for label, weights in (("both experts whole, fp8 (the template's files)", whole["fp8"]),
+                               ("both experts whole, bf16", whole["bf16"]),
+                               ("`shard_weights`, bf16", weight_bytes(cls_name, config, experts, ranks)["per_rank"])):
+            total = weights + act
+            lines.append(f"| {ranks} | {label}: {_gib(weights)} | {_gib(act)} | {_gib(total)} | "
+                         f"{'✓' if total <= fits else '✗'} |")
+    return lines + [""]
+
+
 def layouts(ranks: int, heads: int, cfg: bool) -> dict[str, tuple[int, int, int]]:
     """(ulysses, ring, cfg) of every layout of `ranks` that splits the work of one sample."""
     out = {}
@@ -282,6 +319,7 @@ def report(measured: dict | None) -> tuple[str, dict]:
                 lines.append(f"| {ranks} | {name} | {_gib(weights['per_rank'])} | {_gib(act['peak'])} ({act['peak_step']}) | "
                              f"{_gib(total)} | {'✓' if total <= fits else '✗'} |")
         lines.append("")
+    lines += loader_pair(WAN_A14B.heads)
     lines += ["Measured on mini models of the same blocks (D 128, 4 heads of 32, 256 image + 32 text tokens, bf16, "
               "real torchrun ranks), against the same analytic models at the mini shape:", "",
               "| model | layout | measured per rank (bytes) | analytic | measured / analytic |", "|---|---|---:|---:|---:|"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from test_comfyui_loader import _loader, _run
 from xdit_test_helpers import TOLERANCE
@@ -129,6 +129,10 @@ def test_wan22_expert_pair_with_both_loaders_swapped_equals_comfyuis_own_and_sha
     assert (ours - expected).abs().max().item() <= TOLERANCE
     pools = [p for p in comfy.get("/xdit/pools")["pools"] if "wan2.2" in p["key"]["model"]]
     assert len(pools) == 1 and pools[0]["key"]["model"].endswith(WAN22["high"]), pools
+    # each rank holds both experts whole, nothing more: the two files' bytes (bench/RESULTS.md sizes the released pair)
+    held = sum(tensor.numel() * tensor.element_size() for kind in ("high", "low")
+               for tensor in load_file(comfy.work / "models" / "diffusion_models" / WAN22[kind]).values())
+    assert [rank["parameter_bytes"] for rank in pools[0]["status"]["memory"]] == [held, held]
     crossed = _run(comfy, _wan22_template(swapped=True, experts=("low", "high")))["low"]
     assert (crossed - expected).abs().max().item() > 1e-3
 

@@ -46,3 +46,11 @@ def test_the_table_covers_every_model_and_rank_count():
     assert "| 8 | ulysses8 |" in text and "(not measured)" in text
     qwen = data["real"]["Qwen-Image"]
     assert qwen["4:ulysses4"]["weights"]["per_rank"] < qwen["2:ulysses2"]["weights"]["per_rank"] / 1.8
+
+
+def test_a_pool_holding_both_wan_experts_whole_counts_two_14b_transformers():
+    _, cls_name, config, experts, _ = memory_table.RELEASED["Wan 2.2 A14B"]
+    whole = memory_table.whole_bytes(cls_name, config, experts)
+    assert 2 * 14e9 * 2 < whole["bf16"] < 2 * 14.5e9 * 2  # two experts of 14 B parameters
+    assert 0.5 < whole["fp8"] / whole["bf16"] < 0.52  # fp8 blocks; embeddings, norms and head stay bf16
+    assert "Wan 2.2 A14B's two loaders on one pool" in memory_table.report(None)[0]

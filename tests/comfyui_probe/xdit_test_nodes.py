@@ -7,11 +7,14 @@ CONDITIONING: XDiTTestConditioning builds one from tensors a test saved, in exac
 gives (its `cond`, and its extras under their ComfyUI keys: `attention_mask`, `conditioning_byt5small`,
 `reference_latents` as TextEncodeQwenImageEdit(Plus) appends them, ...). XDiTTestClipVision stands for
 CLIPVisionEncode's output the same way, XDiTTestLatent a latent node's LATENT; XDiTTestSaveAudio keeps an AUDIO exactly.
+XDiTTestTextEncoder and XDiTTestVAE stand in for a whole template's CLIPLoader / DualCLIPLoader and VAELoader, so an
+official workflow runs unchanged otherwise (tests/test_comfyui_browser_loader.py).
 
 A file holds `cond` and extras by key; a list (reference_latents) as `key.0`, `key.1`, ...; a float (guidance) as
 a 0-d tensor.
 """
 
+import json
 import os
 
 import comfy.clip_vision
@@ -102,5 +105,66 @@ class XDiTTestSaveAudio:
         return {}
 
 
+TEXTS = "xdit-test-texts.json"  # in the input folder: {prompt text: the tensors file XDiTTestTextEncoder gives for it}
+
+
+class _TextEncoder:
+    """A loaded text encoder as CLIPTextEncode uses it: the tokens are the text; the CONDITIONING is the one a test
+    saved for that text (named in TEXTS), in XDiTTestConditioning's layout."""
+
+    def tokenize(self, text, **_):
+        return text
+
+    def encode_from_tokens_scheduled(self, text, **_):
+        with open(os.path.join(folder_paths.get_input_directory(), TEXTS)) as file:
+            return XDiTTestConditioning().load(json.load(file)[text])[0]
+
+
+class XDiTTestTextEncoder:
+    """CLIPLoader's and DualCLIPLoader's stand-in (a test drops their inputs: file names, type, device): a CLIP."""
+
+    CATEGORY = "testing/xdit"
+    RETURN_TYPES = ("CLIP",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {}}
+
+    def load(self):
+        return (_TextEncoder(),)
+
+
+class _KeptDecode:
+    """A VAE as VAEDecode uses it: the latent it is given is kept exactly (output/xdit-decoded/<n>.safetensors, in
+    the order of the calls), and the image is black, 8× the latent per side (a video's 4n+1 frames)."""
+
+    def decode(self, latent):
+        import torch
+        from safetensors.torch import save_file
+
+        folder = os.path.join(folder_paths.get_output_directory(), "xdit-decoded")
+        os.makedirs(folder, exist_ok=True)
+        save_file({"latent": latent.contiguous()}, os.path.join(folder, f"{len(os.listdir(folder)):04d}.safetensors"))
+        frames = ((latent.shape[2] - 1) * 4 + 1,) if latent.ndim == 5 else ()
+        return torch.zeros(latent.shape[0], *frames, latent.shape[-2] * 8, latent.shape[-1] * 8, 3)
+
+
+class XDiTTestVAE:
+    """VAELoader's stand-in (a test drops its file name): a VAE that keeps what it decodes (_KeptDecode)."""
+
+    CATEGORY = "testing/xdit"
+    RETURN_TYPES = ("VAE",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {}}
+
+    def load(self):
+        return (_KeptDecode(),)
+
+
 NODE_CLASS_MAPPINGS = {"XDiTTestConditioning": XDiTTestConditioning, "XDiTTestClipVision": XDiTTestClipVision,
-                       "XDiTTestLatent": XDiTTestLatent, "XDiTTestSaveAudio": XDiTTestSaveAudio}
+                       "XDiTTestLatent": XDiTTestLatent, "XDiTTestSaveAudio": XDiTTestSaveAudio,
+                       "XDiTTestTextEncoder": XDiTTestTextEncoder, "XDiTTestVAE": XDiTTestVAE}

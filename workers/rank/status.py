@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+import torch
+
 from ..engine import engine, fields
 from ..supervisor.processes import is_alive
 from ..wire.messages import PoolStatus
@@ -51,9 +53,11 @@ def status_of(rank: "Rank") -> PoolStatus:
 def take_census(rank: "Rank") -> None:
     """Every rank's memory (RSS, device, parameters) and rank 0's storage per format, for the status."""
     rank.census_at = time.monotonic()
-    transformer = rank.pipeline.module.transformer.module
-    rank.storage = engine("loading.checkpoints.fp8").storage_of(transformer)  # e.g. float8_e4m3fn + bfloat16 bytes
-    own = memory_of_this_rank(transformer)
+    pipeline = rank.pipeline.module  # every transformer it holds: Wan 2.2 A14B's two experts are both on each rank
+    transformers = torch.nn.ModuleList(getattr(pipeline, name).module for name in ("transformer", "transformer_2")
+                                       if getattr(pipeline, name, None) is not None)
+    rank.storage = engine("loading.checkpoints.fp8").storage_of(transformers)  # e.g. float8_e4m3fn + bfloat16 bytes
+    own = memory_of_this_rank(transformers)
     flat = rank.gather_ints([own["rss_bytes"], own["device_bytes"], own["parameter_bytes"]])
     rank.memory = [
         {"rank": r, "rss_bytes": flat[3 * r], "device_bytes": flat[3 * r + 1], "parameter_bytes": flat[3 * r + 2]}
