@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
-from test_comfyui_model import MODEL, SAMPLERS, checkpoint, graph, latents_of, stock  # noqa: F401 - fixtures
+from test_comfyui_model import MODEL, SAMPLERS, SEED, checkpoint, graph, latents_of, stock  # noqa: F401 - fixtures
 from xdit_test_helpers import TOLERANCE
 
 
@@ -114,6 +115,57 @@ def test_a_model_merge_on_the_loaders_model_is_one_error_of_the_merge_node(comfy
     errors = [m[1] for m in entry["status"]["messages"] if m[0] == "execution_error"]
     assert errors and errors[0]["node_type"] == "ModelMergeSimple", errors
     assert "a model merge scales the model's own weights, which live on the pool" in errors[0]["exception_message"]
+
+
+def _template_rest(model: str, source: str) -> dict:
+    """The rest of what templates put between loader and latent, on `model`: ModelSamplingSD3; a positive of two
+    prompts over halves of the steps (ConditioningSetTimestepRange, ConditioningCombine: ComfyUI calls the model
+    per cond); img2img on that result at denoise 0.6; DualCFGGuider over two prompts and the negative."""
+    shifted = f"{source}-shift"
+    ksampler = {"seed": SEED, "steps": 4, "cfg": 4.5, "sampler_name": "euler", "scheduler": "simple",
+                "negative": ["3", 0], "model": [shifted, 0]}
+    return {
+        shifted: {"class_type": "ModelSamplingSD3", "inputs": {"model": [model, 0], "shift": 3.0}},
+        f"{source}-ranged": {"class_type": "KSampler", "inputs": {
+            **ksampler, "positive": ["combined", 0], "latent_image": ["4", 0], "denoise": 1.0}},
+        f"{source}-img2img": {"class_type": "KSampler", "inputs": {
+            **ksampler, "positive": ["2", 0], "latent_image": [f"{source}-ranged", 0], "denoise": 0.6}},
+        f"{source}-dual-guider": {"class_type": "DualCFGGuider", "inputs": {
+            "model": [shifted, 0], "cond1": ["2", 0], "cond2": ["other", 0], "negative": ["3", 0], "cfg_conds": 4.0,
+            "cfg_cond2_negative": 2.0, "style": "regular"}},
+        f"{source}-dual": {"class_type": "SamplerCustomAdvanced", "inputs": {
+            "noise": ["7", 0], "guider": [f"{source}-dual-guider", 0], "sampler": ["8", 0], "sigmas": ["sigmas", 0],
+            "latent_image": ["4", 0]}},
+        **{f"save-{source}-{kind}": _save_latent(f"{source}-{kind}") for kind in ("ranged", "img2img", "dual")},
+    }
+
+
+def _save_latent(node: str) -> dict:
+    return {"class_type": "SaveLatent", "inputs": {"samples": [node, 0], "filename_prefix": node}}
+
+
+@pytest.mark.parametrize("layout", [{"ulysses_degree": 2}, {"cfg_parallel": True}], ids=["ulysses2", "cfg2"])
+def test_timestep_ranges_several_conds_img2img_and_dual_cfg_on_the_loader_equal_comfyuis_own(comfy, stock, layout):
+    base = graph({"ulysses_degree": 2}, stock=True)
+    prompt = {k: base[k] for k in ("1", "2", "3", "4", "6", "7", "8")}
+    prompt.update({
+        "5": _loader(**layout),
+        "other": {"class_type": "XDiTTextEncode", "inputs": {"pool": ["1", 0], "text": "a lighthouse at dusk"}},
+        "early": {"class_type": "ConditioningSetTimestepRange", "inputs": {"conditioning": ["2", 0], "start": 0.0,
+                                                                            "end": 0.5}},
+        "late": {"class_type": "ConditioningSetTimestepRange", "inputs": {"conditioning": ["other", 0], "start": 0.5,
+                                                                           "end": 1.0}},
+        "combined": {"class_type": "ConditioningCombine", "inputs": {"conditioning_1": ["early", 0],
+                                                                     "conditioning_2": ["late", 0]}},
+        "sigmas": {"class_type": "BasicScheduler", "inputs": {"model": ["stock-shift", 0], "scheduler": "simple",
+                                                              "steps": 4, "denoise": 1.0}},
+        **_template_rest("5", "xdit"), **_template_rest("6", "stock")})
+    latents = _run(comfy, prompt)
+    for kind in ("ranged", "img2img", "dual"):
+        assert (latents[f"xdit-{kind}"] - latents[f"stock-{kind}"]).abs().max().item() <= TOLERANCE, kind
+        assert latents[f"stock-{kind}"].abs().max().item() > 0.1, kind
+    # negative control: the second half's prompt reaches the result (against the first prompt alone, same sampler)
+    assert (latents["xdit-ranged"] - latents["xdit-img2img"]).abs().max().item() > 1e-2
 
 
 # -------------------------------------------------------------------------------------------- FLUX.1 [dev]
