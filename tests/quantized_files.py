@@ -1,5 +1,6 @@
 """Quantized files as users download them, written from weights in a file's original layout (original_layouts.py):
-ComfyUI's scaled fp8 and city96's GGUF, each with the weights it means as its own loader computes them."""
+ComfyUI's scaled fp8 and int8 and city96's GGUF (fp8 and GGUF with the weights they mean as their own loaders compute
+them; the int8 files' are read by ComfyUI itself, tests/independent_readers.py)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,32 @@ def fp8_scaled(weights: dict, per_layer: bool) -> tuple[dict, dict]:
         prefix = "model.diffusion_model." if all(k.startswith("model.diffusion_model.") for k in weights) else ""
         stored[prefix + "scaled_fp8"] = torch.zeros(0, dtype=torch.float8_e4m3fn)
     return stored, meant
+
+
+def int8_tensorwise(weights: dict, convrot: bool) -> dict:
+    """ComfyUI's int8 file (`*_int8`, comfy_quant `int8_tensorwise`) of `weights`: 2-D weights int8 with one scale a
+    tensor, or, for ConvRot, each row's scale after turning every 16 input columns by the regular Hadamard matrix
+    (ComfyUI reads groups of a power of 4); everything else as it is."""
+    from parallel.loading.checkpoints.scaled import hadamard
+
+    stored = {}
+    for name, weight in weights.items():
+        if not (name.endswith(".weight") and weight.ndim == 2):
+            stored[name] = weight
+            continue
+        layer, weight = name.removesuffix(".weight"), weight.float()
+        layout = {"format": "int8_tensorwise"}
+        if convrot:
+            layout.update(convrot=True, convrot_groupsize=16)
+            rows, columns = weight.shape
+            weight = (weight.reshape(rows, columns // 16, 16) @ hadamard(16).T).reshape(rows, columns)
+            scale = weight.abs().amax(dim=1, keepdim=True) / 127
+        else:
+            scale = weight.abs().max() / 127
+        stored[name] = (weight / scale).round().clamp(-127, 127).to(torch.int8)
+        stored[layer + ".weight_scale"] = scale
+        stored[layer + ".comfy_quant"] = torch.tensor(list(json.dumps(layout).encode()), dtype=torch.uint8)
+    return stored
 
 
 def gguf_file(weights: dict, path, arch: str, kind: str = "Q8_0", as_diffusers: bool = False) -> dict:

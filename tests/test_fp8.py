@@ -2,7 +2,8 @@
 
 A tiny Flux.1 [dev] in BFL's layout written the three ways fp8 files come (ComfyUI's `*_fp8_scaled` with the
 `scaled_fp8` marker, its per-layer `comfy_quant` metadata, and plain fp8 without scales; 2-D weights fp8, per-tensor
-scales): through contract E with `--dtype fp32` on Ulysses 2 and on PipeFusion 2 with full warm-up,
+scales), and the two ways of the int8 files of the 2026 templates (`int8_tensorwise`, one scale a tensor, or one a
+row after ConvRot's Hadamard rotation; dequantized at load, on Ulysses 2): through contract E with `--dtype fp32` on Ulysses 2 and on PipeFusion 2 with full warm-up,
 and through a pool, the result equals diffusers' single-process pipeline on the weights the file means within
 1e-4, read without the engine's loader (tests/independent_readers.py: ComfyUI's own loading and `comfy.ops`
 dequantization of the same file, in the test bed's python), and misses the unquantized model's result by far more,
@@ -22,7 +23,7 @@ from parallel.loading.checkpoints.fp8 import Fp8Linear, storage_of
 from parallel.loading.pipelines import load_pipeline
 
 from original_layouts import original_layout
-from quantized_files import fp8_scaled
+from quantized_files import fp8_scaled, int8_tensorwise
 from pool_helpers import serving
 from test_lora import peft_lora
 from xdit_test_helpers import TOLERANCE, diffusers_latents, flux_file_on_two_ranks
@@ -32,6 +33,7 @@ JOB = {"steps": 4, "guidance_scale": 3.5, "height": 64, "width": 64}
 
 
 STYLES = ("scaled_fp8", "comfy_quant", "unscaled")  # ComfyUI's marker + scale_weight, per-layer metadata, plain fp8
+INT8 = ("int8", "int8_convrot")  # the 2026 templates' `*_int8` files: dequantized at load (their rotation undone)
 
 
 def fp8_plain(weights: dict) -> tuple[dict, dict]:
@@ -50,6 +52,9 @@ def files(tmp_path_factory):
         paths[style], paths[f"{style}-meant"] = root / f"flux1-dev-{style}.safetensors", root / f"{style}-meant.safetensors"
         save_file(stored, paths[style])
         save_file({k: v.contiguous() for k, v in meant.items()}, paths[f"{style}-meant"])
+    for style in INT8:
+        paths[style] = root / f"flux1-dev-{style}.safetensors"
+        save_file(int8_tensorwise(weights, convrot=style == "int8_convrot"), paths[style])
     paths["fp8"], paths["meant"] = paths["scaled_fp8"], paths["scaled_fp8-meant"]
     save_file({k: v.contiguous() for k, v in weights.items()}, paths["plain"])
     save_file(tiny_models.make_inputs("flux"), paths["inputs"])
@@ -68,7 +73,7 @@ def references(comfyui_install, files, tmp_path_factory):
 
     work, config = tmp_path_factory.mktemp("ref"), dict(tiny_models.build_tiny_pipeline("flux", seed=3).transformer.config)
     out = {}
-    for style in STYLES:
+    for style in STYLES + INT8:
         pipeline = tiny_models.build_tiny_pipeline("flux", seed=3)
         pipeline.transformer = flux_transformer(comfyui_install, files[style], "fp8", config, work)
         out[style] = diffusers_latents(pipeline, "flux", **load_file(files["inputs"]), **CALL)
@@ -83,6 +88,7 @@ def reference(references):
 ULYSSES2, PIPEFUSION2 = ("--ulysses-degree", "2"), ("--pipefusion-degree", "2", "--warmup-steps", "4")
 CASES = {f"{style}-{name}": (style, layout) for style in STYLES for name, layout in
          (("ulysses2", ULYSSES2), ("pipefusion2", PIPEFUSION2))}
+CASES.update({f"{style}-ulysses2": (style, ULYSSES2) for style in INT8})
 CASES["scaled_fp8-ulysses2-shard-weights"] = ("scaled_fp8", (*ULYSSES2, "--shard-weights"))  # dequantized at load
 CASES["scaled_fp8-ulysses2-fp8-matmul"] = ("scaled_fp8", (*ULYSSES2, "--fp8-matmul"))  # no fp8 tensor cores: dequantized
 

@@ -87,7 +87,7 @@ def load_transformer(detected: Detected, checkpoint: CheckpointFile, index: dict
     original = checkpoint.state_dict()
     dtype = dtype or (torch.bfloat16 if checkpoint.is_gguf else _weights_dtype(original))
     fast = scaled.is_scaled(original) and scaled.comfy_fast(original)
-    original, scales = scaled.read(original, detected.path)
+    original, scales = scaled.read(original, detected.path, dtype)
     keep_fp8 = keep_fp8 and any(fp8.is_fp8(tensor) for tensor in original.values())
     if scales and not keep_fp8:
         original = scaled.dequantize(original, scales)
