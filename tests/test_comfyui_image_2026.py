@@ -163,8 +163,8 @@ QWEN21 = "qwen-image-2.1"
 @pytest.fixture(scope="module")
 def qwen21_reference() -> dict[str, torch.Tensor]:
     """diffusers' QwenImage21Pipeline in this process on ComfyUI's noise for SEED, true CFG 4 (ComfyUI's cfg 4), the
-    prefix K/V cache on (its default): its tokens, and those as ComfyUI's [1, 64, h, w] (the decode's own
-    `latents * std + mean`, before the VAE)."""
+    prefix K/V cache on (its default): its tokens as ComfyUI's [1, 64, h, w] (the decode's own `latents * std + mean`,
+    before the VAE), and as the model's space (the negative control)."""
     from parallel.loading.builtin_models import builtin_model_dir
 
     pipeline = load_pipeline_folder(builtin_model_dir(f"xdit-tiny-{QWEN21}"))  # the pool's own folder
@@ -176,7 +176,7 @@ def qwen21_reference() -> dict[str, torch.Tensor]:
     config = pipeline.vae.config
     mean, std = (torch.tensor(v).view(1, -1, 1, 1) for v in (config.latents_mean, config.latents_std))
     comfy = pipeline._unpack_latents(tokens, SIZE, SIZE, 16)[:, :, 0] * std + mean
-    return {"tokens": tokens, "comfy": comfy, "model_space": comfy.sub(mean).div(std)}
+    return {"comfy": comfy, "model_space": comfy.sub(mean).div(std)}
 
 
 # the prefix K/V layers each rank stores: 4 blocks for each branch it runs (cond and uncond; under CFG 2 one)
