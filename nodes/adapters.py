@@ -89,13 +89,15 @@ class FamilyAdapter:
         return self.latent_format(latents.shape[1]).process_in(latents)
 
     def noise_to_model(self, noise: torch.Tensor) -> torch.Tensor:
+        if self.data.tokens == "call":  # [B, C, h, w] → one token per latent pixel, [B, h·w, C]
+            return noise.flatten(2).transpose(1, 2)
         return pack_2x2(noise) if self.data.packed else noise
 
     def _from_loop(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """The pipeline's loop latents (its results with `model_latents`, its previews) image-shaped."""
         if self.data.packed:
             return unpack_2x2(latents, height, width, self.latent_scale)
-        if self.data.loop_tokens and latents.ndim == 3:  # tokens [B, (T')·h·w, C] → [B, C, (T',) h, w]
+        if self.data.tokens and latents.ndim == 3:  # tokens [B, (T')·h·w, C] → [B, C, (T',) h, w]
             scale = self.latent_scale
             frames = (-1,) if self.data.temporal else ()
             return latents.transpose(1, 2).reshape(latents.shape[0], latents.shape[2], *frames, height // scale,

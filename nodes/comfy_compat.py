@@ -4,9 +4,9 @@ The rest of nodes/ speaks the API both versions share (the names in `comfy_api.l
 and asks here where they part:
 
 - Latent formats. ComfyUI 0.33 has FLUX.2's and HunyuanVideo 1.5's (`comfy.latent_formats.Flux2`, `HunyuanVideo15`);
-  0.3.64 has neither. ComfyUI's own class is used wherever it exists; only where it does not does the family's
-  declaration (parallel/families, `DeclaredLatentFormat`) stand in. Which one was taken is logged once per format,
-  so a test (and a user) can tell.
+  0.3.64 has neither, and 0.33 has no Qwen-Image 2.1 one (`QwenImage21`, a per-channel standardisation). ComfyUI's
+  own class is used wherever it exists; only where it does not does the family's declaration (parallel/families,
+  `DeclaredLatentFormat`) stand in. Which one was taken is logged once per format, so a test (and a user) can tell.
 - Previews. 0.33's Latent2RGBPreviewer unfolds patch-channel latents (FLUX.2's `latent_rgb_factors_reshape`) itself;
   0.3.64's takes no such argument. The pack unfolds them once, before either previewer sees them.
 - Interrupts. `comfy.model_management.InterruptProcessingException` derives from Exception in 0.3.64 and from
@@ -43,7 +43,26 @@ def latent_format(name: str, declared, pipeline: str):
     made.latent_rgb_factors_bias = list(declared.rgb_bias) if declared.rgb_bias else None
     if declared.preview_unfold > 1:
         made.latent_rgb_factors_reshape = functools.partial(unfold_patches, patch=declared.preview_unfold)
+    if declared.latents_mean is not None:
+        _standardise(made, declared)
     return made
+
+
+def _standardise(made, declared) -> None:
+    """process_in/out as ComfyUI's standardising formats write them (Wan21, QwenImage21): per-channel mean and std."""
+    import torch
+
+    shape = (1, declared.channels) + (1,) * declared.dimensions
+    mean, std = (torch.tensor(values).view(shape) for values in (declared.latents_mean, declared.latents_std))
+    made.latents_mean, made.latents_std = mean, std
+
+    def process_in(latent):
+        return (latent - mean.to(latent)) * made.scale_factor / std.to(latent)
+
+    def process_out(latent):
+        return latent * std.to(latent) / made.scale_factor + mean.to(latent)
+
+    made.process_in, made.process_out = process_in, process_out
 
 
 def _tell(pipeline: str, name: str, what: str) -> None:

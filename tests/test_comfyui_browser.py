@@ -61,8 +61,8 @@ def test_example_workflow_loads_converts_and_runs(comfy, page, tiny_model_dirs, 
                   "xdit_model_ksampler", "xdit_krea2")
     empty = {**dict.fromkeys(sd3_latent, "EmptySD3LatentImage"), "xdit_wan": "EmptyHunyuanLatentVideo",
              **dict.fromkeys(("xdit_flux2_klein", "xdit_flux2_dev"), "EmptyFlux2LatentImage"),
-             "xdit_hunyuan_video15": "EmptyHunyuanVideo15Latent", "xdit_flux3": "XDiTEmptyLatent",
-             }.get(path.stem, "EmptyLatentImage")
+             **dict.fromkeys(("xdit_flux3", "xdit_qwen_image21"), "XDiTEmptyLatent"),
+             "xdit_hunyuan_video15": "EmptyHunyuanVideo15Latent"}.get(path.stem, "EmptyLatentImage")
     edit = {"xdit_flux_kontext": ["XDiTSampler", "ReferenceLatent"],  # a first sampler's image as reference
             "xdit_qwen_image_edit": ["LoadImage"]}.get(path.stem, [])  # ComfyUI's example.png, encoded with the prompts
     sampler = ["XDiTModel", "KSampler"] if path.stem == "xdit_model_ksampler" else ["XDiTSampler"]
@@ -78,7 +78,7 @@ def test_example_workflow_loads_converts_and_runs(comfy, page, tiny_model_dirs, 
 def test_example_workflows_cover_every_family_and_are_listed_as_templates(comfy):
     stems = {"xdit_pixart_alpha", "xdit_pixart_sigma", "xdit_sd3", "xdit_flux", "xdit_wan", "xdit_flux_kontext",
              "xdit_qwen_image", "xdit_qwen_image_edit", "xdit_z_image", "xdit_model_ksampler", "xdit_flux2_klein",
-             "xdit_flux2_dev", "xdit_hunyuan_video15", "xdit_flux3", "xdit_krea2"}
+             "xdit_flux2_dev", "xdit_hunyuan_video15", "xdit_flux3", "xdit_krea2", "xdit_qwen_image21"}
     assert {p.stem for p in EXAMPLES} == stems
     assert set(comfy.get("/api/workflow_templates")["comfyui-xdit-pool"]) == stems | set(LOADER_EXAMPLES)
 

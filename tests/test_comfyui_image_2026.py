@@ -8,6 +8,11 @@ ConditioningZeroOut; and cfg 4 with a negative) with the loader swapped for Load
 Ulysses 2 and on CFG 2 equals ComfyUI's own Krea 2 model on the same file within 1e-4. xDiT Text Encode + ComfyUI's
 EmptySD3LatentImage + xDiT Sampler on the built-in tiny Krea 2 (Ulysses 2) gives a LATENT in ComfyUI's own Wan 2.1
 format equal to diffusers' Krea2Pipeline within 1e-4.
+
+Qwen-Image 2.1, which ComfyUI 0.33 lacks (no TextEncodeQwenImage21, no QwenImage21 latent format): xDiT Text Encode +
+xDiT Empty Latent + xDiT Sampler on the built-in tiny model (64 channels at 1/16, the released VAE's statistics), its
+prefix K/V cache on, on Ulysses 2 and on CFG 2 (cfg 4: its true CFG), give a LATENT in the pack's declared QwenImage21
+format equal to diffusers' QwenImage21Pipeline within 1e-4.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from safetensors.torch import save_file
 from original_layouts import original_layout
 from test_comfyui import native_format_taken, saved_latent
 from test_comfyui_model import latents_of
-from xdit_test_helpers import TOLERANCE, diffusers_latents
+from xdit_test_helpers import TOLERANCE, diffusers_latents, load_pipeline_folder
 
 KREA, STEPS, SEED, SIZE = "tiny-krea2-comfy", 4, 5, 64
 POSITIVE, NEGATIVE = "a lighthouse at dusk", "blurry"
@@ -108,12 +113,14 @@ def test_krea2_with_the_loader_swapped_equals_comfyuis_own_krea2(comfy, krea_sto
     assert (swapped["guided"] - krea_stock["turbo"]).abs().max().item() > 1e-2
 
 
-def _sampler_workflow(family: str, cfg: float, empty: str, prefix: str) -> dict:
-    """xDiT Pool (the built-in tiny model, Ulysses 2) → xDiT Text Encode ×2 → `empty` → xDiT Sampler → SaveLatent."""
+def _sampler_workflow(family: str, cfg: float, empty: str, prefix: str, layout=None) -> dict:
+    """xDiT Pool (the built-in tiny model, `layout`: Ulysses 2 unless told) → xDiT Text Encode ×2 → `empty` → xDiT
+    Sampler → SaveLatent."""
     empty_inputs = {"width": SIZE, "height": SIZE, "batch_size": 1}
     return {
         "1": {"class_type": "XDiTPool", "inputs": {**LAYOUT, "model": f"xdit-tiny-{family} (built-in, no download)",
-                                                    "ulysses_degree": 2, "text_encoders": True, "dtype": "auto"}},
+                                                    **(layout or {"ulysses_degree": 2}), "text_encoders": True,
+                                                    "dtype": "auto"}},
         "2": {"class_type": "XDiTTextEncode", "inputs": {"pool": ["1", 0], "text": POSITIVE}},
         "3": {"class_type": "XDiTTextEncode", "inputs": {"pool": ["1", 0], "text": NEGATIVE}},
         "4": {"class_type": empty, "inputs": {**empty_inputs, **({"pool": ["1", 0]} if empty.startswith("XDiT") else {})}},
@@ -147,3 +154,43 @@ def test_krea2_xdit_sampler_equals_diffusers_in_comfyuis_own_latent_format(comfy
     # negative control: ComfyUI's cfg 4 is Krea's guidance 3, not 4
     other = _in_comfy_space(pipeline, diffusers_latents(pipeline, "krea2", guidance_scale=4.0, **call))
     assert (latent - other).abs().max().item() > 100 * TOLERANCE
+
+
+# ---------------------------------------------------------------------------------------------------- Qwen-Image 2.1
+QWEN21 = "qwen-image-2.1"
+
+
+@pytest.fixture(scope="module")
+def qwen21_reference() -> dict[str, torch.Tensor]:
+    """diffusers' QwenImage21Pipeline in this process on ComfyUI's noise for SEED, true CFG 4 (ComfyUI's cfg 4), the
+    prefix K/V cache on (its default): its tokens as ComfyUI's [1, 64, h, w] (the decode's own `latents * std + mean`,
+    before the VAE), and as the model's space (the negative control)."""
+    from parallel.loading.builtin_models import builtin_model_dir
+
+    pipeline = load_pipeline_folder(builtin_model_dir(f"xdit-tiny-{QWEN21}"))  # the pool's own folder
+    side = SIZE // 16
+    noise = torch.randn((1, 64, side, side), generator=torch.manual_seed(SEED))
+    tokens = diffusers_latents(pipeline, QWEN21, prompt=POSITIVE, negative_prompt=NEGATIVE, true_cfg_scale=4.0,
+                               use_kv_cache=True, num_inference_steps=STEPS, height=SIZE, width=SIZE,
+                               latents=pipeline._pack_latents(noise, 1, 64, side, side))
+    config = pipeline.vae.config
+    mean, std = (torch.tensor(v).view(1, -1, 1, 1) for v in (config.latents_mean, config.latents_std))
+    comfy = pipeline._unpack_latents(tokens, SIZE, SIZE, 16)[:, :, 0] * std + mean
+    return {"comfy": comfy, "model_space": comfy.sub(mean).div(std)}
+
+
+# the prefix K/V layers each rank stores: 4 blocks for each branch it runs (cond and uncond; under CFG 2 one)
+@pytest.mark.parametrize("layout, cached", [({"ulysses_degree": 2}, 8), ({"cfg_parallel": True}, 4)],
+                         ids=["ulysses2", "cfg2"])
+def test_qwen_image21_xdit_nodes_equal_diffusers_in_the_declared_latent_format(comfy, qwen21_reference, layout, cached):
+    before = len(comfy.log.read_text())
+    entry = _entry(comfy, _sampler_workflow(QWEN21, 4.0, "XDiTEmptyLatent", "qwen21", layout))
+    latent, expected = saved_latent(comfy, entry), qwen21_reference["comfy"]
+    assert latent.shape == expected.shape == (1, 64, SIZE // 16, SIZE // 16)
+    assert (latent - expected).abs().max().item() <= TOLERANCE
+    log = comfy.log.read_text()
+    assert log[before:].count(f"prefix K/V cache: {cached} layers stored") == 2  # each rank's report: it was on
+    assert "the pack's declared QwenImage21 format" in log
+    assert not native_format_taken(comfy, "QwenImage21Pipeline", "QwenImage21")
+    # negative control: the same numbers without the declared standardisation undone are not ComfyUI's LATENT
+    assert (latent - qwen21_reference["model_space"]).abs().max().item() > 100 * TOLERANCE

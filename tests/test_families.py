@@ -229,6 +229,32 @@ def test_comfyui_033_has_flux2_and_hunyuan_video15_formats_and_they_are_taken(mo
             assert torch.equal(old.latent_rgb_factors_reshape(x[128]), native.latent_rgb_factors_reshape(x[128]))
 
 
+def test_qwen_image21_latents_take_the_declared_standardisation_where_comfyui_033_has_none(monkeypatch,
+                                                                                         current_latent_formats):
+    """ComfyUI 0.33 has no Qwen-Image 2.1 format: the declaration stands in, its statistics the VAE's own (diffusers'
+    AutoencoderKLQwenImage21 defaults); ComfyUI's [B, 64, H/16, W/16] goes to the pipeline standardised as its
+    pipeline standardises (x − mean) / std, as one token per latent pixel, and comes back as its decode undoes it."""
+    import inspect
+
+    from diffusers import AutoencoderKLQwenImage21, QwenImage21Pipeline
+
+    assert not hasattr(current_latent_formats, "QwenImage21")
+    qwen = _adapters(monkeypatch, current_latent_formats).adapter_for("QwenImage21Pipeline", 16)
+    defaults = inspect.signature(AutoencoderKLQwenImage21.__init__).parameters
+    mean, std = (torch.tensor(defaults[name].default).view(1, 64, 1, 1) for name in ("latents_mean", "latents_std"))
+    x = torch.randn(2, 64, 4, 6, generator=torch.Generator().manual_seed(0))
+    assert qwen.job_size(x) == {"height": 64, "width": 96}
+    model = qwen.to_model(x)
+    assert torch.allclose(model, QwenImage21Pipeline._pack_latents((x - mean) / std, 2, 64, 4, 6), rtol=0, atol=1e-6)
+    assert torch.equal(qwen.noise_to_model(x), QwenImage21Pipeline._pack_latents(x, 2, 64, 4, 6))
+    decoded = QwenImage21Pipeline._unpack_latents(model, 64, 96, 16)[:, :, 0] * std + mean  # its decode's input
+    assert torch.allclose(qwen.to_comfy(model, 64, 96), decoded, rtol=0, atol=1e-6)
+    assert torch.allclose(qwen.to_comfy(model, 64, 96), x, rtol=0, atol=1e-5)
+    assert not torch.allclose(qwen.to_comfy(model.flip(1), 64, 96), x, rtol=0, atol=1e-2)  # the tokens' order counts
+    assert qwen.latent_format(64).latent_rgb_factors is None  # no previews declared
+    assert qwen.guidance_parameters(4.0, None, True) == (4.0, {"true_cfg_scale": 4.0})
+
+
 def test_wan_latents_use_comfyuis_wan21_and_wan22_formats(adapters, latent_formats):
     """16 channels (Wan 2.1, 2.2 A14B, ×8) and 48 (Wan 2.2 TI2V 5B, ×16); 4 frames per latent frame."""
     for channels, name, factor in ((16, "Wan21", 8), (48, "Wan22", 16)):

@@ -164,7 +164,7 @@ def test_a_model_calls_arguments_are_the_pipelines_own(rank, family):
     latents = own["hidden_states"]
     if wrapper.comfy.packed:
         latents = unpack_2x2(latents, 64, 64, pipeline.vae_scale_factor)
-    elif wrapper.comfy.loop_tokens:  # FLUX.2: one token per latent pixel of its 1/16 LATENT
+    elif wrapper.comfy.tokens:  # FLUX.2: one token per latent pixel of its 1/16 LATENT
         side = 64 // wrapper.latent_scale()
         latents = latents.transpose(1, 2).unflatten(2, (side, side))
     timestep = pipeline.scheduler.timesteps[:1].expand(latents.shape[0])

@@ -19,7 +19,7 @@ LATENT_SHAPE = {  # expected output latents of a 64x64 run, batch 1
     "flux-kontext": (1, 16, 64), "qwen-image": (1, 16, 64), "flux2-klein": (1, 32, 8, 8),
     "flux2-dev": (1, 16, 128), "z-image": (1, 16, 8, 8),  # FLUX.2 [dev] returns its latents packed
     "qwen-image-edit": (1, 1, 64), "qwen-image-edit-plus": (1, 1, 64),  # their ×32 VAE: one 2×2 token
-    "krea2": (1, 16, 64), "qwen-image-2.1": (1, 16, 16),  # Qwen-Image 2.1: its VAE's ×16, one token per latent pixel
+    "krea2": (1, 16, 64), "qwen-image-2.1": (1, 16, 64),  # Qwen-Image 2.1: its VAE's ×16, one token per latent pixel
     "flux3": (1, 128, 4, 4), "flux3-distilled": (1, 128, 4, 4)}  # FLUX 3's modular blocks: patchified, normalised
 
 each_family = pytest.mark.parametrize("family", FAMILIES)

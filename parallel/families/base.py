@@ -29,11 +29,14 @@ MODEL_CALL_TENSORS = ("latents", "sigma")
 @dataclass(frozen=True)
 class DeclaredLatentFormat:
     """A ComfyUI latent format the family declares for the ComfyUIs whose `comfy.latent_formats` lacks it (FLUX.2's
-    and HunyuanVideo 1.5's are not in 0.3.64); the nodes use ComfyUI's own class wherever it exists. Only formats
-    whose process_in/out is a plain scale are declared this way (ComfyUI's LatentFormat base).
+    and HunyuanVideo 1.5's are not in 0.3.64, Qwen-Image 2.1's not in 0.33); the nodes use ComfyUI's own class wherever
+    it exists. Only formats whose process_in/out is a plain scale (ComfyUI's LatentFormat base) or a per-channel
+    standardisation are declared this way.
 
     channels, spatial: the latent's channels and pixels per latent pixel; dimensions: 2 images, 3 video.
     scale_factor:   model space = ComfyUI's latent × scale_factor.
+    latents_mean, latents_std: per channel, where the format standardises: model space = (ComfyUI's latent − mean) ×
+                    scale_factor / std, as ComfyUI's Wan21 and QwenImage21 write it; None: a plain scale.
     rgb_factors, rgb_bias: the latent-to-RGB preview factors, one row per channel of the unfolded latent; None: the
                     format has no previews.
     preview_unfold: the channels are (c, p, p) patches: previews unfold them to c channels at p× the resolution
@@ -46,6 +49,8 @@ class DeclaredLatentFormat:
     source: str
     dimensions: int = 2
     scale_factor: float = 1.0
+    latents_mean: tuple[float, ...] | None = None
+    latents_std: tuple[float, ...] | None = None
     rgb_factors: tuple[tuple[float, float, float], ...] | None = None
     rgb_bias: tuple[float, float, float] | None = None
     preview_unfold: int = 1
@@ -58,8 +63,9 @@ class ComfyData:
     latent_formats: latent channels → class name in `comfy.latent_formats` (its process_in/out convert
                     between ComfyUI's VAE space and the pipeline's model space).
     packed:         the pipeline takes latents packed 2×2 into tokens [B, H/2·W/2, 4C] (Flux; see pack_2x2).
-    loop_tokens:    the pipeline takes image-shaped latents [B, C, h, w] but keeps them in its loop (previews,
-                    and results asked for with `model_latents`) as one token per latent pixel, [B, h·w, C] (FLUX.2).
+    tokens:         where the pipeline holds latents as one token per latent pixel, [B, (T')·h·w, C]: "loop": in its
+                    loop (previews, and results asked for with `model_latents`), its `latents` argument image-shaped
+                    [B, C, h, w] (FLUX.2); "call": its `latents` argument and results too (Qwen-Image 2.1); "": neither.
     declared_formats: latent format name → DeclaredLatentFormat, for the names of `latent_formats` that not every
                     ComfyUI has.
     guidance_in_conditioning: the conditioning's "guidance" (FluxGuidance) is the pipeline's
@@ -119,7 +125,7 @@ class ComfyData:
 
     latent_formats: dict[int, str]
     packed: bool = False
-    loop_tokens: bool = False
+    tokens: str = ""
     declared_formats: dict[str, DeclaredLatentFormat] = field(default_factory=dict)
     guidance_in_conditioning: bool = False
     default_guidance: float = 3.5
@@ -147,6 +153,10 @@ class ComfyData:
     conditioning_inputs: dict[str, str] = field(default_factory=dict)
     derives_frames: bool = False
     vae_normalises: bool = False
+
+    def __post_init__(self):
+        if self.tokens not in ("", "loop", "call"):
+            raise ValueError(f"ComfyData.tokens is {self.tokens!r}; expected \"\", \"loop\" or \"call\"")
 
 
 class Variant(NamedTuple):

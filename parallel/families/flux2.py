@@ -66,7 +66,7 @@ class xFuserFlux2KleinPipeline(xFuserPipelineBaseWrapper):
     default_sigmas = staticmethod(linear_sigmas)
 
     comfy = ComfyData(
-        latent_formats={128: "Flux2"}, loop_tokens=True, declared_formats={"Flux2": COMFY_FLUX2},
+        latent_formats={128: "Flux2"}, tokens="loop", declared_formats={"Flux2": COMFY_FLUX2},
         expects="encode with xDiT Text Encode on this pool, or on ComfyUI 0.33 with CLIPLoader type flux2 (FLUX.2 "
                 "[klein]: Qwen3 4B or 8B, three hidden layers stacked: 7680 or 12288 wide)",
         empty_latent="EmptyFlux2LatentImage (ComfyUI 0.33), or xDiT Empty Latent on a ComfyUI without it: 128 channels "

@@ -45,7 +45,7 @@ TRANSFORMER_MODULE = "diffusers.models.transformers.transformer_flux3"
 # decoders.py Flux3DecodeStep undo exactly what ComfyUI's Flux2 VAE encode does), so 128 channels at 1/16 size with
 # process_in/out the identity; ComfyUI 0.33 has the class, older ones get flux2.COMFY_FLUX2 (its values' source there).
 COMFY = ComfyData(
-    latent_formats={128: "Flux2"}, loop_tokens=True, declared_formats={"Flux2": COMFY_FLUX2},
+    latent_formats={128: "Flux2"}, tokens="loop", declared_formats={"Flux2": COMFY_FLUX2},
     expects="encode with xDiT Text Encode on this pool (FLUX 3: Qwen3-VL, eight hidden layers stacked); ComfyUI 0.33.0 "
             "has no FLUX 3 text encoder",
     empty_latent="xDiT Empty Latent (128 channels at 1/16 size), or EmptyFlux2LatentImage: FLUX 3 takes FLUX.2's latents",

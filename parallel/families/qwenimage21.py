@@ -42,17 +42,43 @@ from ..model_executor.pipeline import xFuserPipelineBaseWrapper
 from ..model_executor.pipeline.img2img import linear_sigmas
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, Split, TextRows
 from ..request import STEP_CACHE
-from .base import FAMILIES, ComfyData, Family, TinyModel, replaced
+from .base import FAMILIES, ComfyData, DeclaredLatentFormat, Family, TinyModel, replaced
 
 log = logging.getLogger(__name__)
 MASKS = {"prompt_embeds": "prompt_embeds_mask", "negative_prompt_embeds": "negative_prompt_embeds_mask"}
 LIVE: "weakref.WeakSet" = weakref.WeakSet()  # every prefix K/V layer cache not yet dropped (tests look)
 
 
+# ComfyUI's Qwen-Image 2.1 LATENT (`comfy.latent_formats.QwenImage21` in the ComfyUIs with Qwen-Image 2.1, from 0.37;
+# 0.33 has none): the VAE's own latents [B, 64, H/16, W/16], standardised per channel on the way to the model, which
+# takes them as one token per latent pixel. The statistics are the VAE's: diffusers' AutoencoderKLQwenImage21 config
+# defaults (models/autoencoders/autoencoder_kl_qwenimage21.py, `latents_mean` / `latents_std`), which
+# pipeline_qwenimage21.py applies as (x − mean) / std to its condition images and undoes before decoding
+# (tests/test_families.py holds these against them). No preview factors are declared: on 0.33 it previews nothing.
+COMFY_QWEN_IMAGE21 = DeclaredLatentFormat(
+    channels=64, spatial=16,
+    source="diffusers AutoencoderKLQwenImage21's default latents_mean / latents_std (its pipeline's standardisation)",
+    latents_mean=(
+        0.5126, 0.7721, -0.0631, 1.3506, -0.7855, -2.1025, -0.3458, 1.3722, 1.8873, -1.7177, -0.6510, 0.2732, 0.7562,
+        -0.6163, -1.0277, 3.8363, 2.0210, 0.0472, 0.9320, 2.0087, 2.4954, -0.1391, -1.4249, 1.8464, -0.5236, 1.2826,
+        3.7046, -1.3035, 2.7286, -1.4518, -1.9036, -1.9955, -0.0342, -1.0265, -0.7636, 3.0555, 0.0746, -3.0751, -0.1076,
+        1.7376, -1.0914, -1.9435, -0.2784, -1.3680, 0.4809, -0.4433, 0.3764, 0.5729, -2.0595, 1.0960, -1.3260, -2.0211,
+        -5.0179, 0.5275, 4.0162, 1.8505, 0.3026, 1.9373, 1.4937, 0.2632, 0.5547, -1.7121, -0.1562, 0.0304),
+    latents_std=(
+        3.2001, 3.2936, 3.4321, 3.0091, 3.1061, 4.0379, 4.0705, 3.7910, 3.0785, 3.6500, 3.9308, 3.0904, 2.8778, 3.7675,
+        3.7320, 5.0756, 3.2864, 4.0397, 3.1317, 4.0443, 2.9249, 3.9454, 3.0988, 4.2489, 3.4896, 3.8513, 3.9323, 3.4719,
+        3.7498, 4.2830, 3.5694, 4.2467, 3.9037, 3.2947, 5.0770, 3.5075, 3.2700, 3.4767, 2.8063, 5.1125, 3.5327, 4.7833,
+        3.1286, 4.1819, 3.8527, 3.8312, 3.5605, 4.3875, 3.9624, 4.0168, 3.5643, 4.0550, 5.5614, 4.2963, 4.4080, 3.4959,
+        3.8747, 3.7608, 3.5735, 3.1490, 3.7662, 3.6746, 3.4563, 3.8161),
+)
+CHANNELS = COMFY_QWEN_IMAGE21.channels  # the tiny model's too, so its LATENT is the released model's format
+
+
 class xFuserQwenImage21Pipeline(xFuserPipelineBaseWrapper):
     default_sigmas = staticmethod(linear_sigmas)
     comfy = ComfyData(
-        latent_formats={}, cfg_call="true_cfg_scale",
+        latent_formats={CHANNELS: "QwenImage21"}, tokens="call", declared_formats={"QwenImage21": COMFY_QWEN_IMAGE21},
+        cfg_call="true_cfg_scale",
         expects="encode with xDiT Text Encode on this pool (Qwen3-VL; ComfyUI 0.33 has no Qwen-Image 2.1 encoder)",
         empty_latent="xDiT Empty Latent (64 channels at 1/16 size)")
     tensor_inputs = tuple(MASKS.values())
@@ -213,13 +239,13 @@ def build_tiny(seed: int):
 
     from ..loading import tiny_models as tm
 
-    transformer = tm._transformer(seed, QwenImage21Transformer2DModel, in_channels=16, out_channels=16,
+    transformer = tm._transformer(seed, QwenImage21Transformer2DModel, in_channels=CHANNELS, out_channels=CHANNELS,
                                   num_layers=tm.BLOCKS, context_in_dim=TEXT_WIDTH, mlp_ratio=2, axes_dims_rope=(4, 6, 6))
     with torch.no_grad(), torch.random.fork_rng(devices=[]):  # a modulation of trained size, not of init's
         torch.manual_seed(seed + 7)
         transformer.modulation[1].weight.normal_(0, 0.5)
-    vae = tm._seeded(seed + 3, AutoencoderKLQwenImage21, base_dim=8, decoder_base_dim=8, z_dim=16, dim_mult=[1] * 5,
-                     num_res_blocks=1, latents_mean=[0.0] * 16, latents_std=[1.0] * 16)
+    vae = tm._seeded(seed + 3, AutoencoderKLQwenImage21, base_dim=8, decoder_base_dim=8, z_dim=CHANNELS, dim_mult=[1] * 5,
+                     num_res_blocks=1)  # the released statistics (its defaults), as ComfyUI's format holds them
     scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=4096,
                                                 base_shift=0.5, max_shift=1.15)
     tokenizer, text_encoder = tm._qwen3_vl(seed + 1, TEXT_WIDTH, "Qwen3VLForConditionalGeneration")
@@ -229,13 +255,13 @@ def build_tiny(seed: int):
 
 def tiny_inputs(*, batch: int, height: int, width: int, seed: int, negative: bool, text_tokens: int | None,
                 num_frames: int) -> dict:
-    """Latents [B, H/16·W/16, 16] and 16-wide embeddings; a batch's later prompts shorter (3 tokens each, masked), the
+    """Latents [B, H/16·W/16, 64] and 16-wide embeddings; a batch's later prompts shorter (3 tokens each, masked), the
     negatives of another length (5 fewer tokens), as the pipeline's encoder pads them."""
     from ..loading import tiny_models as tm
 
     gen = torch.Generator().manual_seed(seed)
     tokens = text_tokens or tm.TEXT_TOKENS
-    out = {"latents": torch.randn(batch, (height // 16) * (width // 16), 16, generator=gen)}
+    out = {"latents": torch.randn(batch, (height // 16) * (width // 16), CHANNELS, generator=gen)}
     for (embeds, mask), length in zip(MASKS.items(), (tokens, max(1, tokens - 5))):
         if embeds.startswith("negative") and not negative:
             continue

@@ -51,6 +51,9 @@ EXAMPLES = {  # file stem: (family, empty latent node, cfg, what the example say
                    "xDiT Empty Latent makes its latent, FLUX.2's, 128 channels at 1/16 size)"),
     "xdit_krea2": ("krea2", "EmptySD3LatentImage", 3.0,
                    "Krea 2 (cfg: classifier-free guidance with the negative; the Turbo model samples at cfg 1)"),
+    "xdit_qwen_image21": ("qwen-image-2.1", "XDiTEmptyLatent", 4.0,
+                          "Qwen-Image 2.1 (cfg: true CFG with the negative; ComfyUI 0.33.0 has no Qwen-Image 2.1 nodes: "
+                          "xDiT Empty Latent makes its latent, 64 channels at 1/16 size)"),
 }
 REFERENCE = {"xdit_flux_kontext"}  # edit models: a first sampler's LATENT → ReferenceLatent on the positive
 IMAGE = {"xdit_qwen_image_edit": "turn it into a watercolor painting, soft washes of colour"}  # prompt with a picture

@@ -26,7 +26,7 @@ class xFuserLTX2Pipeline(xFuserPipelineBaseWrapper):
     as the video's is: a pipeline left to draw it would draw different noise on every rank."""
 
     comfy = ComfyData(
-        latent_formats={128: "LTXAV"}, temporal=8, loop_tokens=True, audio_stream=("audio_latents", "audio"),
+        latent_formats={128: "LTXAV"}, temporal=8, tokens="loop", audio_stream=("audio_latents", "audio"),
         vae_normalises=True,
         conditioning_calls={"frame_rate": ("frame_rate", 25.0)},
         expects="Gemma's stacked hidden states as LTX2Pipeline's prompt_embeds, with prompt_attention_mask",
