@@ -22,7 +22,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from parallel.families import FAMILIES
 from parallel.families.base import unpack_2x2
-from parallel.layout.config import ParallelConfig
+from parallel.layout.config import LayoutError, ParallelConfig
 from parallel.loading import tiny_models
 from parallel.model_executor import wrap_pipeline
 from parallel.model_executor.hooks import as_keyword_arguments
@@ -191,4 +191,30 @@ def test_a_model_calls_arguments_are_the_pipelines_own(rank, family):
     late = wrapper.model_call_arguments(latents, timestep * 0.99, conditioning)  # negative control: another timestep
     time = "t" if "t" in own else "timestep"
     assert not torch.allclose(late[time].float(), own[time].float(), atol=1e-6)
+    wrapper.unwrap()
+
+
+def test_qwen_image_refuses_what_diffusers_would_place_otherwise_than_comfyui(rank):
+    """A model call's reference with an odd count of tokens on a side, or a longer side than the image's, or an unknown
+    reference method, is one error before compute; a 2511 transformer (zero_cond_t) under PipeFusion is one layout
+    error. Negative control: a reference diffusers places as ComfyUI does is taken."""
+    wrapper = wrap_pipeline(tiny_models.build_tiny_pipeline("qwen-image"))
+    latents, embeds = torch.randn(1, 16, 8, 8), torch.randn(1, 5, 16)
+
+    def call(reference, method=0.0):
+        inputs = {"prompt_embeds": embeds, "reference_latents": reference.flatten(2),
+                  "reference_sizes": torch.tensor([[list(reference.shape[2:])]], dtype=torch.float32),
+                  "reference_method": torch.tensor([method])}
+        return wrapper.model_call_arguments(latents, torch.tensor([500.0]), inputs)
+
+    assert call(torch.randn(1, 16, 4, 8))["img_shapes"] == [[(1, 4, 4), (1, 2, 4)]]
+    for size in ((6, 8), (8, 12)):
+        with pytest.raises(ValueError, match=f"a reference latent of {size[0]}x{size[1]}"):
+            call(torch.randn(1, 16, *size))
+    with pytest.raises(ValueError, match=r"reference_method holds \[2.0\]"):
+        call(torch.randn(1, 16, 4, 8), method=2.0)
+    wrapper.module.transformer.module.register_to_config(zero_cond_t=True)
+    wrapper.parallel_config = ParallelConfig(pipefusion_degree=2)
+    with pytest.raises(LayoutError, match="zero_cond_t"):
+        wrapper.check_layout({}, 1)
     wrapper.unwrap()

@@ -96,6 +96,12 @@ class xFuserQwenImagePipeline(xFuserPipelineBaseWrapper):
                 kwargs[embeds], kwargs[mask] = self._without_padding(kwargs[embeds], kwargs[mask], mask)
         return kwargs, batch, tokens
 
+    def check_layout(self, kwargs: dict[str, Any], batch: int) -> int:
+        if self.module.transformer.config.zero_cond_t and self.parallel_config.pipefusion_degree > 1:
+            raise LayoutError("Qwen-Image-Edit 2511 (zero_cond_t) modulates each token by its own row of modulate_index, "
+                              "which PipeFusion's patches do not slice yet; use Ulysses, Ring, CFG or data parallel")
+        return super().check_layout(kwargs, batch)
+
     def _without_padding(self, embeds: torch.Tensor, mask: torch.Tensor, name: str):
         """Trim the batch's common trailing padding; drop a mask with none left (see the module docstring)."""
         valid = mask.bool()
