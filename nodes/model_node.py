@@ -29,18 +29,20 @@ from .pool_node import XDiTPoolType
 from .pools import POOLS
 
 CPU = torch.device("cpu")  # the pool holds the weights; ComfyUI keeps only the sampler's latents
+REFERENCE_KEYS = ("ref_latents", "ref_latents_method")  # ReferenceLatent's images and how they are placed: _references
 LORAS = "xdit_loras"  # transformer_options: the LoRA files ComfyUI's LoRA loaders added, with their strengths
 
 
 class PoolTransformer(torch.nn.Module):
     """Stands where ComfyUI's diffusion model would: each call is one model call on the pool. It holds no weights
     but reports the names of the weights ComfyUI's own model has (`weights`, from the file), so ComfyUI's LoRA
-    loaders find what to patch; `expert`: the pool's transformer it calls (Wan 2.2's low-noise `transformer_2`)."""
+    loaders find what to patch; `expert`: the pool's transformer it calls (Wan 2.2's low-noise `transformer_2`);
+    `methods`: the reference methods its model calls take (ComfyData.reference_methods)."""
 
     def __init__(self, pool, conds: dict[str, str], weights: dict[str, torch.Size] | None = None, expert: str = "",
-                 config: dict | None = None):
+                 config: dict | None = None, methods: tuple[str, ...] = ()):
         super().__init__()
-        self.pool, self.conds, self.weights, self.expert = pool, conds, weights or {}, expert
+        self.pool, self.conds, self.weights, self.expert, self.methods = pool, conds, weights or {}, expert, methods
         self.config = config or {}  # ComfyUI's unet_config of the file: patch_size, in_channels, ...
         self.dtype = torch.float32  # ComfyUI casts the call's tensors to this; the pool casts to its own
 
@@ -83,9 +85,11 @@ class PoolTransformer(torch.nn.Module):
             x = x[:, :, 0]
         batch = x.shape[0]
         conditioning = {self.conds[name]: value.float() for name, value in {"context": context, **kwargs}.items()
-                        if value is not None and self.conds.get(name) and name != "ref_latents"}  # "": not used
+                        if value is not None and self.conds.get(name) and name not in REFERENCE_KEYS}  # "": not used
         if kwargs.get("ref_latents") is not None and "ref_latents" in self.conds:
             conditioning.update(_references(kwargs["ref_latents"]))
+            if "ref_latents_method" in self.conds:
+                conditioning[self.conds["ref_latents_method"]] = self._method(kwargs.get("ref_latents_method"), batch)
         if "guidance" in conditioning:
             conditioning["guidance"] = conditioning["guidance"].reshape(-1).expand(batch).contiguous()
         sigma = sigma.float().reshape(-1).expand(batch)
@@ -103,6 +107,15 @@ class PoolTransformer(torch.nn.Module):
         except JobCancelledError:
             comfy_compat.raise_interrupted()
         return prediction[:, :, None] if one_frame else prediction
+
+    def _method(self, method: str | None, batch: int) -> torch.Tensor:
+        """ComfyUI's reference method (the conditioning's, else the file's default) as its index in `methods`."""
+        method = method or self.config.get("default_ref_method") or self.methods[0]
+        if method not in self.methods:
+            raise UnsupportedPatch(f"xDiT Model: the reference method {method!r} (FluxKontextMultiReferenceLatentMethod) "
+                                   f"is not one this pool's {self.pool.pipeline} takes in a model call: use one of "
+                                   f"{list(self.methods)}")
+        return torch.full((batch,), float(self.methods.index(method)))
 
 
 def _references(value: list) -> dict[str, torch.Tensor]:
@@ -176,7 +189,8 @@ def comfy_model(pool, comfy_file=None, expert: str = "") -> PoolModelPatcher:
         weights = None
     model = model_config.get_model({}, device=CPU)
     model.diffusion_model = PoolTransformer(pool, adapter.data.model_call_conds, weights, expert,
-                                            config=dict(model_config.unet_config))
+                                            config=dict(model_config.unet_config),
+                                            methods=adapter.data.reference_methods)
     return PoolModelPatcher(model, load_device=CPU, offload_device=CPU)
 
 

@@ -22,6 +22,14 @@ def video_model_dirs(tmp_path_factory) -> dict[str, Path]:
     return {family: tiny_models.save_tiny_pipeline(family, root / family) for family in tiny_models.VIDEO_FAMILIES}
 
 
+@pytest.fixture(scope="session")
+def z_image_file(tmp_path_factory) -> Path:
+    """The smallest Z-Image ComfyUI detects (3.6 GB, tests/large_files.py), built once per run for every test."""
+    from large_files import write_z_image
+
+    return write_z_image(tmp_path_factory.mktemp("large_files") / "z-image-one-layer.safetensors")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _one_thread():
     torch.set_num_threads(1)

@@ -22,9 +22,10 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from parallel.families import FAMILIES
 from parallel.families.base import unpack_2x2
-from parallel.layout.config import ParallelConfig
+from parallel.layout.config import LayoutError, ParallelConfig
 from parallel.loading import tiny_models
 from parallel.model_executor import wrap_pipeline
+from parallel.model_executor.hooks import as_keyword_arguments
 from parallel.model_executor.pipeline.img2img import linear_sigmas
 from xdit_test_helpers import is_modular, one_rank
 
@@ -94,13 +95,17 @@ def test_the_img2img_schedule_is_the_pipelines_own(rank, family):
 @contextmanager
 def stub_transformer(wrapper, outputs: list[torch.Tensor], calls: list[dict]):
     """The transformer answers each call with the next of `outputs` and records its keyword arguments."""
-    transformer = wrapper.module.transformer.module
+    transformer, image_input = wrapper.module.transformer.module, wrapper.module.transformer.plan.image_input
+    own = transformer.forward
 
     def forward(*args, **kwargs):
-        calls.append(kwargs)
+        calls.append(as_keyword_arguments(own, args, kwargs))
+        image = calls[-1][image_input]
         output = outputs[min(len(calls), len(outputs)) - 1]
-        output = torch.zeros_like(kwargs["hidden_states"]) if output is None else output  # None: zeros of its input
-        return (output.to(kwargs["hidden_states"].dtype),)
+        if isinstance(image, list):  # Z-Image: one latent per sample
+            return ([torch.zeros_like(sample) for sample in image] if output is None else list(output.to(image[0].dtype)),)
+        output = torch.zeros_like(image) if output is None else output  # None: zeros of its input
+        return (output.to(image.dtype),)
 
     transformer.forward = forward
     try:
@@ -148,21 +153,28 @@ def _model_calls(family: str) -> bool:
 MODEL_CALLS = [f for f in tiny_models.FAMILIES if _model_calls(f)]
 
 
+def _stacked(value):
+    """A list of per-sample tensors (Z-Image's latents and texts) as one batched tensor; anything else as it is."""
+    return torch.stack(value) if isinstance(value, list) and value and isinstance(value[0], torch.Tensor) else value
+
+
 @pytest.mark.parametrize("family", MODEL_CALLS)
 def test_a_model_calls_arguments_are_the_pipelines_own(rank, family):
     """The transformer call of a model call (latents unpacked, the scheduler's timestep) equals the one the
     pipeline's loop makes at its first step."""
-    assert {"flux", "flux2-klein", "flux2-dev", "qwen-image", "sd3"} <= set(MODEL_CALLS)
+    assert {"flux", "flux2-klein", "flux2-dev", "qwen-image", "sd3", "z-image"} <= set(MODEL_CALLS)
     wrapper = wrap_pipeline(tiny_models.build_tiny_pipeline(family))
     pipeline = wrapper.module
     inputs = tiny_models.make_inputs(family, height=64, width=64, negative=False)
     calls: list[dict] = []
-    guidance = {"guidance_scale": 1.0} if family == "sd3" else {}
+    guidance = {"sd3": {"guidance_scale": 1.0}, "z-image": {"guidance_scale": 0.0}}.get(family, {})  # no CFG
     with stub_transformer(wrapper, [None], calls):
         _call(wrapper, family, 2, negative=False, **guidance)
-    own = calls[0]
-    latents = own["hidden_states"]
-    if wrapper.comfy.packed:
+    own = {name: _stacked(value) for name, value in calls[0].items()}
+    latents = own[wrapper.module.transformer.plan.image_input]
+    if latents.ndim == 5:  # Z-Image's [C, 1, H, W] samples
+        latents = latents[:, :, 0]
+    elif wrapper.comfy.packed:
         latents = unpack_2x2(latents, 64, 64, pipeline.vae_scale_factor)
     elif wrapper.comfy.tokens:  # FLUX.2: one token per latent pixel of its 1/16 LATENT
         side = 64 // wrapper.latent_scale()
@@ -171,11 +183,38 @@ def test_a_model_calls_arguments_are_the_pipelines_own(rank, family):
     conditioning = {name: inputs[name] for name in wrapper.model_call_inputs if name in inputs}
     if "guidance" in wrapper.model_call_inputs and own.get("guidance") is not None:
         conditioning["guidance"] = own["guidance"]
-    ours = wrapper.model_call_arguments(latents, timestep, conditioning)
+    ours = {name: _stacked(value) for name, value in wrapper.model_call_arguments(latents, timestep, conditioning).items()}
     tensors = {name for name, value in own.items() if isinstance(value, torch.Tensor)}
     assert tensors <= set(ours), f"the pipeline passes {sorted(tensors - set(ours))} that a model call does not"
     for name in tensors:
         assert torch.allclose(ours[name].float(), own[name].float(), atol=1e-6), name
     late = wrapper.model_call_arguments(latents, timestep * 0.99, conditioning)  # negative control: another timestep
-    assert not torch.allclose(late["timestep"].float(), own["timestep"].float(), atol=1e-6)
+    time = "t" if "t" in own else "timestep"
+    assert not torch.allclose(late[time].float(), own[time].float(), atol=1e-6)
+    wrapper.unwrap()
+
+
+def test_qwen_image_refuses_what_diffusers_would_place_otherwise_than_comfyui(rank):
+    """A model call's reference with an odd count of tokens on a side, or a longer side than the image's, or an unknown
+    reference method, is one error before compute; a 2511 transformer (zero_cond_t) under PipeFusion is one layout
+    error. Negative control: a reference diffusers places as ComfyUI does is taken."""
+    wrapper = wrap_pipeline(tiny_models.build_tiny_pipeline("qwen-image"))
+    latents, embeds = torch.randn(1, 16, 8, 8), torch.randn(1, 5, 16)
+
+    def call(reference, method=0.0):
+        inputs = {"prompt_embeds": embeds, "reference_latents": reference.flatten(2),
+                  "reference_sizes": torch.tensor([[list(reference.shape[2:])]], dtype=torch.float32),
+                  "reference_method": torch.tensor([method])}
+        return wrapper.model_call_arguments(latents, torch.tensor([500.0]), inputs)
+
+    assert call(torch.randn(1, 16, 4, 8))["img_shapes"] == [[(1, 4, 4), (1, 2, 4)]]
+    for size in ((6, 8), (8, 12)):
+        with pytest.raises(ValueError, match=f"a reference latent of {size[0]}x{size[1]}"):
+            call(torch.randn(1, 16, *size))
+    with pytest.raises(ValueError, match=r"reference_method holds \[2.0\]"):
+        call(torch.randn(1, 16, 4, 8), method=2.0)
+    wrapper.module.transformer.module.register_to_config(zero_cond_t=True)
+    wrapper.parallel_config = ParallelConfig(pipefusion_degree=2)
+    with pytest.raises(LayoutError, match="zero_cond_t"):
+        wrapper.check_layout({}, 1)
     wrapper.unwrap()

@@ -157,6 +157,19 @@ def test_single_file_equals_folder(checkpoints, variant):
     assert (got - want).abs().max() < TOLERANCE, f"{variant}: max diff {(got - want).abs().max():.2e}"
 
 
+def test_a_qwen_image_edit_2511_file_loads_with_its_timestep_zero_references(checkpoints, tmp_path):
+    """Comfy-Org's 2511 file is Qwen-Image's layout with an empty `__index_timestep_zero__` marker: diffusers'
+    zero_cond_t; the same file without it loads without (negative control)."""
+    from safetensors.torch import load_file
+
+    _, path = checkpoints["qwen-image"]
+    marked = tmp_path / "qwen_image_edit_2511.safetensors"
+    save_file({**load_file(path), "model.diffusion_model.__index_timestep_zero__": torch.tensor([])}, marked)
+    assert detect_checkpoint(marked).overrides["zero_cond_t"] is True
+    assert load_pipeline(marked).transformer.config.zero_cond_t is True
+    assert load_pipeline(path).transformer.config.zero_cond_t is False
+
+
 def test_wrong_head_split_is_caught(checkpoints):
     """Negative control: the same weights under another head split give another output, so the 1e-4 check
     above would catch a wrongly derived head count."""

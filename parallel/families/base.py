@@ -107,7 +107,10 @@ class ComfyData:
     model_call_conds: keyword of ComfyUI's diffusion model call (context, y, guidance) → the pipeline's name
                     for it in a model call (the wrapper's model_call_inputs; "": ComfyUI's model passes it, this model
                     does not use it); `ref_latents` (ReferenceLatent's images)
-                    travel as `reference_latents` and `reference_sizes` (see `references`).
+                    travel as `reference_latents` and `reference_sizes` (see `references`); `ref_latents_method`
+                    (ComfyUI's way of placing them, a string) as `reference_method`, its index in reference_methods.
+    reference_methods: the `ref_latents_method`s the model call takes, the file's default first where ComfyUI's
+                    model config names none (Qwen-Image: index, index_timestep_zero); any other is refused.
     audio_stream:   (input, output): the model samples video with sound from ComfyUI's AV latent (LTXVConcatAVLatent's
                     NestedTensor of the video and the audio latent); the audio goes to the pipeline as `input`, comes
                     back as its `output`, both in the loop's space as the video (`model_latents`); (): video alone.
@@ -147,6 +150,7 @@ class ComfyData:
     optional_texts: tuple[str, ...] = ()
     model_class: str = ""
     model_call_conds: dict[str, str] = field(default_factory=dict)
+    reference_methods: tuple[str, ...] = ()
     audio_stream: tuple[str, str] = ()
     audio_axes: tuple[int, ...] = ()
     conditioning_calls: dict[str, tuple[str, float]] = field(default_factory=dict)

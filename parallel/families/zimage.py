@@ -19,7 +19,8 @@ tensors (one text length per batch) and the wrapper hands them over as lists.
 Single files (Tongyi-MAI's and Comfy-Org's `z_image_turbo_bf16.safetensors`, also fp8 and GGUF) hold the
 original layout (fused `attention.qkv`, `x_embedder`, `final_layer`), converted by diffusers' own converter;
 every size reads from the shapes, the rotary axes in Z-Image's proportions of the head (32 + 48 + 48 of 128).
-They hold the transformer only: a file pool takes Qwen3 embeddings and returns latents.
+They hold the transformer only: a file pool takes Qwen3 embeddings and returns latents, and serves ComfyUI's samplers
+(Load Diffusion Model (xDiT Pool): ComfyUI's ZImage model, each call the pipeline loop's transformer call).
 """
 
 from __future__ import annotations
@@ -41,13 +42,16 @@ EMBEDDINGS = ("prompt_embeds", "negative_prompt_embeds")
 
 class xFuserZImagePipeline(xFuserPipelineBaseWrapper):
     default_sigmas = staticmethod(linear_sigmas)
-    # ComfyUI 0.3.64 has no Z-Image model; its VAE is FLUX.1's, so its latents are in Flux's format.
+    # Its VAE is FLUX.1's, so its latents are in Flux's format. ComfyUI's model (0.33's ZImage; 0.3.64 has none)
+    # passes the text's token count and padding mask, and uses neither: its text is every token it is given.
     comfy = ComfyData(
         latent_formats={16: "Flux"}, cfg_offset=1.0,
         expects="encode with xDiT Text Encode on this pool, or on ComfyUI 0.33 with CLIPLoader type lumina2 (Z-Image's "
                 "Qwen3 4B, 2560 wide; ComfyUI 0.3.64 has no Z-Image text encoder)",
-        empty_latent="EmptySD3LatentImage (16 channels)",
+        empty_latent="EmptySD3LatentImage (16 channels)", model_class="ZImage",
+        model_call_conds={"context": "prompt_embeds", "num_tokens": "", "attention_mask": ""},
     )
+    model_call_inputs = model_call_required = ("prompt_embeds",)
     latent_patch = 2
     embedding_sizes = {name: "cap_feat_dim" for name in EMBEDDINGS}
 
@@ -76,6 +80,16 @@ class xFuserZImagePipeline(xFuserPipelineBaseWrapper):
             if isinstance(kwargs.get(name), torch.Tensor):
                 kwargs[name] = list(kwargs[name].unbind(0))
         return super().call_context(kwargs)
+
+    def model_call_arguments(self, latents, timestep, inputs):
+        """ZImagePipeline's loop: one [C, 1, H, W] latent and one [tokens, width] text per sample, the time running
+        the other way, (1000 − timestep) / 1000."""
+        return {"x": list(latents.unsqueeze(2).unbind(0)), "t": (1000 - timestep) / 1000,
+                "cap_feats": list(inputs["prompt_embeds"].unbind(0))}
+
+    def model_call_output(self, output, latents):
+        """The samples stacked back to [B, C, H, W], negated as the pipeline negates them (a flow towards noise)."""
+        return -torch.stack([sample.float() for sample in output])[:, :, 0]
 
     def encode_text(self, prompt: str) -> dict[str, torch.Tensor]:
         embeds, _ = self.module.encode_prompt(prompt, device=self.module.transformer.device,

@@ -105,8 +105,9 @@ def evaluate(wrapper, tensors: dict[str, torch.Tensor], expert: str = "") -> tor
     # The pipelines' loops pass the scheduler's timestep: sigma × num_train_timesteps for flow matching.
     timestep = sigma * wrapper.module.scheduler.config.num_train_timesteps
     arguments = wrapper.model_call_arguments(latents, timestep, inputs)
-    with torch.no_grad():
-        output = expert_of(wrapper, expert).evaluate(**arguments, return_dict=False)[0]
+    transformer = expert_of(wrapper, expert)
+    with torch.no_grad(), wrapper.model_call_context(transformer, inputs):
+        output = transformer.evaluate(**arguments, return_dict=False)[0]
     prediction = wrapper.model_call_output(output, latents)
     if counts is None:
         return prediction

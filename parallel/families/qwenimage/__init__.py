@@ -18,7 +18,9 @@ rotary table covers them all): the plan splits that whole sequence, so the refer
 noisy ones, and the pipeline keeps the noisy part of the gathered output; PipeFusion's patches cut that whole
 sequence too (the base's check: the total divides into patches). References come as pixels (encoded by the
 pipeline at ~1024²) or as latents (ComfyUI's ReferenceLatent), which the pipeline's sizing and VAE encode are
-answered with.
+answered with. A model call (ComfyUI's samplers on any Qwen-Image pool) takes the references as ComfyUI's model
+places them: at frame index 1, 2, ... (`index`, img_shapes), and with 2511's `index_timestep_zero` also modulated at
+timestep 0 (diffusers' `zero_cond_t`, switched on for that call; its per-token `modulate_index` split with the tokens).
 
 Its attention layers are diffusers' shared `Attention` class with a processor that calls
 `dispatch_attention_fn`, so the family declares the processor (`attention_layers`).
@@ -35,6 +37,9 @@ from .tiny import build_tiny, tiny_edit_inputs, tiny_inputs
 
 
 # -- single-file checkpoints: diffusers' own names -----------------------------------------------------------
+ZERO_COND_MARKER = "__index_timestep_zero__"  # Comfy-Org's Qwen-Image-Edit 2511 files: references at timestep 0
+
+
 def read_checkpoint(shape: Shapes) -> tuple[str, dict]:
     hidden, in_channels = shape("img_in.weight")
     head_dim = shape("transformer_blocks.0.attn.norm_q.weight")[0]
@@ -42,6 +47,7 @@ def read_checkpoint(shape: Shapes) -> tuple[str, dict]:
     if "transformer_blocks.0.img_mod.1.weight" not in shape or "time_text_embed.addition_t_embedding.weight" in shape:
         raise shape.error("a Qwen-Image transformer of a variant this pack does not support (only Qwen-Image text-to-image)")
     return "qwen-image", {
+        "zero_cond_t": ZERO_COND_MARKER in shape,
         "in_channels": in_channels, "out_channels": shape("proj_out.weight")[0] // 4, "attention_head_dim": head_dim,
         "num_attention_heads": shape.heads(hidden, head_dim), "num_layers": shape.blocks(r"transformer_blocks\.(\d+)\."),
         "joint_attention_dim": shape("txt_in.weight")[1], "axes_dims_rope": [head_dim - 2 * spatial, spatial, spatial],
@@ -49,7 +55,8 @@ def read_checkpoint(shape: Shapes) -> tuple[str, dict]:
 
 
 def convert_checkpoint(state_dict: dict, config: dict) -> dict:
-    return state_dict  # already diffusers' names
+    """Already diffusers' names; 2511's marker (an empty tensor) read as the config's zero_cond_t instead."""
+    return {name: tensor for name, tensor in state_dict.items() if name != ZERO_COND_MARKER}
 
 QWEN_IMAGE = FAMILIES.register(Family(
     name="qwen-image",
@@ -57,7 +64,9 @@ QWEN_IMAGE = FAMILIES.register(Family(
                "QwenImageEditPlusPipeline": xFuserQwenImageEditPlusPipeline},
     transformer="QwenImageTransformer2DModel",
     plan=ParallelPlan(
-        inputs={"": {"hidden_states": Split(dim=1, expected_dims=3)}},
+        # modulate_index: 2511's (zero_cond_t) per-token choice of modulation, split with the tokens at each block
+        inputs={"": {"hidden_states": Split(dim=1, expected_dims=3)},
+                "transformer_blocks.*": {"modulate_index": Split(dim=1, expected_dims=2)}},
         outputs={"pos_embed": Split(dim=0, items=(0,), expected_dims=2), "proj_out": Gather(dim=1, expected_dims=3)},
         attention={"transformer_blocks.*.attn": TextLayout.PREFIX},
         cfg=CfgMode.SEQUENTIAL,

@@ -13,10 +13,13 @@ from ...call_parameters import CallParameter
 from ...layout.config import LayoutError
 from ...model_executor.pipeline import xFuserPipelineBaseWrapper
 from ...model_executor.pipeline.img2img import linear_sigmas
-from ..base import ComfyData, pack_2x2, pictures, replaced, unpack_2x2
+from ..base import ComfyData, pack_2x2, pictures, references, replaced, unpack_2x2
 
 
 MASKS = {"prompt_embeds": "prompt_embeds_mask", "negative_prompt_embeds": "negative_prompt_embeds_mask"}
+# ComfyUI's ways of placing reference tokens that diffusers' transformer has: the n-th reference at frame index n
+# (its img_shapes), and Qwen-Image-Edit 2511's, which also modulates them at timestep 0 (its zero_cond_t)
+REFERENCE_METHODS = ("index", "index_timestep_zero")
 
 
 class xFuserQwenImagePipeline(xFuserPipelineBaseWrapper):
@@ -25,7 +28,9 @@ class xFuserQwenImagePipeline(xFuserPipelineBaseWrapper):
         latent_formats={16: "Wan21"}, packed=True, cfg_call="true_cfg_scale",
         expects="encode with xDiT Text Encode on this pool, or Qwen-Image's CLIPLoader (Qwen2.5-VL 7B, 3584 wide)",
         empty_latent="EmptySD3LatentImage (16 channels)", model_class="QwenImage",
-        model_call_conds={"context": "prompt_embeds"}, text_masks={"prompt_embeds": "prompt_embeds_mask"},
+        model_call_conds={"context": "prompt_embeds", "ref_latents": "reference_latents",
+                          "ref_latents_method": "reference_method"},
+        reference_methods=REFERENCE_METHODS, text_masks={"prompt_embeds": "prompt_embeds_mask"},
     )
     tensor_inputs = tuple(MASKS.values())
     latent_patch = 2
@@ -35,17 +40,35 @@ class xFuserQwenImagePipeline(xFuserPipelineBaseWrapper):
     }
     guidance, guidance_needs_negative = ("true_cfg_scale", 4.0), True
 
-    model_call_inputs = model_call_required = ("prompt_embeds",)
+    model_call_inputs = ("prompt_embeds", "reference_latents", "reference_sizes", "reference_method")
+    model_call_required = ("prompt_embeds",)
 
     def model_call_arguments(self, latents, timestep, inputs):
-        """QwenImagePipeline's loop: 2×2-packed tokens, timestep / 1000, the text without a mask (all valid)."""
+        """QwenImagePipeline's loop: 2×2-packed tokens, timestep / 1000, the text without a mask (all valid); the
+        edit pipelines' reference tokens after the noisy ones, each listed in img_shapes (its frame index)."""
         batch, _, height, width = latents.shape
-        return {"hidden_states": pack_2x2(latents), "timestep": timestep / 1000,
-                "encoder_hidden_states": inputs["prompt_embeds"], "encoder_hidden_states_mask": None,
-                "img_shapes": [[(1, height // 2, width // 2)]] * batch}
+        parts = references(inputs)
+        _reference_method(inputs)
+        for part in parts:
+            _check_reference(part, height, width)
+        shapes = [(1, h // 2, w // 2) for h, w in [(height, width)] + [part.shape[2:] for part in parts]]
+        return {"hidden_states": torch.cat([pack_2x2(latents), *map(pack_2x2, parts)], dim=1),
+                "timestep": timestep / 1000, "encoder_hidden_states": inputs["prompt_embeds"],
+                "encoder_hidden_states_mask": None, "img_shapes": [shapes] * batch}
+
+    def model_call_context(self, transformer, inputs):
+        """ComfyUI's `index_timestep_zero` (the 2511 file's default): diffusers' zero_cond_t, on for this call."""
+        zero = _reference_method(inputs) == "index_timestep_zero"
+        module = transformer.module
+        stack = contextlib.ExitStack()
+        for owner in (module, *module.transformer_blocks):
+            stack.enter_context(replaced(owner, "zero_cond_t", zero))
+        return stack
 
     def model_call_output(self, output, latents):
-        return unpack_2x2(output, latents.shape[2] * 8, latents.shape[3] * 8)
+        """The noisy tokens back to [B, 16, h, w] (the references' are dropped, as the pipelines drop them)."""
+        height, width = latents.shape[2:]
+        return unpack_2x2(output[:, : (height // 2) * (width // 2)], height * 8, width * 8)
 
     def expected_latents_shape(self, batch: int, height: int, width: int) -> tuple[int, ...]:
         return (batch, self.image_tokens(height, width), self.module.transformer.config.in_channels)
@@ -73,6 +96,12 @@ class xFuserQwenImagePipeline(xFuserPipelineBaseWrapper):
                 kwargs[embeds], kwargs[mask] = self._without_padding(kwargs[embeds], kwargs[mask], mask)
         return kwargs, batch, tokens
 
+    def check_layout(self, kwargs: dict[str, Any], batch: int) -> int:
+        if self.module.transformer.config.zero_cond_t and self.parallel_config.pipefusion_degree > 1:
+            raise LayoutError("Qwen-Image-Edit 2511 (zero_cond_t) modulates each token by its own row of modulate_index, "
+                              "which PipeFusion's patches do not slice yet; use Ulysses, Ring, CFG or data parallel")
+        return super().check_layout(kwargs, batch)
+
     def _without_padding(self, embeds: torch.Tensor, mask: torch.Tensor, name: str):
         """Trim the batch's common trailing padding; drop a mask with none left (see the module docstring)."""
         valid = mask.bool()
@@ -94,6 +123,28 @@ class xFuserQwenImagePipeline(xFuserPipelineBaseWrapper):
         return {"prompt_embeds": embeds} if mask is None else {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
 
 
+def _reference_method(inputs: dict[str, torch.Tensor]) -> str:
+    """The call's reference method: `reference_method` [B] holds its index in REFERENCE_METHODS (one per call)."""
+    method = inputs.get("reference_method")
+    if method is None:
+        return REFERENCE_METHODS[0]
+    values = set(method.reshape(-1).tolist())
+    if len(values) != 1 or not values <= set(range(len(REFERENCE_METHODS))):
+        raise ValueError(f"reference_method holds {sorted(values)}: one index into {list(REFERENCE_METHODS)} per call")
+    return REFERENCE_METHODS[int(values.pop())]
+
+
+def _check_reference(part: torch.Tensor, height: int, width: int) -> None:
+    """Refuse a reference whose rotary positions ComfyUI and diffusers place apart: an odd count of tokens on a side
+    (ComfyUI centres it one row lower), or a side longer than the noisy latent's (diffusers then starts the text
+    after the reference, ComfyUI after the noisy latent)."""
+    h, w = part.shape[2:]
+    if h % 4 or w % 4 or max(h, w) // 4 > max(height, width) // 4:
+        raise ValueError(f"a reference latent of {h}x{w} (latent pixels) with a {height}x{width} latent: xDiT takes "
+                         "references whose sides are multiples of 32 pixels and no longer than the image's longer side; "
+                         "scale the reference image so (ImageScale / ImageScaleToTotalPixels)")
+
+
 class xFuserQwenImageEditPipeline(xFuserQwenImagePipeline):
     """Qwen-Image-Edit: `image`, the reference image, either its pixels [1, 3, H, W] in [0, 1] or its latents in
     model space [1, 16, h, w] (ComfyUI's ReferenceLatent; h and w even). The pipelines take PIL images only and
@@ -107,7 +158,6 @@ class xFuserQwenImageEditPipeline(xFuserQwenImagePipeline):
                 "3584 wide), and give the reference image with ReferenceLatent or TextEncodeQwenImageEdit's vae and image")
     tensor_inputs = xFuserQwenImagePipeline.tensor_inputs + ("image",)
     shared_inputs = ("image",)  # every prompt edits every reference
-    model_call_inputs = model_call_required = ()  # single model calls would need the reference tokens too: none yet
     REFERENCE_AREA = 1024 * 1024  # the pipelines' VAE_IMAGE_SIZE
 
     def _several(self) -> bool:

@@ -4,6 +4,7 @@ xDiT Model), each overridden by a family where its pipeline does it its own way.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -35,6 +36,11 @@ class ModelCallGlue:
         """The transformer's keyword arguments for `latents` [B, C, H, W] at the scheduler's `timestep` [B],
         as the pipeline's loop makes them (families with model_call_inputs)."""
         raise NotImplementedError
+
+    def model_call_context(self, transformer, inputs: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager:
+        """What the call's conditioning switches on the wrapped `transformer` for this call only, where the model's
+        config fixes what ComfyUI chooses per conditioning (Qwen-Image's reference method): nothing, for most."""
+        return contextlib.nullcontext()
 
     def frame_timesteps(self) -> bool:
         """Whether a model call may carry one noise level per latent frame, sigma [B, T'] (Wan 2.2 TI2V)."""
