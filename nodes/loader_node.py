@@ -16,6 +16,7 @@ from dataclasses import replace
 import folder_paths
 from comfy_api.latest import io
 
+from ..parallel.families import FAMILIES
 from ..parallel.loading.checkpoints import CHECKPOINT_SUFFIXES, detect_checkpoint
 from ..workers.supervisor import PoolSpec
 from . import comfy_files
@@ -45,9 +46,14 @@ def unet_path(kwargs) -> str:
 def pool_spec(kwargs) -> PoolSpec:
     """The pool this node stands for: XDiTPool's for its file (no text encoders, its weight dtype), the file of an
     expert pair named by the pair's first, so both experts' loaders share one pool."""
+    path = unet_path(kwargs)
+    refusal = FAMILIES.model_call_refusal(type(comfy_files.read(path).model_config).__name__)
+    if refusal:
+        raise ValueError(f"Load Diffusion Model (xDiT Pool) cannot run {kwargs['unet_name']} on a pool: {refusal}; "
+                         "load it with UNETLoader, or sample it with xDiT Sampler on a pool of its pipeline")
     key = pool_key({**kwargs, "model": f"{FILE_PREFIX}{FOLDER}/{kwargs['unet_name']}", "text_encoders": False,
                     "dtype": WEIGHT_DTYPES[kwargs["weight_dtype"]]})
-    model, _ = detect_checkpoint(unet_path(kwargs)).expert()
+    model, _ = detect_checkpoint(path).expert()
     return key if key.endpoint else replace(key, model=str(model))
 
 

@@ -104,6 +104,10 @@ class ComfyData:
     model_class:    the class in `comfy.supported_models` whose model sampling (flow shift, prediction type),
                     latent format and conditioning an xDiT Model carries (ComfyUI's samplers on the pool);
                     "": no xDiT Model for this family.
+    model_call_refused: why a model call of the pool cannot give what ComfyUI's own `model_class` gives (ComfyUI
+                    computes the model otherwise than the pool's diffusers transformer): xDiT Model and the drop-in
+                    loader refuse this family's pools and files in one line with it, rather than sample a
+                    different model under ComfyUI's samplers.
     model_call_conds: keyword of ComfyUI's diffusion model call (context, y, guidance) → the pipeline's name
                     for it in a model call (the wrapper's model_call_inputs; "": ComfyUI's model passes it, this model
                     does not use it); `ref_latents` (ReferenceLatent's images)
@@ -149,6 +153,7 @@ class ComfyData:
     conditioning_keys: dict[str, str] = field(default_factory=dict)
     optional_texts: tuple[str, ...] = ()
     model_class: str = ""
+    model_call_refused: str = ""
     model_call_conds: dict[str, str] = field(default_factory=dict)
     reference_methods: tuple[str, ...] = ()
     audio_stream: tuple[str, str] = ()
@@ -385,6 +390,12 @@ class FamilyRegistry:
         may carry (each pipeline's wrapper then checks its own)."""
         names = (name for family in self for wrapper in family.pipelines.values() for name in wrapper.all_tensor_inputs())
         return tuple(dict.fromkeys(names))
+
+    def model_call_refusal(self, model_class: str) -> str:
+        """Why ComfyUI's `model_class` (a comfy.supported_models class name, as ComfyUI detects a file) cannot run its
+        model calls on a pool ("": it can, or no family declares it)."""
+        return next((wrapper.comfy.model_call_refused for family in self for wrapper in family.pipelines.values()
+                     if wrapper.comfy.model_class == model_class and wrapper.comfy.model_call_refused), "")
 
     def model_call_tensors(self) -> tuple[str, ...]:
         """Every tensor some registered pipeline takes in a single model call (model_call.py): the latents,
