@@ -8,7 +8,8 @@ that block's audio-to-video update in ComfyUI 0.33 (`vx` re-normalised after `vx
 diffusers (`audio_to_video_norm(hidden_states)` once, for both). Everything else of a model call agrees: with the
 audio-to-video gate zero (its modulation weights zeroed, so the update is nothing) ComfyUI's prediction equals
 diffusers' transformer and text connectors on the same file within 1e-4, video and audio; with the gate as trained,
-the audio moves by O(1). The pool therefore cannot give ComfyUI's result for a real LTX-2 file.
+the audio moves by O(1), and in the first block, on equal inputs, the audio-to-video attention still agrees while the
+video-to-audio attention does not. The pool therefore cannot give ComfyUI's result for a real LTX-2 file.
 
 Widths ComfyUI fixes in code, which the tiny file keeps: the audio latent is 8 channels × 16 mel bins (128 wide), the
 text connectors have 128 learnable registers, and the cross-modal rotary tables are made with the audio's head count
@@ -30,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from xdit_test_helpers import TOLERANCE
 
+CROSS = ("audio_to_video_attn", "video_to_audio_attn")  # the first block's cross-modal attentions, compared too
 COMFY_ARGS = ("--use-pytorch-cross-attention",)  # ComfyUI's attention as on the GPUs a pool runs on (SDPA)
 FILE = "tiny-ltx-2.3-comfy.safetensors"
 HEADS, HEAD, AUDIO_HEAD, TEXT_TOKENS, RATE = 4, 16, 8, 7, 24.0
@@ -71,10 +73,13 @@ save_file({"model.diffusion_model." + k: v for k, v in weights.items()}, path,
 patcher = comfy.sd.load_diffusion_model(path)
 net = patcher.model.diffusion_model
 x = load_file(inputs)
+seen = {}
+for name in ("audio_to_video_attn", "video_to_audio_attn"):  # the first block's cross-modal attentions
+    getattr(net.transformer_blocks[0], name).register_forward_hook(lambda m, a, o, n=name: seen.__setitem__(n, o.clone()))
 with torch.no_grad():
     context = net.preprocess_text_embeds(x["context"], unprocessed=True)
     video, audio = net([x["video"], x["audio"]], (x["sigma"], x["sigma"]), context, frame_rate=x["rate"].item())
-save_file({"video": video.contiguous(), "audio": audio.contiguous(), "context": context.contiguous()}, result,
+save_file({"video": video.contiguous(), "audio": audio.contiguous(), "context": context.contiguous(), **seen}, result,
           metadata={"model": type(patcher.model).__name__})
 """
 
@@ -140,6 +145,10 @@ def _diffusers_call(path, x: dict, rate: float = RATE) -> dict:
     padded = torch.cat([text, text.new_zeros(batch, 1024 - text.shape[1], text.shape[2])], dim=1)
     valid = (torch.arange(1024) < text.shape[1]).float().expand(batch, -1)
     additive = ((valid - 1) * torch.finfo(torch.float32).max).reshape(batch, 1, 1, 1024)
+    seen = {}
+    for name in CROSS:
+        getattr(transformer.transformer_blocks[0], name).register_forward_hook(
+            lambda m, a, o, n=name: seen.__setitem__(n, o.clone()))
     with torch.no_grad():
         video_text = connectors.video_connector(padded[..., :VIDEO_WIDTH], additive)[0]
         audio_text = connectors.audio_connector(padded[..., VIDEO_WIDTH:], additive)[0]
@@ -153,11 +162,11 @@ def _diffusers_call(path, x: dict, rate: float = RATE) -> dict:
             use_cross_timestep=True, return_dict=False)
     return {"video": out_video.transpose(1, 2).reshape(video.shape),
             "audio": out_audio.reshape(batch, audio.shape[2], *audio.shape[1::2]).transpose(1, 2),
-            "context": torch.cat([video_text, audio_text], dim=-1)}
+            "context": torch.cat([video_text, audio_text], dim=-1), **seen}
 
 
 def _diffs(x: dict, ours: dict) -> dict[str, float]:
-    return {name: (ours[name] - x[f"comfy_{name}"]).abs().max().item() for name in ("video", "audio", "context")}
+    return {name: (ours[name] - x[f"comfy_{name}"]).abs().max().item() for name in ("video", "audio", "context", *CROSS)}
 
 
 def test_comfyuis_ltxav_differs_from_diffusers_only_where_video_to_audio_attention_reads_the_video(
@@ -173,6 +182,8 @@ def test_comfyuis_ltxav_differs_from_diffusers_only_where_video_to_audio_attenti
     trained, _ = _comfyui_call(python, comfyui, tmp_path / FILE, tmp_path, zero_gate=False)
     differs = _diffs(trained, _diffusers_call(tmp_path / FILE, trained))
     assert differs["context"] <= TOLERANCE and differs["audio"] > 1e-2, differs
+    # in the first block, on equal inputs: audio-to-video attention agrees, video-to-audio (which reads the video) not
+    assert differs["audio_to_video_attn"] <= TOLERANCE and differs["video_to_audio_attn"] > 1e-2, differs
 
 
 def test_the_loader_refuses_an_ltxav_file_in_one_line_with_the_reason(comfy, tmp_path):
