@@ -46,14 +46,9 @@ def unet_path(kwargs) -> str:
 def pool_spec(kwargs) -> PoolSpec:
     """The pool this node stands for: XDiTPool's for its file (no text encoders, its weight dtype), the file of an
     expert pair named by the pair's first, so both experts' loaders share one pool."""
-    path = unet_path(kwargs)
-    refusal = FAMILIES.model_call_refusal(type(comfy_files.read(path).model_config).__name__)
-    if refusal:
-        raise ValueError(f"Load Diffusion Model (xDiT Pool) cannot run {kwargs['unet_name']} on a pool: {refusal}; "
-                         "load it with UNETLoader, or sample it with xDiT Sampler on a pool of its pipeline")
     key = pool_key({**kwargs, "model": f"{FILE_PREFIX}{FOLDER}/{kwargs['unet_name']}", "text_encoders": False,
                     "dtype": WEIGHT_DTYPES[kwargs["weight_dtype"]]})
-    model, _ = detect_checkpoint(path).expert()
+    model, _ = detect_checkpoint(unet_path(kwargs)).expert()
     return key if key.endpoint else replace(key, model=str(model))
 
 
@@ -99,9 +94,14 @@ class XDiTLoadDiffusionModel(io.ComfyNode):
     @classmethod
     def execute(cls, **kwargs) -> io.NodeOutput:
         path = unet_path(kwargs)
+        comfy_file = comfy_files.read(path)
+        refusal = FAMILIES.model_call_refusal(type(comfy_file.model_config).__name__)
+        if refusal:  # before any pool starts
+            raise ValueError(f"Load Diffusion Model (xDiT Pool) cannot run {kwargs['unet_name']} on a pool: {refusal}; "
+                             "load it with UNETLoader, or sample it with xDiT Sampler on a pool of its pipeline")
         key = pool_spec(kwargs)
         handle = POOLS.acquire(key)
         if key.endpoint:
             POOLS.remember(key, key.endpoint)
         _, expert = detect_checkpoint(path).expert()
-        return io.NodeOutput(comfy_model(handle, comfy_files.read(path), expert))
+        return io.NodeOutput(comfy_model(handle, comfy_file, expert))
