@@ -4,9 +4,10 @@ The tiny model's prompts ("a cat on a mat" and the negative "blurry": prefixes o
 one 80 × 48 picture by the engine's own encode (prompt_inputs, what a pool's rank 0 and make_inputs run: the
 pipeline's encode_prompt with the picture as its `__call__` sizes it, ~1024², 1,025 slots of 2×2 latent tokens) into
 contract E's IN: embeddings, each prompt's `image_pad_mask`, the picture. Through real ranks with the prefix K/V cache
-on, Ulysses 2, Ring 2 and CFG 2 equal diffusers' own single-process QwenImage21Pipeline called with the prompt strings
-and the PIL picture within 1e-4 in fp32; the same pipeline with another picture, or none, misses by far more. Under
-Ulysses 2 each rank's cached prefix holds the picture's tokens (its bytes count them) and is stored once per job.
+on, Ulysses 2, Ring 2, CFG 2 and data parallel 2 (two samples sharing the picture) equal diffusers' own
+single-process QwenImage21Pipeline called with the prompt strings and the PIL picture within 1e-4 in fp32; the same
+pipeline with another picture, or none, misses by far more. Under Ulysses 2 each rank's cached prefix holds the
+picture's tokens (its bytes count them) and is stored once per job.
 Embeddings without their `image_pad_mask`, or encoded with a picture of another shape, are refused in one line.
 """
 
@@ -29,6 +30,7 @@ CASES = {  # name: (layout, what the IN holds instead of the encoded inputs, exp
     "ulysses2": ({"ulysses_degree": 2}, {}, None),
     "ring2": ({"ring_degree": 2}, {}, None),
     "cfg2": ({"cfg_degree": 2}, {}, None),
+    "dp2": ({"dp_degree": 2}, {"batch": 2}, None),  # two samples, the picture shared
     "no-slots": ({"ulysses_degree": 2}, {"image_pad_mask": None},
                  "prompt_embeds come without image_pad_mask: encode the prompts with the condition pictures"),
     "other-picture": ({"ulysses_degree": 2}, {"image": "square"}, "image_pad_mask [1, "),
@@ -54,19 +56,30 @@ def runs(tiny_model_dirs, tmp_path_factory):
         wrapper.unwrap()
     specs = []
     for name, (layout, changes, _) in CASES.items():
-        inputs = {**encoded, **{key: torch.rand(1, 3, 64, 64) if value == "square" else value
-                                for key, value in changes.items()}}
-        save_file({key: value for key, value in inputs.items() if value is not None}, work / f"{name}-in.safetensors")
-        specs.append({"name": name, "model": str(tiny_model_dirs[FAMILY]), "inputs": str(work / f"{name}-in.safetensors"),
+        inputs = batched(encoded, changes["batch"]) if "batch" in changes else dict(encoded)
+        inputs.update({key: torch.rand(1, 3, 64, 64) if value == "square" else value for key, value in changes.items()
+                       if key != "batch"})
+        given = work / f"{name}-in.safetensors"
+        save_file({key: value for key, value in inputs.items() if value is not None}, given)
+        specs.append({"name": name, "model": str(tiny_model_dirs[FAMILY]), "inputs": str(given),
                       "output": str(work / f"{name}.safetensors"), "layout": layout, "call": CALL,
                       "report_prefix_cache": name == "ulysses2"})
     run_engine_cases(2, specs, work)
     return work
 
 
+def batched(encoded: dict, batch: int) -> dict:
+    """The encoded prompts `batch` times (one picture for all), each sample its own noise."""
+    out = {name: value if name == "image" else value.expand(batch, *value.shape[1:]).contiguous()
+           for name, value in encoded.items()}
+    out["latents"] = torch.randn(batch, *encoded["latents"].shape[1:], generator=torch.Generator().manual_seed(9))
+    return out
+
+
 def _diffusers(folder, latents, image):
-    return diffusers_latents(folder, FAMILY, prompt=PROMPT, negative_prompt=NEGATIVE, latents=latents,
-                             **({} if image is None else {"image": pictures(image)[0]}), **CALL)
+    batch = latents.shape[0]
+    return diffusers_latents(folder, FAMILY, prompt=[PROMPT] * batch, negative_prompt=[NEGATIVE] * batch,
+                             latents=latents, **({} if image is None else {"image": pictures(image)[0]}), **CALL)
 
 
 def _parallel(runs, name: str) -> torch.Tensor:
@@ -75,7 +88,7 @@ def _parallel(runs, name: str) -> torch.Tensor:
     return load_file(runs / f"{name}.safetensors")["latents"]
 
 
-@pytest.mark.parametrize("name", ["ulysses2", "ring2", "cfg2"])
+@pytest.mark.parametrize("name", ["ulysses2", "ring2", "cfg2", "dp2"])
 def test_edit_equals_diffusers_from_the_prompt_strings_and_the_picture(runs, tiny_model_dirs, name):
     got = _parallel(runs, name)
     expected = _diffusers(tiny_model_dirs[FAMILY], load_file(runs / f"{name}-in.safetensors")["latents"], picture())
@@ -97,7 +110,8 @@ def test_the_cached_prefix_holds_the_pictures_tokens_once_per_job(runs, tiny_mod
     inputs = load_file(runs / "ulysses2-in.safetensors")
     transformer = json.loads((tiny_model_dirs[FAMILY] / "transformer" / "config.json").read_text())
     heads, head_dim, layers = (transformer[k] for k in ("num_attention_heads", "attention_head_dim", "num_layers"))
-    prefixes = [mask.shape[1] + 3 * int(mask.sum()) for mask in (inputs["image_pad_mask"], inputs["negative_image_pad_mask"])]
+    slots = (inputs["image_pad_mask"], inputs["negative_image_pad_mask"])
+    prefixes = [mask.shape[1] + 3 * int(mask.sum()) for mask in slots]  # a slot's one row becomes 4 tokens
     report = json.loads((runs / "ulysses2.safetensors.prefix.json").read_text())
     assert [r["stores"] for r in report] == [2 * layers] * 2 and [r["live"] for r in report] == [0, 0]
     assert [r["bytes"] for r in report] == [layers * 2 * sum(prefixes) * heads // 2 * head_dim * 4] * 2

@@ -144,7 +144,7 @@ class xFuserQwenImage21Pipeline(xFuserPipelineBaseWrapper):
                 raise ValueError(f"{stray[0]} marks condition-picture slots but no `image` was sent; send the pictures "
                                  "the prompt was encoded with")
             return super().check_inputs(kwargs, batch)
-        filled = sum(tokens for _, _, tokens in self.condition_sizes(image)) // 4  # 2×2 latent tokens a slot
+        filled = image.shape[0] * self.condition_size(image)[2] // 4  # a slot holds 2×2 latent tokens
         for embeds, slots in given.items():
             mask = kwargs.get(slots)
             if mask is None:
@@ -158,17 +158,17 @@ class xFuserQwenImage21Pipeline(xFuserPipelineBaseWrapper):
                                  "prompts with these pictures")
         super().check_inputs(kwargs, batch)
 
-    def condition_sizes(self, image: torch.Tensor) -> list[tuple[int, int, int]]:
-        """(width, height, latent tokens) of each picture as `__call__` sizes it: its default output_resolution's area
-        at the picture's aspect ratio (the pipeline's own calculate_dimensions)."""
+    def condition_size(self, image: torch.Tensor) -> tuple[int, int, int]:
+        """Width, height and latent tokens of each picture as `__call__` sizes it: its default output_resolution's
+        area at the pictures' aspect ratio (the pipeline's own calculate_dimensions)."""
         if not isinstance(image, torch.Tensor) or image.ndim != 4 or image.shape[1] != 3:
-            raise ValueError(f"image has shape {list(getattr(image, 'shape', []))}; QwenImage21Pipeline takes condition "
-                             "pictures [N, 3, H, W] in [0, 1]")
+            raise ValueError(f"image has shape {list(getattr(image, 'shape', []))}; QwenImage21Pipeline takes "
+                             "condition pictures [N, 3, H, W] in [0, 1]")
         pipeline = self.module
         area = inspect.signature(type(pipeline).__call__).parameters["output_resolution"].default ** 2
-        width, height = inspect.getmodule(type(pipeline)).calculate_dimensions(area, image.shape[3] / image.shape[2])[:2]
-        scale = pipeline.vae_scale_factor
-        return [(width, height, (height // scale) * (width // scale))] * image.shape[0]
+        sizing = inspect.getmodule(type(pipeline)).calculate_dimensions
+        width, height = sizing(area, image.shape[3] / image.shape[2])[:2]
+        return width, height, (height // pipeline.vae_scale_factor) * (width // pipeline.vae_scale_factor)
 
     def _checked_mask(self, mask: torch.Tensor, name: str) -> torch.Tensor | None:
         """An all-valid mask is none (as the pipeline's encode_prompt drops it); padding under sequence parallel is
@@ -187,10 +187,11 @@ class xFuserQwenImage21Pipeline(xFuserPipelineBaseWrapper):
 
     def encode_text_with_images(self, prompt: str, image: torch.Tensor) -> dict[str, torch.Tensor]:
         """The prompt encoded with its condition pictures as `__call__` encodes them (each resized, as RGBA, to its
-        size there), with their `image_pad_mask`; `image` the pictures themselves, which the call encodes with its VAE."""
+        size there), with their `image_pad_mask`; `image` the pictures themselves, which the call's VAE encodes."""
         pipeline = self.module
+        width, height, _ = self.condition_size(image)
         seen = [pipeline.image_processor.resize(picture.convert("RGBA"), height=height, width=width)
-                for picture, (width, height, _) in zip(pictures(image), self.condition_sizes(image))]
+                for picture in pictures(image)]
         embeds, mask, slots = pipeline.encode_prompt(prompt, image=seen, device=pipeline.transformer.device)
         return {"prompt_embeds": embeds, **({} if mask is None else {"prompt_embeds_mask": mask}),
                 "image_pad_mask": slots, "image": image}
