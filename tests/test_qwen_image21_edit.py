@@ -7,7 +7,8 @@ contract E's IN: embeddings, each prompt's `image_pad_mask`, the picture. Throug
 on, Ulysses 2, Ring 2, CFG 2 and data parallel 2 (two samples sharing the picture) equal diffusers' own
 single-process QwenImage21Pipeline called with the prompt strings and the PIL picture within 1e-4 in fp32; the same
 pipeline with another picture, or none, misses by far more. Under Ulysses 2 each rank's cached prefix holds the
-picture's tokens (its bytes count them) and is stored once per job.
+picture's tokens (its bytes count them) and is stored once per job. The same IN through `python -m parallel.run` on
+Ulysses 2 equals it too.
 Embeddings without their `image_pad_mask`, or encoded with a picture of another shape, are refused in one line.
 """
 
@@ -22,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from parallel.families.base import pictures
 from parallel.loading import tiny_models
 
-from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, one_rank, run_engine_cases
+from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, one_rank, run_engine_cases, torchrun
 
 FAMILY, PROMPT, NEGATIVE = "qwen-image-2.1", "a cat on a mat", "blurry"
 CALL = {"num_inference_steps": 3, "true_cfg_scale": 4.0, "height": 64, "width": 96, "use_kv_cache": 1}
@@ -95,6 +96,19 @@ def test_edit_equals_diffusers_from_the_prompt_strings_and_the_picture(runs, tin
     assert got.shape == expected.shape and torch.isfinite(got).all()
     error = (got - expected).abs().max().item()
     assert error <= TOLERANCE, f"{name}: max |parallel - diffusers| = {error:.3g}"
+
+
+def test_contract_e_takes_the_pictures_and_their_slots(runs, tiny_model_dirs):
+    """The same IN through `python -m parallel.run` under torchrun (Ulysses 2): its inputs are the edit's own."""
+    out = runs / "cli.safetensors"
+    run = torchrun(2, "-m", "parallel.run", "--model", str(tiny_model_dirs[FAMILY]), "--inputs",
+                   str(runs / "ulysses2-in.safetensors"), "--output", str(out), "--dtype", "fp32",
+                   "--ulysses-degree", "2",
+                   "--steps", str(CALL["num_inference_steps"]), "--guidance-scale", "1", "--true-cfg-scale", "4",
+                   "--height", str(CALL["height"]), "--width", str(CALL["width"]))
+    assert run.returncode == 0, run.stderr[-3000:]
+    expected = _diffusers(tiny_model_dirs[FAMILY], load_file(runs / "ulysses2-in.safetensors")["latents"], picture())
+    assert (load_file(out)["latents"] - expected).abs().max().item() <= TOLERANCE
 
 
 @pytest.mark.parametrize("image", [1 - picture(), None], ids=["another-picture", "no-picture"])
