@@ -217,7 +217,7 @@ class FamilyAdapter:
                 out[f"{prefix}{self.data.text_masks[name]}"] = torch.zeros(batch, 1, dtype=torch.int64)
         for name, value in given.items():
             if f"{prefix}{name}" in self.tensor_inputs:
-                out[f"{prefix}{name}"] = _repeat(value, batch)
+                out[f"{prefix}{name}"] = value if name in self.shared_inputs else _repeat(value, batch)
         return out
 
     def _trimmed(self, tensor: torch.Tensor, mask: torch.Tensor, name: str) -> torch.Tensor:

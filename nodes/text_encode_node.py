@@ -24,7 +24,8 @@ class XDiTTextEncode(io.ComfyNode):
                 io.Image.Input("image", optional=True,
                                tooltip="Qwen-Image-Edit: the reference image, encoded with the prompt and by the pool's "
                                        "VAE into the conditioning's reference latents (as TextEncodeQwenImageEdit with "
-                                       "its vae and image); Edit Plus: a batch of references of one size."),
+                                       "its vae and image); Edit Plus: a batch of references of one size; Qwen-Image "
+                                       "2.1: its condition pictures, which the conditioning carries to the sampler."),
             ],
             outputs=[io.Conditioning.Output()],
         )
@@ -33,15 +34,15 @@ class XDiTTextEncode(io.ComfyNode):
     def execute(cls, pool, text, image=None) -> io.NodeOutput:
         client = POOLS.client(pool.endpoint)
         encoded = client.encode(text) if image is None else client.encode(text, image=image.movedim(-1, 1))
-        extras = {}
-        if "image" in encoded:  # the references' latents, model space: ReferenceLatent's way, in ComfyUI's VAE space
-            references = encoded.pop("image")
-            extras["reference_latents"] = adapter_for(pool.pipeline, pool.latent_scale).comfy_references(references)
+        extras, adapter = {}, adapter_for(pool.pipeline, pool.latent_scale)
+        if "image" in encoded and adapter.data.reference_latents:  # the references' latents, model space:
+            extras["reference_latents"] = adapter.comfy_references(encoded.pop("image"))  # ReferenceLatent's way
         if "pooled_prompt_embeds" in encoded:
             extras["pooled_output"] = encoded["pooled_prompt_embeds"]
         if "prompt_attention_mask" in encoded:
             extras["attention_mask"] = encoded["prompt_attention_mask"]
-        for name, tensor in encoded.items():  # the family's other text inputs (HunyuanVideo 1.5's masks and glyph text)
+        # the family's other inputs: HunyuanVideo 1.5's masks and glyph text, Qwen-Image 2.1's pictures and their slots
+        for name, tensor in encoded.items():
             if name not in ("prompt_embeds", "pooled_prompt_embeds", "prompt_attention_mask"):
                 extras[f"{XDIT_TEXT}{name}"] = tensor
         return io.NodeOutput([[encoded["prompt_embeds"], extras]])

@@ -24,8 +24,8 @@ def parse_args(argv=None):
     parser.add_argument("--negative-prompt", default="")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--image", action="append", default=[], metavar="PICTURE",
-                        help="a reference picture for an edit model, encoded with both prompts (Qwen-Image-Edit; "
-                             "repeat for Edit Plus's several, one size)")
+                        help="a reference picture for an edit model, encoded with both prompts (Qwen-Image-Edit, "
+                             "Qwen-Image 2.1; repeat for Edit Plus's or 2.1's several, one size)")
     parser.add_argument("--height", type=int, default=1024)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--out", required=True, help="the IN.safetensors to write")

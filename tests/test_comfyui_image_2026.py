@@ -12,7 +12,8 @@ format equal to diffusers' Krea2Pipeline within 1e-4.
 Qwen-Image 2.1, which ComfyUI 0.33 lacks (no TextEncodeQwenImage21, no QwenImage21 latent format): xDiT Text Encode +
 xDiT Empty Latent + xDiT Sampler on the built-in tiny model (64 channels at 1/16, the released VAE's statistics), its
 prefix K/V cache on, on Ulysses 2 and on CFG 2 (cfg 4: its true CFG), give a LATENT in the pack's declared QwenImage21
-format equal to diffusers' QwenImage21Pipeline within 1e-4.
+format equal to diffusers' QwenImage21Pipeline within 1e-4; and with a picture given to both xDiT Text Encodes (its edit
+mode) equal to that pipeline given the prompt strings and the picture, another picture missing.
 """
 
 from __future__ import annotations
@@ -160,11 +161,10 @@ def test_krea2_xdit_sampler_equals_diffusers_in_comfyuis_own_latent_format(comfy
 QWEN21 = "qwen-image-2.1"
 
 
-@pytest.fixture(scope="module")
-def qwen21_reference() -> dict[str, torch.Tensor]:
+def _qwen21_comfy(**call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """diffusers' QwenImage21Pipeline in this process on ComfyUI's noise for SEED, true CFG 4 (ComfyUI's cfg 4), the
-    prefix K/V cache on (its default): its tokens as ComfyUI's [1, 64, h, w] (the decode's own `latents * std + mean`,
-    before the VAE), and as the model's space (the negative control)."""
+    prefix K/V cache on (its default), `call` added: its tokens as ComfyUI's [1, 64, h, w] (the decode's own
+    `latents * std + mean`, before the VAE), and the VAE's mean and std."""
     from parallel.loading.builtin_models import builtin_model_dir
 
     pipeline = load_pipeline_folder(builtin_model_dir(f"xdit-tiny-{QWEN21}"))  # the pool's own folder
@@ -172,10 +172,16 @@ def qwen21_reference() -> dict[str, torch.Tensor]:
     noise = torch.randn((1, 64, side, side), generator=torch.manual_seed(SEED))
     tokens = diffusers_latents(pipeline, QWEN21, prompt=POSITIVE, negative_prompt=NEGATIVE, true_cfg_scale=4.0,
                                use_kv_cache=True, num_inference_steps=STEPS, height=SIZE, width=SIZE,
-                               latents=pipeline._pack_latents(noise, 1, 64, side, side))
+                               latents=pipeline._pack_latents(noise, 1, 64, side, side), **call)
     config = pipeline.vae.config
     mean, std = (torch.tensor(v).view(1, -1, 1, 1) for v in (config.latents_mean, config.latents_std))
-    comfy = pipeline._unpack_latents(tokens, SIZE, SIZE, 16)[:, :, 0] * std + mean
+    return pipeline._unpack_latents(tokens, SIZE, SIZE, 16)[:, :, 0] * std + mean, mean, std
+
+
+@pytest.fixture(scope="module")
+def qwen21_reference() -> dict[str, torch.Tensor]:
+    """diffusers' text-to-image result in ComfyUI's space, and in the model's space (the negative control)."""
+    comfy, mean, std = _qwen21_comfy()
     return {"comfy": comfy, "model_space": comfy.sub(mean).div(std)}
 
 
@@ -194,3 +200,28 @@ def test_qwen_image21_xdit_nodes_equal_diffusers_in_the_declared_latent_format(c
     assert not native_format_taken(comfy, "QwenImage21Pipeline", "QwenImage21")
     # negative control: the same numbers without the declared standardisation undone are not ComfyUI's LATENT
     assert (latent - qwen21_reference["model_space"]).abs().max().item() > 100 * TOLERANCE
+
+
+def test_qwen_image21_text_encode_with_a_picture_edits_as_diffusers(comfy):
+    """LoadImage → xDiT Text Encode with the picture, positive and negative (Qwen3-VL sees it; the conditioning carries
+    the picture and where it sits in the prompt) → xDiT Empty Latent → xDiT Sampler on the built-in tiny model (Ulysses
+    2, cfg 4, the prefix K/V cache on, the picture's tokens in it) equals diffusers' QwenImage21Pipeline given the prompt
+    strings and the picture; another picture misses by far more."""
+    import numpy as np
+    import PIL.Image
+
+    rng = np.random.default_rng(5)
+    for name in ("qwen21-ref.png", "qwen21-other.png"):
+        PIL.Image.fromarray(rng.integers(0, 256, (48, 80, 3), dtype=np.uint8)).save(comfy.work / "input" / name)
+    graph = _sampler_workflow(QWEN21, 4.0, "XDiTEmptyLatent", "qwen21-edit")
+    graph["7"] = {"class_type": "LoadImage", "inputs": {"image": "qwen21-ref.png"}}
+    for node in ("2", "3"):
+        graph[node]["inputs"]["image"] = ["7", 0]
+    latent = saved_latent(comfy, _entry(comfy, graph))
+
+    def expected(name: str) -> torch.Tensor:
+        return _qwen21_comfy(image=PIL.Image.open(comfy.work / "input" / name).convert("RGB"))[0]
+
+    assert latent.shape == (1, 64, SIZE // 16, SIZE // 16)
+    assert (latent - expected("qwen21-ref.png")).abs().max().item() <= TOLERANCE
+    assert (latent - expected("qwen21-other.png")).abs().max().item() > 100 * TOLERANCE

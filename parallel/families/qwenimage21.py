@@ -15,6 +15,13 @@ cached prefix K/V are computed once per job, at the first step, on the ranks run
 rank keeps only its heads of them (`PrefixKV`), under Ring every ring member keeps them (its queries see them
 locally; the ring passes the image's K/V only). They are dropped when the call ends, fails or is cancelled.
 
+Edit: `image`, the condition pictures [N, 3, H, W] in [0, 1] (every prompt sees them all), as 8-bit PIL images, the
+only kind its `__call__` takes. Qwen3-VL reads each picture inside the prompt, so the embeddings must have been
+encoded with them (`encode_text_with_images`: the pipeline's own encode_prompt, the pictures sized as `__call__` sizes
+them, about 1024² of their aspect ratio), and their `image_pad_mask` (the slots the pictures' latent tokens fill)
+travels with them: `__call__` takes no such argument, so its encode_prompt is handed it. The pictures' latent tokens
+join the prefix: whole on every rank and in the prefix K/V cache as the text is.
+
 Its true CFG is two calls per step named "cond" and "uncond", whose outputs hold each prompt's prefix: CFG parallel
 exchanges the image's tokens alone (`output_tail`). Prompts of one batch with different lengths pad the text, which
 sequence-parallel attention cannot mask: refused under Ulysses and Ring in one line. PipeFusion is not offered (see
@@ -42,10 +49,11 @@ from ..model_executor.pipeline import xFuserPipelineBaseWrapper
 from ..model_executor.pipeline.img2img import linear_sigmas
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, Split, TextRows
 from ..request import STEP_CACHE
-from .base import FAMILIES, ComfyData, DeclaredLatentFormat, Family, TinyModel, replaced
+from .base import FAMILIES, ComfyData, DeclaredLatentFormat, Family, TinyModel, pictures, replaced
 
 log = logging.getLogger(__name__)
 MASKS = {"prompt_embeds": "prompt_embeds_mask", "negative_prompt_embeds": "negative_prompt_embeds_mask"}
+SLOTS = {"prompt_embeds": "image_pad_mask", "negative_prompt_embeds": "negative_image_pad_mask"}  # condition pictures'
 LIVE: "weakref.WeakSet" = weakref.WeakSet()  # every prefix K/V layer cache not yet dropped (tests look)
 
 
@@ -81,7 +89,8 @@ class xFuserQwenImage21Pipeline(xFuserPipelineBaseWrapper):
         cfg_call="true_cfg_scale",
         expects="encode with xDiT Text Encode on this pool (Qwen3-VL; ComfyUI 0.33 has no Qwen-Image 2.1 encoder)",
         empty_latent="xDiT Empty Latent (64 channels at 1/16 size)")
-    tensor_inputs = tuple(MASKS.values())
+    tensor_inputs = (*MASKS.values(), "image", *SLOTS.values())
+    shared_inputs = ("image",)  # every prompt sees every condition picture
     embedding_sizes = {name: "context_in_dim" for name in MASKS}
     call_parameters = {
         "true_cfg_scale": CallParameter(float, "classifier-free guidance with the negative embeddings (1: off)", 0.0, 100.0),
@@ -121,7 +130,45 @@ class xFuserQwenImage21Pipeline(xFuserPipelineBaseWrapper):
         for embeds, mask in MASKS.items():
             if kwargs.get(mask) is not None and kwargs.get(embeds) is not None:
                 kwargs[mask] = self._checked_mask(kwargs[mask], mask)
+        for slots in SLOTS.values():
+            if isinstance(kwargs.get(slots), torch.Tensor):
+                kwargs[slots] = kwargs[slots].bool()
         return kwargs
+
+    def check_inputs(self, kwargs: dict[str, Any], batch: int) -> None:
+        """Condition pictures come with the slots their prompts were encoded with, as many as their tokens fill."""
+        image = kwargs.get("image")
+        given = {embeds: slots for embeds, slots in SLOTS.items() if kwargs.get(embeds) is not None}
+        if image is None:
+            if stray := [slots for slots in given.values() if kwargs.get(slots) is not None and kwargs[slots].any()]:
+                raise ValueError(f"{stray[0]} marks condition-picture slots but no `image` was sent; send the pictures "
+                                 "the prompt was encoded with")
+            return super().check_inputs(kwargs, batch)
+        filled = image.shape[0] * self.condition_size(image)[2] // 4  # a slot holds 2×2 latent tokens
+        for embeds, slots in given.items():
+            mask = kwargs.get(slots)
+            if mask is None:
+                raise ValueError(f"{embeds} come without {slots}: encode the prompts with the condition pictures "
+                                 "(python -m parallel.make_inputs --image, or the pool's encode with an image)")
+            marked = sorted(set(mask.sum(dim=-1).tolist())) if mask.ndim == 2 else []
+            if tuple(mask.shape) != tuple(kwargs[embeds].shape[:2]) or marked != [filled]:
+                raise ValueError(f"{slots} {list(mask.shape)} marks {marked} slots; {embeds} "
+                                 f"{list(kwargs[embeds].shape)} with these {image.shape[0]} picture(s) of "
+                                 f"{image.shape[3]}x{image.shape[2]} need [batch, tokens] marking {filled}: encode the "
+                                 "prompts with these pictures")
+        super().check_inputs(kwargs, batch)
+
+    def condition_size(self, image: torch.Tensor) -> tuple[int, int, int]:
+        """Width, height and latent tokens of each picture as `__call__` sizes it: its default output_resolution's
+        area at the pictures' aspect ratio (the pipeline's own calculate_dimensions)."""
+        if not isinstance(image, torch.Tensor) or image.ndim != 4 or image.shape[1] != 3:
+            raise ValueError(f"image has shape {list(getattr(image, 'shape', []))}; QwenImage21Pipeline takes "
+                             "condition pictures [N, 3, H, W] in [0, 1]")
+        pipeline = self.module
+        area = inspect.signature(type(pipeline).__call__).parameters["output_resolution"].default ** 2
+        sizing = inspect.getmodule(type(pipeline)).calculate_dimensions
+        width, height = sizing(area, image.shape[3] / image.shape[2])[:2]
+        return width, height, (height // pipeline.vae_scale_factor) * (width // pipeline.vae_scale_factor)
 
     def _checked_mask(self, mask: torch.Tensor, name: str) -> torch.Tensor | None:
         """An all-valid mask is none (as the pipeline's encode_prompt drops it); padding under sequence parallel is
@@ -137,6 +184,17 @@ class xFuserQwenImage21Pipeline(xFuserPipelineBaseWrapper):
     def encode_text(self, prompt: str) -> dict[str, torch.Tensor]:
         embeds, mask, _ = self.module.encode_prompt(prompt, device=self.module.transformer.device)
         return {"prompt_embeds": embeds} if mask is None else {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+
+    def encode_text_with_images(self, prompt: str, image: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The prompt encoded with its condition pictures as `__call__` encodes them (each resized, as RGBA, to its
+        size there), with their `image_pad_mask`; `image` the pictures themselves, which the call's VAE encodes."""
+        pipeline = self.module
+        width, height, _ = self.condition_size(image)
+        seen = [pipeline.image_processor.resize(picture.convert("RGBA"), height=height, width=width)
+                for picture in pictures(image)]
+        embeds, mask, slots = pipeline.encode_prompt(prompt, image=seen, device=pipeline.transformer.device)
+        return {"prompt_embeds": embeds, **({} if mask is None else {"prompt_embeds_mask": mask}),
+                "image_pad_mask": slots, "image": image}
 
     def call_context(self, kwargs: dict[str, Any]):
         """The pipeline's prefix K/V caches as PrefixKV (this rank's heads under Ulysses), dropped when the call ends
@@ -158,7 +216,7 @@ class xFuserQwenImage21Pipeline(xFuserPipelineBaseWrapper):
         @contextlib.contextmanager
         def scope():
             try:
-                with replaced(module, "QwenImage21KVCache", cache):
+                with replaced(module, "QwenImage21KVCache", cache), self._condition_pictures(kwargs):
                     yield
             finally:
                 for layers in made:
@@ -169,6 +227,21 @@ class xFuserQwenImage21Pipeline(xFuserPipelineBaseWrapper):
                              record["bytes"] / 2**20)
 
         return scope()
+
+    def _condition_pictures(self, kwargs: dict[str, Any]):
+        """`image` as the PIL pictures `__call__` takes; each prompt's `image_pad_mask` handed to the encode_prompt call
+        that passes its embeddings on (`__call__` has no argument for it)."""
+        slots = [(kwargs.get(embeds), kwargs.pop(name, None)) for embeds, name in SLOTS.items()]
+        if kwargs.get("image") is None:
+            return contextlib.nullcontext()
+        kwargs["image"] = pictures(kwargs["image"])
+        encode = self.module.encode_prompt
+
+        def encode_prompt(*args, prompt_embeds=None, **rest):
+            mask = next((mask for embeds, mask in slots if embeds is not None and embeds is prompt_embeds), None)
+            return encode(*args, prompt_embeds=prompt_embeds, image_pad_mask=mask, **rest)
+
+        return replaced(self.module, "encode_prompt", encode_prompt)
 
 
 class PrefixKV:
@@ -217,13 +290,14 @@ CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}
 
 
 def tiny_processor(tokenizer):
-    """Qwen3-VL's processor on the tiny tokenizer (16-pixel patches merged 2×2, at most 128² pixels), with a chat
-    template for the pipeline's messages; without its video half where torchvision is missing (vl_processors)."""
+    """Qwen3-VL's processor on the tiny tokenizer (16-pixel patches merged 2×2, above the ~1024² the pipeline sizes
+    condition pictures to, so that each slot it gives a picture holds 2×2 of its latent tokens), with a chat template
+    for the pipeline's messages; without its video half where torchvision is missing (vl_processors)."""
     from transformers import Qwen2VLImageProcessorPil, Qwen3VLProcessor
     from transformers.utils import is_torchvision_available
 
     images = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=32 * 32,
-                                      max_pixels=128 * 128)
+                                      max_pixels=2048 * 2048)
     if is_torchvision_available():
         from transformers import Qwen3VLVideoProcessor
 

@@ -14,6 +14,7 @@ NEGATIVE = {
     "pooled_prompt_embeds": "negative_pooled_prompt_embeds",
     "prompt_attention_mask": "negative_prompt_attention_mask",
     "prompt_embeds_mask": "negative_prompt_embeds_mask",
+    "image_pad_mask": "negative_image_pad_mask",
 }
 
 
@@ -26,7 +27,8 @@ def prompt_inputs(wrapper, prompt: str, negative_prompt: str, seed: int, height:
                   image: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """`wrapper`: the engine's pipeline wrapper, whose `encode_text` is the pipeline's own `encode_prompt`; with
     `image` (reference pictures [N, 3, H, W] in [0, 1]) both prompts are encoded with them, as an edit pipeline
-    whose text encoder sees its references does (Qwen-Image-Edit), and `image` holds their latents."""
+    whose text encoder sees its references does (Qwen-Image-Edit: `image` then holds their latents; Qwen-Image 2.1:
+    the pictures, and each prompt's `image_pad_mask`, where its pictures sit)."""
     def encode(text: str) -> dict[str, torch.Tensor]:
         return dict(wrapper.encode_text(text) if image is None else wrapper.encode_text_with_images(text, image))
 
@@ -34,7 +36,7 @@ def prompt_inputs(wrapper, prompt: str, negative_prompt: str, seed: int, height:
         tensors = encode(prompt)
         if "negative_prompt_embeds" in wrapper.call_parameter_names():  # FLUX.2 [dev]: none
             negative = encode(negative_prompt)
-            negative.pop("image", None)  # the same references' latents
+            negative.pop("image", None)  # the same references' latents (or pictures)
             tensors.update({NEGATIVE[name]: value for name, value in negative.items()})
     tensors["latents"] = initial_latents(wrapper, seed, height, width, tensors["prompt_embeds"].dtype)
     return {name: value.cpu().contiguous() for name, value in tensors.items()}
