@@ -87,8 +87,8 @@ def table(result: dict) -> str:
              f"{emulated['scale'] * result['cpu_tflops']:.0f} TFLOP/s GPU)" if emulated else "")
     lines = [f"{result['model']}, batch 2 with true CFG, {result['steps']} steps, {result['ranks']} ranks; "
              f"probing took {result['probe_s']:.2f} s; {result['links']}{under}",
-             "", "| layout | predicted ms/step | hidden ms/step (taken off) | measured ms/step | predicted / measured | MiB/step/rank |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "", "| layout | predicted ms/step | hidden ms/step (taken off) | measured ms/step | predicted / measured "
+                 "| MiB/step/rank |", "|---|---:|---:|---:|---:|---:|"]
     for row in result["layouts"]:
         marks = " (auto's choice)" if row["layout"] == result["chosen"] else ""
         marks += " (fastest measured)" if row["layout"] == fastest else ""
