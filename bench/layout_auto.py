@@ -87,12 +87,14 @@ def table(result: dict) -> str:
              f"{emulated['scale'] * result['cpu_tflops']:.0f} TFLOP/s GPU)" if emulated else "")
     lines = [f"{result['model']}, batch 2 with true CFG, {result['steps']} steps, {result['ranks']} ranks; "
              f"probing took {result['probe_s']:.2f} s; {result['links']}{under}",
-             "", "| layout | predicted ms/step | measured ms/step | predicted / measured | MiB/step/rank |",
-             "|---|---:|---:|---:|---:|"]
+             "", "| layout | predicted ms/step | hidden ms/step (taken off) | measured ms/step | predicted / measured "
+                 "| MiB/step/rank |", "|---|---:|---:|---:|---:|---:|"]
     for row in result["layouts"]:
         marks = " (auto's choice)" if row["layout"] == result["chosen"] else ""
         marks += " (fastest measured)" if row["layout"] == fastest else ""
-        lines.append(f"| {row['layout']}{marks} | {row['step_s'] * 1e3:.1f} | {row['measured_s'] * 1e3:.1f} | "
+        marks += f", {row['head_groups']} head groups" if (row["head_groups"] or 1) > 1 else ""
+        lines.append(f"| {row['layout']}{marks} | {row['step_s'] * 1e3:.1f} | {row['hidden_s'] * 1e3:.1f} | "
+                     f"{row['measured_s'] * 1e3:.1f} | "
                      f"{row['step_s'] / row['measured_s']:.2f} | {row['bytes_per_step'] / 2**20:.2f} |")
     return "\n".join(lines)
 

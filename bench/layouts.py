@@ -29,7 +29,7 @@ class Layout:
     cfg: int = 1
     true_cfg: bool = False  # Flux's real CFG (true_cfg_scale > 1): two transformer calls per step
     replicas: int = 1  # diffusers only: this many ranks each run the whole 1-rank job at the same time
-    overlap_groups: int | None = None  # xdit Ulysses head groups (usp.py): None as `--ulysses-overlap-groups` auto, 1 off
+    overlap_groups: int | None = None  # xdit Ulysses head groups (usp.py, `--ulysses-overlap-groups`): 1 off
 
     @property
     def ranks(self) -> int:
@@ -60,7 +60,7 @@ LAYOUTS = {
         Layout("diffusers-1-x2", "diffusers", replicas=2),
         Layout("diffusers-1-x4", "diffusers", replicas=4),
         Layout("xdit-1", "xdit"),
-        Layout("xdit-ulysses2", "xdit", ulysses=2),
+        Layout("xdit-ulysses2", "xdit", ulysses=2, overlap_groups=2),  # the overlap on (degrees given, auto is off)
         Layout("xdit-ulysses2-no-overlap", "xdit", ulysses=2, overlap_groups=1),
         Layout("xdit-ring2", "xdit", ring=2),
         Layout("xdit-cfg2", "xdit", cfg=2, true_cfg=True),

@@ -6,15 +6,16 @@
 
 For FLUX.1-dev at 1024² and Wan 2.2 A14B at 720p (81 frames), on 2, 4 and 8 GPUs joined by NVLink, PCIe 4.0 ×16,
 25 GbE or 10 GbE (parallel/layout/config.py's published bandwidths and latencies), every valid dp × cfg × pp × ring ×
-ulysses layout is predicted with parallel/layout/choice.py's `predict` — the bytes each method sends per step
+ulysses layout is predicted with parallel/layout/prediction.py's `predict` — the bytes each method sends per step
 (the counts the benchmarks check against the wire to the byte) over the link, and the blocks' compute priced
 from their multiply-accumulates at `--tflops` (dense bf16 that a GPU sustains; attention in several pieces 3%
 dearer, as measured ones are). Each cell is the fastest layout, its predicted time per step and its speed-up over
-one GPU. A model, not a measurement: what it leaves out (kernel efficiency at small shapes, overlap of
-communication with compute, the time outside the blocks) is why `--layout auto` measures its own machine.
+one GPU. What overlapping hides is taken off (parallel/layout/overlap.py: Ulysses' head groups where they pay,
+Ring's prefetch, behind the attention's share of the blocks). A model, not a measurement: what it leaves out
+(kernel efficiency at small shapes, the time outside the blocks) is why `--layout auto` measures its own machine.
 
 `--measure` calibrates the compute on this machine's GPU instead of `--tflops`: every block shape any cell needs
-is timed as `--layout auto` times it (layout_choice.measure_blocks: the model's width, its projections, 4× MLP and
+is timed as `--layout auto` times it (parallel/layout/probes.measure_blocks: the model's width, its projections, 4× MLP and
 attention in the pieces Ring merges, bf16), on one GPU, and the times are saved (`--blocks`, default
 bench/link_table_blocks.json) with the card's name, next to the predictions made from them; `--blocks FILE`
 alone predicts again from a saved file. The links stay the published ones (parallel/layout/config.py's LINKS).
@@ -28,7 +29,7 @@ import sys
 from pathlib import Path
 
 from parallel.layout.config import LINKS, Link, ParallelConfig
-from parallel.layout.choice import BlockShape, Job, block_shapes, candidate_layouts, predict
+from parallel.layout.prediction import BlockShape, Job, block_shapes, candidate_layouts, predict
 
 JOBS = {
     # 1024² → 64 × 64 packed tokens; 512 T5 tokens joined with them; 19 double + 38 single blocks; guidance-distilled
@@ -83,7 +84,7 @@ def measure(path: Path) -> dict:
     """Time every block shape of every job on this machine's GPU in bf16 and save them with the card's name."""
     import torch
 
-    from parallel.layout.choice import measure_blocks
+    from parallel.layout.probes import measure_blocks
 
     if not torch.cuda.is_available():
         print("error: --measure times the blocks on a CUDA GPU and this machine has none; use --tflops or --blocks "

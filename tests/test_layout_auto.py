@@ -3,8 +3,8 @@ the layout it picks, exactly.
 
 The decision (bench/link_table.py's model): FLUX.1-dev at 1024² on 2 GPUs, its blocks priced by their
 multiply-accumulates at an H100's rate (Ring's attention in two pieces costing a little more, as measured ones do),
-with NVLink, PCIe 4.0, 25 GbE and 10 GbE: Ulysses on NVLink, PipeFusion from PCIe down (as xDiT reports for PCIe
-machines); Wan 2.2 at 720p on 8 GPUs. Through real
+with NVLink, PCIe 4.0, 25 GbE and 10 GbE: sequence parallel on NVLink, PipeFusion from PCIe down (as xDiT reports
+for PCIe machines); Wan 2.2 at 720p on 8 GPUs. Through real
 torchrun ranks: the tiny Flux with `--layout auto` and a link given as 100 kB/s runs PipeFusion; with NVLink, and
 measured on this machine, whatever it predicts fastest; each prints its table (fastest first) and equals
 diffusers within 1e-4 (PipeFusion with warm-up = steps, so exact). So do Krea 2 (whose attention names its heads
@@ -22,8 +22,8 @@ from safetensors.torch import load_file, save_file
 from bench import link_table
 from bench.link_table import JOBS, block_seconds, winners
 from parallel.loading import tiny_models
-from parallel.layout.config import ParallelConfig
-from parallel.layout.choice import Link, block_shapes, predict
+from parallel.layout.config import Link, ParallelConfig
+from parallel.layout.prediction import block_shapes, predict
 
 from xdit_test_helpers import TOLERANCE, diffusers_latents, torchrun
 
@@ -31,11 +31,13 @@ FLUX_DEV_1024 = JOBS["FLUX.1-dev 1024²"]
 H100 = 400e12  # dense bf16 FLOP/s
 
 
-@pytest.mark.parametrize("link, expected", [("nvlink", "ulysses"), ("pcie4", "pipefusion"), ("25gbe", "pipefusion"),
-                                            ("10gbe", "pipefusion")])
-def test_a_slow_link_chooses_pipefusion_and_a_fast_one_ulysses(link, expected):
+@pytest.mark.parametrize("link, expected", [("nvlink", ("ulysses", "ring")), ("pcie4", ("pipefusion",)),
+                                            ("25gbe", ("pipefusion",)), ("10gbe", ("pipefusion",))])
+def test_a_slow_link_chooses_pipefusion_and_a_fast_one_sequence_parallel(link, expected):
+    """On NVLink Ulysses (its head groups) and Ring (its prefetch) both hide almost all of their traffic: within 1%,
+    either may win."""
     chosen, _, _ = winners(FLUX_DEV_1024, H100, 2, Link.parse(link))
-    assert chosen.describe() == f"{expected}=2", (link, chosen)
+    assert chosen.describe() in [f"{method}=2" for method in expected], (link, chosen)
 
 
 def test_the_link_table_prices_wan_at_720p_on_8_gpus(capsys):
@@ -71,9 +73,10 @@ def test_the_link_table_predicts_from_saved_block_measurements(tmp_path, capsys)
 
 
 def test_predictions_add_up():
-    """Ulysses 2 sends what bench/analytic.py counts (both streams sharded), priced at the link's rate."""
+    """Ulysses 2 sends what bench/analytic.py counts (both streams sharded), priced at the link's rate (overlap
+    off: tests/test_overlap_pricing.py prices it)."""
     job, link = FLUX_DEV_1024, Link.parse("10gbe")
-    config = ParallelConfig(ulysses_degree=2)
+    config = ParallelConfig(ulysses_degree=2, ulysses_overlap_groups=1)
     blocks = {s: block_seconds(s, job, H100) for s in block_shapes(config, job)}
     p = predict(config, job, blocks, link, link)
     s, hd = job.image_tokens + job.text_tokens, job.heads * job.head_dim

@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from parallel.loading import tiny_models
 from parallel.model_executor.attention.kernels import KERNELS
-from parallel.model_executor.attention.usp import overlap_groups, ring_attention, usp_attention
+from parallel.layout.overlap import head_groups
+from parallel.model_executor.attention.usp import ring_attention, usp_attention
 
 from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, run_engine_cases
 
@@ -100,10 +101,11 @@ def test_grouped_heads_give_the_same_numbers_as_one_group():
     assert torch.equal(run(2), run(1)) and torch.equal(run(4), run(1))
 
 
-@pytest.mark.parametrize("heads, setting, groups", [(1, None, 1), (2, None, 1), (3, None, 1), (4, None, 2),
-                                                     (6, None, 3), (24, None, 4), (2, 8, 2), (8, 1, 1), (8, 3, 3)])
-def test_overlap_groups_auto_is_off_where_a_group_would_hold_one_head(heads, setting, groups):
-    assert overlap_groups(heads, setting) == groups
+@pytest.mark.parametrize("heads, setting, groups", [(4, None, 1), (2, 8, 2), (8, 1, 1), (8, 3, 3)])
+def test_head_groups_given_win_and_unpriced_auto_is_off(heads, setting, groups):
+    """An explicit count wins (at most one group per head); auto left unpriced (degrees given, no --layout auto) is
+    off. `--layout auto` prices it: tests/test_overlap_pricing.py."""
+    assert head_groups(heads, setting) == groups
 
 
 # -- through torchrun ranks -------------------------------------------------------------------------------------

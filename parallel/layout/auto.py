@@ -3,7 +3,7 @@ rewrapped when the next job's size chose another.
 
 Before any job the pipeline runs on a start layout every model can take: Ulysses over as many ranks as its heads
 divide, Ring over the rest (single model calls, which carry no job size, run on the current layout). A job of a
-size not seen before pays one choice (layout_choice.auto_layout: two serial steps, the block and link probes);
+size not seen before pays one choice (choice.auto_layout: two serial steps, the block and link probes);
 later jobs of that size reuse it, and only a change of layout costs a rewrap (hooks, no weights move). Collective:
 every rank calls `for_call` with the same call, as the pool's job loop does.
 """

@@ -1,5 +1,5 @@
 """The parallel layout a job runs under, the checks that need nothing but the numbers, and `--layout auto`'s flags
-(the choice itself, which measures, is layout_choice.py)."""
+(the choice itself, which measures, is choice.py)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class Link:
 @dataclass(frozen=True)
 class AutoLayout:
     """`--layout auto`: the degrees are chosen for each job size from this machine's measured link and compute
-    (layout_choice.py); `link` (a Link.parse spec) predicts for another link instead of the measured one."""
+    (choice.py); `link` (a Link.parse spec) predicts for another link instead of the measured one."""
 
     link: str | None = None
 
@@ -114,12 +114,14 @@ class ParallelConfig:
         "fp8 weights multiplied in fp8 on cards with fp8 tensor cores (8.9+). auto: for the files ComfyUI runs that way.",
         choices={"auto": None, "on": True, "off": False}))
     # Ulysses heads in groups, the next group's all-to-all in flight while attention runs on this one (usp.py);
-    # None: chosen per layer (usp.overlap_groups), 1: off
+    # None: the count that pays on the link, which `--layout auto` prices (overlap.py); off where nothing prices it
     ulysses_overlap_groups: int | None = declared(None, flag=Flag("--ulysses-overlap-groups", metavar="GROUPS", help=(
         "Ulysses: split each rank's heads into this many groups (at most one per head) and send the next group's "
-        "all-to-all while attention runs on this one (1: off; default: chosen per layer; not with PipeFusion)")),
+        "all-to-all while attention runs on this one (1: off; default: with --layout auto the count that pays on the "
+        "link, otherwise off; not with PipeFusion)")),
         widget=Widget("Ulysses: heads in this many groups, the next group's all-to-all hidden behind this group's "
-                      "attention (0: auto, 1: off).", default=0, minimum=0, maximum=64, unset=0))
+                      "attention (0: auto, the count that pays on the link under layout auto, otherwise off; 1: off).",
+                      default=0, minimum=0, maximum=64, unset=0))
     # derived by for_world (--shard-weights alone on N ranks): the dp ranks split a batch only where it divides
     dp_when_divisible: bool = declared(False)
 
@@ -203,7 +205,7 @@ class ParallelConfig:
             raise LayoutError("--offload moves the sharded blocks' weights to CPU memory between uses: add --shard-weights.")
         if self.ulysses_overlap_groups is not None and self.ulysses_overlap_groups < 1:
             raise LayoutError(f"--ulysses-overlap-groups is {self.ulysses_overlap_groups}; use 1 (off) or more (default: "
-                              "chosen per layer).")
+                              "priced by --layout auto).")
         if self.num_patches is not None and self.num_patches < 1:
             raise LayoutError(f"--num-patches is {self.num_patches}; use 1 or more (default: the pipefusion degree).")
         if self.world_size != world_size and self.for_world(world_size).world_size != world_size:

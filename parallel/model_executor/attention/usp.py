@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from ...distributed.group_coordinator import GroupCoordinator
+from ...layout.overlap import head_groups as overlap_head_groups
 from .kernels import AttentionKernel, default_scale
 
 
@@ -115,15 +116,6 @@ def ring_attention(
     return out.to(q.dtype)
 
 
-def overlap_groups(heads_per_rank: int, setting: int | None) -> int:
-    """Head groups of the overlapped Ulysses all-to-all (1: none), from the layout's `ulysses_overlap_groups` (None:
-    auto). Auto takes up to 4 groups of at least two heads each: the first group's all-to-all is never hidden, and
-    one-head groups make messages and kernel calls so small that their fixed costs eat what the overlap hides."""
-    if setting is not None:
-        return max(1, min(setting, heads_per_rank))
-    return max(1, min(4, heads_per_rank // 2))
-
-
 def _join_head_groups(parts: list[torch.Tensor], u: int) -> torch.Tensor:
     """The groups' outputs back from the all-to-all, [B, u * heads_j, S, D] each (rank-major), as [B, H, S, D]:
     rank r's heads are its groups' heads in order, so the groups interleave per rank."""
@@ -151,9 +143,10 @@ def usp_attention(
     to the K/V to attend to; PipeFusion uses it to add the other patches' stale K/V (and the text
     patch's K/V for an image patch that runs without the text).
     `keep`, for an uneven split (token_split.UnevenSplit.keep), drops the padded image keys.
-    `head_groups` (None: auto, see overlap_groups) splits each rank's heads into groups: the next group's Q/K/V
-    all-to-all travels while attention runs on this one, and each group's output all-to-all leaves as soon as the
-    group is done. Every head's math is unchanged. Not with `stale_kv` (PipeFusion stores one K/V per layer call).
+    `head_groups` splits each rank's heads into groups (layout/overlap.head_groups: None is off; `--layout auto`
+    prices the link and sets the count that pays): the next group's Q/K/V all-to-all travels while attention runs
+    on this one, and each group's output all-to-all leaves as soon as the group is done. Every head's math is
+    unchanged. Not with `stale_kv` (PipeFusion stores one K/V per layer call).
     """
     scale = default_scale(q) if scale is None else scale
     u = ulysses.world_size
@@ -161,7 +154,7 @@ def usp_attention(
     if heads % u:
         raise ValueError(f"{heads} attention heads cannot be split over Ulysses degree {u}")
     h = heads // u
-    groups = 1 if u == 1 or stale_kv is not None else overlap_groups(h, head_groups)
+    groups = 1 if u == 1 or stale_kv is not None else overlap_head_groups(h, head_groups)
     text_tokens = text_tokens if text_layout is not TextLayout.NONE else 0
     (kt, ki), (vt, vi) = (_split_text(x, text_layout, text_tokens) for x in (k, v))
     if text_layout is TextLayout.CAUSAL_PREFIX:  # the prefix's keys alone: no text queries, no text output
