@@ -17,18 +17,22 @@ from parallel.loading import tiny_models
 from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, run_engine_cases
 
 STEPS, SIZE = 4, 64
+# Every layout with Ulysses runs with its communication overlapped: a rank's heads in two groups, the next group's
+# all-to-all in flight while this one attends (capped at one group a head: Ulysses 4 of 4 heads runs one); Ring
+# always prefetches its next K/V block. The same layouts with the overlap off: test_overlap.py, on against off.
+OVERLAP = {"ulysses_overlap_groups": 2}
 LAYOUTS = {
     2: {
-        "ulysses2": {"ulysses_degree": 2},
+        "ulysses2": {"ulysses_degree": 2, **OVERLAP},
         "ring2": {"ring_degree": 2},
         "cfg2": {"cfg_degree": 2},
         "dp2": {"dp_degree": 2},
     },
     4: {
-        "ulysses4": {"ulysses_degree": 4},
+        "ulysses4": {"ulysses_degree": 4, **OVERLAP},
         "ring4": {"ring_degree": 4},
-        "ulysses2_ring2": {"ulysses_degree": 2, "ring_degree": 2},
-        "cfg2_ulysses2": {"cfg_degree": 2, "ulysses_degree": 2},
+        "ulysses2_ring2": {"ulysses_degree": 2, "ring_degree": 2, **OVERLAP},
+        "cfg2_ulysses2": {"cfg_degree": 2, "ulysses_degree": 2, **OVERLAP},
     },
 }
 EXTRA = {  # (family, layout, scheduler): further cases on top of the matrix

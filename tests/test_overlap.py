@@ -199,3 +199,6 @@ def test_the_emulated_link_bench_runs_and_every_group_count_equals_one_group(tmp
     rows = main(["--heads", "4", "--tokens", "128", "--head-dim", "8", "--groups", "1,2", "--runs", "1",
                  "--json", str(tmp_path / "overlap.json")])
     assert [row["groups"] for row in rows] == [1, 2] and all(row["equal"] for row in rows)
+    loopback, = main(["--loopback", "--heads", "4", "--tokens", "128", "--head-dim", "8", "--runs", "1",
+                      "--json", str(tmp_path / "loopback.json")])
+    assert set(loopback) == {"all_to_all_ms", "attention_ms", "together_ms"} and min(loopback.values()) > 0
