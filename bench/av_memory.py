@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from parallel.families.ltx2 import tiny as ltx2_tiny
 from parallel.families.minimax_h3 import tiny as h3_tiny
+from parallel.loading import tiny_models
 
 ACT = 2  # bf16
 
@@ -115,13 +116,13 @@ def _peak(steps: dict[str, float], tokens: int) -> dict[str, float]:
     return {**steps, "peak": steps[peak], "peak_step": peak, "tokens_per_rank": tokens}
 
 
-
 # -- the released models at 720p (1280×704: 720 rounded to the ×32 both families' latents need) ----------------
 VIDEO = (1280, 704)
 
 
 def _defaults(cls_name: str) -> dict:
-    """The released config: diffusers' defaults for the class (both are the released models' sizes)."""
+    """The released config as diffusers lays it out: its defaults for the class (MiniMax-H3's released size;
+    LTX-2's 48 blocks, whose widths LTX-2.3 keeps)."""
     import diffusers
 
     signature = inspect.signature(getattr(diffusers, cls_name).__init__)
@@ -153,7 +154,7 @@ MINI_VIDEO = {"ltx2": (121, 256), "minimax_h3": (124, 128)}  # frames, side of t
 _LTX2, _H3 = MINI_VIDEO.values()
 MINI = {  # the built-in tiny LTX-2 (parallel/families/ltx2/tiny.py: its 25 fps); a mini MiniMax-H3 of the released
     # proportions (attention 4/3 and FFN 8/3 of the hidden size)
-    "ltx2": LTX2Dims(dim=64, audio_dim=32, video_tokens=((_LTX2[0] - 1) // 8 + 1) * (_LTX2[1] // 32) ** 2,
+    "ltx2": LTX2Dims(dim=ltx2_tiny.VIDEO_WIDTH, audio_dim=ltx2_tiny.AUDIO_HEADS * tiny_models.HEAD_DIM, video_tokens=((_LTX2[0] - 1) // 8 + 1) * (_LTX2[1] // 32) ** 2,
                      audio_tokens=ltx2_tiny.audio_frames(_LTX2[0]), text_tokens=13),
     "minimax_h3": H3Dims(dim=48, inner=64, ffn=128, rope_freq_dim=2,
                          video_tokens=h3_tiny.video_latent_frames(_H3[0]) * (_H3[1] // 32) ** 2,
@@ -175,8 +176,6 @@ def _fp32_kept(model):
 def mini_pipeline(family: str):
     import torch
     from diffusers import MiniMaxH3Transformer3DModel
-
-    from parallel.loading import tiny_models
 
     if family == "ltx2":
         return ltx2_tiny.build_tiny(0).to(torch.bfloat16)  # LTX-2 keeps no module in fp32
