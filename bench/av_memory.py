@@ -91,9 +91,10 @@ def h3_peak(m: H3Dims, ulysses: int, ring: int) -> dict[str, float]:
     local rows (a = s·D·act, i = s·inner·act, f = FFN / D), following MiniMaxH3TransformerBlock:
     - FFN, at SwiGLU's product: block 0's local input, the stream after attention, the FFN input (3a),
       the up-projection (2f·a), the gate's SiLU and the product (2f·a).
-    - Ulysses, at the attention kernel: block input and its modulated norm (2a); q/k/v, their stack, the
-      all-to-all's send and receive buffers, and the output all-to-all's two (14i); q/k/v over the whole sequence
-      of the ring shard at 1/ulysses of the heads and the kernel's output (4 × ⌈S / ring⌉·inner·act / ulysses).
+    - Ulysses, at the concatenation of what the all-to-all received: block input and its modulated norm (2a);
+      q/k/v and one more tensor of the attention's width (4i); the stacked q/k/v, the all-to-all's send and
+      receive buffers and the concatenation (4 × 3i: on this family's peak rank the send buffer is still alive);
+      four tensors over the ring shard's rows at 1/ulysses of the heads (4 × ⌈S / ring⌉·inner·act / ulysses).
     - Ring: block input (a); q/k/v, their stack, joined and transposed (12i), the K/V block in flight (2i), six
       fp32 terms of the log-sum-exp merge (12i).
     Every step holds E, P, the rotary cos and sin of the local rows (fp32, 6·rope_freq_dim each) and the
@@ -105,7 +106,7 @@ def h3_peak(m: H3Dims, ulysses: int, ring: int) -> dict[str, float]:
              + m.rows * 8 + s * 8 + 2 * s * 6 * m.rope_freq_dim * 4)
     steps = {"ffn": whole + 3 * a + 4 * m.ffn / m.dim * a}
     if ulysses > 1:
-        steps["ulysses all-to-all"] = whole + 2 * a + 14 * i + 4 * math.ceil(m.rows / ring) * m.inner * ACT / ulysses
+        steps["ulysses all-to-all"] = whole + 2 * a + 16 * i + 4 * math.ceil(m.rows / ring) * m.inner * ACT / ulysses
     if ring > 1:
         steps["ring merge"] = whole + a + 26 * i
     return _peak(steps, s)
@@ -154,7 +155,8 @@ MINI_VIDEO = {"ltx2": (121, 256), "minimax_h3": (124, 128)}  # frames, side of t
 _LTX2, _H3 = MINI_VIDEO.values()
 MINI = {  # the built-in tiny LTX-2 (parallel/families/ltx2/tiny.py: its 25 fps); a mini MiniMax-H3 of the released
     # proportions (attention 4/3 and FFN 8/3 of the hidden size)
-    "ltx2": LTX2Dims(dim=ltx2_tiny.VIDEO_WIDTH, audio_dim=ltx2_tiny.AUDIO_HEADS * tiny_models.HEAD_DIM, video_tokens=((_LTX2[0] - 1) // 8 + 1) * (_LTX2[1] // 32) ** 2,
+    "ltx2": LTX2Dims(dim=ltx2_tiny.VIDEO_WIDTH, audio_dim=ltx2_tiny.AUDIO_HEADS * tiny_models.HEAD_DIM,
+                     video_tokens=((_LTX2[0] - 1) // 8 + 1) * (_LTX2[1] // 32) ** 2,
                      audio_tokens=ltx2_tiny.audio_frames(_LTX2[0]), text_tokens=13),
     "minimax_h3": H3Dims(dim=48, inner=64, ffn=128, rope_freq_dim=2,
                          video_tokens=h3_tiny.video_latent_frames(_H3[0]) * (_H3[1] // 32) ** 2,

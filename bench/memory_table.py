@@ -177,7 +177,7 @@ def worker(spec_path: str) -> int:
         av = family in av_memory.MINI
         pipeline = av_memory.mini_pipeline(family) if av else mini_pipeline(family)
         for name, (u, r, cfg) in MEASURED.items():
-            if u * r * cfg != world.world_size or (av and cfg > 1 and not av_memory.CFG[family]):
+            if u * r * cfg != world.world_size or (cfg > 1 and not av_memory.CFG.get(family, True)):
                 continue
             inputs = av_memory.mini_call(family) if av else mini_call(family, cfg > 1)
             with under_layout(pipeline, ParallelConfig(ulysses_degree=u, ring_degree=r, cfg_degree=cfg)) as parallel:
@@ -340,34 +340,36 @@ def report(measured: dict | None) -> tuple[str, dict]:
                              f"{_gib(total)} | {'✓' if total <= fits else '✗'} |")
         lines.append("")
     lines += loader_pair(WAN_A14B.heads)
+    table = ["| model | layout | measured per rank (bytes) | analytic | measured / analytic |",
+             "|---|---|---:|---:|---:|"]
+    ltx2, h3 = av_memory.MINI["ltx2"], av_memory.MINI["minimax_h3"]
     lines += ["Measured on mini models of the same blocks (D 128, 4 heads of 32, 256 image + 32 text tokens, bf16, "
-              "real torchrun ranks), against the same analytic models at the mini shape:", "",
-              "| model | layout | measured per rank (bytes) | analytic | measured / analytic |", "|---|---|---:|---:|---:|"]
-    for family, peak in (("flux2", flux2_peak), ("qwen", qwen_peak)):
-        for name, (u, r, _) in MEASURED.items():
-            a = peak(MINI[family], u, r)["peak"]
-            if measured and name in measured.get(family, {}):
-                worst = max(measured[family][name])
-                data["mini"].setdefault(family, {})[name] = {"measured": measured[family][name], "analytic": a}
-                lines.append(f"| {family} | {name} | {worst:,} | {a:,.0f} | {worst / a:.3f} |")
-            else:
-                lines.append(f"| {family} | {name} | (not measured) | {a:,.0f} | |")
-    lines += ["", "And the video-with-sound families (bench/av_memory.py: the built-in tiny LTX-2, 1,024 video + 121 "
-              "audio tokens, CFG's two branches batched; a mini MiniMax-H3 of the released proportions, 1,029 packed "
-              "rows), the largest rank of each layout:", "",
-              "| model | layout | measured per rank (bytes) | analytic | measured / analytic |", "|---|---|---:|---:|---:|"]
-    for family in av_memory.MINI:
-        for name, (u, r, c) in MEASURED.items():
-            if c > 1 and not av_memory.CFG[family]:
-                continue
-            a = av_memory.mini_peak(family, u, r, c)["peak"]
-            if measured and name in measured.get(family, {}):
-                worst = max(measured[family][name])
-                data["mini"].setdefault(family, {})[name] = {"measured": measured[family][name], "analytic": a}
-                lines.append(f"| {family} | {name} | {worst:,} | {a:,.0f} | {worst / a:.3f} |")
-            else:
-                lines.append(f"| {family} | {name} | (not measured) | {a:,.0f} | |")
+              "real torchrun ranks), against the same analytic models at the mini shape:", "", *table]
+    lines += _mini_rows(measured, data, MINI,
+                        lambda f, u, r, c: (flux2_peak if f == "flux2" else qwen_peak)(MINI[f], u, r))
+    lines += ["", f"And the video-with-sound families (bench/av_memory.py: the built-in tiny LTX-2, "
+              f"{ltx2.video_tokens:,} video + {ltx2.audio_tokens} audio tokens, CFG's two branches batched; a mini "
+              f"MiniMax-H3 of the released proportions, {h3.rows:,} packed rows), the largest rank of each layout:",
+              "", *table]
+    lines += _mini_rows(measured, data, av_memory.MINI, av_memory.mini_peak)
     return "\n".join(lines), data
+
+
+def _mini_rows(measured: dict | None, data: dict, families, peak) -> list[str]:
+    """One row per family and measured layout (none for CFG where the family has no second branch)."""
+    lines = []
+    for family in families:
+        for name, (u, r, c) in MEASURED.items():
+            if c > 1 and not av_memory.CFG.get(family, True):
+                continue
+            a = peak(family, u, r, c)["peak"]
+            if measured and name in measured.get(family, {}):
+                worst = max(measured[family][name])
+                data["mini"].setdefault(family, {})[name] = {"measured": measured[family][name], "analytic": a}
+                lines.append(f"| {family} | {name} | {worst:,} | {a:,.0f} | {worst / a:.3f} |")
+            else:
+                lines.append(f"| {family} | {name} | (not measured) | {a:,.0f} | |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
