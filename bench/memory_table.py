@@ -1,11 +1,13 @@
-"""Per-rank memory with --shard-weights: weights + activations for FLUX.2 [dev], Qwen-Image and Wan 2.2 A14B.
+"""Per-rank memory with --shard-weights: weights + activations for FLUX.2 [dev], Qwen-Image, Wan 2.2 A14B, LTX-2.3
+and MiniMax-H3.
 
     python -m bench.memory_table [--json OUT.json] [--no-measure]
 
 Weights per rank are exact counts: the transformer built on the meta device from its released config
 (no memory), its block parameters sharded over the world (FSDP2: ÷ ranks, plus the one block gathered
 while it runs) and the rest whole on every rank. Activations are the analytic models of one transformer
-call at one rank's share of the tokens (`flux2_peak`, `qwen_peak`; Wan's is bench/wan_memory.py's),
+call at one rank's share of the tokens (`flux2_peak`, `qwen_peak`; Wan's is bench/wan_memory.py's, LTX-2's and
+MiniMax-H3's bench/av_memory.py's),
 written from diffusers' blocks and this engine's sequence-parallel attention, and checked here against
 mini models of the same blocks measured on real torchrun ranks (every tensor the call allocates, the
 model's own weights excluded). A layout fits a 24 GB card when weights + activations leave 10% of it.
@@ -23,7 +25,7 @@ from pathlib import Path
 
 from parallel.cli.launch import ROOT, rank_environment, torchrun_command
 
-from . import wan_memory
+from . import av_memory, wan_memory
 
 CARD = 24 * 10**9  # bytes of a 24 GB card
 HEADROOM = 0.9  # what a layout may plan to use of it (allocator, CUDA context)
@@ -171,12 +173,13 @@ def worker(spec_path: str) -> int:
     world = init_distributed_environment()
     torch.set_num_threads(1)
     results = {}
-    for family in MINI:
-        pipeline = mini_pipeline(family)
+    for family in (*MINI, *av_memory.MINI):
+        av = family in av_memory.MINI
+        pipeline = av_memory.mini_pipeline(family) if av else mini_pipeline(family)
         for name, (u, r, cfg) in MEASURED.items():
-            if u * r * cfg != world.world_size:
+            if u * r * cfg != world.world_size or (cfg > 1 and not av_memory.CFG.get(family, True)):
                 continue
-            inputs = mini_call(family, cfg > 1)
+            inputs = av_memory.mini_call(family) if av else mini_call(family, cfg > 1)
             with under_layout(pipeline, ParallelConfig(ulysses_degree=u, ring_degree=r, cfg_degree=cfg)) as parallel:
                 with torch.no_grad():
                     peak = wan_memory.transformer_peak(pipeline, lambda: parallel(**inputs), ignore=pipeline.transformer)
@@ -217,7 +220,20 @@ RELEASED = {
     "Wan 2.2 A14B": ("81 frames 1280×720, text 512", "WanTransformer3DModel",
                      {"num_attention_heads": 40, "attention_head_dim": 128, "ffn_dim": 13824, "num_layers": 40,
                       "in_channels": 16, "out_channels": 16, "text_dim": 4096, "freq_dim": 256}, 2, True),
+    # diffusers' defaults are LTX-2's 48-block layout; LTX-2.3 adds gated attention, cross-attention modulation and
+    # split rotary tables (as ComfyUI's LTXAV files of 2.3 hold them), its prompt modulation fed by the connectors
+    "LTX-2.3": ("121 frames 1280×704 at 24 fps: 14,080 video tokens, audio 126 (whole on every rank), text 2 × 1024, "
+                "CFG's two branches in one call", "LTX2VideoTransformer3DModel",
+                {"rope_type": "split", "gated_attn": True, "cross_attn_mod": True, "audio_gated_attn": True,
+                 "audio_cross_attn_mod": True, "perturbed_attn": True, "use_prompt_embeddings": False}, 1, True),
+    "MiniMax-H3": ("5 s, 124 frames 1280×704: 32,560 video rows, audio 414, text 512, one packed sequence, "
+                   "guidance-distilled (no CFG)", "MiniMaxH3Transformer3DModel", {}, 1, False),
 }
+LTX2_3, MINIMAX_H3 = av_memory.released_ltx2(), av_memory.released_h3()
+# heads that Ulysses splits: LTX-2's video self-attention (audio and text attend locally), MiniMax-H3's one sequence
+HEADS = {"FLUX.2 [dev]": FLUX2_DEV.heads, "Qwen-Image": QWEN_IMAGE.heads, "Wan 2.2 A14B": WAN_A14B.heads,
+         "LTX-2.3": av_memory._defaults("LTX2VideoTransformer3DModel")["num_attention_heads"],
+         "MiniMax-H3": av_memory._defaults("MiniMaxH3Transformer3DModel")["num_attention_heads"]}
 
 
 def weight_bytes(cls_name: str, config: dict, experts: int, ranks: int, act: int = ACT) -> dict[str, int]:
@@ -289,7 +305,11 @@ def layouts(ranks: int, heads: int, cfg: bool) -> dict[str, tuple[int, int, int]
     return out
 
 
-def activation(model: str, u: int, r: int) -> dict[str, float]:
+def activation(model: str, u: int, r: int, c: int = 1) -> dict[str, float]:
+    if model == "LTX-2.3":
+        return av_memory.ltx2_peak(LTX2_3, u, r, batch=2 // c)
+    if model == "MiniMax-H3":
+        return av_memory.h3_peak(MINIMAX_H3, u, r)
     if model == "Wan 2.2 A14B":
         return wan_memory.analytic_peak(WAN_A14B, wan_memory.video_tokens(*WAN_VIDEO), u, r)
     if model == "FLUX.2 [dev]":
@@ -307,32 +327,49 @@ def report(measured: dict | None) -> tuple[str, dict]:
              f"transformer call; ✓ fits a 24 GB card with 10% to spare ({_gib(fits)} GiB).", ""]
     data: dict = {"real": {}, "mini": {}}
     for model, (what, cls_name, config, experts, cfg) in RELEASED.items():
-        heads = WAN_A14B.heads if model == "Wan 2.2 A14B" else (FLUX2_DEV if model == "FLUX.2 [dev]" else QWEN_IMAGE).heads
+        heads = HEADS[model]
         lines += [f"**{model}** ({what}):", "", "| ranks | layout | weights | activations (peak step) | total | 24 GB |",
                   "|---:|---|---:|---:|---:|:---:|"]
         for ranks in RANKS:
             weights = weight_bytes(cls_name, config, experts, ranks)
             for name, (u, r, c) in layouts(ranks, heads, cfg).items():
-                act = activation(model, u, r)
+                act = activation(model, u, r, c)
                 total = weights["per_rank"] + act["peak"]
                 data["real"].setdefault(model, {})[f"{ranks}:{name}"] = {"weights": weights, "activations": act}
                 lines.append(f"| {ranks} | {name} | {_gib(weights['per_rank'])} | {_gib(act['peak'])} ({act['peak_step']}) | "
                              f"{_gib(total)} | {'✓' if total <= fits else '✗'} |")
         lines.append("")
     lines += loader_pair(WAN_A14B.heads)
+    table = ["| model | layout | measured per rank (bytes) | analytic | measured / analytic |",
+             "|---|---|---:|---:|---:|"]
+    ltx2, h3 = av_memory.MINI["ltx2"], av_memory.MINI["minimax_h3"]
     lines += ["Measured on mini models of the same blocks (D 128, 4 heads of 32, 256 image + 32 text tokens, bf16, "
-              "real torchrun ranks), against the same analytic models at the mini shape:", "",
-              "| model | layout | measured per rank (bytes) | analytic | measured / analytic |", "|---|---|---:|---:|---:|"]
-    for family, peak in (("flux2", flux2_peak), ("qwen", qwen_peak)):
-        for name, (u, r, _) in MEASURED.items():
-            a = peak(MINI[family], u, r)["peak"]
+              "real torchrun ranks), against the same analytic models at the mini shape:", "", *table]
+    lines += _mini_rows(measured, data, MINI,
+                        lambda f, u, r, c: (flux2_peak if f == "flux2" else qwen_peak)(MINI[f], u, r))
+    lines += ["", f"And the video-with-sound families (bench/av_memory.py: the built-in tiny LTX-2, "
+              f"{ltx2.video_tokens:,} video + {ltx2.audio_tokens} audio tokens, CFG's two branches batched; a mini "
+              f"MiniMax-H3 of the released proportions, {h3.rows:,} packed rows), the largest rank of each layout:",
+              "", *table]
+    lines += _mini_rows(measured, data, av_memory.MINI, av_memory.mini_peak)
+    return "\n".join(lines), data
+
+
+def _mini_rows(measured: dict | None, data: dict, families, peak) -> list[str]:
+    """One row per family and measured layout (none for CFG where the family has no second branch)."""
+    lines = []
+    for family in families:
+        for name, (u, r, c) in MEASURED.items():
+            if c > 1 and not av_memory.CFG.get(family, True):
+                continue
+            a = peak(family, u, r, c)["peak"]
             if measured and name in measured.get(family, {}):
                 worst = max(measured[family][name])
                 data["mini"].setdefault(family, {})[name] = {"measured": measured[family][name], "analytic": a}
                 lines.append(f"| {family} | {name} | {worst:,} | {a:,.0f} | {worst / a:.3f} |")
             else:
                 lines.append(f"| {family} | {name} | (not measured) | {a:,.0f} | |")
-    return "\n".join(lines), data
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
