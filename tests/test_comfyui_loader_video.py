@@ -224,6 +224,30 @@ def test_wan22_image_to_video_with_both_loaders_swapped_equals_comfyuis_own(comf
     assert (_run(comfy, _wan22_i2v_template(swapped=True, image=False))["low"] - expected).abs().max().item() > 1e-3
 
 
+def _wan22_flf2v_template(swapped: bool, end: bool = True) -> dict:
+    """Wan 2.2 14B first-last-frame-to-video (its FLF2V template): the image-to-video sampling part on
+    WanFirstLastFrameToVideo's conditioning and latent, the start and the end frame through the VAE."""
+    prompt = _wan22_i2v_template(swapped)
+    prompt["end-image"] = {"class_type": "LoadImage", "inputs": {"image": "wan-end.png"}}
+    prompt["i2v"] = {"class_type": "WanFirstLastFrameToVideo", "inputs": {
+        **prompt["i2v"]["inputs"], **({"end_image": ["end-image", 0]} if end else {})}}
+    return prompt
+
+
+def test_wan22_first_last_frame_to_video_with_both_loaders_swapped_equals_comfyuis_own(comfy, i2v_files):
+    import numpy as np
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(13)
+    Image.fromarray(torch.randint(0, 256, (SIZE, SIZE, 3), generator=g, dtype=torch.uint8).numpy().astype(np.uint8)).save(
+        comfy.work / "input" / "wan-end.png")
+    expected = _run(comfy, _wan22_flf2v_template(swapped=False))["low"]
+    assert expected.abs().max().item() > 0.1
+    assert (_run(comfy, _wan22_flf2v_template(swapped=True))["low"] - expected).abs().max().item() <= TOLERANCE
+    # negative control: the end frame shapes the video (against the start frame alone)
+    assert (_run(comfy, _wan22_flf2v_template(swapped=True, end=False))["low"] - expected).abs().max().item() > 1e-3
+
+
 def _wan21_i2v(swapped: bool, clip_vision: bool = True) -> dict:
     """Wan 2.1 I2V: WanImageToVideo with CLIP vision features, KSampler at cfg 5 (on CFG 2 for the loader)."""
     prompt = _image_to_video(_wan21_template(swapped), clip_vision=clip_vision)
