@@ -37,12 +37,14 @@ class PoolTransformer(torch.nn.Module):
     """Stands where ComfyUI's diffusion model would: each call is one model call on the pool. It holds no weights
     but reports the names of the weights ComfyUI's own model has (`weights`, from the file), so ComfyUI's LoRA
     loaders find what to patch; `expert`: the pool's transformer it calls (Wan 2.2's low-noise `transformer_2`);
-    `methods`: the reference methods its model calls take (ComfyData.reference_methods)."""
+    `methods`: the reference methods its model calls take (ComfyData.reference_methods); `timestep`: the call carries
+    ComfyUI's timestep (ComfyData.model_call_timestep)."""
 
     def __init__(self, pool, conds: dict[str, str], weights: dict[str, torch.Size] | None = None, expert: str = "",
-                 config: dict | None = None, methods: tuple[str, ...] = ()):
+                 config: dict | None = None, methods: tuple[str, ...] = (), timestep: bool = False):
         super().__init__()
         self.pool, self.conds, self.weights, self.expert, self.methods = pool, conds, weights or {}, expert, methods
+        self.timestep = timestep
         self.config = config or {}  # ComfyUI's unet_config of the file: patch_size, in_channels, ...
         self.dtype = torch.float32  # ComfyUI casts the call's tensors to this; the pool casts to its own
 
@@ -97,6 +99,8 @@ class PoolTransformer(torch.nn.Module):
             top = timesteps.float().amax(dim=1, keepdim=True)
             sigma = sigma[:, None] * torch.where(top > 0, timesteps.float() / top.clamp_min(1e-12), 1.0)
         tensors = {"latents": x.float().contiguous(), "sigma": sigma.contiguous()}
+        if self.timestep:  # a discrete-schedule model's own step (PixArt), which sigma does not give
+            tensors["timestep"] = timesteps.float().reshape(-1).expand(batch).contiguous()
         loras = self.pool.lora_params() + [{"path": path, "strength": strength} for path, strength in options.get(LORAS, ())]
 
         from ..workers.client import JobCancelledError
@@ -192,7 +196,8 @@ def comfy_model(pool, comfy_file=None, expert: str = "") -> PoolModelPatcher:
     model = model_config.get_model({}, device=CPU)
     model.diffusion_model = PoolTransformer(pool, adapter.data.model_call_conds, weights, expert,
                                             config=dict(model_config.unet_config),
-                                            methods=adapter.data.reference_methods)
+                                            methods=adapter.data.reference_methods,
+                                            timestep=adapter.data.model_call_timestep)
     return PoolModelPatcher(model, load_device=CPU, offload_device=CPU)
 
 

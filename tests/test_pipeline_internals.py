@@ -104,7 +104,9 @@ def stub_transformer(wrapper, outputs: list[torch.Tensor], calls: list[dict]):
         output = outputs[min(len(calls), len(outputs)) - 1]
         if isinstance(image, list):  # Z-Image: one latent per sample
             return ([torch.zeros_like(sample) for sample in image] if output is None else list(output.to(image[0].dtype)),)
-        output = torch.zeros_like(image) if output is None else output  # None: zeros of its input
+        if output is None:  # zeros of its input, in the transformer's output channels (PixArt's learned sigma: 2×)
+            channels = getattr(transformer.config, "out_channels", None) if image.ndim == 4 else None
+            output = image.new_zeros(image.shape[0], channels or image.shape[1], *image.shape[2:])
         return (output.to(image.dtype),)
 
     transformer.forward = forward
@@ -162,12 +164,13 @@ def _stacked(value):
 def test_a_model_calls_arguments_are_the_pipelines_own(rank, family):
     """The transformer call of a model call (latents unpacked, the scheduler's timestep) equals the one the
     pipeline's loop makes at its first step."""
-    assert {"flux", "flux2-klein", "flux2-dev", "qwen-image", "sd3", "z-image"} <= set(MODEL_CALLS)
+    assert {"flux", "flux2-klein", "flux2-dev", "qwen-image", "sd3", "z-image", "pixart-alpha", "pixart-sigma"} <= set(MODEL_CALLS)
     wrapper = wrap_pipeline(tiny_models.build_tiny_pipeline(family))
     pipeline = wrapper.module
     inputs = tiny_models.make_inputs(family, height=64, width=64, negative=False)
     calls: list[dict] = []
-    guidance = {"sd3": {"guidance_scale": 1.0}, "z-image": {"guidance_scale": 0.0}}.get(family, {})  # no CFG
+    no_cfg = {"sd3": 1.0, "z-image": 0.0, "pixart-alpha": 1.0, "pixart-sigma": 1.0}
+    guidance = {"guidance_scale": no_cfg[family]} if family in no_cfg else {}
     with stub_transformer(wrapper, [None], calls):
         _call(wrapper, family, 2, negative=False, **guidance)
     own = {name: _stacked(value) for name, value in calls[0].items()}

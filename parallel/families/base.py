@@ -22,8 +22,9 @@ import torch
 from ..model_executor.plans import ParallelPlan
 
 
-# What every single model call carries beside its family's conditioning (model_call.py)
-MODEL_CALL_TENSORS = ("latents", "sigma")
+# What every single model call carries beside its family's conditioning (model_call.py); `timestep` only where the
+# model's own timestep is not sigma × 1000 (ComfyData.model_call_timestep)
+MODEL_CALL_TENSORS = ("latents", "sigma", "timestep")
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,8 @@ class ComfyData:
     model_class:    the class in `comfy.supported_models` whose model sampling (flow shift, prediction type),
                     latent format and conditioning an xDiT Model carries (ComfyUI's samplers on the pool);
                     "": no xDiT Model for this family.
+    model_call_timestep: ComfyUI's model gives this model a timestep that is not sigma × 1000 (a discrete-schedule
+                    eps model, PixArt: its model sampling's interpolated step), so the call carries ComfyUI's own.
     model_call_refused: why a model call of the pool cannot give what ComfyUI's own `model_class` gives (ComfyUI
                     computes the model otherwise than the pool's diffusers transformer): xDiT Model and the drop-in
                     loader refuse this family's pools and files in one line with it, rather than sample a
@@ -153,6 +156,7 @@ class ComfyData:
     conditioning_keys: dict[str, str] = field(default_factory=dict)
     optional_texts: tuple[str, ...] = ()
     model_class: str = ""
+    model_call_timestep: bool = False
     model_call_refused: str = ""
     model_call_conds: dict[str, str] = field(default_factory=dict)
     reference_methods: tuple[str, ...] = ()

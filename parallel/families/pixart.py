@@ -4,12 +4,18 @@ Image tokens split after the patch embedding, self-attention runs USP, cross-att
 caption stays local; CFG arrives batched. ComfyUI keeps PixArt-α latents in SD1.5's format and
 PixArt-Σ latents in SDXL's, and passes T5 attention masks in the conditioning.
 
+A model call is ComfyUI's PixArt (comfy/ldm/pixart/pixartms.py): its own discrete timestep, the T5 text unmasked
+(ComfyUI's T5 for PixArt pads nothing and its model passes no mask), the α micro-conditions (ComfyUI's c_size
+[h, w] and c_ar in pixels), the positions' grid laid by the call's size, and the noise alone (the learned-sigma
+channels dropped).
+
 Single files: the PixArt repository's own layout (blocks.*.cross_attn, .pth or .safetensors), converted
 by a port of diffusers' PixArt conversion script (diffusers has no PixArt single-file loader).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -18,27 +24,69 @@ from ..loading.checkpoints.shapes import Shapes
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipeline import xFuserPipelineBaseWrapper
 from ..model_executor.plans import Gather, ParallelPlan, PipeFusionPlan, Split
-from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant
+from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant, replaced
 
 EXPECTS = "encode with xDiT Text Encode on this pool, or PixArt's T5-XXL encoder"
+# ComfyUI's PixArt passes c_size and c_ar to every file; those without micro-conditions (Σ) ignore them
+MODEL_CALL_CONDS = {"context": "prompt_embeds", "c_size": "resolution", "c_ar": "aspect_ratio"}
 
 
 class xFuserPixArtAlphaPipeline(xFuserPipelineBaseWrapper):
-    comfy = ComfyData(latent_formats={4: "SD15"}, expects=EXPECTS)
+    comfy = ComfyData(latent_formats={4: "SD15"}, model_class="PixArtAlpha", model_call_conds=MODEL_CALL_CONDS,
+                      model_call_timestep=True, expects=EXPECTS)
     tensor_inputs = ("prompt_attention_mask", "negative_prompt_attention_mask")
     # Resolution binning would resize to the model's aspect-ratio bins; given embeddings need no prompt.
     call_defaults = {"use_resolution_binning": False, "negative_prompt": None}
     embedding_sizes = {"prompt_embeds": "caption_channels", "negative_prompt_embeds": "caption_channels"}
 
+    model_call_inputs = ("prompt_embeds", "prompt_attention_mask", "resolution", "aspect_ratio")
+    model_call_required = ("prompt_embeds",)
+
     def encode_text(self, prompt: str) -> dict[str, torch.Tensor]:
         embeds, mask, _, _ = self.module.encode_prompt(prompt, do_classifier_free_guidance=False)
         return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
+
+    def model_call_arguments(self, latents, timestep, inputs):
+        """The pipeline's loop: latents as they are, the timestep per sample, the text's mask where the call has one
+        (ComfyUI's has none), micro-conditions where the transformer takes them."""
+        added = {"resolution": None, "aspect_ratio": None}
+        if self.module.transformer.config.use_additional_conditions:
+            missing = [name for name in added if name not in inputs]
+            if missing:
+                raise ValueError(f"this PixArt takes micro-conditions: a model call needs {missing} (ComfyUI's c_size, c_ar)")
+            added = {name: inputs[name] for name in added}
+        return {"hidden_states": latents, "timestep": timestep, "encoder_hidden_states": inputs["prompt_embeds"],
+                "encoder_attention_mask": inputs.get("prompt_attention_mask"), "added_cond_kwargs": added}
+
+    def model_call_context(self, transformer, inputs):
+        """ComfyUI's PixArt lays its sin-cos positions on a grid of round(side / 64) · 64 latent pixels (side: the mean
+        of height and width) with the file's interpolation, or round(side / 64) where the file saves no table (the
+        config's None); diffusers' PatchEmbed on the config's sample size: ComfyUI's, for this call."""
+        height, width = inputs["latents"].shape[-2:]
+        side = (height + width) // 2
+        if round(side / 64) == 0:
+            raise ValueError(f"ComfyUI's PixArt has no positions for {height}x{width} latents (a grid of 0: it divides by "
+                             "zero below 32 latent pixels a side on average); sample at 256 px or more")
+        module = transformer.module
+        embed = module.pos_embed
+        scale = module.config.interpolation_scale or round(side / 64.0)
+        stack = contextlib.ExitStack()
+        # height -1: no stored table fits, so PatchEmbed lays the positions for this call
+        for name, value in (("base_size", round(side / 64) * 64 // embed.patch_size), ("interpolation_scale", scale),
+                            ("height", -1)):
+            stack.enter_context(replaced(embed, name, value))
+        return stack
+
+    def model_call_output(self, output, latents):
+        """The noise alone, as ComfyUI's PixArt returns it (the pipeline drops the learned-sigma half too)."""
+        return output[:, : latents.shape[1]]
 
 
 class xFuserPixArtSigmaPipeline(xFuserPixArtAlphaPipeline):
     """Same transformer class and call as PixArt-α; SDXL's latent format."""
 
-    comfy = ComfyData(latent_formats={4: "SDXL"}, expects=EXPECTS)
+    comfy = ComfyData(latent_formats={4: "SDXL"}, model_class="PixArtSigma", model_call_conds=MODEL_CALL_CONDS,
+                      model_call_timestep=True, expects=EXPECTS)
 
 
 # -- single-file checkpoints: the PixArt repository's layout ---------------------------------------------
@@ -72,6 +120,8 @@ def read_checkpoint(shape: Shapes) -> tuple[str, dict]:
         sample_size = math.isqrt(shape("pos_embed")[1]) * patch
         # PixArt's pe_interpolation is resolution / 512 (1 at 512 px, 2 at 1024, 4 at 2K)
         overrides.update(sample_size=sample_size, interpolation_scale=max(sample_size // 64, 1))
+    else:  # none saved: ComfyUI scales the positions by each call's size (diffusers: by sample_size, the same there)
+        overrides["interpolation_scale"] = None
     return variant, overrides
 
 

@@ -3,7 +3,9 @@
 KSampler and SamplerCustomAdvanced step in ComfyUI and ask the model for one prediction per call; a pool
 answers each call with one parallel evaluation here. A model call names its inputs as the pipeline does:
 `latents` [B, C, H, W] in the model's latent space (unpacked, as ComfyUI holds them), `sigma` [B] the
-flow-matching noise level (or [B, T'] per latent frame, where the model takes it so: Wan 2.2 TI2V), and the family's conditioning (`model_call_inputs`: prompt_embeds, pooled, ...).
+flow-matching noise level (or [B, T'] per latent frame, where the model takes it so: Wan 2.2 TI2V), `timestep` [B]
+where the model's own is not sigma × 1000 (PixArt's discrete schedule), and the family's conditioning
+(`model_call_inputs`: prompt_embeds, pooled, ...).
 The family's wrapper turns them into the transformer call its pipeline's loop makes (`model_call_arguments`,
 `model_call_output`), so the prediction is exactly the one the pipeline computes for the same latents and
 timestep, under every layout the plan applies (Ulysses, Ring, USP, uneven tokens).
@@ -61,6 +63,11 @@ def check_model_call(wrapper, tensors: dict[str, torch.Tensor], expert: str = ""
     if sigma.shape != (batch,) and sigma.shape != frames:
         per_frame = f", or one per latent frame, [{batch}, {latents.shape[2]}]" if frames else ""
         raise ValueError(f"sigma must hold one noise level per sample, shape [{batch}]{per_frame}, not {list(sigma.shape)}")
+    if ("timestep" in tensors) != wrapper.comfy.model_call_timestep:
+        raise ValueError(f"a model call of {pipeline} " + ("needs its model's own timestep" if wrapper.comfy.model_call_timestep
+                         else "takes no timestep: it is sigma × 1000"))
+    if "timestep" in tensors and tensors["timestep"].shape != (batch,):
+        raise ValueError(f"timestep must hold one per sample, shape [{batch}], not {list(tensors['timestep'].shape)}")
     for name in wrapper.model_call_inputs:
         if name in tensors and tensors[name].shape[0] != batch:
             raise ValueError(f"{name} has batch {tensors[name].shape[0]} but latents have {batch}: send one per sample")
@@ -90,23 +97,25 @@ def _split(dp, batch: int) -> list[int] | None:
 def evaluate(wrapper, tensors: dict[str, torch.Tensor], expert: str = "") -> torch.Tensor:
     """The family's prediction for `tensors` (checked by check_model_call) by its `expert` transformer, shaped like
     `latents`."""
-    latents, sigma = tensors["latents"], tensors["sigma"]
+    latents = tensors["latents"]
+    # The pipelines' loops pass the scheduler's timestep: sigma × num_train_timesteps for flow matching, the call's own
+    # for a discrete schedule (ComfyData.model_call_timestep).
+    timestep = tensors["timestep"] if "timestep" in tensors else \
+        tensors["sigma"] * wrapper.module.scheduler.config.num_train_timesteps
     inputs = {k: v for k, v in tensors.items() if k not in MODEL_CALL_TENSORS}
     batch = latents.shape[0]
     dp = get_dp_group()
     counts = _split(dp, batch)
     if counts is not None:
         start, count = sum(counts[: dp.rank_in_group]), counts[dp.rank_in_group]
-        latents, sigma = latents[start : start + count], sigma[start : start + count]
+        latents, timestep = latents[start : start + count], timestep[start : start + count]
         inputs = {k: v[start : start + count] for k, v in inputs.items()}
     size = call_size(wrapper, latents)
     get_runtime_state().set_input_parameters(height=size["height"], width=size["width"], batch_size=latents.shape[0],
                                              num_inference_steps=0, image_tokens=wrapper.sequence_tokens(size))
-    # The pipelines' loops pass the scheduler's timestep: sigma × num_train_timesteps for flow matching.
-    timestep = sigma * wrapper.module.scheduler.config.num_train_timesteps
     arguments = wrapper.model_call_arguments(latents, timestep, inputs)
     transformer = expert_of(wrapper, expert)
-    with torch.no_grad(), wrapper.model_call_context(transformer, inputs):
+    with torch.no_grad(), wrapper.model_call_context(transformer, {**inputs, "latents": latents}):
         output = transformer.evaluate(**arguments, return_dict=False)[0]
     prediction = wrapper.model_call_output(output, latents)
     if counts is None:

@@ -38,8 +38,9 @@ class ModelCallGlue:
         raise NotImplementedError
 
     def model_call_context(self, transformer, inputs: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager:
-        """What the call's conditioning switches on the wrapped `transformer` for this call only, where the model's
-        config fixes what ComfyUI chooses per conditioning (Qwen-Image's reference method): nothing, for most."""
+        """What the call (its conditioning, and its `latents`) switches on the wrapped `transformer` for this call only,
+        where the model's config fixes what ComfyUI chooses per call (Qwen-Image's reference method, PixArt's position
+        grid by size): nothing, for most."""
         return contextlib.nullcontext()
 
     def frame_timesteps(self) -> bool:
