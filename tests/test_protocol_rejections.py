@@ -303,7 +303,7 @@ def test_tensorless_client_types_accept_no_tensors(kind):
 
 def test_evaluate_accepts_only_model_call_tensors():
     rejects([pack(header("evaluate", params={}, tensors=[spec("negative_prompt_embeds")])), bytes(16)],
-            r"tensor 'negative_prompt_embeds' is not accepted here; allowed: \['latents', 'sigma', 'prompt_embeds'")
+            r"tensor 'negative_prompt_embeds' is not accepted here; allowed: \['latents', 'sigma', 'timestep', 'prompt_embeds'")
 
 
 @pytest.mark.parametrize("conditioning", [{"prompt_embeds": "abc"}, {"init_latents": "0" * 32}, {"prompt_embeds": 7}])
