@@ -9,10 +9,13 @@ through the frontend (`app.graphToPrompt()`), so running one here is running it 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -78,6 +81,28 @@ def open_page(server, log_name: str = "browser.log") -> "Browser | str":
     browser = Browser(server.url, server.work / log_name, *found)
     browser.eval("async () => { window.api = (await import('/scripts/api.js')).api; return true; }")
     return browser
+
+
+@contextlib.contextmanager
+def scratch_page():
+    """(server, page): a fresh ComfyUI test-bed server in a temporary folder and a page on it, for the scripts that
+    rebuild the example workflows (tests/browser/); one `error:` line where the test bed lacks a part."""
+    from comfyui_server import ComfyServer
+
+    comfyui, parts = testbed.comfyui(), testbed.browser()
+    for found in (comfyui, parts):
+        if isinstance(found, str):
+            sys.exit(f"error: {found}")
+    with tempfile.TemporaryDirectory() as work:
+        server = ComfyServer(*comfyui, Path(work))
+        try:
+            browser = Browser(server.url, Path(work) / "browser.log", *parts)
+            try:
+                yield server, browser
+            finally:
+                browser.close()
+        finally:
+            server.stop()
 
 
 # The frontend's Run button: the button itself in ComfyUI 0.33's frontend (1.49), the first button of a group before.

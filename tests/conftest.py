@@ -79,3 +79,16 @@ def comfy(request, comfyui_install, tmp_path_factory):
     yield server
     server.stop()
     assert "IMPORT FAILED" not in server.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def page(request):
+    """A headless Chromium page on the module's ComfyUI server (`comfy`, or the fixture its PAGE_SERVER names);
+    without Node.js, playwright-core or Chromium the test skips with the reason."""
+    from comfyui_page import open_page
+
+    browser = open_page(request.getfixturevalue(getattr(request.module, "PAGE_SERVER", "comfy")))
+    if isinstance(browser, str):
+        pytest.skip(browser)
+    yield browser
+    browser.close()

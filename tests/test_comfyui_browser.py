@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from comfyui_page import HISTORY, LOAD_CONVERT_QUEUE, POOL_ERROR, RUN_BUTTON, open_page
+from comfyui_page import HISTORY, LOAD_CONVERT_QUEUE, POOL_ERROR, RUN_BUTTON
 from loader_examples import EXAMPLES as LOADER_EXAMPLES
 from test_comfyui import FAMILIES, reference, saved_latent
 from xdit_test_helpers import ROOT, TOLERANCE
@@ -22,14 +22,6 @@ EXAMPLES = sorted(path for path in (ROOT / "example_workflows").glob("*.json")  
                   if path.stem not in LOADER_EXAMPLES)
 ARTIFACTS = ROOT / "out" / "test-artifacts"
 
-
-@pytest.fixture(scope="module")
-def page(comfy):
-    browser = open_page(comfy)
-    if isinstance(browser, str):
-        pytest.skip(browser)
-    yield browser
-    browser.close()
 
 
 EXAMPLE_FAMILIES = {"xdit_pixart_alpha": "pixart-alpha", "xdit_sd3": "sd3", "xdit_flux": "flux"}  # the original three

@@ -22,7 +22,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from comfyui_page import open_page
 from loader_examples import EXAMPLES, LAYOUT, LOAD_CONVERT, template
 from test_comfyui_loader_flux2 import DEV, KLEIN, KONTEXT, files  # noqa: F401 - fixture
 from test_comfyui_loader_video import HUNYUAN, _prompts, _wan_file, hunyuan_files  # noqa: F401 - fixture
@@ -43,14 +42,6 @@ RUNS = {  # example: (tiny file per template file name, (positive, negative) con
                                     ("hunyuan-positive", "hunyuan-negative"), 64, 5),
 }
 
-
-@pytest.fixture(scope="module")
-def page(comfy):
-    browser = open_page(comfy)
-    if isinstance(browser, str):
-        pytest.skip(browser)
-    yield browser
-    browser.close()
 
 
 @pytest.fixture(scope="module")

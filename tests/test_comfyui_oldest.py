@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from comfyui_page import POOL_ERROR, open_page, run_workflow
+from comfyui_page import POOL_ERROR, run_workflow
 from comfyui_server import ComfyServer
 from test_comfyui_browser import EXAMPLE_FAMILIES, assert_example_equals_diffusers
 from test_comfyui_model import compare, graph, latents_of, save_checkpoint
@@ -33,13 +33,8 @@ def oldest(comfyui_oldest_install, tmp_path_factory):
     assert "IMPORT FAILED" not in server.log.read_text()
 
 
-@pytest.fixture(scope="module")
-def page(oldest):
-    browser = open_page(oldest)
-    if isinstance(browser, str):
-        pytest.skip(browser)
-    yield browser
-    browser.close()
+
+PAGE_SERVER = "oldest"  # conftest's page: on this module's 0.3.64 server
 
 
 def test_it_is_comfyui_0_3_64_and_the_pack_loads_with_no_import_failure(oldest):

@@ -6,7 +6,8 @@ the families; it imports no diffusers.
 import importlib
 import pkgutil
 
-from .base import FAMILIES, ComfyData, DeclaredLatentFormat, Family, FamilyRegistry, SingleFile, TinyModel, Variant, VaeFile
+from .base import FAMILIES, Family, FamilyRegistry, SingleFile, TinyModel, Variant, VaeFile
+from .comfy_data import ComfyData, DeclaredLatentFormat
 
 for _module in pkgutil.iter_modules(__path__):
     if _module.name != "base":

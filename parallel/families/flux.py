@@ -29,7 +29,8 @@ from ..model_executor.attention import TextLayout
 from ..model_executor.pipeline import xFuserPipelineBaseWrapper
 from ..model_executor.pipeline.img2img import linear_sigmas
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PatchFlow, PipeFusionPlan, Split, TokenRows
-from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant, pack_2x2, references, unpack_2x2
+from .base import FAMILIES, Family, SingleFile, TinyModel, Variant, pack_2x2, references, unpack_2x2
+from .comfy_data import ComfyData
 
 
 class xFuserFluxPipeline(xFuserPipelineBaseWrapper):

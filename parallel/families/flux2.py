@@ -33,7 +33,8 @@ from ..layout.config import LayoutError
 from ..model_executor.pipeline import xFuserPipelineBaseWrapper
 from ..model_executor.pipeline.img2img import linear_sigmas
 from ..model_executor.plans import JoinedStream, Split
-from .base import FAMILIES, ComfyData, DeclaredLatentFormat, Family, SingleFile, TinyModel, Variant, VaeFile, references
+from .base import FAMILIES, Family, SingleFile, TinyModel, Variant, VaeFile, references
+from .comfy_data import ComfyData, DeclaredLatentFormat
 from .flux import FLUX
 
 TRANSFORMER_MODULE = "diffusers.models.transformers.transformer_flux2"

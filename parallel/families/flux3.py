@@ -35,7 +35,8 @@ from ..model_executor.attention import TextLayout
 from ..model_executor.pipeline.img2img import linear_sigmas
 from ..model_executor.pipeline.modular import xFuserModularPipelineWrapper
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, Split
-from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant, pictures
+from .base import FAMILIES, Family, SingleFile, TinyModel, Variant, pictures
+from .comfy_data import ComfyData
 from .flux2 import CHAT_TEMPLATE, COMFY_FLUX2, tiny_vae
 
 TRANSFORMER_MODULE = "diffusers.models.transformers.transformer_flux3"

@@ -33,7 +33,8 @@ from ..layout.config import LayoutError
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipeline.img2img import linear_sigmas
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split, TextPadding, TokenRows
-from .base import FAMILIES, ComfyData, DeclaredLatentFormat, Family, TinyModel, pictures, replaced
+from .base import FAMILIES, Family, TinyModel, pictures, replaced
+from .comfy_data import ComfyData, DeclaredLatentFormat
 from .hunyuanvideo15_file import SINGLE_FILE
 from .wan import xFuserWanPipeline
 from .wan.pipelines import vae_encodes_as

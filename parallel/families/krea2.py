@@ -38,7 +38,8 @@ from ..model_executor.attention import TextLayout
 from ..model_executor.pipeline import xFuserPipelineBaseWrapper
 from ..model_executor.pipeline.img2img import linear_sigmas
 from ..model_executor.plans import (CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split, TextPadding, TokenRows)
-from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant, pack_2x2, unpack_2x2
+from .base import FAMILIES, Family, SingleFile, TinyModel, Variant, pack_2x2, unpack_2x2
+from .comfy_data import ComfyData
 
 TEXTS = {"prompt_embeds": "prompt_embeds_mask", "negative_prompt_embeds": "negative_prompt_embeds_mask"}
 

@@ -24,7 +24,8 @@ from ..loading.checkpoints.shapes import Shapes
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipeline import xFuserPipelineBaseWrapper
 from ..model_executor.plans import Gather, ParallelPlan, PipeFusionPlan, Split
-from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant, replaced
+from .base import FAMILIES, Family, SingleFile, TinyModel, Variant, replaced
+from .comfy_data import ComfyData
 
 EXPECTS = "encode with xDiT Text Encode on this pool, or PixArt's T5-XXL encoder"
 # ComfyUI's PixArt passes c_size and c_ar to every file; those without micro-conditions (Σ) ignore them

@@ -49,7 +49,8 @@ from ..model_executor.pipeline import xFuserPipelineBaseWrapper
 from ..model_executor.pipeline.img2img import linear_sigmas
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, Split, TextRows
 from ..request import STEP_CACHE
-from .base import FAMILIES, ComfyData, DeclaredLatentFormat, Family, TinyModel, pictures, replaced
+from .base import FAMILIES, Family, TinyModel, pictures, replaced
+from .comfy_data import ComfyData, DeclaredLatentFormat
 
 log = logging.getLogger(__name__)
 MASKS = {"prompt_embeds": "prompt_embeds_mask", "negative_prompt_embeds": "negative_prompt_embeds_mask"}

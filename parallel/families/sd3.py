@@ -16,7 +16,8 @@ from ..loading.checkpoints.shapes import Shapes, block_indices
 from ..model_executor.attention import TextLayout
 from ..model_executor.pipeline import xFuserPipelineBaseWrapper
 from ..model_executor.plans import Gather, ParallelPlan, PipeFusionPlan, Split
-from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant
+from .base import FAMILIES, Family, SingleFile, TinyModel, Variant
+from .comfy_data import ComfyData
 
 # SAI's MMDiT sets hidden = 64 x depth, heads = depth (head size 64) unless q/k norms show the head size.
 HEAD_DIM = 64

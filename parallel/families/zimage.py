@@ -34,7 +34,8 @@ from ..model_executor.attention import TextLayout
 from ..model_executor.pipeline import xFuserPipelineBaseWrapper
 from ..model_executor.pipeline.img2img import linear_sigmas
 from ..model_executor.plans import CfgMode, Gather, ParallelPlan, PipeFusionPlan, Split, TokenRows
-from .base import FAMILIES, ComfyData, Family, SingleFile, TinyModel, Variant
+from .base import FAMILIES, Family, SingleFile, TinyModel, Variant
+from .comfy_data import ComfyData
 
 TOKEN_MULTIPLE = 32  # the transformer pads the image tokens and the text tokens of each sample to this
 EMBEDDINGS = ("prompt_embeds", "negative_prompt_embeds")

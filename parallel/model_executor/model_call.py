@@ -21,7 +21,7 @@ import torch
 
 from ..distributed import get_dp_group, get_layout, get_runtime_state
 from ..layout.config import LayoutError
-from ..families.base import MODEL_CALL_TENSORS
+from ..families.comfy_data import MODEL_CALL_TENSORS
 from ..request import check_tensor_values
 
 

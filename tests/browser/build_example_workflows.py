@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]  # tests/, the repo
 
-import testbed  # noqa: E402
-from comfyui_server import ComfyServer  # noqa: E402
-from comfyui_page import Browser  # noqa: E402
+from comfyui_page import scratch_page  # noqa: E402
 from xdit_test_helpers import ROOT  # noqa: E402
 
 EXAMPLES = {  # file stem: (family, empty latent node, cfg, what the example says about itself)
@@ -129,31 +126,19 @@ BUILD = """async ({ family, empty, cfg, name, stem, id, reference, ksampler, len
 
 
 def main() -> None:
-    comfyui, browser_parts = testbed.comfyui(), testbed.browser()
-    for found in (comfyui, browser_parts):
-        if isinstance(found, str):
-            sys.exit(f"error: {found}")
-    with tempfile.TemporaryDirectory() as work:
-        server = ComfyServer(*comfyui, Path(work))
-        try:
-            browser = Browser(server.url, Path(work) / "browser.log", *browser_parts)
-            try:
-                for stem, (family, empty, cfg, name) in EXAMPLES.items():
-                    path = ROOT / "example_workflows" / f"{stem}.json"
-                    old_id = json.loads(path.read_text()).get("id") if path.exists() else None  # keep diffs small
-                    spec = {"family": family, "empty": empty, "cfg": cfg, "name": name, "stem": stem, "id": old_id,
-                            "reference": stem in REFERENCE, "ksampler": stem in KSAMPLER, "length": LENGTH.get(stem),
-                            "image": IMAGE.get(stem)}
-                    result = browser.eval(BUILD, spec)
-                    assert len(result["classes"]) == (8 if stem in REFERENCE else 7 if stem in KSAMPLER | set(IMAGE) else 6), \
-                        result["classes"]
-                    path.parent.mkdir(exist_ok=True)
-                    path.write_text(json.dumps(result["workflow"], indent=2) + "\n")
-                    print(f"wrote {path.relative_to(ROOT)}")
-            finally:
-                browser.close()
-        finally:
-            server.stop()
+    with scratch_page() as (_, browser):
+        for stem, (family, empty, cfg, name) in EXAMPLES.items():
+            path = ROOT / "example_workflows" / f"{stem}.json"
+            old_id = json.loads(path.read_text()).get("id") if path.exists() else None  # keep diffs small
+            spec = {"family": family, "empty": empty, "cfg": cfg, "name": name, "stem": stem, "id": old_id,
+                    "reference": stem in REFERENCE, "ksampler": stem in KSAMPLER, "length": LENGTH.get(stem),
+                    "image": IMAGE.get(stem)}
+            result = browser.eval(BUILD, spec)
+            assert len(result["classes"]) == (8 if stem in REFERENCE else 7 if stem in KSAMPLER | set(IMAGE) else 6), \
+                result["classes"]
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(json.dumps(result["workflow"], indent=2) + "\n")
+            print(f"wrote {path.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

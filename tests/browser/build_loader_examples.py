@@ -10,38 +10,23 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]  # tests/, the repo
 
-import testbed  # noqa: E402
-from comfyui_page import Browser  # noqa: E402
-from comfyui_server import ComfyServer  # noqa: E402
+from comfyui_page import scratch_page  # noqa: E402
 from loader_examples import EXAMPLES, LAYOUT, SWAP, template  # noqa: E402
 from xdit_test_helpers import ROOT  # noqa: E402
 
 
 def main() -> None:
-    comfyui, browser_parts = testbed.comfyui(), testbed.browser()
-    for found in (comfyui, browser_parts):
-        if isinstance(found, str):
-            sys.exit(f"error: {found}")
-    with tempfile.TemporaryDirectory() as work:
-        server = ComfyServer(*comfyui, Path(work))
-        try:
-            browser = Browser(server.url, Path(work) / "browser.log", *browser_parts)
-            try:
-                for stem in EXAMPLES:
-                    result = browser.eval(SWAP, {"template": template(comfyui[1], stem), "layout": LAYOUT})
-                    assert result["swapped"], f"{EXAMPLES[stem]} has no UNETLoader"
-                    path = ROOT / "example_workflows" / f"{stem}.json"
-                    path.write_text(json.dumps(result["workflow"], indent=2) + "\n")
-                    print(f"wrote {path.relative_to(ROOT)} ({result['swapped']} loader(s) swapped)")
-            finally:
-                browser.close()
-        finally:
-            server.stop()
+    with scratch_page() as (server, browser):
+        for stem in EXAMPLES:
+            result = browser.eval(SWAP, {"template": template(server.python, stem), "layout": LAYOUT})
+            assert result["swapped"], f"{EXAMPLES[stem]} has no UNETLoader"
+            path = ROOT / "example_workflows" / f"{stem}.json"
+            path.write_text(json.dumps(result["workflow"], indent=2) + "\n")
+            print(f"wrote {path.relative_to(ROOT)} ({result['swapped']} loader(s) swapped)")
 
 
 if __name__ == "__main__":

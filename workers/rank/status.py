@@ -53,9 +53,7 @@ def status_of(rank: "Rank") -> PoolStatus:
 def take_census(rank: "Rank") -> None:
     """Every rank's memory (RSS, device, parameters) and rank 0's storage per format, for the status."""
     rank.census_at = time.monotonic()
-    pipeline = rank.pipeline.module  # every transformer it holds: Wan 2.2 A14B's two experts are both on each rank
-    transformers = torch.nn.ModuleList(getattr(pipeline, name).module for name in ("transformer", "transformer_2")
-                                       if getattr(pipeline, name, None) is not None)
+    transformers = torch.nn.ModuleList(wrapped.module for wrapped in rank.pipeline.transformers())  # all it holds
     rank.storage = engine("loading.checkpoints.fp8").storage_of(transformers)  # e.g. float8_e4m3fn + bfloat16 bytes
     own = memory_of_this_rank(transformers)
     flat = rank.gather_ints([own["rss_bytes"], own["device_bytes"], own["parameter_bytes"]])

@@ -10,7 +10,7 @@ from ...call_parameters import CallParameter
 from ...layout.config import LayoutError
 from ...model_executor.pipeline import xFuserPipelineBaseWrapper
 from ...model_executor.pipeline.img2img import linear_sigmas
-from ..base import ComfyData
+from ..comfy_data import ComfyData
 
 DEFAULT_FRAMES = 121  # LTX2Pipeline.__call__'s num_frames for a model without a duration head
 

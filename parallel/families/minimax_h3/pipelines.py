@@ -9,7 +9,7 @@ import torch
 from ...call_parameters import CallParameter
 from ...layout.config import LayoutError
 from ...model_executor.pipeline.modular import xFuserModularPipelineWrapper
-from ..base import ComfyData
+from ..comfy_data import ComfyData
 
 COMFY = ComfyData(
     latent_formats={24: "MiniMaxH3AV"}, temporal=4, audio_stream=("audio_latents", "audio"), audio_axes=(0, 2, 1, 3),

@@ -13,7 +13,8 @@ from ...call_parameters import CallParameter
 from ...layout.config import LayoutError
 from ...model_executor.pipeline import xFuserPipelineBaseWrapper
 from ...model_executor.pipeline.img2img import linear_sigmas
-from ..base import ComfyData, pack_2x2, pictures, references, replaced, unpack_2x2
+from ..base import pack_2x2, pictures, references, replaced, unpack_2x2
+from ..comfy_data import ComfyData
 
 
 MASKS = {"prompt_embeds": "prompt_embeds_mask", "negative_prompt_embeds": "negative_prompt_embeds_mask"}

@@ -12,7 +12,8 @@ import torch
 from ...call_parameters import CallParameter
 from ...layout.config import LayoutError
 from ...model_executor.pipeline import xFuserPipelineBaseWrapper
-from ..base import ComfyData, replaced
+from ..base import replaced
+from ..comfy_data import ComfyData
 
 
 DEFAULT_FRAMES = 81  # WanPipeline.__call__'s default num_frames

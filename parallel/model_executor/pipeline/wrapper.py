@@ -29,7 +29,7 @@ from .model_calls import ModelCallGlue
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
-    from ...families.base import ComfyData
+    from ...families.comfy_data import ComfyData
 
 # What every pipeline takes; families add theirs in `tensor_inputs`.
 BASE_TENSOR_INPUTS = ("latents", "prompt_embeds", "negative_prompt_embeds")
@@ -117,6 +117,10 @@ class xFuserPipelineBaseWrapper(LayoutChecks, Img2Img, ModelCallGlue, xFuserBase
 
         self.module.scheduler = xFuserSchedulerWrappersRegister.get_wrapper(scheduler)(scheduler)
 
+    def transformers(self) -> list:
+        """The pipeline's transformers as wrapped here (Wan 2.2 A14B: both experts), high-noise first."""
+        return [getattr(self.module, name) for name in ("transformer", "transformer_2") if name in self._original]
+
     def unwrap(self) -> DiffusionPipeline:
         """Restore the pipeline's own transformer and scheduler (before re-initialising the layout)."""
         for name in ("transformer", "transformer_2"):
@@ -154,8 +158,7 @@ class xFuserPipelineBaseWrapper(LayoutChecks, Img2Img, ModelCallGlue, xFuserBase
             return contextlib.nullcontext()
         from ..step_cache import step_cache
 
-        experts = [getattr(self.module, name) for name in ("transformer", "transformer_2") if name in self._original]
-        return step_cache(experts, settings)
+        return step_cache(self.transformers(), settings)
 
     def call_context(self, kwargs: dict[str, Any]) -> contextlib.AbstractContextManager:
         """Around the pipeline call, with this rank's arguments: a family may take out inputs the pipeline
