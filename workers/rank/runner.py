@@ -226,8 +226,7 @@ class JobRunner:
         return self._placed[1], self._placed[2]
 
     def _transformers(self) -> list[torch.nn.Module]:
-        return [getattr(t, "module", t) for name in ("transformer", "transformer_2")
-                if (t := getattr(self.pipeline.module, name, None)) is not None]
+        return [wrapped.module for wrapped in self.pipeline.transformers()]
 
     def decode(self, work: Message, client: bytes | None) -> tuple[dict[str, torch.Tensor], int, tuple[dict, ...]]:
         """Decode the work's latents with the pipeline's VAE, its tiles over every rank (parallel/model_executor/vae_decode.py),
