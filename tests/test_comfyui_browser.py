@@ -18,8 +18,9 @@ from loader_examples import EXAMPLES as LOADER_EXAMPLES
 from test_comfyui import FAMILIES, reference, saved_latent
 from xdit_test_helpers import ROOT, TOLERANCE
 
+AV_EXAMPLES = {"xdit_ltx2", "xdit_minimax_h3"}  # video with sound: run in test_comfyui_ltx2 / test_comfyui_minimax_h3
 EXAMPLES = sorted(path for path in (ROOT / "example_workflows").glob("*.json")  # the loader's: test_comfyui_browser_loader
-                  if path.stem not in LOADER_EXAMPLES)
+                  if path.stem not in {*LOADER_EXAMPLES, *AV_EXAMPLES})
 ARTIFACTS = ROOT / "out" / "test-artifacts"
 
 
@@ -72,7 +73,7 @@ def test_example_workflows_cover_every_family_and_are_listed_as_templates(comfy)
              "xdit_qwen_image", "xdit_qwen_image_edit", "xdit_z_image", "xdit_model_ksampler", "xdit_flux2_klein",
              "xdit_flux2_dev", "xdit_hunyuan_video15", "xdit_flux3", "xdit_krea2", "xdit_qwen_image21"}
     assert {p.stem for p in EXAMPLES} == stems
-    assert set(comfy.get("/api/workflow_templates")["comfyui-xdit-pool"]) == stems | set(LOADER_EXAMPLES)
+    assert set(comfy.get("/api/workflow_templates")["comfyui-xdit-pool"]) == stems | set(LOADER_EXAMPLES) | AV_EXAMPLES
 
 
 def _open_panel(page) -> None:

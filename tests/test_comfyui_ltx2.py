@@ -21,8 +21,9 @@ from safetensors.torch import load_file, save_file
 
 from parallel.loading import tiny_models
 
+from loader_examples import LOAD_CONVERT
 from test_comfyui import saved_latent
-from xdit_test_helpers import TOLERANCE, diffusers_latents
+from xdit_test_helpers import ROOT, TOLERANCE, diffusers_latents
 
 SEED, STEPS, CFG = 3, 3, 4.0
 FRAMES, HEIGHT, WIDTH, RATE = 17, 96, 160, 24.0
@@ -85,22 +86,23 @@ def workflow(comfy, inputs: dict) -> dict:
     }
 
 
-def reference(model_dir, inputs: dict, video_shape, audio_shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """diffusers' LTX2Pipeline from ComfyUI's noise of SEED, in and out of ComfyUI's (normalised) space, and the
-    waveform its own call decodes (output_type="pt")."""
+def reference(model_dir, inputs: dict, video_shape, audio_shape, *, seed: int = SEED, steps: int = STEPS,
+              cfg: float = CFG) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """diffusers' LTX2Pipeline from ComfyUI's noise of `seed`, in and out of ComfyUI's (normalised) space, and the
+    waveform its own call decodes (output_type="pt"); the size is the latents'."""
     from xdit_test_helpers import load_pipeline_folder
 
     pipeline = load_pipeline_folder(model_dir)
     vae, audio_vae = pipeline.vae, pipeline.audio_vae
-    generator = torch.manual_seed(SEED)
+    generator = torch.manual_seed(seed)
     video_noise, audio_noise = torch.randn(video_shape, generator=generator), torch.randn(audio_shape, generator=generator)
 
     def audio_space(latents, change):
         packed = change(pipeline._pack_audio_latents(latents), audio_vae.latents_mean, audio_vae.latents_std)
         return pipeline._unpack_audio_latents(packed, latents.shape[2], latents.shape[3])
 
-    call = dict(num_inference_steps=STEPS, guidance_scale=CFG, height=HEIGHT, width=WIDTH, num_frames=FRAMES,
-                frame_rate=RATE, latents=pipeline._denormalize_latents(video_noise, vae.latents_mean, vae.latents_std),
+    call = dict(num_inference_steps=steps, guidance_scale=cfg, height=video_shape[3] * 32, width=video_shape[4] * 32,
+                num_frames=(video_shape[2] - 1) * 8 + 1, frame_rate=RATE, latents=pipeline._denormalize_latents(video_noise, vae.latents_mean, vae.latents_std),
                 audio_latents=audio_space(audio_noise, pipeline._denormalize_audio_latents))
     video, audio = diffusers_latents(pipeline, **inputs, **call, all_outputs=True)
     with torch.no_grad():
@@ -109,10 +111,16 @@ def reference(model_dir, inputs: dict, video_shape, audio_shape) -> tuple[torch.
             audio_space(audio, pipeline._normalize_audio_latents), waveform)
 
 
+def _audio_vae(comfy, name: str) -> None:
+    """The tiny audio VAE, written by ComfyUI's own code, as checkpoint `name` (once per server)."""
+    vae_file = comfy.work / "models" / "checkpoints" / name
+    if not vae_file.exists():
+        subprocess.run([str(comfy.python), "-c", AUDIO_VAE_SCRIPT, str(vae_file)], cwd=comfy.comfy, check=True,
+                       capture_output=True)
+
+
 def test_xdit_sampler_takes_and_returns_comfyuis_av_latent(comfy, video_model_dirs):
-    vae_file = comfy.work / "models" / "checkpoints" / AUDIO_VAE
-    subprocess.run([str(comfy.python), "-c", AUDIO_VAE_SCRIPT, str(vae_file)], cwd=comfy.comfy, check=True,
-                   capture_output=True)
+    _audio_vae(comfy, AUDIO_VAE)
     inputs = tiny_models.make_inputs("ltx2", height=HEIGHT, width=WIDTH, num_frames=FRAMES)
     text = {k: v for k, v in inputs.items() if "prompt" in k}
     graph = workflow(comfy, text)
@@ -144,3 +152,36 @@ def test_xdit_sampler_takes_and_returns_comfyuis_av_latent(comfy, video_model_di
     message = json.dumps(failed["status"])
     assert "samples video with sound from one latent holding both: use EmptyLTXVLatentVideo and LTXVEmptyLatentAudio " \
            "into LTXVConcatAVLatent" in message, message[-2000:]
+
+
+def test_the_example_workflow_runs_in_the_frontend_and_equals_diffusers(comfy, page, video_model_dirs):
+    """example_workflows/xdit_ltx2.json as the 0.33 frontend converts it, run whole (the pool's Gemma encodes both
+    prompts; xDiT VAE Decode gives frames and sound; CreateVideo → SaveVideo), with SaveLatent / XDiTTestSaveAudio
+    added on the sampler's and decoder's outputs: the AV latent and the sound equal diffusers' LTX2Pipeline called
+    with the prompt texts, from ComfyUI's noise of the example's seed."""
+    workflow = json.loads((ROOT / "example_workflows" / "xdit_ltx2.json").read_text())
+    prompt = page.eval(LOAD_CONVERT, workflow)
+    nodes = {value["class_type"]: node for node, value in prompt.items()}
+    _audio_vae(comfy, prompt[nodes["LTXVAudioVAELoader"]]["inputs"]["ckpt_name"])  # the LTX-2.3 checkpoint's name
+    sampler = prompt[nodes["XDiTSampler"]]["inputs"]
+    texts = [prompt[prompt[sampler[name][0]]["inputs"][name][0]]["inputs"]["text"] for name in ("positive", "negative")]
+    prompt |= {"split": {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": [nodes["XDiTSampler"], 0]}},
+               "save_video": {"class_type": "SaveLatent", "inputs": {"samples": ["split", 0], "filename_prefix": "ex_video"}},
+               "save_audio": {"class_type": "SaveLatent", "inputs": {"samples": ["split", 1], "filename_prefix": "ex_audio"}},
+               "sound": {"class_type": "XDiTTestSaveAudio", "inputs": {"audio": [nodes["XDiTVAEDecode"], 1],
+                                                                       "name": "ltx2-example-sound.safetensors"}}}
+    entry = comfy.wait(comfy.queue(prompt), 600)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+    assert any(item["filename"].startswith("xdit_ltx2") for item in next(iter(entry["outputs"][nodes["SaveVideo"]].values())))
+    video, audio = saved_latent(comfy, entry, "save_video"), saved_latent(comfy, entry, "save_audio")
+    expected_video, expected_audio, expected_sound = reference(
+        video_model_dirs["ltx2"], {"prompt": texts[0], "negative_prompt": texts[1]}, video.shape, audio.shape,
+        seed=sampler["seed"], steps=sampler["steps"], cfg=sampler["cfg"])
+    errors = (video - expected_video).abs().max().item(), (audio - expected_audio).abs().max().item()
+    assert max(errors) <= TOLERANCE, errors
+    sound = load_file(comfy.work / "output" / "ltx2-example-sound.safetensors")["waveform"]
+    assert (sound - expected_sound).abs().max().item() <= TOLERANCE
+    # negative control: the prompts swapped give another video
+    swapped, _, _ = reference(video_model_dirs["ltx2"], {"prompt": texts[1], "negative_prompt": texts[0]}, video.shape,
+                              audio.shape, seed=sampler["seed"], steps=sampler["steps"], cfg=sampler["cfg"])
+    assert (video - swapped).abs().max().item() > 100 * TOLERANCE

@@ -15,15 +15,17 @@ where the tiny model's tags mark vision rows moves the result far beyond the tol
 from __future__ import annotations
 
 import json
+import shutil
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from parallel.loading import tiny_models
 
+from loader_examples import LOAD_CONVERT
 from test_comfyui import saved_latent
 from test_minimax_h3 import FAMILY, FRAMES, SIZE, STEPS, reference
-from xdit_test_helpers import TOLERANCE
+from xdit_test_helpers import ROOT, TOLERANCE
 
 SEED = 5
 COMFY_AUDIO = (0, 2, 1, 3)  # ComfyUI's [B, 32, 2, L] ↔ the pipeline's [B, 2, 32, L]
@@ -74,3 +76,53 @@ def test_xdit_sampler_takes_and_returns_comfyuis_minimax_h3_av_latent(comfy, vid
     untagged_video, _ = reference(model, {**noise, "prompt_embeds": inputs["prompt_embeds"],
                                                        "text_token_tags": torch.ones_like(tags)})
     assert (video - untagged_video).abs().max().item() > 100 * TOLERANCE
+
+
+def test_the_example_workflow_runs_in_the_frontend_and_equals_diffusers(comfy, page, video_model_dirs):
+    """example_workflows/xdit_minimax_h3.json as the 0.33 frontend converts it, run with its released-size parts stood
+    in (tests/comfyui_probe/xdit_test_nodes.py): CLIPLoader by XDiTTestTextEncoder, which gives each prompt text the
+    tiny model's hidden states and tags as ComfyUI's MiniMax-H3 encoder lays them out; both VAELoaders by XDiTTestVAE,
+    which keeps the video latent it decodes (its frames black), the audio decode dropped (the stand-in decodes no
+    sound). The sampled video and audio equal diffusers' MiniMaxH3ModularPipeline from ComfyUI's noise of the
+    example's seed."""
+    prompt = page.eval(LOAD_CONVERT, json.loads((ROOT / "example_workflows" / "xdit_minimax_h3.json").read_text()))
+    assert sorted(value["class_type"] for value in prompt.values()) == sorted([
+        "XDiTPool", "CLIPLoader", "CLIPTextEncode", "CLIPTextEncode", "EmptyMiniMaxH3LatentAV", "XDiTSampler",
+        "LTXVSeparateAVLatent", "VAELoader", "VAELoader", "VAEDecode", "VAEDecodeAudio", "CreateVideo", "SaveVideo"])
+    nodes = {value["class_type"]: node for node, value in prompt.items()}
+    sampler = prompt[nodes["XDiTSampler"]]["inputs"]
+    size = prompt[nodes["EmptyMiniMaxH3LatentAV"]]["inputs"]
+    inputs = tiny_models.make_inputs(FAMILY, height=size["height"], width=size["width"], num_frames=size["length"])
+    texts, tags = {}, inputs["text_token_tags"]
+    for node, value in prompt.items():
+        kind = value["class_type"]
+        if kind == "CLIPTextEncode":
+            texts[value["inputs"]["text"]] = "h3-example.safetensors"  # guidance-distilled: the negative is unused
+        elif kind in ("CLIPLoader", "VAELoader"):
+            prompt[node] = {"class_type": "XDiTTestTextEncoder" if kind == "CLIPLoader" else "XDiTTestVAE", "inputs": {}}
+    del prompt[nodes["VAEDecodeAudio"]], prompt[nodes["CreateVideo"]]["inputs"]["audio"]
+    prompt["save_audio"] = {"class_type": "SaveLatent", "inputs": {"samples": [nodes["LTXVSeparateAVLatent"], 1],
+                                                                   "filename_prefix": "h3_example_audio"}}
+    save_file({"cond": inputs["prompt_embeds"], "minimax_token_tags": tags}, comfy.work / "input" / "h3-example.safetensors")
+    (comfy.work / "input" / "xdit-test-texts.json").write_text(json.dumps(texts))
+    shutil.rmtree(comfy.work / "output" / "xdit-decoded", ignore_errors=True)
+    entry = comfy.wait(comfy.queue(prompt), 600)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+    video = load_file(comfy.work / "output" / "xdit-decoded" / "0000.safetensors")["latent"]
+    audio = saved_latent(comfy, entry, "save_audio")
+    generator = torch.manual_seed(sampler["seed"])
+    noise = {"latents": torch.randn(video.shape, generator=generator),
+             "audio_latents": torch.randn(audio.shape, generator=generator).permute(*COMFY_AUDIO)}
+    expected_video, expected_audio = reference(video_model_dirs[FAMILY], {
+        **noise, "prompt_embeds": inputs["prompt_embeds"], "text_token_tags": tags}, steps=sampler["steps"],
+        size=size["width"])
+    errors = ((video - expected_video).abs().max().item(),
+              (audio - expected_audio.permute(*COMFY_AUDIO)).abs().max().item())
+    assert max(errors) <= TOLERANCE, errors
+    # negative control: the next seed's noise gives another video
+    generator = torch.manual_seed(sampler["seed"] + 1)
+    other = {"latents": torch.randn(video.shape, generator=generator),
+             "audio_latents": torch.randn(audio.shape, generator=generator).permute(*COMFY_AUDIO)}
+    reseeded, _ = reference(video_model_dirs[FAMILY], {**other, "prompt_embeds": inputs["prompt_embeds"],
+                                                       "text_token_tags": tags}, steps=sampler["steps"], size=size["width"])
+    assert (video - reseeded).abs().max().item() > 100 * TOLERANCE

@@ -19,6 +19,9 @@ from transformers import (
     CLIPTextModel,
     CLIPTextModelWithProjection,
     CLIPTokenizer,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    GemmaTokenizer,
     Qwen2Tokenizer,
     T5Config,
     T5EncoderModel,
@@ -97,6 +100,12 @@ def _qwen_tokenizer() -> Qwen2Tokenizer:
                           additional_special_tokens=["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
 
 
+def _gemma_tokenizer() -> GemmaTokenizer:
+    """Gemma's BPE with no merges: every printable ASCII character a token, and its pad / eos / bos tokens."""
+    vocab = {token: i for i, token in enumerate(["<pad>", "<eos>", "<bos>", "<unk>", "\u2581", *_CHARS])}
+    return GemmaTokenizer(vocab=vocab, merges=[])
+
+
 # ------------------------------------------------------------------------------------- text encoders
 def _t5(seed: int):
     tok = _t5_tokenizer()
@@ -113,6 +122,22 @@ def _clip(seed: int, with_projection: bool):
                          max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1,
                          hidden_act="gelu")
     return tok, _seeded(seed, CLIPTextModelWithProjection if with_projection else CLIPTextModel, cfg)
+
+
+def _gemma3(seed: int, width: int, layers: int):
+    """Gemma 3 (LTX-2's text encoder: the pipeline stacks its embeddings and every layer's hidden states, `layers` + 1
+    of them, `width` wide) on the tiny Gemma tokenizer: heads of 16, one key/value head, and a one-layer vision tower
+    of 16-pixel patches that the text path never runs."""
+    tokenizer = _gemma_tokenizer()
+    picture = {name: len(tokenizer) + n for n, name in enumerate(("boi_token_index", "eoi_token_index", "image_token_index"))}
+    config = Gemma3Config(
+        text_config=dict(vocab_size=len(tokenizer) + len(picture), hidden_size=width, intermediate_size=2 * width,
+                         num_hidden_layers=layers, num_attention_heads=width // 16, num_key_value_heads=1, head_dim=16,
+                         pad_token_id=0, eos_token_id=1, bos_token_id=2),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=32, patch_size=16),
+        mm_tokens_per_image=1, **picture)
+    return tokenizer, _seeded(seed, Gemma3ForConditionalGeneration, config)
 
 
 VL_TOKENS = ("vision_start", "vision_end", "image_pad", "video_pad")  # Qwen-VL's <|…|> tokens around pictures

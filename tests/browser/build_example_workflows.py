@@ -52,14 +52,55 @@ EXAMPLES = {  # file stem: (family, empty latent node, cfg, what the example say
                           "Qwen-Image 2.1 (cfg: true CFG with the negative; ComfyUI 0.33.0 has no Qwen-Image 2.1 nodes: "
                           "xDiT Empty Latent makes its latent, 64 channels at 1/16 size)"),
 }
+# video with sound: ComfyUI's own AV latent nodes; LTX-2's text by the pool's Gemma, MiniMax-H3's by ComfyUI's own
+# encoder (the pool's H3 pipeline samples; its text encoder step is not run), decoded as each family's template does
+AV_EXAMPLES = {
+    "xdit_ltx2": ("ltx2", "EmptyLTXVLatentVideo", 4.0,
+                  "LTX-2.3 text-to-video with sound (17 frames at 24 fps; the audio VAE from the LTX-2.3 checkpoint; "
+                  "xDiT VAE Decode decodes the video on the ranks and the sound with the pool's audio VAE and vocoder)"),
+    "xdit_minimax_h3": ("minimax-h3", "EmptyMiniMaxH3LatentAV", 1.0,
+                        "MiniMax-H3 text-to-video with sound (124 frames = 5 s at 24 fps, its shortest; cfg 1: its "
+                        "guidance is distilled; ComfyUI's own MiniMax-H3 text encoder and VAEs, as its template)"),
+}
 REFERENCE = {"xdit_flux_kontext"}  # edit models: a first sampler's LATENT → ReferenceLatent on the positive
 IMAGE = {"xdit_qwen_image_edit": "turn it into a watercolor painting, soft washes of colour"}  # prompt with a picture
 KSAMPLER = {"xdit_model_ksampler"}  # ComfyUI's own KSampler on xDiT Model instead of xDiT Sampler
 
-LENGTH = {"xdit_hunyuan_video15": 9}  # video frames, where the empty latent node takes them with a default of 1
+# video frames, where the empty latent node takes them with a default of 1 (or MiniMax-H3's 124, its shortest)
+LENGTH = {"xdit_hunyuan_video15": 9, "xdit_minimax_h3": 124}
 
-BUILD = """async ({ family, empty, cfg, name, stem, id, reference, ksampler, length, image }) => {
-    app.graph.clear();
+# The end of a video-with-sound example: LTX-2's AV latent decoded on the pool (video and sound); MiniMax-H3's split and
+# decoded by ComfyUI's own VAEs, as its template; CreateVideo joins frames and sound, SaveVideo writes them.
+SAVE_VIDEO = """    const saveVideo = (av, pool, sampler, add) => {
+        const clip = add('CreateVideo', [1130, 120], { fps: 24 });
+        if (av === 'ltx2') {
+            const decode = add('XDiTVAEDecode', [810, 500], { tile_size: 0 });
+            pool.connect(0, decode, 0);
+            sampler.connect(0, decode, 1);
+            decode.connect(0, clip, clip.findInputSlot('images'));
+            decode.connect(1, clip, clip.findInputSlot('audio'));
+        } else {
+            const split = add('LTXVSeparateAVLatent', [810, 500]);
+            const videoVae = add('VAELoader', [810, 640], { vae_name: 'minimax_h3_video_vae_fp16.safetensors' });
+            const audioVae = add('VAELoader', [810, 760], { vae_name: 'minimax_h3_audio_vae_fp32.safetensors' });
+            const video = add('VAEDecode', [1130, 500]);
+            const audio = add('VAEDecodeAudio', [1130, 640]);
+            sampler.connect(0, split, 0);
+            split.connect(0, video, 0);
+            videoVae.connect(0, video, 1);
+            split.connect(1, audio, 0);
+            audioVae.connect(0, audio, 1);
+            video.connect(0, clip, clip.findInputSlot('images'));
+            audio.connect(0, clip, clip.findInputSlot('audio'));
+        }
+        const save = add('SaveVideo', [1420, 120], { filename_prefix: `video/xdit_${av.replace('-', '_')}`, format: 'auto',
+                                                     codec: 'auto' });
+        clip.connect(0, save, 0);
+    };
+"""
+
+BUILD = """async ({ family, empty, cfg, name, stem, id, reference, ksampler, length, image, av }) => {
+""" + SAVE_VIDEO + """    app.graph.clear();
     const add = (type, [x, y], values = {}, extra = {}) => {
         const node = LiteGraph.createNode(type);
         node.pos = [x, y];
@@ -76,22 +117,42 @@ BUILD = """async ({ family, empty, cfg, name, stem, id, reference, ksampler, len
     const pool = add('XDiTPool', [40, 120], {
         model: `xdit-tiny-${family} (built-in, no download)`, nproc: 2, ulysses_degree: 2, ring_degree: 1,
         pipefusion_degree: 1, num_patches: 0, warmup_steps: 1, cfg_parallel: false, dp_degree: 1,
-        text_encoders: true, dtype: 'auto', devices: '', threads_per_rank: 1, endpoint: '' });
-    const positive = add('XDiTTextEncode', [360, 120], { text: image ?? 'a lighthouse on a cliff at sunset, dramatic clouds' },
-        { title: 'xDiT Text Encode (positive)', color: colours.green.color, bgcolor: colours.green.bgcolor });
-    const negative = add('XDiTTextEncode', [360, 370], { text: 'blurry, low quality' },
-        { title: 'xDiT Text Encode (negative)', color: colours.red.color, bgcolor: colours.red.bgcolor });
-    const latent = add(empty, [360, 630], { width: 128, height: 128, batch_size: 1, ...(length ? { length } : {}) });
+        text_encoders: av !== 'minimax-h3', dtype: 'auto', devices: '', threads_per_rank: 1, endpoint: '' });
+    const h3 = av === 'minimax-h3';  // ComfyUI's own text encoder (CLIPLoader → CLIPTextEncode), as its template
+    const clip = h3 && add('CLIPLoader', [40, 620], { clip_name: 'qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors',
+        type: 'minimax', device: 'default' });
+    const encode = (pos, text, title, colour) => add(h3 ? 'CLIPTextEncode' : 'XDiTTextEncode', pos, { text },
+        { title: `${h3 ? 'CLIP' : 'xDiT'} Text Encode (${title})`, color: colour.color, bgcolor: colour.bgcolor });
+    const positive = encode([360, 120], image ?? 'a lighthouse on a cliff at sunset, dramatic clouds',
+                            'positive', colours.green);
+    const negative = encode([360, 370], 'blurry, low quality', 'negative', colours.red);
+    let latent, texts = [positive, negative];
+    if (av === 'ltx2') {  // EmptyLTXVLatentVideo + LTXVEmptyLatentAudio → LTXVConcatAVLatent; the frame rate on the text
+        const video = add(empty, [360, 630], { width: 128, height: 128, length: 17, batch_size: 1 });
+        const audioVae = add('LTXVAudioVAELoader', [40, 620], { ckpt_name: 'ltx-2.3-22b-dev-fp8.safetensors' });
+        const audio = add('LTXVEmptyLatentAudio', [40, 760], { frames_number: 17, frame_rate: 24, batch_size: 1 });
+        audioVae.connect(0, audio, audio.findInputSlot('audio_vae'));
+        latent = add('LTXVConcatAVLatent', [360, 880]);
+        video.connect(0, latent, 0);
+        audio.connect(0, latent, 1);
+        const rate = add('LTXVConditioning', [620, 500], { frame_rate: 24 });
+        positive.connect(0, rate, 0);
+        negative.connect(0, rate, 1);
+        texts = [{ node: rate, slot: 0 }, { node: rate, slot: 1 }];
+    } else {
+        const size = { width: 128, height: 128, ...(h3 ? {} : { batch_size: 1 }), ...(length ? { length } : {}) };
+        latent = add(empty, [360, 630], size);
+    }
     const addSampler = (pos, seed, extra) => add('XDiTSampler', pos, { seed, control_after_generate: 'fixed', steps: 8,
         cfg, sampler: 'default', denoise: 1.0, preview: true }, extra);
-    const wire = (node) => [pool, positive, negative, latent].forEach((input, slot) => input.connect(0, node, slot));
+    const wire = (node) => [pool, ...texts, latent].forEach((input, slot) =>
+        input.node ? input.node.connect(input.slot, node, slot) : input.connect(0, node, slot));
     const sampler = ksampler
         ? add('KSampler', [810, 120], { seed: 42, control_after_generate: 'fixed', steps: 8, cfg,
             sampler_name: 'euler', scheduler: 'simple', denoise: 1.0 })
         : addSampler([810, 120], 42);
-    const save = add('SaveLatent', [1130, 120], { filename_prefix: `latents/${stem}` });
-    pool.connect(0, positive, 0);
-    pool.connect(0, negative, 0);
+    const save = !av && add('SaveLatent', [1130, 120], { filename_prefix: `latents/${stem}` });
+    for (const text of [positive, negative]) (h3 ? clip : pool).connect(0, text, 0);
     if (empty === 'XDiTEmptyLatent') pool.connect(0, latent, 0);
     if (ksampler) {
         const model = add('XDiTModel', [40, 560]);
@@ -100,7 +161,8 @@ BUILD = """async ({ family, empty, cfg, name, stem, id, reference, ksampler, len
     } else {
         wire(sampler);
     }
-    sampler.connect(0, save, 0);
+    if (av) saveVideo(av, pool, sampler, add);
+    else sampler.connect(0, save, 0);
     if (image) {  // the picture to edit, which xDiT Text Encode encodes with each prompt
         const picture = add('LoadImage', [40, 680], { image: 'example.png' }, { title: 'Load Image (the picture to edit)' });
         picture.connect(0, positive, positive.findInputSlot('image'));
@@ -116,7 +178,7 @@ BUILD = """async ({ family, empty, cfg, name, stem, id, reference, ksampler, len
     }
     const group = new LiteGraph.LGraphGroup(`xDiT: ${name}, built-in tiny model on 2 ranks (Ulysses 2)`);
     group.pos = [20, 40];
-    group.size = [1420, reference || image ? 1020 : 740];
+    group.size = [av ? 1740 : 1420, reference || image || av ? 1020 : 740];
     app.graph.add(group);
     app.graph.id = id ?? crypto.randomUUID();
     const workflow = app.graph.serialize();
@@ -127,15 +189,16 @@ BUILD = """async ({ family, empty, cfg, name, stem, id, reference, ksampler, len
 
 def main() -> None:
     with scratch_page() as (_, browser):
-        for stem, (family, empty, cfg, name) in EXAMPLES.items():
+        for stem, (family, empty, cfg, name) in {**EXAMPLES, **AV_EXAMPLES}.items():
             path = ROOT / "example_workflows" / f"{stem}.json"
             old_id = json.loads(path.read_text()).get("id") if path.exists() else None  # keep diffs small
             spec = {"family": family, "empty": empty, "cfg": cfg, "name": name, "stem": stem, "id": old_id,
                     "reference": stem in REFERENCE, "ksampler": stem in KSAMPLER, "length": LENGTH.get(stem),
-                    "image": IMAGE.get(stem)}
+                    "image": IMAGE.get(stem), "av": family if stem in AV_EXAMPLES else None}
             result = browser.eval(BUILD, spec)
-            assert len(result["classes"]) == (8 if stem in REFERENCE else 7 if stem in KSAMPLER | set(IMAGE) else 6), \
-                result["classes"]
+            nodes = 12 if stem == "xdit_ltx2" else 13 if stem in AV_EXAMPLES else 8 if stem in REFERENCE else \
+                7 if stem in KSAMPLER | set(IMAGE) else 6
+            assert len(result["classes"]) == nodes, result["classes"]
             path.parent.mkdir(exist_ok=True)
             path.write_text(json.dumps(result["workflow"], indent=2) + "\n")
             print(f"wrote {path.relative_to(ROOT)}")

@@ -55,6 +55,13 @@ class xFuserLTX2Pipeline(xFuserPipelineBaseWrapper):
                                                 1.0),
     }
 
+    def encode_text(self, prompt: str) -> dict[str, torch.Tensor]:
+        """As `LTX2Pipeline(prompt=...)` encodes it: Gemma's stacked hidden states, left-padded to 1024 tokens, and
+        their mask."""
+        embeds, mask, _, _ = self.module.encode_prompt(prompt, do_classifier_free_guidance=False,
+                                                       device=self.module.transformer.device)
+        return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
+
     # -- the loop's space: both VAEs' latents normalised by their statistics (ComfyUI's LTXAV latents) ------
     def model_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """The video the pipeline returns (denormalised: its VAE's space) normalised as its loop samples it."""

@@ -1,7 +1,7 @@
 """The built-in tiny LTX-2 (`xdit-tiny-ltx2`): LTX-2.3's layout at a tiny size (split rotary tables, gated attention,
 per-modality text projections and prompt modulation, perturbed attention for spatio-temporal guidance), two blocks,
 a ×32 / ×8 video VAE with 128 latent channels as the real one, an audio VAE of 4 channels × 4 mel bins and a
-vocoder; no text encoder (jobs send Gemma's hidden states). Both VAEs have latent statistics far from 0 and 1, so a
+vocoder, and a two-layer Gemma 3 text model with its tokenizer (jobs may send Gemma's hidden states instead). Both VAEs have latent statistics far from 0 and 1, so a
 rescaling left out shows."""
 
 from __future__ import annotations
@@ -58,8 +58,10 @@ def build_tiny(seed: int, image_to_video: bool = False):
         audio_connector_num_layers=1, audio_connector_num_learnable_registers=None, rope_type="split",
         per_modality_projections=True, video_hidden_dim=VIDEO_WIDTH, audio_hidden_dim=audio_width,
         video_gated_attn=True, audio_gated_attn=True)
-    return (LTX2ImageToVideoPipeline if image_to_video else LTX2Pipeline)(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, audio_vae=audio_vae, text_encoder=None,
-                        tokenizer=None, connectors=connectors, transformer=transformer, vocoder=vocoder)
+    tokenizer, text_encoder = tm._gemma3(seed + 8, CAPTION, LAYERS - 1)  # embeddings + 2 layers: 3 stacked states
+    return (LTX2ImageToVideoPipeline if image_to_video else LTX2Pipeline)(
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, audio_vae=audio_vae, text_encoder=text_encoder,
+        tokenizer=tokenizer, connectors=connectors, transformer=transformer, vocoder=vocoder)
 
 
 def audio_frames(num_frames: int, frame_rate: float = FRAME_RATE) -> int:
