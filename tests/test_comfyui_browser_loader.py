@@ -2,15 +2,21 @@
 UNETLoader swapped for Load Diffusion Model (xDiT Pool), tests/loader_examples.py.
 
 Every example loads and converts (subgraphs flattened as the Run button does) to the template's own prompt but for
-its loader nodes. The examples whose families have tiny files here run whole, on the template's own sampling part
-(steps, sampler, scheduler, cfg, shift, seed, switches and LoRA loaders left as shipped), and give ComfyUI's own
+its loader nodes. The examples whose families have tiny files here run whole (RUNS), on the template's own sampling
+part (steps, sampler, scheduler, cfg, shift, seed, switches and LoRA loaders left as shipped), and give ComfyUI's own
 latent within 1e-4 (UNETLoader on the same file in the same prompt). What a CPU test cannot run is stood in for:
 - the files are tiny ones built with ComfyUI's own layout, under the template's file names (FLUX.1 [dev]: the tiny
   Kontext, the same architecture);
 - CLIPLoader / DualCLIPLoader become XDiTTestTextEncoder (the released text encoders are billions of parameters), which
-  gives each prompt text a CONDITIONING shaped as ComfyUI's encoder shapes it;
-- VAELoader becomes XDiTTestVAE, whose decode keeps the latent it is given (what is compared);
+  gives each prompt text a CONDITIONING shaped as ComfyUI's encoder shapes it, and whose TextGenerate (Krea 2's prompt
+  enhancer) writes one known text;
+- VAELoader becomes XDiTTestVAE, whose decode keeps the latent it is given (what is compared) and whose encode gives
+  WanImageToVideo a latent of the Wan VAE's shape from the start image (LoadImage's file: a small picture);
 - the size and frame count become tiny ones.
+Not run, each well over a minute of CI where the others take seconds: Kontext and Qwen-Image-Edit scale their input
+pictures to ~1 megapixel whatever the size asked (FluxKontextImageScale, TextEncodeQwenImageEditPlus: 8000+ tokens
+a step); Qwen-Image 2512 (50 steps at cfg 4) and Z-Image Turbo (8 steps) need files ComfyUI detects only at the
+released width (1.5 and 3.6 GB), on which the three runs took 160 s and 90 s (both equal within 1e-5).
 """
 
 from __future__ import annotations
@@ -24,12 +30,16 @@ from safetensors.torch import load_file, save_file
 
 from loader_examples import EXAMPLES, LAYOUT, LOAD_CONVERT, template
 from test_comfyui_loader_flux2 import DEV, KLEIN, KONTEXT, files  # noqa: F401 - fixture
-from test_comfyui_loader_video import HUNYUAN, _prompts, _wan_file, hunyuan_files  # noqa: F401 - fixture
+from test_comfyui_image_2026 import KREA, krea_file
+from test_comfyui_loader_video import HUNYUAN, I2V, _prompts, _wan_file, hunyuan_files, i2v_files  # noqa: F401 - fixture
 from xdit_test_helpers import ROOT, TOLERANCE
 
 COMFY_ARGS = ("--use-pytorch-cross-attention",)  # as tests/test_comfyui_loader_video.py, for Wan's attention
 TEXT_ENCODERS, VAES = ("CLIPLoader", "DualCLIPLoader"), ("VAELoader",)
-SIZE_NODES = {"EmptySD3LatentImage", "EmptyFlux2LatentImage", "Flux2Scheduler", "EmptyHunyuanLatentVideo", "EmptyHunyuanVideo15Latent"}
+SIZE_NODES = {"EmptySD3LatentImage", "EmptyFlux2LatentImage", "Flux2Scheduler", "EmptyHunyuanLatentVideo",
+              "EmptyHunyuanVideo15Latent", "EmptyLatentImage", "WanImageToVideo", "Wan22ImageToVideoLatent"}
+GENERATED = "xdit-test-generated"  # what TextGenerate writes on the stand-in CLIP (tests/comfyui_probe/xdit_test_nodes.py)
+START = "wan-start.png"  # i2v_files' start image, put under each LoadImage's file name
 
 RUNS = {  # example: (tiny file per template file name, (positive, negative) conditioning files, width, frames)
     "xdit_loader_flux_dev": ({"flux1-dev.safetensors": KONTEXT}, ("kontext-positive", "kontext-positive"), 64, None),
@@ -40,16 +50,24 @@ RUNS = {  # example: (tiny file per template file name, (positive, negative) con
                               ("wan-positive", "wan-negative"), 64, 5),
     "xdit_loader_hunyuan_video15": ({"hunyuanvideo1.5_720p_t2v_fp16.safetensors": HUNYUAN["t2v"]},
                                     ("hunyuan-positive", "hunyuan-negative"), 64, 5),
+    "xdit_loader_wan22_i2v": ({"wan2.2_i2v_high_noise_14B_fp8_scaled.safetensors": I2V["high"],
+                               "wan2.2_i2v_low_noise_14B_fp8_scaled.safetensors": I2V["low"]},
+                              ("wan-positive", "wan-negative"), 64, 5),
+    "xdit_loader_wan22_ti2v_5b": ({"wan2.2_ti2v_5B_fp16.safetensors": I2V["5b"]}, ("wan-positive", "wan-negative"), 64, 5),
+    "xdit_loader_krea2": ({"krea2_turbo_fp8_scaled.safetensors": f"{KREA}.safetensors"}, ("krea-positive", None), 64, None),
 }
 
 
-
 @pytest.fixture(scope="module")
-def tiny_files(comfy, files, hunyuan_files) -> None:  # noqa: F811 - fixtures
-    """The tiny files every run needs beside the flux2 / hunyuan fixtures': Wan 2.2's two experts and its prompts."""
+def tiny_files(comfy, files, hunyuan_files, i2v_files) -> None:  # noqa: F811 - fixtures
+    """The tiny files every run needs beside the flux2 / hunyuan / Wan i2v fixtures': Wan 2.2's two t2v experts,
+    Krea 2's file, the prompts (Krea 2's: ComfyUI's Krea 2 encoder gives its 3 text layers side by side, 3 × 40 wide)."""
     _wan_file(comfy, "tiny-wan22-high.safetensors", seed=7)
     _wan_file(comfy, "tiny-wan22-low.safetensors", seed=8)
+    krea_file(comfy)
     _prompts(comfy)
+    save_file({"cond": torch.randn(1, 11, 3 * 40, generator=torch.Generator().manual_seed(14))},
+              comfy.work / "input" / "krea-positive.safetensors")
 
 
 def _loaders(prompt: dict, kind: str) -> dict:
@@ -74,8 +92,18 @@ def test_the_example_is_the_official_template_with_the_loader_swapped(comfy, pag
 
 
 def _text(prompt: dict, value):
-    """A text input's value: a literal, or what the primitive node it is linked to holds."""
-    return prompt[value[0]]["inputs"]["value"] if isinstance(value, list) else value
+    """A text input's value: a literal, what the primitive node it is linked to holds, what TextGenerate writes here, or
+    what the switch or PreviewAny it is linked to passes on."""
+    if not isinstance(value, list):
+        return value
+    node = prompt[value[0]]
+    if node["class_type"] == "TextGenerate":
+        return GENERATED
+    if node["class_type"] == "ComfySwitchNode":
+        return _text(prompt, node["inputs"]["on_true" if _text(prompt, node["inputs"]["switch"]) else "on_false"])
+    if node["class_type"] == "PreviewAny":
+        return _text(prompt, node["inputs"]["source"])
+    return node["inputs"]["value"]
 
 
 def _runnable(comfy, prompt: dict, stem: str) -> dict:
@@ -96,6 +124,8 @@ def _runnable(comfy, prompt: dict, stem: str) -> dict:
             inputs.update({"width": size, "height": size, **({"length": frames} if "length" in inputs else {})})
         elif kind == "LoraLoaderModelOnly":  # behind the template's switch, off as shipped: its file need only exist
             save_file({}, models / "loras" / inputs["lora_name"])
+        elif kind == "LoadImage":
+            shutil.copy(comfy.work / "input" / START, comfy.work / "input" / inputs["image"])
     (comfy.work / "input" / "xdit-test-texts.json").write_text(json.dumps(texts))
     return prompt
 

@@ -49,26 +49,33 @@ def _run(comfy, prompt) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------------- Krea 2
-@pytest.fixture(scope="module")
-def krea_files(comfy) -> str:
-    """The ComfyUI-shaped tiny Krea 2: its diffusers folder (text encoders included) and Krea's single file."""
+def krea_file(comfy):
+    """The ComfyUI-shaped tiny Krea 2 transformer, written as Krea's single file (KREA), and returned."""
     from diffusers import Krea2Transformer2DModel
 
     from parallel.families.krea2 import _random_norms
     from parallel.loading import tiny_models as tm
 
-    pipe = tm.build_tiny_pipeline("krea2", seed=6)
     transformer = tm._seeded(6, Krea2Transformer2DModel, in_channels=64, num_layers=2, attention_head_dim=128,
                              num_attention_heads=2, num_key_value_heads=1, intermediate_size=768, timestep_embed_dim=256,
                              text_hidden_dim=40, num_text_layers=3, text_num_attention_heads=20,
                              text_num_key_value_heads=20, text_intermediate_size=128)
     _random_norms(transformer, 6)
-    tokenizer, text_encoder = tm._qwen3_vl(7, 40, "Qwen3VLModel", layers=3)
-    pipe = type(pipe)(**{**pipe.components, "transformer": transformer, "tokenizer": tokenizer,
-                         "text_encoder": text_encoder}, text_encoder_select_layers=(1, 2, 3))
-    pipe.save_pretrained(comfy.work / "models" / "diffusers" / KREA, safe_serialization=True)
     weights = original_layout("krea2", transformer)
     save_file({k: v.contiguous() for k, v in weights.items()}, comfy.work / "models" / "diffusion_models" / f"{KREA}.safetensors")
+    return transformer
+
+
+@pytest.fixture(scope="module")
+def krea_files(comfy) -> str:
+    """The tiny Krea 2: Krea's single file (krea_file) and its diffusers folder (text encoders included)."""
+    from parallel.loading import tiny_models as tm
+
+    pipe = tm.build_tiny_pipeline("krea2", seed=6)
+    tokenizer, text_encoder = tm._qwen3_vl(7, 40, "Qwen3VLModel", layers=3)
+    pipe = type(pipe)(**{**pipe.components, "transformer": krea_file(comfy), "tokenizer": tokenizer,
+                         "text_encoder": text_encoder}, text_encoder_select_layers=(1, 2, 3))
+    pipe.save_pretrained(comfy.work / "models" / "diffusers" / KREA, safe_serialization=True)
     return KREA
 
 

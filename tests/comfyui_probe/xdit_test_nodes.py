@@ -7,8 +7,9 @@ CONDITIONING: XDiTTestConditioning builds one from tensors a test saved, in exac
 gives (its `cond`, and its extras under their ComfyUI keys: `attention_mask`, `conditioning_byt5small`,
 `reference_latents` as TextEncodeQwenImageEdit(Plus) appends them, ...). XDiTTestClipVision stands for
 CLIPVisionEncode's output the same way, XDiTTestLatent a latent node's LATENT; XDiTTestSaveAudio keeps an AUDIO exactly.
-XDiTTestTextEncoder and XDiTTestVAE stand in for a whole template's CLIPLoader / DualCLIPLoader and VAELoader, so an
-official workflow runs unchanged otherwise (tests/test_comfyui_browser_loader.py).
+XDiTTestTextEncoder and XDiTTestVAE stand in for a whole template's CLIPLoader / DualCLIPLoader and VAELoader (what
+CLIPTextEncode and TextGenerate, VAEDecode and WanImageToVideo call on them), so an official workflow runs unchanged
+otherwise (tests/test_comfyui_browser_loader.py).
 
 A file holds `cond` and extras by key; a list (reference_latents) as `key.0`, `key.1`, ...; a float (guidance) as
 a 0-d tensor.
@@ -106,6 +107,7 @@ class XDiTTestSaveAudio:
 
 
 TEXTS = "xdit-test-texts.json"  # in the input folder: {prompt text: the tensors file XDiTTestTextEncoder gives for it}
+GENERATED = "xdit-test-generated"  # what the stand-in CLIP's TextGenerate writes, whatever it is asked
 
 
 class _TextEncoder:
@@ -118,6 +120,12 @@ class _TextEncoder:
     def encode_from_tokens_scheduled(self, text, **_):
         with open(os.path.join(folder_paths.get_input_directory(), TEXTS)) as file:
             return XDiTTestConditioning().load(json.load(file)[text])[0]
+
+    def generate(self, text, **_):  # TextGenerate's LLM (Krea 2's prompt enhancer): one known text, GENERATED
+        return GENERATED
+
+    def decode(self, ids, **_):
+        return ids
 
 
 class XDiTTestTextEncoder:
@@ -137,7 +145,17 @@ class XDiTTestTextEncoder:
 
 class _KeptDecode:
     """A VAE as VAEDecode uses it: the latent it is given is kept exactly (output/xdit-decoded/<n>.safetensors, in
-    the order of the calls), and the image is black, 8× the latent per side (a video's 4n+1 frames)."""
+    the order of the calls), and the image is black, 8× the latent per side (a video's 4n+1 frames). As
+    WanImageToVideo uses it: encode gives a video's latent as the Wan 2.1 VAE shapes it (16 channels, 1/8 per side,
+    4n+1 frames to n+1), a fixed function of the pixels, so ComfyUI's model and ours get the same one."""
+
+    def encode(self, pixels):
+        import torch
+
+        video = pixels.movedim(-1, 0).unsqueeze(0)  # [T, H, W, 3] -> [1, 3, T, H, W]
+        frames = torch.cat([torch.nn.functional.avg_pool3d(video[:, :, :1], (1, 8, 8)),
+                            torch.nn.functional.avg_pool3d(video[:, :, 1:], (4, 8, 8))], dim=2)
+        return torch.einsum("oc,bcthw->bothw", torch.linspace(-2, 2, 48).reshape(16, 3), frames)
 
     def decode(self, latent):
         import torch
