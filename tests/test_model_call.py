@@ -111,9 +111,10 @@ def _euler_on_reference(model_dir, inputs, sigmas) -> torch.Tensor:
         @staticmethod
         def evaluate(tensors, conditioning):
             with torch.no_grad():
-                return transformer(hidden_states=tensors["latents"], timestep=tensors["sigma"] * 1000,
-                                   encoder_hidden_states=conditioning["prompt_embeds"],
-                                   pooled_projections=conditioning["pooled_prompt_embeds"], return_dict=False)[0]
+                return {"prediction": transformer(
+                    hidden_states=tensors["latents"], timestep=tensors["sigma"] * 1000,
+                    encoder_hidden_states=conditioning["prompt_embeds"],
+                    pooled_projections=conditioning["pooled_prompt_embeds"], return_dict=False)[0]}
 
     return _euler_on_pool(InProcess, "sd3", inputs, sigmas)
 
