@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -35,7 +36,8 @@ CONFIG = dict(hidden_size=64, num_layers=2, token_refiner_num_layers=1, num_atte
 
 # Writes the file from ComfyUI's own MiniMaxH3Model (its rotary frequencies as the released file's: theta 10000),
 # loads it with UNETLoader's own function and, given inputs, evaluates ComfyUI's diffusion model call on the unpacked
-# [video, audio] at the video's sigma × 1000, with the tags and the sampler's audio scale in its payload.
+# [video, audio] at the video's sigma × 1000, with the tags and the sampler's audio scale in its payload, and the
+# audio's sigma ComfyUI's model derives from the video's (its shifts 12 and 3).
 COMFY_SCRIPT = """
 import json, sys
 path, inputs, result, config = sys.argv[1:5]
@@ -43,7 +45,7 @@ sys.argv = sys.argv[:1] + ["--cpu", "--use-pytorch-cross-attention"]
 import comfy.options; comfy.options.enable_args_parsing()
 import torch, comfy.ops, comfy.sd
 from safetensors.torch import load_file, save_file
-from comfy.ldm.minimax.model import MiniMaxH3Model
+from comfy.ldm.minimax.model import MiniMaxH3Model, time_shift_sigma
 config = json.loads(config)
 model = MiniMaxH3Model(**config, operations=comfy.ops.disable_weight_init, device="meta")
 generator = torch.Generator().manual_seed(0)
@@ -58,7 +60,8 @@ if inputs:
     with torch.no_grad():
         video, audio = patcher.model.diffusion_model([x["video"], x["audio"]], x["sigma"] * 1000, x["context"],
                                                      minimax_payload={"text_token_tags": x["tags"], "audio_scale": 1.0})
-    save_file({"video": video.contiguous(), "audio": audio.contiguous()}, result,
+    save_file({"video": video.contiguous(), "audio": audio.contiguous(),
+               "audio_sigma": time_shift_sigma(x["sigma"], 12.0, 3.0)}, result,
               metadata={"model": type(patcher.model).__name__})
 """
 
@@ -105,13 +108,28 @@ def test_comfyuis_minimax_h3_model_call_equals_the_pools_on_the_same_file(comfyu
     comfyui, python = comfyui_install
     x, model = _comfyui_file(python, comfyui, tmp_path / FILE, tmp_path)
     assert model == "MiniMaxH3"  # UNETLoader's own detection of the file
-    shifted = 3 * (0.7 / 12 / (1 - 0.7 * 11 / 12)) / (1 + 2 * (0.7 / 12 / (1 - 0.7 * 11 / 12)))  # sigma 0.7: 12 → 3
-    ours = _pool_call(tmp_path / FILE, x, torch.tensor([shifted]))
+    ours = _pool_call(tmp_path / FILE, x, x["comfy_audio_sigma"])
     diffs = {name: (ours[name] - x[f"comfy_{name}"]).abs().max().item() for name in ("video", "audio")}
     assert max(diffs.values()) <= TOLERANCE, diffs
     # negative control: the audio at the video's sigma (no shift) moves the audio far beyond the tolerance
     unshifted = _pool_call(tmp_path / FILE, x, x["sigma"])
     assert (unshifted["audio"] - x["comfy_audio"]).abs().max().item() > 1e-2
+
+
+def test_a_pruned_file_is_refused_in_one_line_before_any_pool(comfyui_install, tmp_path):
+    """The template's file is pruned (its time embedder replaced by `adaln_t_table`, ComfyUI's curve basis), which
+    diffusers' transformer cannot hold: detection, which the loader runs before a pool starts, says so."""
+    from parallel.loading.checkpoints import detect_checkpoint
+
+    comfyui, python = comfyui_install
+    _comfyui_file(python, comfyui, tmp_path / FILE)
+    weights = {k: v for k, v in load_file(tmp_path / FILE).items() if ".time_embedder." not in k}
+    save_file({**weights, "model.diffusion_model.adaln_t_table": torch.zeros(1001, 32)}, tmp_path / "pruned.safetensors")
+    detect_checkpoint(tmp_path / FILE)  # the unpruned file is detected
+    with pytest.raises(ValueError) as error:
+        detect_checkpoint(tmp_path / "pruned.safetensors")
+    message = str(error.value)
+    assert "\n" not in message and "pruned MiniMax-H3" in message and "UNETLoader" in message, message
 
 
 def _template(unet: dict, seed: int) -> dict:
