@@ -56,9 +56,9 @@ def main(argv=None) -> int:
                     return_dict=False)[0]
             return unpack_2x2(out, model.height, model.width).float().cpu()
 
-        first = client.evaluate(call, conditioning)
+        first = client.evaluate(call, conditioning)["prediction"]
         first_bytes = client.last_call_bytes
-        sides = {"in-process": in_process, "pool": lambda: client.evaluate(call, conditioning)}
+        sides = {"in-process": in_process, "pool": lambda: client.evaluate(call, conditioning)["prediction"]}
         times, results = alternating(sides, args.runs)
         later_bytes = client.last_call_bytes
 

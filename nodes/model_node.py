@@ -23,6 +23,7 @@ from comfy_api.latest import io
 
 from . import comfy_compat
 from .adapters import ConditioningError, adapter_for
+from .av_calls import AudioCall
 from .lora_patches import UnsupportedPatch, lora_file, peft_lora
 from .meta_weights import lookup
 from .pool_node import XDiTPoolType
@@ -38,13 +39,14 @@ class PoolTransformer(torch.nn.Module):
     but reports the names of the weights ComfyUI's own model has (`weights`, from the file), so ComfyUI's LoRA
     loaders find what to patch; `expert`: the pool's transformer it calls (Wan 2.2's low-noise `transformer_2`);
     `methods`: the reference methods its model calls take (ComfyData.reference_methods); `timestep`: the call carries
-    ComfyUI's timestep (ComfyData.model_call_timestep)."""
+    ComfyUI's timestep (ComfyData.model_call_timestep); `av`: the family's ComfyData where its calls take ComfyUI's
+    [video, audio] streams (av_calls.py)."""
 
     def __init__(self, pool, conds: dict[str, str], weights: dict[str, torch.Size] | None = None, expert: str = "",
-                 config: dict | None = None, methods: tuple[str, ...] = (), timestep: bool = False):
+                 config: dict | None = None, methods: tuple[str, ...] = (), timestep: bool = False, av=None):
         super().__init__()
         self.pool, self.conds, self.weights, self.expert, self.methods = pool, conds, weights or {}, expert, methods
-        self.timestep = timestep
+        self.timestep, self.av = timestep, av
         self.config = config or {}  # ComfyUI's unet_config of the file: patch_size, in_channels, ...
         self.dtype = torch.float32  # ComfyUI casts the call's tensors to this; the pool casts to its own
 
@@ -58,6 +60,11 @@ class PoolTransformer(torch.nn.Module):
             if name in state.get("config", {}):
                 return state["config"][name]
             return lookup(state.get("weights", {}), name)
+
+    def preprocess_text_embeds(self, text: torch.Tensor) -> torch.Tensor:
+        """ComfyUI's model refines the text once per sampling here (MiniMax-H3's token refiner); the pool's
+        transformer refines it in each call, so the text goes as the encoder gave it."""
+        return text
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         for name, shape in self.weights.items():
@@ -74,6 +81,8 @@ class PoolTransformer(torch.nn.Module):
     def _evaluate(self, x, timesteps, context, control, options, **kwargs):
         _refuse_patches(control, options)
         kwargs.pop("denoise_mask", None)  # Wan 2.2's: ComfyUI's model already turned it into per-frame timesteps
+        kwargs = {f"{name}.{key}" if isinstance(value, dict) else name: entry for name, value in kwargs.items()
+                  for key, entry in (value.items() if isinstance(value, dict) else [(None, value)])}
         unknown = sorted(name for name, value in kwargs.items() if value is not None and name not in self.conds)
         if unknown:
             raise UnsupportedPatch(f"xDiT Model: the conditioning carries {unknown}, which this pool's "
@@ -82,6 +91,8 @@ class PoolTransformer(torch.nn.Module):
         if sigma is None:
             raise UnsupportedPatch("xDiT Model is called by ComfyUI's samplers, which pass the noise level (sigmas); "
                                    "this caller passed none")
+        av = AudioCall(self.av, x, sigma, options, kwargs.get(self.av.audio_scale)) if self.av else None
+        x = x[0] if av else x
         one_frame = x.ndim == 5 and x.shape[2] == 1  # an image model in a video latent format (Qwen-Image: [B, C, 1, H, W])
         if one_frame:
             x = x[:, :, 0]
@@ -101,15 +112,20 @@ class PoolTransformer(torch.nn.Module):
         tensors = {"latents": x.float().contiguous(), "sigma": sigma.contiguous()}
         if self.timestep:  # a discrete-schedule model's own step (PixArt), which sigma does not give
             tensors["timestep"] = timesteps.float().reshape(-1).expand(batch).contiguous()
+        if av:
+            tensors, conditioning = av.inputs(), av.batched(conditioning)
         loras = self.pool.lora_params() + [{"path": path, "strength": strength} for path, strength in options.get(LORAS, ())]
 
         from ..workers.client import JobCancelledError
 
         try:
-            prediction = POOLS.client(self.pool.endpoint).evaluate(
+            outputs = POOLS.client(self.pool.endpoint).evaluate(
                 tensors, conditioning, loras, should_cancel=comfy_compat.interrupt_requested, expert=self.expert)
         except JobCancelledError:
             comfy_compat.raise_interrupted()
+        if av:
+            return av.answer(outputs)
+        prediction = outputs["prediction"]
         return prediction[:, :, None] if one_frame else prediction
 
     def _method(self, method: str | None, batch: int) -> torch.Tensor:
@@ -197,7 +213,8 @@ def comfy_model(pool, comfy_file=None, expert: str = "") -> PoolModelPatcher:
     model.diffusion_model = PoolTransformer(pool, adapter.data.model_call_conds, weights, expert,
                                             config=dict(model_config.unet_config),
                                             methods=adapter.data.reference_methods,
-                                            timestep=adapter.data.model_call_timestep)
+                                            timestep=adapter.data.model_call_timestep,
+                                            av=adapter.data if adapter.data.audio_shifts else None)
     return PoolModelPatcher(model, load_device=CPU, offload_device=CPU)
 
 

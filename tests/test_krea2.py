@@ -122,8 +122,8 @@ def test_model_call_equals_the_pipelines_transformer_call(tiny_model_dirs):
                                         encoder_attention_mask=torch.ones(2, 7, dtype=torch.bool), return_dict=False)[0]
     with one_rank(ParallelConfig()):
         wrapper = xFuserPipelineBaseWrapper.wrap(pipeline)
-        got = evaluate(wrapper, {"latents": latents, "sigma": sigma, "prompt_embeds": text.flatten(2)})
-        other = evaluate(wrapper, {"latents": latents, "sigma": sigma / 2, "prompt_embeds": text.flatten(2)})
+        got = evaluate(wrapper, {"latents": latents, "sigma": sigma, "prompt_embeds": text.flatten(2)})["prediction"]
+        other = evaluate(wrapper, {"latents": latents, "sigma": sigma / 2, "prompt_embeds": text.flatten(2)})["prediction"]
         wrapper.unwrap()
     assert (got - unpack_2x2(expected, 64, 80)).abs().max().item() <= TOLERANCE
     assert (other - got).abs().max().item() > 100 * TOLERANCE

@@ -74,9 +74,9 @@ def _euler_on_pool(client, family: str, inputs: dict, sigmas: torch.Tensor) -> t
                         "pooled_prompt_embeds": torch.cat([inputs["negative_pooled_prompt_embeds"], inputs["pooled_prompt_embeds"]])}
     for sigma, following in zip(sigmas[:-1], sigmas[1:]):
         if family != "sd3":
-            v = client.evaluate({"latents": x, "sigma": sigma.repeat(batch)}, conditioning)
+            v = client.evaluate({"latents": x, "sigma": sigma.repeat(batch)}, conditioning)["prediction"]
         else:
-            uncond, cond = client.evaluate({"latents": torch.cat([x, x]), "sigma": sigma.repeat(2 * batch)}, conditioning).chunk(2)
+            uncond, cond = client.evaluate({"latents": torch.cat([x, x]), "sigma": sigma.repeat(2 * batch)}, conditioning)["prediction"].chunk(2)
             v = uncond + GUIDANCE * (cond - uncond)
         x = x + (following - sigma) * v
     return x
@@ -111,9 +111,10 @@ def _euler_on_reference(model_dir, inputs, sigmas) -> torch.Tensor:
         @staticmethod
         def evaluate(tensors, conditioning):
             with torch.no_grad():
-                return transformer(hidden_states=tensors["latents"], timestep=tensors["sigma"] * 1000,
-                                   encoder_hidden_states=conditioning["prompt_embeds"],
-                                   pooled_projections=conditioning["pooled_prompt_embeds"], return_dict=False)[0]
+                return {"prediction": transformer(
+                    hidden_states=tensors["latents"], timestep=tensors["sigma"] * 1000,
+                    encoder_hidden_states=conditioning["prompt_embeds"],
+                    pooled_projections=conditioning["pooled_prompt_embeds"], return_dict=False)[0]}
 
     return _euler_on_pool(InProcess, "sd3", inputs, sigmas)
 
@@ -131,9 +132,9 @@ def test_flux_calls_and_conditioning_that_travels_once(tiny_model_dirs, referenc
                  "guidance": torch.full((1,), 3.5)}
         client._held.add(key_of(fresh["prompt_embeds"]))
         call = {"latents": inputs["latents"], "sigma": sigmas[:1]}
-        again = client.evaluate(call, fresh)
+        again = client.evaluate(call, fresh)["prediction"]
         assert client.last_call_bytes > inputs["latents"].nbytes + fresh["prompt_embeds"].nbytes
-        assert torch.equal(client.evaluate(call, fresh), again)
+        assert torch.equal(client.evaluate(call, fresh)["prediction"], again)
 
         with pytest.raises(JobFailed, match=r"latents have shape \[1, 4, 8, 8\]; FluxPipeline takes \[batch, 16"):
             client.evaluate({"latents": torch.zeros(1, 4, 8, 8), "sigma": sigmas[:1]}, fresh)

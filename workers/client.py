@@ -272,10 +272,11 @@ class PoolClient:
 
     def evaluate(self, tensors: dict[str, torch.Tensor], conditioning: dict[str, torch.Tensor],
                  loras: list[dict] | tuple = (), should_cancel: Callable[[], bool] | None = None,
-                 expert: str = "") -> torch.Tensor:
+                 expert: str = "") -> dict[str, torch.Tensor]:
         """One model call (xDiT Model): `tensors` latents and sigma, `conditioning` by name, on the pipeline's
-        `expert` transformer ("": its first). Conditioning travels once: later calls name it by key, and send it
-        again only if the pool no longer holds it."""
+        `expert` transformer ("": its first); its predictions by name (`prediction`, and a video-with-sound model's
+        `audio`). Conditioning travels once: later calls name it by key, and send it again only if the pool no longer
+        holds it."""
         keys = {name: self._key(name, tensor) for name, tensor in conditioning.items()}
         send = {name: tensor for name, tensor in conditioning.items() if keys[name] not in self._held}
         params = {"conditioning": keys, **({"loras": list(loras)} if loras else {}), **({"expert": expert} if expert else {})}
@@ -294,7 +295,7 @@ class PoolClient:
                 continue
             self._held.update(keys.values())
             self.last_call_bytes = sum(t.nbytes for t in sent.values())
-            return reply.tensors["prediction"]
+            return reply.tensors
 
     def _key(self, name: str, tensor: torch.Tensor) -> str:
         """key_of(tensor), hashed only when it differs from this name's last tensor: a sampler sends the same

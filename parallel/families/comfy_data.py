@@ -99,7 +99,8 @@ class ComfyData:
                     different model under ComfyUI's samplers.
     model_call_conds: keyword of ComfyUI's diffusion model call (context, y, guidance) → the pipeline's name
                     for it in a model call (the wrapper's model_call_inputs; "": ComfyUI's model passes it, this model
-                    does not use it); `ref_latents` (ReferenceLatent's images)
+                    does not use it; `keyword.key`: an entry of a dict keyword, MiniMax-H3's `minimax_payload`, whose
+                    other entries are refused); `ref_latents` (ReferenceLatent's images)
                     travel as `reference_latents` and `reference_sizes` (see `references`); `ref_latents_method`
                     (ComfyUI's way of placing them, a string) as `reference_method`, its index in reference_methods.
     reference_methods: the `ref_latents_method`s the model call takes, the file's default first where ComfyUI's
@@ -109,6 +110,11 @@ class ComfyData:
                     back as its `output`, both in the loop's space as the video (`model_latents`); (): video alone.
     audio_axes:     the pipeline's audio latents are ComfyUI's audio stream with its axes in this order (MiniMax-H3:
                     ComfyUI's [B, 32, 2, L] is the pipeline's [B, 2, 32, L]); (): the same layout.
+    audio_shifts:   ((transformer option, default), (transformer option, default)): ComfyUI's own model computes the
+                    audio's sigma from the video's, moving it from the video's flow shift to the audio's (MiniMax-H3:
+                    12 and 3, MiniMaxH3SigmaShift's options set others); its sampler carries the audio scaled onto the
+                    video's schedule by the model call's `audio_scale` (nodes/av_calls.py); (): one schedule.
+    audio_scale:    the model call entry holding that scale (a `keyword.key` of a dict keyword, as in model_call_conds).
     conditioning_calls: key of a conditioning's extras → (the call parameter it sets, ComfyUI's value without it)
                     (LTXVConditioning's frame_rate, 25 when none set it).
     conditioning_inputs: key of the positive conditioning's extras → the pipeline input it is, as given (MiniMax-H3's
@@ -148,6 +154,8 @@ class ComfyData:
     reference_methods: tuple[str, ...] = ()
     audio_stream: tuple[str, str] = ()
     audio_axes: tuple[int, ...] = ()
+    audio_shifts: tuple[tuple[str, float], tuple[str, float]] = ()
+    audio_scale: str = ""
     conditioning_calls: dict[str, tuple[str, float]] = field(default_factory=dict)
     conditioning_inputs: dict[str, str] = field(default_factory=dict)
     derives_frames: bool = False

@@ -94,14 +94,13 @@ def _split(dp, batch: int) -> list[int] | None:
     return get_layout().config.batch_split(batch)
 
 
-def evaluate(wrapper, tensors: dict[str, torch.Tensor], expert: str = "") -> torch.Tensor:
-    """The family's prediction for `tensors` (checked by check_model_call) by its `expert` transformer, shaped like
-    `latents`."""
+def evaluate(wrapper, tensors: dict[str, torch.Tensor], expert: str = "") -> dict[str, torch.Tensor]:
+    """The family's predictions for `tensors` (checked by check_model_call) by its `expert` transformer: `prediction`,
+    shaped like `latents`, and a video-with-sound model's audio prediction (`model_call_outputs`)."""
     latents = tensors["latents"]
-    # The pipelines' loops pass the scheduler's timestep: sigma × num_train_timesteps for flow matching, the call's own
-    # for a discrete schedule (ComfyData.model_call_timestep).
-    timestep = tensors["timestep"] if "timestep" in tensors else \
-        tensors["sigma"] * wrapper.module.scheduler.config.num_train_timesteps
+    # The pipelines' loops pass the scheduler's timestep: sigma × its scale (num_train_timesteps for flow matching),
+    # the call's own for a discrete schedule (ComfyData.model_call_timestep).
+    timestep = tensors["timestep"] if "timestep" in tensors else tensors["sigma"] * wrapper.timestep_scale()
     inputs = {k: v for k, v in tensors.items() if k not in MODEL_CALL_TENSORS}
     batch = latents.shape[0]
     dp = get_dp_group()
@@ -116,10 +115,15 @@ def evaluate(wrapper, tensors: dict[str, torch.Tensor], expert: str = "") -> tor
     arguments = wrapper.model_call_arguments(latents, timestep, inputs)
     transformer = expert_of(wrapper, expert)
     with torch.no_grad(), wrapper.model_call_context(transformer, {**inputs, "latents": latents}):
-        output = transformer.evaluate(**arguments, return_dict=False)[0]
-    prediction = wrapper.model_call_output(output, latents)
+        output = transformer.evaluate(**arguments, return_dict=False)
+    predictions = wrapper.model_call_outputs(output, latents, inputs)
     if counts is None:
-        return prediction
+        return predictions
+    return {name: _gathered(dp, prediction, counts) for name, prediction in predictions.items()}
+
+
+def _gathered(dp, prediction: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Every dp rank's samples of one prediction, in batch order."""
     padded = prediction.new_zeros((max(counts), *prediction.shape[1:]))
     padded[: prediction.shape[0]] = prediction
     gathered = dp.all_gather(padded.unsqueeze(0), dim=0)

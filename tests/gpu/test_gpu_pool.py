@@ -71,7 +71,7 @@ def test_model_calls_stepping_euler_on_the_client_equal_diffusers_euler(pool, fl
                     "pooled_prompt_embeds": inputs["pooled_prompt_embeds"].to(torch.bfloat16),
                     "guidance": torch.full((1,), model.guidance_scale)}
     for sigma, following in zip(sigmas[:-1], sigmas[1:]):
-        v = pool.evaluate({"latents": x, "sigma": sigma.reshape(1)}, conditioning)
+        v = pool.evaluate({"latents": x, "sigma": sigma.reshape(1)}, conditioning)["prediction"]
         x = (x.float() + (following - sigma) * v.float()).to(torch.bfloat16)
     ours = pack_2x2(x)
     error = relative_l2(ours, expected)

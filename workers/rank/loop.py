@@ -108,7 +108,7 @@ class JobLoop:
                 rank.jobs_done += 1
             elif work.type == ModelCall.TYPE:
                 rank.loras.apply(work.body.loras)
-                reply = Message.of(Result(), work.job, {"prediction": rank.runner.evaluate(work)})
+                reply = Message.of(Result(), work.job, rank.runner.evaluate(work))
                 rank.model_calls += 1
             else:
                 reply = self._sample(work, client, prepared)

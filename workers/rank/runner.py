@@ -200,18 +200,18 @@ class JobRunner:
         finally:
             points.close()
 
-    def evaluate(self, work: Message) -> torch.Tensor:
-        """One model call (model_call.py), cancellable between transformer blocks like a step."""
+    def evaluate(self, work: Message) -> dict[str, torch.Tensor]:
+        """One model call (model_call.py): its named predictions, cancellable between transformer blocks like a step."""
         tensors = self.conditioning.on_device(work.body.conditioning, work.tensors, *self._placement())
         points = CancelPoints(self._transformers(), lambda: self.server.is_cancelled(work.job), self.group, self.rank,
                               self.cancel_inside_steps)
         points.every = self.call_every
         try:
-            prediction = engine("model_executor.model_call").evaluate(self.pipeline, tensors, work.body.expert)
+            predictions = engine("model_executor.model_call").evaluate(self.pipeline, tensors, work.body.expert)
             if points.step_ended():
                 raise JobCancelled(0)
             self.call_every = points.every
-            return prediction
+            return predictions
         except JobCancelled:
             raise JobCancelled(0) from None
         finally:

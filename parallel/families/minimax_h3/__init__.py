@@ -25,6 +25,7 @@ from __future__ import annotations
 from ...model_executor.attention import TextLayout
 from ...model_executor.plans import Gather, ParallelPlan, Split
 from ..base import FAMILIES, Family, TinyModel
+from .file import SINGLE_FILE
 from .pipelines import xFuserMiniMaxH3Pipeline
 from .tiny import build_tiny, tiny_inputs
 
@@ -45,6 +46,7 @@ MINIMAX_H3 = FAMILIES.register(Family(
         no_pipefusion="its blocks take per-row modulation indices and rotary tables beside the sequence, which "
                       "PipeFusion's patches do not slice yet",
     ),
+    single_file=SINGLE_FILE,
     tiny={"minimax-h3": TinyModel("MiniMaxH3ModularPipeline", build_tiny, tiny_inputs, guidance=1.0, cfg=False)},
     attention_layers={"MiniMaxH3Attention": "diffusers.models.transformers.transformer_minimax_h3"},
 ))

@@ -15,7 +15,13 @@ COMFY = ComfyData(
     latent_formats={24: "MiniMaxH3AV"}, temporal=4, audio_stream=("audio_latents", "audio"), audio_axes=(0, 2, 1, 3),
     conditioning_inputs={"minimax_token_tags": "text_token_tags"}, derives_frames=True,
     expects="the MiniMax-H3 text encoder's hidden states (Qwen3-VL's layer 50) with their modality tags",
-    empty_latent="EmptyMiniMaxH3LatentAV",
+    empty_latent="EmptyMiniMaxH3LatentAV", model_class="MiniMaxH3",
+    # ComfyUI's model call: the text (its model refines it itself, as the pool's does), the tags and the t2va payload
+    # (the seed and the prebuilt layout: the pool builds its own); keyframes and references are refused
+    model_call_conds={"context": "prompt_embeds", "minimax_payload.text_token_tags": "text_token_tags",
+                      "minimax_payload.seed": "", "minimax_payload.layout": "", "minimax_payload.audio_scale": ""},
+    audio_shifts=(("minimax_h3_sigma_shift_video", 12.0), ("minimax_h3_sigma_shift_audio", 3.0)),
+    audio_scale="minimax_payload.audio_scale",
 )
 
 
@@ -35,6 +41,8 @@ class xFuserMiniMaxH3Pipeline(xFuserModularPipelineWrapper):
     tensor_inputs = ("audio_latents", "text_token_tags")
     shared_inputs = ("text_token_tags",)
     embedding_sizes = {"prompt_embeds": "text_dim"}
+    model_call_inputs = ("prompt_embeds", "text_token_tags", "audio_latents", "audio_sigma")
+    model_call_required = ("prompt_embeds", "audio_latents", "audio_sigma")
     call_parameters = {
         "num_frames": CallParameter(int, "video frames at 24 fps, 17n+5 from 5 to 15 s (default: as many as the latents "
                                     "hold)", 1, 10_000),
@@ -122,6 +130,45 @@ class xFuserMiniMaxH3Pipeline(xFuserModularPipelineWrapper):
             arguments = {**arguments, "audio_latents": audio[0]}
         latents, audio = super().run_pipeline({**arguments, "return_dict": False})
         return latents, audio[None]
+
+    # -- model calls (ComfyUI's samplers) ------------------------------------------------------------------
+    def timestep_scale(self) -> float:
+        return 1.0  # its scheduler's timesteps are 1 − sigma: the call's arguments take sigma as it is
+
+    def model_call_arguments(self, latents, timestep, inputs):
+        """The loop's transformer call for one video [1, 24, T', h, w] at video sigma `timestep` [1] and its audio
+        [1, 2, 32, L] at `audio_sigma` [1] (each stream's own schedule, as the pipeline's two schedulers give them):
+        the t2va layout the pipeline builds, the text's modality tags [1, T] (all text where none are sent)."""
+        from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep, \
+            MiniMaxH3SetTimestepsStep, patchify_video_latents
+
+        if latents.shape[0] != 1:
+            raise ValueError(f"a MiniMax-H3 model call takes one video (batch 1, as ComfyUI's own model), not "
+                             f"{latents.shape[0]}")
+        module, text, audio = self.module, inputs["prompt_embeds"], inputs["audio_latents"][0]
+        tags = inputs.get("text_token_tags")
+        tags = torch.ones(text.shape[1], dtype=torch.long) if tags is None else tags[0].long().cpu()
+        _, _, frames, height, width = latents.shape
+        positions, token_tags, video, audio_rows, text_rows, _, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+            tags, frames, height, width, audio.shape[-1], module.patch_size, module.audio_channels, module.audio_tag,
+            module.video_tag)
+        sigma, audio_sigma = float(timestep[0]), float(inputs["audio_sigma"][0])
+        steps, indices = MiniMaxH3SetTimestepsStep.build_row_timesteps(
+            video, audio_rows, 0, 0, text_rows.numel(), 1.0 - sigma, 1.0 - audio_sigma, 1.0 - sigma, 1.0)
+        device = latents.device
+        return {"hidden_states": patchify_video_latents(latents.float(), module.patch_size)[None],
+                "audio_hidden_states": audio.float().permute(0, 2, 1).reshape(1, -1, audio.shape[1]),
+                "encoder_hidden_states": text, "timestep": steps.to(device), "timestep_indices": indices.to(device),
+                "token_tags": token_tags.to(device), "position_ids": positions.to(device), "video_indices": video.to(device),
+                "audio_indices": audio_rows.to(device), "text_indices": text_rows.to(device)}
+
+    def model_call_outputs(self, outputs, latents, inputs):
+        """The velocities as every model call gives them, d/dsigma (the transformer's are along t = 1 − sigma): the
+        video shaped like `latents`, the audio (`audio`) like `audio_latents`."""
+        video, audio = outputs
+        shape = inputs["audio_latents"].shape
+        return {"prediction": -unpatchify_video_rows(video[0], tuple(latents.shape), self.module.patch_size),
+                "audio": -audio[0].reshape(shape[1], shape[3], shape[2]).transpose(1, 2)[None]}
 
     def partial_denoise(self, kwargs: dict[str, Any], init_latents: torch.Tensor, denoise: float) -> dict[str, Any]:
         raise ValueError("denoise below 1 is not available for MiniMax-H3 (its blocks noise no given video); sample "

@@ -178,7 +178,7 @@ def load_single_file_pipeline(path: str | Path, *, dtype: torch.dtype | None = N
             with init_empty_weights():
                 components["vae"] = getattr(diffusers, index["vae"][1]).from_config(
                     getattr(diffusers, index["vae"][1]).load_config(detected.config_dir, subfolder="vae"))
-    for name in ("scheduler", "guider"):  # configs without weights (HunyuanVideo 1.5's guider)
+    for name in ("scheduler", "audio_scheduler", "guider"):  # configs without weights (HunyuanVideo 1.5's guider)
         if name in index:
             components[name] = getattr(diffusers, index[name][1]).from_pretrained(
                 detected.config_dir, subfolder=name, local_files_only=True)

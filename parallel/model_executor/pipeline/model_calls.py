@@ -51,6 +51,16 @@ class ModelCallGlue:
         """The transformer's output as a prediction shaped like `latents`."""
         return output
 
+    def model_call_outputs(self, outputs: tuple, latents: torch.Tensor,
+                           inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The transformer's outputs (return_dict=False) as the call's named predictions: `prediction` from its first;
+        a model with a second stream (MiniMax-H3's audio) names that too."""
+        return {"prediction": self.model_call_output(outputs[0], latents)}
+
+    def timestep_scale(self) -> float:
+        """The transformer's timestep per unit of sigma in a model call (its scheduler's num_train_timesteps)."""
+        return self.module.scheduler.config.num_train_timesteps
+
     def model_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """The pipeline's `output_type="latent"` result as its denoising loop keeps latents (what a step callback
         sees): the same for most pipelines; a family overrides it where its pipeline returns them otherwise."""

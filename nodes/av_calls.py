@@ -1,0 +1,51 @@
+"""A model call of a model that samples video with sound from ComfyUI's AV latent (MiniMax-H3), as ComfyUI's own
+diffusion model takes and answers it: the sampler hands it the latent's two streams, [video, audio], and ComfyUI's
+ModelSamplingAV carries the audio scaled onto the video's schedule (its `audio_scale`: video shift / audio shift). The
+model undoes that before its network runs and turns the audio velocity back after, so the pool, which samples each
+stream on its own schedule as the pipeline does, gets the stream's own audio at its own sigma (the video's, moved
+from the one shift to the other) and answers the stream's own velocity. The formulas are ComfyUI 0.33's
+(comfy/ldm/minimax/model.py: time_shift_sigma and MiniMaxH3Model.forward).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..parallel.families import ComfyData
+
+
+def time_shift(sigma: torch.Tensor, from_shift: float, to_shift: float) -> torch.Tensor:
+    """A sigma of a schedule shifted by `from_shift` as the same step of one shifted by `to_shift`."""
+    base = sigma / (from_shift + sigma * (1.0 - from_shift))
+    return to_shift * base / (1.0 + (to_shift - 1.0) * base)
+
+
+class AudioCall:
+    """One call's streams: `inputs()` what the pool takes, `answer()` the pool's predictions as ComfyUI's model's."""
+
+    def __init__(self, data: ComfyData, streams: list[torch.Tensor], sigma: torch.Tensor, options: dict, scale):
+        (video_option, video_shift), (audio_option, audio_shift) = data.audio_shifts
+        self.data, self.video, self.scale = data, streams[0], float(1.0 if scale is None else scale)
+        self.sigma = sigma.float().reshape(-1)[:1].clamp(min=1e-6)
+        self.audio_sigma = time_shift(self.sigma, float(options.get(video_option, video_shift)),
+                                      float(options.get(audio_option, audio_shift)))
+        carry = self.audio_sigma / self.sigma if self.scale != 1.0 else torch.ones(1)
+        self.audio = streams[1].float() * carry  # the stream's own audio, ComfyUI's layout
+
+    def inputs(self) -> dict[str, torch.Tensor]:
+        audio = self.audio.permute(*self.data.audio_axes) if self.data.audio_axes else self.audio
+        return {"latents": self.video.float().contiguous(), "sigma": self.sigma.contiguous(),
+                "audio_latents": audio.contiguous(), "audio_sigma": self.audio_sigma.contiguous()}
+
+    @staticmethod
+    def batched(conditioning: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The call's one sample (ComfyUI's model takes batch 1): one layout's per-token tags [T] as [1, T]."""
+        return {name: value[None] if value.ndim == 1 else value for name, value in conditioning.items()}
+
+    def answer(self, outputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        audio = outputs[self.data.audio_stream[1]].float()
+        if self.data.audio_axes:
+            audio = audio.permute(*sorted(range(audio.ndim), key=self.data.audio_axes.__getitem__))
+        if self.scale != 1.0:  # d/d(video sigma) of the carried audio
+            audio = (1.0 - self.scale) * self.audio + (1.0 + (self.scale - 1.0) * self.audio_sigma) * audio
+        return [outputs["prediction"], audio.contiguous()]

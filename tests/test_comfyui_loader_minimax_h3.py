@@ -1,0 +1,182 @@
+"""MiniMax-H3 under Load Diffusion Model (xDiT Pool) in a real ComfyUI 0.33: the sampling part of the official
+video_minimax_h3_t2v template (BasicScheduler simple, KSamplerSelect res_multistep, BasicGuider, RandomNoise,
+SamplerCustomAdvanced; the model sampling of ComfyUI's MiniMaxH3 class: shift 12, audio shift 3) with UNETLoader
+swapped for the loader on Ulysses 2 gives what ComfyUI's own model gives on the same file, video and audio.
+
+The file is a tiny transformer written from ComfyUI's own MiniMaxH3Model (random weights of a fixed seed, its q/k
+norms around 2 so attention is peaked and a misplaced row shows) in the layout Comfy-Org publishes; ComfyUI's
+UNETLoader detects it as MiniMaxH3, the pool loads it with diffusers' converter. ComfyUI's model call differs from
+the pipeline's transformer call in what a mapping of inputs covers: it takes the sampler's audio carried on the video
+schedule (undone around the call: nodes/av_calls.py), derives the audio's sigma from the video's, packs [text | audio |
+video] itself and returns minus the transformer's velocity. The conditioning is the text encoder's hidden states with
+their modality tags (`minimax_token_tags`), through XDiTTestConditioning (Qwen3-VL 32B is too big for a CPU test).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from test_comfyui import saved_latent
+from test_comfyui_loader import _loader, _run
+from xdit_test_helpers import TOLERANCE, one_rank
+
+COMFY_ARGS = ("--use-pytorch-cross-attention",)  # ComfyUI's attention as on the GPUs a pool runs on (SDPA)
+FILE = "tiny-minimax-h3-comfy.safetensors"
+TEXT_TOKENS, TEXT_WIDTH, SIZE, LENGTH, STEPS = 7, 32, 64, 22, 4  # 22 frames: 7 latent frames, 37 audio latents
+# ComfyUI's MiniMaxH3Model keywords for the tiny file (the released model: 5376 wide, 50 blocks, head 128)
+CONFIG = dict(hidden_size=64, num_layers=2, token_refiner_num_layers=1, num_attention_heads=4, attention_head_dim=16,
+              ffn_hidden_size=128, latents_dim=24, audio_latents_dim=32, text_dim=TEXT_WIDTH, timestep_input_dim=32,
+              time_embed_hidden_size=64, time_embed_dim=32, rope_inv_freq_len=2)
+
+# Writes the file from ComfyUI's own MiniMaxH3Model (its rotary frequencies as the released file's: theta 10000),
+# loads it with UNETLoader's own function and, given inputs, evaluates ComfyUI's diffusion model call on the unpacked
+# [video, audio] at the video's sigma × 1000, with the tags and the sampler's audio scale in its payload, and the
+# audio's sigma ComfyUI's model derives from the video's (its shifts 12 and 3).
+COMFY_SCRIPT = """
+import json, sys
+path, inputs, result, config = sys.argv[1:5]
+sys.argv = sys.argv[:1] + ["--cpu", "--use-pytorch-cross-attention"]
+import comfy.options; comfy.options.enable_args_parsing()
+import torch, comfy.ops, comfy.sd
+from safetensors.torch import load_file, save_file
+from comfy.ldm.minimax.model import MiniMaxH3Model, time_shift_sigma
+config = json.loads(config)
+model = MiniMaxH3Model(**config, operations=comfy.ops.disable_weight_init, device="meta")
+generator = torch.Generator().manual_seed(0)
+weights = {name: torch.randn(value.shape, generator=generator) * 0.2 + (2.0 if name.endswith("_norm.weight") else 0.0)
+           for name, value in model.state_dict().items()}
+rotary = config["rope_inv_freq_len"]
+weights["rope.inv_freq"] = 1.0 / 10000.0 ** (torch.arange(0, 2 * rotary, 2, dtype=torch.float32) / (2 * rotary))
+save_file({"model.diffusion_model." + k: v.contiguous() for k, v in weights.items()}, path)
+if inputs:
+    patcher = comfy.sd.load_diffusion_model(path)
+    x = load_file(inputs)
+    with torch.no_grad():
+        video, audio = patcher.model.diffusion_model([x["video"], x["audio"]], x["sigma"] * 1000, x["context"],
+                                                     minimax_payload={"text_token_tags": x["tags"], "audio_scale": 1.0})
+    save_file({"video": video.contiguous(), "audio": audio.contiguous(),
+               "audio_sigma": time_shift_sigma(x["sigma"], 12.0, 3.0)}, result,
+              metadata={"model": type(patcher.model).__name__})
+"""
+
+
+def _comfyui_file(python, comfyui, path, work=None) -> tuple[dict, str] | None:
+    """The file written at `path` by ComfyUI's own code; with `work`, ComfyUI's model call on it too: the inputs and
+    its outputs, and the model class ComfyUI detected."""
+    if work is None:
+        subprocess.run([str(python), "-c", COMFY_SCRIPT, str(path), "", "", json.dumps(CONFIG)], cwd=comfyui,
+                       check=True, capture_output=True)
+        return None
+    gen = torch.Generator().manual_seed(1)
+    tags = torch.ones(TEXT_TOKENS, dtype=torch.long)
+    tags[2:4] = 0  # two vision rows among the text, as a keyframe's tokens are tagged
+    inputs = {"video": torch.randn(1, 24, 7, 4, 6, generator=gen), "audio": torch.randn(1, 32, 2, 23, generator=gen),
+              "context": torch.randn(1, TEXT_TOKENS, TEXT_WIDTH, generator=gen), "sigma": torch.tensor([0.7]), "tags": tags}
+    save_file(inputs, work / "inputs.safetensors")
+    subprocess.run([str(python), "-c", COMFY_SCRIPT, str(path), str(work / "inputs.safetensors"),
+                    str(work / "result.safetensors"), json.dumps(CONFIG)], cwd=comfyui, check=True, capture_output=True)
+    with safe_open(work / "result.safetensors", "pt") as f:
+        model = f.metadata()["model"]
+    return {**inputs, **{f"comfy_{k}": v for k, v in load_file(work / "result.safetensors").items()}}, model
+
+
+def _pool_call(path, x: dict, audio_sigma: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The engine's model call on the file as a pool loads it (one rank): ComfyUI's streams in the pipeline's layout."""
+    from parallel.layout.config import ParallelConfig
+    from parallel.loading.checkpoints.load import load_single_file_pipeline
+    from parallel.model_executor.model_call import check_model_call, evaluate
+    from parallel.model_executor.pipeline import xFuserPipelineBaseWrapper
+
+    tensors = {"latents": x["video"], "sigma": x["sigma"], "prompt_embeds": x["context"],
+               "text_token_tags": x["tags"][None], "audio_latents": x["audio"].permute(0, 2, 1, 3),
+               "audio_sigma": audio_sigma}
+    with one_rank(ParallelConfig()):
+        wrapper = xFuserPipelineBaseWrapper.wrap(load_single_file_pipeline(path))
+        check_model_call(wrapper, tensors)
+        out = evaluate(wrapper, tensors)
+        wrapper.unwrap()
+    return {"video": out["prediction"], "audio": out["audio"].permute(0, 2, 1, 3)}
+
+
+def test_comfyuis_minimax_h3_model_call_equals_the_pools_on_the_same_file(comfyui_install, tmp_path):
+    comfyui, python = comfyui_install
+    x, model = _comfyui_file(python, comfyui, tmp_path / FILE, tmp_path)
+    assert model == "MiniMaxH3"  # UNETLoader's own detection of the file
+    ours = _pool_call(tmp_path / FILE, x, x["comfy_audio_sigma"])
+    diffs = {name: (ours[name] - x[f"comfy_{name}"]).abs().max().item() for name in ("video", "audio")}
+    assert max(diffs.values()) <= TOLERANCE, diffs
+    # negative control: the audio at the video's sigma (no shift) moves the audio far beyond the tolerance
+    unshifted = _pool_call(tmp_path / FILE, x, x["sigma"])
+    assert (unshifted["audio"] - x["comfy_audio"]).abs().max().item() > 1e-2
+
+
+def test_a_pruned_file_is_refused_in_one_line_before_any_pool(comfyui_install, tmp_path):
+    """The template's file is pruned (its time embedder replaced by `adaln_t_table`, ComfyUI's curve basis), which
+    diffusers' transformer cannot hold: detection, which the loader runs before a pool starts, says so."""
+    from parallel.loading.checkpoints import detect_checkpoint
+
+    comfyui, python = comfyui_install
+    _comfyui_file(python, comfyui, tmp_path / FILE)
+    weights = {k: v for k, v in load_file(tmp_path / FILE).items() if ".time_embedder." not in k}
+    save_file({**weights, "model.diffusion_model.adaln_t_table": torch.zeros(1001, 32)}, tmp_path / "pruned.safetensors")
+    detect_checkpoint(tmp_path / FILE)  # the unpruned file is detected
+    with pytest.raises(ValueError) as error:
+        detect_checkpoint(tmp_path / "pruned.safetensors")
+    message = str(error.value)
+    assert "\n" not in message and "pruned MiniMax-H3" in message and "UNETLoader" in message, message
+
+
+def _template(unet: dict, seed: int) -> dict:
+    """video_minimax_h3_t2v's sampling part at a tiny size, its latent split and saved per stream."""
+    return {
+        "unet": unet,
+        "text": {"class_type": "XDiTTestConditioning", "inputs": {"tensors": "h3-text.safetensors"}},
+        "latent": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": SIZE, "height": SIZE, "length": LENGTH}},
+        "sigmas": {"class_type": "BasicScheduler", "inputs": {"model": ["unet", 0], "scheduler": "simple",
+                                                             "steps": STEPS, "denoise": 1.0}},
+        "sampler": {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "res_multistep"}},
+        "guider": {"class_type": "BasicGuider", "inputs": {"model": ["unet", 0], "conditioning": ["text", 0]}},
+        "noise": {"class_type": "RandomNoise", "inputs": {"noise_seed": seed}},
+        "sample": {"class_type": "SamplerCustomAdvanced", "inputs": {
+            "noise": ["noise", 0], "guider": ["guider", 0], "sampler": ["sampler", 0], "sigmas": ["sigmas", 0],
+            "latent_image": ["latent", 0]}},
+        "split": {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["sample", 0]}},
+        "save-video": {"class_type": "SaveLatent", "inputs": {"samples": ["split", 0], "filename_prefix": "h3v"}},
+        "save-audio": {"class_type": "SaveLatent", "inputs": {"samples": ["split", 1], "filename_prefix": "h3a"}},
+    }
+
+
+def _streams(comfy, prompt) -> tuple[torch.Tensor, torch.Tensor]:
+    entry = comfy.wait(comfy.queue(prompt), 600)
+    errors = [(m[1]["node_type"], m[1]["exception_message"], m[1]["traceback"][-3:])
+              for m in entry["status"]["messages"] if m[0] == "execution_error"]
+    assert entry["status"]["status_str"] == "success", errors or json.dumps(entry["status"])[-2000:]
+    return saved_latent(comfy, entry, "save-video"), saved_latent(comfy, entry, "save-audio")
+
+
+def test_the_swapped_loader_on_ulysses_2_equals_comfyuis_own_minimax_h3(comfy):
+    _comfyui_file(comfy.python, comfy.comfy, comfy.work / "models" / "diffusion_models" / FILE)
+    gen = torch.Generator().manual_seed(3)
+    tags = torch.ones(TEXT_TOKENS, dtype=torch.long)
+    tags[:2] = 0
+    save_file({"cond": torch.randn(1, TEXT_TOKENS, TEXT_WIDTH, generator=gen), "minimax_token_tags": tags},
+              comfy.work / "input" / "h3-text.safetensors")
+    spec = comfy.get("/object_info/XDiTLoadDiffusionModel")["XDiTLoadDiffusionModel"]["input"]["required"]["unet_name"]
+    assert FILE in (spec[1]["options"] if spec[0] == "COMBO" else spec[0])  # the loader offers the file
+    stock = _streams(comfy, _template({"class_type": "UNETLoader", "inputs": {"unet_name": FILE,
+                                                                             "weight_dtype": "default"}}, seed=1))
+    loader = _loader(ulysses_degree=2)
+    swapped = _streams(comfy, _template({**loader, "inputs": {**loader["inputs"], "unet_name": FILE}}, seed=1))
+    assert stock[0].shape == (1, 24, 7, SIZE // 16, SIZE // 16) and stock[1].shape == (1, 32, 2, 37)
+    diffs = [(ours - theirs).abs().max().item() for ours, theirs in zip(swapped, stock)]
+    assert max(diffs) <= TOLERANCE, diffs
+    # negative control: ComfyUI's own model from another seed's noise is far from the pool's result
+    other = _streams(comfy, _template({"class_type": "UNETLoader", "inputs": {"unet_name": FILE,
+                                                                             "weight_dtype": "default"}}, seed=2))
+    assert min((ours - theirs).abs().max().item() for ours, theirs in zip(swapped, other)) > 1e-2
