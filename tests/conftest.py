@@ -30,6 +30,15 @@ def z_image_file(tmp_path_factory) -> Path:
     return write_z_image(tmp_path_factory.mktemp("large_files") / "z-image-one-layer.safetensors")
 
 
+@pytest.fixture(scope="session")
+def qwen_image_files(tmp_path_factory) -> Path:
+    """The one-block Qwen-Image of ComfyUI's width (1.5 GB, tests/large_files.py), built once per run for every
+    module that links it into its server's models folders (test_comfyui_model's qwen_checkpoint)."""
+    from large_files import write_qwen_image
+
+    return write_qwen_image(tmp_path_factory.mktemp("qwen_image"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _one_thread():
     torch.set_num_threads(1)

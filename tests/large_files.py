@@ -4,6 +4,9 @@ ComfyUI recognises Z-Image only at its released width (dim 3840, 30 heads of 128
 refiner pairs are ~0.9 B parameters, 3.6 GB in float32. The names and shapes are diffusers' model built on the meta
 device and mapped to the released layout (original_layouts.z_image_to_original, which runs on meta tensors too);
 each tensor is then drawn from its own seed and streamed into the safetensors file.
+
+Qwen-Image likewise only at its released widths (24 heads of 128, text 3584 wide): one block is a 1.5 GB file,
+written whole with its diffusers folder (write_qwen_image).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+QWEN = "tiny-qwen-image-comfy"
 Z_IMAGE_TEXT = 64  # cap_feat_dim: ComfyUI reads it from the file, so the test conditioning can be this narrow
 
 
@@ -65,3 +69,27 @@ def _draw(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
     if len(shape) == 2 and "pad_token" not in name:
         return values / shape[1] ** 0.5
     return values
+
+
+def write_qwen_image(folder: Path) -> Path:
+    """A Qwen-Image of ComfyUI's own width (ComfyUI reads only its depth and input channels from a file: 24 heads of
+    128, text 3584 wide) with one block, in `folder` as ComfyUI's models folders hold it: a diffusers folder
+    (diffusers/QWEN) and a Comfy-Org single file (diffusion_models/QWEN.safetensors)."""
+    from diffusers import QwenImageTransformer2DModel
+    from safetensors.torch import save_file
+
+    from original_layouts import original_layout
+    from parallel.families.qwenimage.tiny import tiny_text_encoder
+    from parallel.loading import tiny_models
+
+    pipe = tiny_models.build_tiny_pipeline("qwen-image", seed=4)
+    transformer = tiny_models._peak_attention(
+        tiny_models._seeded(4, QwenImageTransformer2DModel, num_layers=1), tiny_models.QK_SCALE)
+    tokenizer, text_encoder = tiny_text_encoder(5, 3584, heads=28, kv_heads=4)
+    pipe = type(pipe)(**{**pipe.components, "transformer": transformer, "tokenizer": tokenizer,
+                         "text_encoder": text_encoder})
+    pipe.save_pretrained(folder / "diffusers" / QWEN, safe_serialization=True)
+    weights = original_layout("qwen-image", transformer)
+    (folder / "diffusion_models").mkdir()
+    save_file({k: v.contiguous() for k, v in weights.items()}, folder / "diffusion_models" / f"{QWEN}.safetensors")
+    return folder

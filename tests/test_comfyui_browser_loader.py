@@ -2,9 +2,9 @@
 UNETLoader swapped for Load Diffusion Model (xDiT Pool), tests/loader_examples.py.
 
 Every example loads and converts (subgraphs flattened as the Run button does) to the template's own prompt but for
-its loader nodes. The examples whose families have tiny files here run whole (RUNS), on the template's own sampling
-part (steps, sampler, scheduler, cfg, shift, seed, switches and LoRA loaders left as shipped), and give ComfyUI's own
-latent within 1e-4 (UNETLoader on the same file in the same prompt). What a CPU test cannot run is stood in for:
+its loader nodes. Ten of the twelve run whole (RUNS), on the template's own sampling part (steps but as below,
+sampler, scheduler, cfg, shift, seed, switches and LoRA loaders left as shipped), and give ComfyUI's own latent
+within 1e-4 (UNETLoader on the same file in the same prompt). What a CPU test cannot run is stood in for:
 - the files are tiny ones built with ComfyUI's own layout, under the template's file names (FLUX.1 [dev]: the tiny
   Kontext, the same architecture);
 - CLIPLoader / DualCLIPLoader become XDiTTestTextEncoder (the released text encoders are billions of parameters), which
@@ -12,22 +12,27 @@ latent within 1e-4 (UNETLoader on the same file in the same prompt). What a CPU 
   enhancer) writes one known text;
 - VAELoader becomes XDiTTestVAE, whose decode keeps the latent it is given (what is compared) and whose encode gives
   WanImageToVideo a latent of the Wan VAE's shape from the start image (LoadImage's file: a small picture);
-- the size and frame count become tiny ones.
+- the size and frame count become tiny ones; for the two families whose files here are at the released width, the
+  step count too (STEPS, 4; the template's sampler, scheduler, cfg, shift and seed kept). ComfyUI detects Qwen-Image
+  2512 and Z-Image Turbo only at that width: one block each, 1.5 and 3.6 GB, built once per run by conftest and linked
+  here, not copied. At the template's 50 steps at cfg 4 and 8 steps their three runs took 160 s and 90 s of a CI run
+  with no minutes to spare; at 4, 18 s and 25-30 s, and fewer steps of the same sampling check the same loader.
 Not run, each well over a minute of CI where the others take seconds: Kontext and Qwen-Image-Edit scale their input
 pictures to ~1 megapixel whatever the size asked (FluxKontextImageScale, TextEncodeQwenImageEditPlus: 8000+ tokens
-a step); Qwen-Image 2512 (50 steps at cfg 4) and Z-Image Turbo (8 steps) need files ComfyUI detects only at the
-released width (1.5 and 3.6 GB), on which the three runs took 160 s and 90 s (both equal within 1e-5).
+a step).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from large_files import QWEN, Z_IMAGE_TEXT
 from loader_examples import EXAMPLES, LAYOUT, LOAD_CONVERT, template
 from test_comfyui_loader_flux2 import DEV, KLEIN, KONTEXT, files  # noqa: F401 - fixture
 from test_comfyui_image_2026 import KREA, krea_file
@@ -55,19 +60,33 @@ RUNS = {  # example: (tiny file per template file name, (positive, negative) con
                               ("wan-positive", "wan-negative"), 64, 5),
     "xdit_loader_wan22_ti2v_5b": ({"wan2.2_ti2v_5B_fp16.safetensors": I2V["5b"]}, ("wan-positive", "wan-negative"), 64, 5),
     "xdit_loader_krea2": ({"krea2_turbo_fp8_scaled.safetensors": f"{KREA}.safetensors"}, ("krea-positive", None), 64, None),
+    "xdit_loader_qwen_image": ({"qwen_image_2512_fp8_e4m3fn.safetensors": f"{QWEN}.safetensors"},
+                               ("qwen-positive", "qwen-negative"), 64, None),
+    "xdit_loader_z_image": ({"z_image_turbo_bf16.safetensors": "z-image-one-layer.safetensors"}, ("z-image-positive", None),
+                            64, None),
 }
+STEPS = {"xdit_loader_qwen_image": 4, "xdit_loader_z_image": 4}  # the step cap of the released-width files
 
 
 @pytest.fixture(scope="module")
-def tiny_files(comfy, files, hunyuan_files, i2v_files) -> None:  # noqa: F811 - fixtures
-    """The tiny files every run needs beside the flux2 / hunyuan / Wan i2v fixtures': Wan 2.2's two t2v experts,
-    Krea 2's file, the prompts (Krea 2's: ComfyUI's Krea 2 encoder gives its 3 text layers side by side, 3 × 40 wide)."""
+def tiny_files(comfy, files, hunyuan_files, i2v_files, qwen_image_files, z_image_file) -> None:  # noqa: F811 - fixtures
+    """The files every run needs beside the flux2 / hunyuan / Wan i2v fixtures': Wan 2.2's two t2v experts, Krea 2's
+    file, the session's Qwen-Image and Z-Image files (linked), the prompts (Krea 2's: ComfyUI's Krea 2 encoder gives its
+    3 text layers side by side, 3 × 40 wide; Z-Image's: lumina2's hidden states and all-valid mask)."""
+    folder = comfy.work / "models" / "diffusion_models"
+    (folder / z_image_file.name).symlink_to(z_image_file)
+    (folder / f"{QWEN}.safetensors").symlink_to(qwen_image_files / "diffusion_models" / f"{QWEN}.safetensors")
     _wan_file(comfy, "tiny-wan22-high.safetensors", seed=7)
     _wan_file(comfy, "tiny-wan22-low.safetensors", seed=8)
     krea_file(comfy)
     _prompts(comfy)
     save_file({"cond": torch.randn(1, 11, 3 * 40, generator=torch.Generator().manual_seed(14))},
               comfy.work / "input" / "krea-positive.safetensors")
+    g = torch.Generator().manual_seed(15)
+    for name, tokens in (("qwen-positive", 9), ("qwen-negative", 5)):
+        save_file({"cond": torch.randn(1, tokens, 3584, generator=g)}, comfy.work / "input" / f"{name}.safetensors")
+    save_file({"cond": torch.randn(1, 12, Z_IMAGE_TEXT, generator=g), "attention_mask": torch.ones(1, 12)},
+              comfy.work / "input" / "z-image-positive.safetensors")
 
 
 def _loaders(prompt: dict, kind: str) -> dict:
@@ -110,12 +129,14 @@ def _runnable(comfy, prompt: dict, stem: str) -> dict:
     """The converted example made runnable here (the module docstring's stand-ins), its files put in place."""
     names, (positive, negative), size, frames = RUNS[stem]
     models = comfy.work / "models"
-    for template_name, tiny in names.items():
-        shutil.copy(models / "diffusion_models" / tiny, models / "diffusion_models" / template_name)
+    for template_name, tiny in names.items():  # a link: the released-width files are GBs
+        os.symlink(os.path.realpath(models / "diffusion_models" / tiny), models / "diffusion_models" / template_name)
     negatives = {value["inputs"]["negative"][0] for value in prompt.values() if "negative" in value["inputs"]}
     texts = {}
     for node, value in prompt.items():
         kind, inputs = value["class_type"], value["inputs"]
+        if stem in STEPS and "steps" in inputs:  # a literal or the switch / primitive it is linked to, capped
+            inputs["steps"] = min(_text(prompt, inputs["steps"]), STEPS[stem])
         if kind == "CLIPTextEncode":
             texts[_text(prompt, inputs["text"])] = f"{negative if node in negatives else positive}.safetensors"
         elif kind in TEXT_ENCODERS + VAES:

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from parallel.loading import tiny_models
+from large_files import QWEN
 from original_layouts import original_layout
 from test_comfyui import saved_latent
 from xdit_test_helpers import TOLERANCE
@@ -202,26 +203,12 @@ def test_a_block_replacement_on_xdit_model_is_one_clear_error(comfy, stock):
     assert "xDiT Model cannot apply a ComfyUI block or attention replacement (dit double_block 1)" in error
 
 
-QWEN = "tiny-qwen-image-comfy"
-
-
 @pytest.fixture(scope="module")
-def qwen_checkpoint(comfy):
-    """A Qwen-Image of ComfyUI's own width (ComfyUI reads only its depth and input channels from a file:
-    24 heads of 128, text 3584 wide) with one block, as a diffusers folder and a Comfy-Org single file."""
-    from diffusers import QwenImageTransformer2DModel
-
-    from parallel.families.qwenimage.tiny import tiny_text_encoder
-
-    pipe = tiny_models.build_tiny_pipeline("qwen-image", seed=4)
-    transformer = tiny_models._peak_attention(
-        tiny_models._seeded(4, QwenImageTransformer2DModel, num_layers=1), tiny_models.QK_SCALE)
-    tokenizer, text_encoder = tiny_text_encoder(5, 3584, heads=28, kv_heads=4)
-    pipe = type(pipe)(**{**pipe.components, "transformer": transformer, "tokenizer": tokenizer,
-                         "text_encoder": text_encoder})
-    pipe.save_pretrained(comfy.work / "models" / "diffusers" / QWEN, safe_serialization=True)
-    weights = original_layout("qwen-image", transformer)
-    save_file({k: v.contiguous() for k, v in weights.items()}, comfy.work / "models" / "diffusion_models" / f"{QWEN}.safetensors")
+def qwen_checkpoint(comfy, qwen_image_files):
+    """The session's one-block Qwen-Image of ComfyUI's width (conftest's qwen_image_files: built once, 24 s) linked into
+    this server's models folders, as a diffusers folder and a Comfy-Org single file."""
+    for kind, name in (("diffusers", QWEN), ("diffusion_models", f"{QWEN}.safetensors")):
+        (comfy.work / "models" / kind / name).symlink_to(qwen_image_files / kind / name)
     return QWEN
 
 
