@@ -24,6 +24,9 @@ class AudioCall:
     """One call's streams: `inputs()` what the pool takes, `answer()` the pool's predictions as ComfyUI's model's."""
 
     def __init__(self, data: ComfyData, streams: list[torch.Tensor], sigma: torch.Tensor, options: dict, scale):
+        if streams[0].shape[0] != 1:  # as ComfyUI's own model: its packed sequence holds one video
+            raise ValueError(f"this model's call takes one video at a time (got a batch of {streams[0].shape[0]}), as "
+                             "ComfyUI's own does: use batch size 1, and cfg 1 with BasicGuider (its guidance is distilled)")
         (video_option, video_shift), (audio_option, audio_shift) = data.audio_shifts
         self.data, self.video, self.scale = data, streams[0], float(1.0 if scale is None else scale)
         self.sigma = sigma.float().reshape(-1)[:1].clamp(min=1e-6)
