@@ -9,6 +9,11 @@ layouts through tests/engine_cases.py; data parallel takes a batch of 2, one vid
 sequence-parallel rank 1 holding the audio rows rolled by half (rank 0's audio rows under rank 1's tags and
 positions). CFG parallel (the model is guidance-distilled: no unconditional branch) and PipeFusion are refused in one
 line each with the reason; contract E takes audio_latents and text_token_tags in IN and writes `audio` beside `latents`.
+
+Keyframes (fl2va) in the same 2-rank launch, on Ulysses 2 and Ring 2: a first and a last keyframe sent encoded
+(condition_latents [1, 24, 2·16] with condition_sizes and keyframe_anchors; 16 more rows, 601 in all) with a seed,
+against diffusers' own `MiniMaxH3FL2VACoreDenoiseStep` in one process drawing from that seed. Controls: the same
+output misses diffusers' fl2va with the anchors swapped and its t2va, and it is the seed's draw, not the next seed's.
 """
 
 from __future__ import annotations
@@ -28,18 +33,56 @@ FAMILY, STEPS, SIZE, FRAMES = "minimax-h3", 4, 64, 124
 CALL = {"num_inference_steps": STEPS, "height": SIZE, "width": SIZE}
 CASES = [(2, "ulysses2", 1), (2, "ring2", 1), (2, "dp2", 2), (4, "ulysses4", 1), (4, "ulysses2_ring2", 1)]
 CONTROLS = [(2, "ulysses2", "swapped_audio")]
+# fl2va: a first and a last keyframe (one latent frame each, 16 more rows), their conditioning noise from SEED
+FL2VA = [(2, "ulysses2", "fl2va"), (2, "ring2", "fl2va")]
+SEED, ANCHORS = 3, ("first", "last")
 REFUSED = {(2, "cfg2"): "MiniMax-H3 is guidance-distilled: one transformer call per step, no unconditional branch",
            (4, "cfg2_ulysses2"): "MiniMax-H3 is guidance-distilled",
            (2, "pp2"): "MiniMaxH3Transformer3DModel has no PipeFusion plan (its blocks take per-row modulation indices"}
 
 
-def reference(model, inputs: dict, steps: int = STEPS, size: int = SIZE) -> tuple[torch.Tensor, torch.Tensor]:
-    """diffusers' MiniMaxH3ModularPipeline (its denoise blocks), one call per sample: (video, audio [B, 2, 32, L])."""
+def loaded(model):
     from diffusers import ModularPipeline
 
-    if not isinstance(model, ModularPipeline):
-        model = ModularPipeline.from_pretrained(str(model))
-        model.load_components(names=["transformer", "scheduler", "audio_scheduler"])
+    if isinstance(model, ModularPipeline):
+        return model
+    model = ModularPipeline.from_pretrained(str(model))
+    model.load_components(names=["transformer", "scheduler", "audio_scheduler"])
+    return model
+
+
+def keyframe_inputs(inputs: dict) -> dict:
+    """The batch-1 inputs with two encoded keyframes as a job sends them: condition_latents [1, 24, 2·16] (the
+    flattened-and-joined list), condition_sizes [1, 2, 3] (each one latent frame, 4×4) and keyframe_anchors [1, 2]."""
+    gen = torch.Generator().manual_seed(11)
+    frame = (1, SIZE // 16, SIZE // 16)
+    return {**inputs, "condition_latents": torch.randn(1, 24, 2 * frame[0] * frame[1] * frame[2], generator=gen),
+            "condition_sizes": torch.tensor([[frame, frame]]), "keyframe_anchors": torch.tensor([[0, 1]])}
+
+
+def fl2va_reference(model, inputs: dict, anchors: tuple[str, ...], seed: int = SEED) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' own fl2va blocks (`MiniMaxH3FL2VACoreDenoiseStep`) in one process, their conditioning noise drawn
+    from torch.Generator().manual_seed(seed): (video, audio [1, 2, 32, L])."""
+    from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3FL2VACoreDenoiseStep
+
+    model = loaded(model)
+    pipeline = MiniMaxH3FL2VACoreDenoiseStep().init_pipeline()
+    pipeline.update_components(**{name: model.components[name]
+                                  for name in ("transformer", "scheduler", "audio_scheduler")})
+    pipeline.set_progress_bar_config(disable=True)
+    keyframes = list(inputs["condition_latents"].reshape(1, 24, 2, 1, SIZE // 16, SIZE // 16).unbind(2))
+    with torch.no_grad():
+        state = pipeline(num_inference_steps=STEPS, height=SIZE, width=SIZE, latents=inputs["latents"],
+                         audio_latents=inputs["audio_latents"][0], prompt_embeds=inputs["prompt_embeds"],
+                         text_token_tags=inputs["text_token_tags"], condition_latents=keyframes,
+                         keyframe_anchors=anchors, generator=torch.Generator().manual_seed(seed),
+                         output=["latents", "audio_latents"])
+    return state["latents"], state["audio_latents"][None]
+
+
+def reference(model, inputs: dict, steps: int = STEPS, size: int = SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' MiniMaxH3ModularPipeline (its denoise blocks), one call per sample: (video, audio [B, 2, 32, L])."""
+    model = loaded(model)
     videos, audios = [], []
     for b in range(inputs["latents"].shape[0]):
         video, audio = modular_latents(
@@ -61,18 +104,22 @@ def matrix(video_model_dirs, tmp_path_factory):
         inputs[batch] = work / f"in-b{batch}.safetensors"
         save_file(tiny_models.make_inputs(FAMILY, batch=batch, height=SIZE, width=SIZE, num_frames=FRAMES),
                   inputs[batch])
+    inputs["fl2va"] = work / "in-fl2va.safetensors"
+    save_file(keyframe_inputs(load_file(inputs[1])), inputs["fl2va"])
     layouts = {n: {**LAYOUTS[n], "pp2": {"pipefusion_degree": 2, "warmup_steps": STEPS}} for n in (2, 4)}
     outputs = {}
     for nproc in (2, 4):
         specs = []
-        cases = [c for c in CASES + CONTROLS if c[0] == nproc] + [(n, l, 1) for n, l in REFUSED if n == nproc]
+        cases = [c for c in CASES + CONTROLS + FL2VA if c[0] == nproc] + [(n, l, 1) for n, l in REFUSED if n == nproc]
         for case in cases:
             _, layout, variant = case
-            batch = variant if isinstance(variant, int) else 1
+            fl2va = variant == "fl2va"
+            batch = "fl2va" if fl2va else variant if isinstance(variant, int) else 1
             output = work / f"{nproc}-{layout}-{variant}.safetensors"
             specs.append({"name": f"{layout}-{variant}", "model": str(model), "inputs": str(inputs[batch]),
-                          "output": str(output), "layout": layouts[nproc][layout], "call": CALL,
-                          "fault": variant if isinstance(variant, str) else None})
+                          "output": str(output), "layout": layouts[nproc][layout],
+                          "call": {**CALL, "seed": SEED} if fl2va else CALL,
+                          "fault": variant if isinstance(variant, str) and not fl2va else None})
             outputs[case] = output
         run_engine_cases(nproc, specs, work)
     return outputs, {batch: load_file(path) for batch, path in inputs.items()}, model
@@ -81,7 +128,10 @@ def matrix(video_model_dirs, tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(matrix):
     _, inputs, model = matrix
-    return {batch: reference(model, tensors) for batch, tensors in inputs.items()}
+    expected = {batch: fl2va_reference(model, tensors, ANCHORS) if batch == "fl2va" else reference(model, tensors)
+                for batch, tensors in inputs.items()}
+    return {**expected, "fl2va swapped": fl2va_reference(model, inputs["fl2va"], ANCHORS[::-1]),
+            "fl2va other seed": fl2va_reference(model, inputs["fl2va"], ANCHORS, SEED + 1)}
 
 
 def _result(matrix, case) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,6 +156,24 @@ def test_audio_rows_on_the_wrong_rank_fail_the_check(matrix, references):
     expected_video, expected_audio = references[1]
     assert (audio - expected_audio).abs().max().item() > 100 * TOLERANCE
     assert (video - expected_video).abs().max().item() > 100 * TOLERANCE  # the video attends to the audio
+
+
+@pytest.mark.parametrize("case", FL2VA, ids=[f"{c[0]}-{c[1]}-fl2va" for c in FL2VA])
+def test_keyframes_match_diffusers_fl2va_blocks(matrix, references, case):
+    """Encoded keyframes (first and last) through the pool equal diffusers' fl2va blocks; the keyframes matter: the
+    same pool output misses diffusers' fl2va with the anchors swapped, and its t2va on the same noise (both by
+    ~4e-2). The keyframes' noise weighs 0.001 (they are held at t = 0.999), so another seed's draw moves the output
+    by only ~1e-4, near the tolerance: the pool's draw must be the seed's, 50× closer to it than to the next seed's."""
+    video, audio = _result(matrix, case)
+    expected_video, expected_audio = references["fl2va"]
+    errors = (video - expected_video).abs().max().item(), (audio - expected_audio).abs().max().item()
+    assert max(errors) <= TOLERANCE, f"{case}: max |parallel - diffusers| video {errors[0]:.3g}, audio {errors[1]:.3g}"
+    for other in (references["fl2va swapped"], references[1]):
+        assert (video - other[0]).abs().max().item() > 100 * TOLERANCE
+        assert (audio - other[1]).abs().max().item() > 100 * TOLERANCE
+    reseeded = references["fl2va other seed"]
+    assert (video - reseeded[0]).abs().max().item() > 50 * errors[0] + 1e-6
+    assert (audio - reseeded[1]).abs().max().item() > 50 * errors[1] + 1e-6
 
 
 @pytest.mark.parametrize("case", list(REFUSED), ids=[f"{n}-{l}" for n, l in REFUSED])

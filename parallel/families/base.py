@@ -10,7 +10,7 @@ process does) never imports diffusers.
 from __future__ import annotations
 
 import contextlib
-
+import math
 import re
 
 from dataclasses import dataclass, field
@@ -130,18 +130,21 @@ def pack_2x2(latents: torch.Tensor) -> torch.Tensor:
     return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
 
 
-def references(inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    """A model call's reference images, [B, C, h, w] each: `reference_latents` holds their pixels flattened and
-    joined, [B, C, Σ h·w], `reference_sizes` each one's (h, w), [B, N, 2] (ComfyUI's ReferenceLatent, any sizes)."""
-    flat, sizes = inputs.get("reference_latents"), inputs.get("reference_sizes")
+def references(inputs: dict[str, torch.Tensor], latents: str = "reference_latents",
+               sizes: str = "reference_sizes") -> list[torch.Tensor]:
+    """A call's list of latents of any sizes as named tensors carry it (one typed tensor each, no pickle): `latents`
+    holds them flattened and joined, [B, C, Σ size], `sizes` each one's size, [B, N, D]; back as N tensors
+    [B, C, *size]. ComfyUI's ReferenceLatent images: `reference_latents` with (h, w) sizes; MiniMax-H3's keyframe
+    conditions: `condition_latents` with (t, h, w) sizes."""
+    flat, shapes = inputs.get(latents), inputs.get(sizes)
     if flat is None:
         return []
-    if sizes is None or sizes.ndim != 3 or sizes.shape[2] != 2 or flat.ndim != 3:
-        raise ValueError("reference_latents [B, C, Σ h·w] go with reference_sizes [B, N, 2], each image's (h, w)")
-    shapes = [(int(h), int(w)) for h, w in sizes[0].tolist()]
-    if sum(h * w for h, w in shapes) != flat.shape[2]:
-        raise ValueError(f"reference_sizes {shapes} do not add up to the {flat.shape[2]} pixels of reference_latents")
-    parts = flat.split([h * w for h, w in shapes], dim=2)
+    if shapes is None or shapes.ndim != 3 or flat.ndim != 3:
+        raise ValueError(f"{latents} [B, C, Σ size] go with {sizes} [B, N, D], each one's size")
+    shapes = [tuple(int(n) for n in shape) for shape in shapes[0].tolist()]
+    if sum(math.prod(shape) for shape in shapes) != flat.shape[2]:
+        raise ValueError(f"{sizes} {shapes} do not add up to the {flat.shape[2]} entries of {latents}")
+    parts = flat.split([math.prod(shape) for shape in shapes], dim=2)
     return [part.unflatten(2, shape) for part, shape in zip(parts, shapes)]
 
 

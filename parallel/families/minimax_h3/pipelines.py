@@ -1,7 +1,9 @@
-"""MiniMax-H3's modular pipeline wrapper: its packed sequence's size, its stereo audio per sample, one video per call."""
+"""MiniMax-H3's modular pipeline wrapper: its packed sequence's size, its stereo audio per sample, one video per call,
+and its keyframe workflow (fl2va) from encoded keyframes."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -9,7 +11,10 @@ import torch
 from ...call_parameters import CallParameter
 from ...layout.config import LayoutError
 from ...model_executor.pipeline.modular import xFuserModularPipelineWrapper
+from ..base import references
 from ..comfy_data import ComfyData
+
+ANCHORS = ("first", "last")  # `keyframe_anchors` on the wire: 0 anchors a keyframe at the first latent frame, 1 the last
 
 COMFY = ComfyData(
     latent_formats={24: "MiniMaxH3AV"}, temporal=4, audio_stream=("audio_latents", "audio"), audio_axes=(0, 2, 1, 3),
@@ -31,14 +36,21 @@ class xFuserMiniMaxH3Pipeline(xFuserModularPipelineWrapper):
     text encoder's hidden states [B, T, text_dim] and their modality tags [T] (shared: the batch has one packed layout).
     The pipeline samples one video per call: a batch goes one sample per data-parallel rank. Guidance is distilled into
     the weights: one transformer call per step, no negative prompt, nothing for CFG parallel to split. Its scheduler
-    counts the final step: `num_inference_steps` 4 are 3 transformer calls."""
+    counts the final step: `num_inference_steps` 4 are 3 transformer calls.
+
+    First/last keyframe to video with sound (its `fl2va` blocks) when the job sends its keyframes encoded (the pool
+    holds no VAE): `condition_latents` [B, 24, Σ t·h·w] with `condition_sizes` [B, N, 3] (each keyframe's (1, H/16,
+    W/16); the flattened-and-joined list form of `reference_latents`) and `keyframe_anchors` [B, N] (0: the first
+    frame, 1: the last). The pipeline noises each keyframe with a draw from the call's generator, before anything else:
+    every rank builds that generator from the job's `seed`, so every rank draws what one process would."""
 
     comfy = COMFY
     sampling_blocks = ("denoise",)
+    workflows = {"condition_latents": ("denoise.fl2va",)}
     guider_arguments = ()
     state_outputs = ("latents", "audio_latents")
     extra_outputs = ("audio",)  # the audio latents [B, 2, 32, L], as given
-    tensor_inputs = ("audio_latents", "text_token_tags")
+    tensor_inputs = ("audio_latents", "text_token_tags", "condition_latents", "condition_sizes", "keyframe_anchors")
     shared_inputs = ("text_token_tags",)
     embedding_sizes = {"prompt_embeds": "text_dim"}
     model_call_inputs = ("prompt_embeds", "text_token_tags", "audio_latents", "audio_sigma")
@@ -46,6 +58,8 @@ class xFuserMiniMaxH3Pipeline(xFuserModularPipelineWrapper):
     call_parameters = {
         "num_frames": CallParameter(int, "video frames at 24 fps, 17n+5 from 5 to 15 s (default: as many as the latents "
                                     "hold)", 1, 10_000),
+        "seed": CallParameter(int, "the generator the pipeline draws the keyframes' conditioning noise from (fl2va; "
+                              "default 0), torch.Generator().manual_seed(seed) on every rank", 0, 2**63 - 1),
     }
 
     # -- shapes ------------------------------------------------------------------------------------------
@@ -66,12 +80,19 @@ class xFuserMiniMaxH3Pipeline(xFuserModularPipelineWrapper):
         return self.grid_tokens(height, width, self.latent_scale(), patch_h, patch_w)
 
     def sequence_tokens(self, kwargs: dict[str, Any]) -> int:
-        """The packed sequence's rows: the text's, the audio's (both channels) and the video's."""
+        """The packed sequence's rows: the text's, the keyframes' (one latent frame each), the audio's (both channels)
+        and the video's."""
         text = kwargs.get("prompt_embeds")
         audio = kwargs.get("audio_latents")
         text_rows = text.shape[1] if isinstance(text, torch.Tensor) else 0
         audio_rows = audio.shape[1] * audio.shape[3] if isinstance(audio, torch.Tensor) and audio.ndim == 4 else 0
-        return text_rows + audio_rows + self.latent_frames(kwargs) * self.image_tokens(kwargs["height"], kwargs["width"])
+        frames = self.latent_frames(kwargs) + len(self.keyframe_anchors(kwargs))
+        return text_rows + audio_rows + frames * self.image_tokens(kwargs["height"], kwargs["width"])
+
+    def keyframe_anchors(self, kwargs: dict[str, Any]) -> tuple[str, ...]:
+        """The first sample's anchors as the pipeline names them (the call's one sample, once split)."""
+        anchors = kwargs.get("keyframe_anchors")
+        return () if anchors is None else tuple(ANCHORS[int(a)] for a in anchors.reshape(anchors.shape[0], -1)[0])
 
     def prepare(self, kwargs: dict[str, Any], check_layout: bool = True) -> tuple[dict[str, Any], int, int]:
         """Given latents define the frames (5n+2 latent frames: 17n+5 frames)."""
@@ -104,7 +125,27 @@ class xFuserMiniMaxH3Pipeline(xFuserModularPipelineWrapper):
         if isinstance(text, torch.Tensor) and (tags is None or tags.shape != text.shape[1:2]):
             raise ValueError(f"prompt_embeds of {text.shape[1]} tokens need text_token_tags [{text.shape[1]}], each "
                              "token's modality (1: text, 0: a keyframe's vision tokens), as the text encoder gives them")
+        self.check_keyframes(kwargs, batch)
         super().check_inputs({k: v for k, v in kwargs.items() if k != "latents"}, batch)
+
+    def check_keyframes(self, kwargs: dict[str, Any], batch: int) -> None:
+        """fl2va's keyframes: one latent frame of the video's size each, with one anchor each."""
+        conditions, anchors = kwargs.get("condition_latents"), kwargs.get("keyframe_anchors")
+        if conditions is None and anchors is None:
+            return
+        scale, channels = self.latent_scale(), self.module.vae_latent_channels
+        frame = (1, kwargs["height"] // scale, kwargs["width"] // scale)
+        if conditions is None or anchors is None or anchors.shape[:1] != (batch,) or anchors.ndim != 2:
+            raise ValueError("MiniMax-H3's keyframes (fl2va) are condition_latents [batch, 24, Σ t·h·w] with "
+                             "condition_sizes [batch, N, 3] and keyframe_anchors [batch, N] (0: first frame, 1: last)")
+        keyframes = references(kwargs, "condition_latents", "condition_sizes")
+        sizes = [tuple(k.shape[2:]) for k in keyframes]
+        if (conditions.shape[:2] != (batch, channels) or len(keyframes) != anchors.shape[1]
+                or any(size != frame for size in sizes) or not set(anchors.flatten().tolist()) <= {0, 1}):
+            raise ValueError(f"condition_latents {list(conditions.shape)} of sizes {[list(s) for s in sizes]} with "
+                             f"keyframe_anchors {anchors.tolist()}: MiniMax-H3 at {kwargs['height']}x"
+                             f"{kwargs['width']} takes keyframes of {channels} channels and size {list(frame)} (one "
+                             "latent frame of the video), each with its anchor, 0 (first frame) or 1 (last)")
 
     def check_layout(self, kwargs: dict[str, Any], batch: int) -> int:
         most = max(self.parallel_config.batch_split(batch) or [batch])  # the samples of the busiest rank
@@ -114,21 +155,30 @@ class xFuserMiniMaxH3Pipeline(xFuserModularPipelineWrapper):
         return super().check_layout(kwargs, batch)
 
     def step_callbacks(self, step_callback):
-        """Previews see the video: the loop keeps it as patch rows [T'·h/2·w/2, 24·2·2], handed back as the sample's
-        latents [1, 24, T', h, w] (the call's one sample; the shape is the running call's, set by run_pipeline)."""
+        """Previews see the video: the loop keeps it as patch rows [T'·h/2·w/2, 24·2·2] (after fl2va's keyframe rows),
+        handed back as the sample's latents [1, 24, T', h, w] (the call's one sample; the shape is the running call's,
+        set by run_pipeline)."""
+        patch = self.module.patch_size
+
         def as_video(index: int, rows: torch.Tensor) -> None:
-            step_callback(index, unpatchify_video_rows(rows, self._video_shape, self.module.patch_size))
+            generated = rows[rows.shape[0] - math.prod(self._video_shape[2:]) // math.prod(patch):]
+            step_callback(index, unpatchify_video_rows(generated, self._video_shape, patch))
 
         return super().step_callbacks(as_video)
 
     def run_pipeline(self, arguments: dict[str, Any]):
-        """The call's one sample: its audio as the pipeline's two stereo batch items, and back."""
+        """The call's one sample: its audio as the pipeline's two stereo batch items, and back; its keyframes as the
+        pipeline's list of latents and anchor names; the generator from the seed, alike on every rank."""
         self._video_shape = self.expected_latents_shape(1, arguments["height"], arguments["width"],
                                                         self.latent_frames(arguments))
-        audio = arguments.get("audio_latents")
-        if isinstance(audio, torch.Tensor):
-            arguments = {**arguments, "audio_latents": audio[0]}
-        latents, audio = super().run_pipeline({**arguments, "return_dict": False})
+        call = {k: v for k, v in arguments.items() if k not in ("seed", "condition_sizes")}
+        call["generator"] = torch.Generator().manual_seed(arguments.get("seed", 0))
+        if isinstance(arguments.get("audio_latents"), torch.Tensor):
+            call["audio_latents"] = arguments["audio_latents"][0]
+        if arguments.get("condition_latents") is not None:
+            call["condition_latents"] = references(arguments, "condition_latents", "condition_sizes")
+            call["keyframe_anchors"] = self.keyframe_anchors(arguments)
+        latents, audio = super().run_pipeline({**call, "return_dict": False})
         return latents, audio[None]
 
     # -- model calls (ComfyUI's samplers) ------------------------------------------------------------------

@@ -33,27 +33,27 @@ class xFuserModularPipelineWrapper(xFuserPipelineBaseWrapper):
     guider_arguments: call arguments that configure the pipeline's guider for one call (its attributes).
     state_outputs:    what a sampling call returns, from the blocks' state, in order: the latents, then one per name of
                       `extra_outputs` (MiniMax-H3: its `audio_latents`, the wrapper's `audio`).
+    workflows:        the sampling blocks a call runs instead when it sends the named input, {input: blocks}; a block
+                      may be named by its path (MiniMax-H3: `condition_latents` → "denoise.fl2va", the keyframe branch
+                      of its conditional denoise block, which would choose it by the keyframe images, which the engine
+                      never holds: the caller sends them encoded).
     """
 
     sampling_blocks: ClassVar[tuple[str, ...]] = ("denoise",)
     guider_arguments: ClassVar[tuple[str, ...]] = ("guidance_scale",)
     state_outputs: ClassVar[tuple[str, ...]] = ("latents",)
+    workflows: ClassVar[dict[str, tuple[str, ...]]] = {}
     guidance_needs_negative = True  # the guider's unconditional branch is the negative prompt's
 
     def __init__(self, pipeline, attention_kernel: str | None = None, reversible: bool = False):
-        from diffusers.modular_pipelines import SequentialPipelineBlocks
-
-        blocks = pipeline.blocks.sub_blocks  # a copy: the pipeline's own blocks stay whole
-        missing = [name for name in self.sampling_blocks if name not in blocks]
-        if missing:
-            raise ValueError(f"{type(pipeline).__name__} has no {', '.join(missing)} blocks to sample with; its blocks "
-                             f"are {', '.join(blocks)}")
-        self._sampling = SequentialPipelineBlocks.from_blocks_dict({name: blocks[name] for name in self.sampling_blocks})
+        self._sampling = sampling_blocks(pipeline, self.sampling_blocks)
+        self._workflows = {name: sampling_blocks(pipeline, paths) for name, paths in self.workflows.items()}
         super().__init__(pipeline, attention_kernel, reversible)
 
     def call_parameter_names(self) -> set[str]:
-        """What a sampling call takes: the sampling blocks' inputs, and the guider's arguments."""
-        return {param.name for param in self._sampling.inputs if param.name} | set(self.guider_arguments)
+        """What a sampling call takes: the inputs of every workflow's sampling blocks, and the guider's arguments."""
+        every = [self._sampling, *self._workflows.values()]
+        return {param.name for blocks in every for param in blocks.inputs if param.name} | set(self.guider_arguments)
 
     def uses_cfg(self, kwargs: dict[str, Any]) -> bool:
         guider = getattr(self.module, "guider", None)
@@ -71,8 +71,10 @@ class xFuserModularPipelineWrapper(xFuserPipelineBaseWrapper):
                              "(output_type='latent') and decodes them with the pool's VAE decode")
         settings = {name: arguments.pop(name) for name in self.guider_arguments if name in arguments}
         guider = getattr(self.module, "guider", None)
+        blocks = next((self._workflows[name] for name in self._workflows if arguments.get(name) is not None),
+                      self._sampling)
         with contextlib.ExitStack() as stack:
-            stack.enter_context(replaced(self.module, "_blocks", self._sampling))
+            stack.enter_context(replaced(self.module, "_blocks", blocks))
             if guider is not None:
                 for name, value in settings.items():
                     stack.enter_context(replaced(guider, name, value))
@@ -80,6 +82,24 @@ class xFuserModularPipelineWrapper(xFuserPipelineBaseWrapper):
             state = self.module(**arguments, output=list(self.state_outputs))
         outputs = tuple(state[name] for name in self.state_outputs)
         return _Output(images=outputs[0]) if return_dict else outputs
+
+
+def sampling_blocks(pipeline, paths: tuple[str, ...]):
+    """The pipeline's blocks at `paths` ("denoise", or "denoise.fl2va" for a branch of a conditional block) in one
+    sequence, each under its first name (the pipeline's own blocks stay whole: `sub_blocks` are copies)."""
+    from diffusers.modular_pipelines import SequentialPipelineBlocks
+
+    chosen = {}
+    for path in paths:
+        block = pipeline.blocks
+        for name in path.split("."):
+            inner = getattr(block, "sub_blocks", {})
+            if name not in inner:
+                raise ValueError(f"{type(pipeline).__name__} has no {path} blocks to sample with; there the blocks "
+                                 f"are {', '.join(inner) or 'none'}")
+            block = inner[name]
+        chosen[path.split(".")[0]] = block
+    return SequentialPipelineBlocks.from_blocks_dict(chosen)
 
 
 class _Output:
