@@ -179,3 +179,55 @@ def test_lora_on_the_newer_families_equals_diffusers_fused(tiny_model_dirs, tmp_
     fused = diffusers_latents(fuse_loras(pipeline, [(lora, 0.8)]), family, **call)
     assert (with_lora - fused).abs().max().item() <= TOLERANCE
     assert (with_lora - base).abs().max().item() > 100 * TOLERANCE  # the LoRA takes part
+
+
+# video and audio streams of each; LTX-2's audio-video cross attention both ways (video queries on audio keys, and back)
+AV_LORAS = {
+    "ltx2": ("transformer_blocks.0.attn1.to_q", "transformer_blocks.0.audio_attn1.to_v",
+             "transformer_blocks.0.audio_to_video_attn.to_k", "transformer_blocks.1.video_to_audio_attn.to_q",
+             "transformer_blocks.1.ff.net.2", "transformer_blocks.1.audio_ff.net.0.proj"),
+    "minimax-h3": ("proj_in", "audio_proj_in", "transformer_blocks.0.attn.to_q", "transformer_blocks.1.ff.net.2"),
+}
+
+
+@pytest.mark.parametrize("family", AV_LORAS)
+def test_lora_on_the_audio_video_families_equals_diffusers_fused(video_model_dirs, tmp_path, family):
+    """LoRA on an LTX-2 or MiniMax-H3 pool (Ulysses 2) equals diffusers' own pipeline with the LoRA fused, its video
+    and its audio each, and is removed exactly."""
+    import test_ltx2
+    import test_minimax_h3
+    from xdit_test_helpers import load_pipeline_folder
+
+    model = video_model_dirs[family]
+    pipeline = load_pipeline_folder(model)
+    lora = peft_lora_for(pipeline.transformer, tmp_path / "lora.safetensors", AV_LORAS[family])
+    if family == "ltx2":
+        t = test_ltx2
+        inputs = tiny_models.make_inputs(family, height=t.HEIGHT, width=t.WIDTH, num_frames=t.FRAMES)
+        params = {"steps": t.STEPS, "guidance_scale": t.GUIDANCE, "height": t.HEIGHT, "width": t.WIDTH,
+                  "call": {"frame_rate": t.RATE, "stg_block": 1}}
+        call = {**t.CALL, "spatio_temporal_guidance_blocks": [1]}
+        del call["stg_block"]
+
+        def reference(fused):
+            return diffusers_latents(fused, **inputs, **call, all_outputs=True)
+    else:
+        t = test_minimax_h3
+        inputs = tiny_models.make_inputs(family, height=t.SIZE, width=t.SIZE, num_frames=t.FRAMES)
+        params = {"steps": t.STEPS, "guidance_scale": 1.0, "height": t.SIZE, "width": t.SIZE}
+
+        def reference(fused):
+            return t.reference(fused, inputs)
+    with serving(model, tmp_path, "--nproc", "2", "--ulysses-degree", "2") as client:
+        base = client.sample_outputs(inputs, params)
+        with_lora = client.sample_outputs(inputs, {**params, "loras": [{"path": lora, "strength": 0.8}]})
+        again = client.sample_outputs(inputs, params)
+    names = ("latents", "audio")
+    assert all(torch.equal(again[name], base[name]) for name in names)
+    for name, expected in zip(names, reference(pipeline)):
+        assert (base[name] - expected).abs().max().item() <= TOLERANCE, name
+    for name, expected in zip(names, reference(fuse_loras(pipeline, [(lora, 0.8)]))):
+        error, change = (with_lora[name] - expected).abs().max().item(), (with_lora[name] - base[name]).abs().max().item()
+        print(f"{family} {name}: max |pool - fused| {error:.3g}, LoRA change {change:.3g}")
+        assert error <= TOLERANCE, name
+        assert change > 100 * TOLERANCE, name  # the LoRA takes part in both streams

@@ -82,7 +82,7 @@ class LoraManager:
         if loader is None:
             raise ValueError(
                 f"{type(self.pipeline).__name__} has no LoRA support in diffusers; LoRA works with SD3, FLUX.1 (Kontext), "
-                "FLUX.2, Qwen-Image (Edit), Z-Image and Wan pools"
+                "FLUX.2, Qwen-Image (Edit), Z-Image, Wan, LTX-2 and MiniMax-H3 pools"
             )
         try:
             state = loader(path)
