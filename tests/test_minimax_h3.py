@@ -33,7 +33,7 @@ REFUSED = {(2, "cfg2"): "MiniMax-H3 is guidance-distilled: one transformer call 
            (2, "pp2"): "MiniMaxH3Transformer3DModel has no PipeFusion plan (its blocks take per-row modulation indices"}
 
 
-def reference(model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(model, inputs: dict, call: dict = CALL) -> tuple[torch.Tensor, torch.Tensor]:
     """diffusers' MiniMaxH3ModularPipeline (its denoise blocks), one call per sample: (video, audio [B, 2, 32, L])."""
     from diffusers import ModularPipeline
 
@@ -43,7 +43,7 @@ def reference(model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
     videos, audios = [], []
     for b in range(inputs["latents"].shape[0]):
         video, audio = modular_latents(
-            model, outputs=("latents", "audio_latents"), **CALL, latents=inputs["latents"][b : b + 1],
+            model, outputs=("latents", "audio_latents"), **call, latents=inputs["latents"][b : b + 1],
             audio_latents=inputs["audio_latents"][b], prompt_embeds=inputs["prompt_embeds"][b : b + 1],
             text_token_tags=inputs["text_token_tags"])
         videos.append(video)
