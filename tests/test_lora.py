@@ -66,12 +66,19 @@ def bfl_and_peft_lora(bfl_path, peft_path, seed: int) -> tuple[str, str]:
 
 def peft_lora_for(transformer, path, layers: tuple[str, ...], seed: int = 5) -> str:
     """A PEFT LoRA for `transformer`'s Linear layers named `layers`, of their own shapes (random A and B)."""
+    return peft_lora_on({"transformer": transformer}, path, tuple(f"transformer.{layer}" for layer in layers), seed)
+
+
+def peft_lora_on(parts: dict, path, layers: tuple[str, ...], seed: int = 5) -> str:
+    """A PEFT LoRA for the Linear layers named `layers` ("<part>.<layer>", the part a pipeline attribute in `parts`:
+    LTX-2's text connectors beside its transformer), of their own shapes (random A and B)."""
     g = torch.Generator().manual_seed(seed)
     weights = {}
-    for layer in layers:
-        linear = transformer.get_submodule(layer)
-        weights[f"transformer.{layer}.lora_A.weight"] = torch.randn(RANK, linear.in_features, generator=g) * 0.3
-        weights[f"transformer.{layer}.lora_B.weight"] = torch.randn(linear.out_features, RANK, generator=g) * 0.3
+    for name in layers:
+        part, _, layer = name.partition(".")
+        linear = parts[part].get_submodule(layer)
+        weights[f"{name}.lora_A.weight"] = torch.randn(RANK, linear.in_features, generator=g) * 0.3
+        weights[f"{name}.lora_B.weight"] = torch.randn(linear.out_features, RANK, generator=g) * 0.3
     save_file(weights, path)
     return str(path)
 
@@ -85,14 +92,15 @@ def pixart_lora(path) -> str:
     return str(path)
 
 
-def fuse_loras(pipeline, loras: list[tuple[str, float]]):
-    """diffusers' own LoRA path: load each file, weight them, fuse them into the weights; the pipeline back."""
+def fuse_loras(pipeline, loras: list[tuple[str, float]], components: tuple[str, ...] = ("transformer",)):
+    """diffusers' own LoRA path: load each file, weight them, fuse them into the weights of `components` (diffusers
+    fuses the transformer alone by default); the pipeline back."""
     names = [f"l{i}" for i in range(len(loras))]
     for name, (path, _) in zip(names, loras):
         pipeline.load_lora_weights(path, adapter_name=name)
     if names:
         pipeline.set_adapters(names, adapter_weights=[strength for _, strength in loras])
-        pipeline.fuse_lora(adapter_names=names, lora_scale=1.0)
+        pipeline.fuse_lora(components=list(components), adapter_names=names, lora_scale=1.0)
         pipeline.unload_lora_weights()
     return pipeline
 
@@ -181,26 +189,35 @@ def test_lora_on_the_newer_families_equals_diffusers_fused(tiny_model_dirs, tmp_
     assert (with_lora - base).abs().max().item() > 100 * TOLERANCE  # the LoRA takes part
 
 
-# video and audio streams of each; LTX-2's audio-video cross attention both ways (video queries on audio keys, and back)
+# video and audio streams of each; LTX-2's audio-video cross attention both ways (video queries on audio keys, and
+# back), and its text connectors (diffusers' LTX-2 loader puts a LoRA's `connectors.` weights there)
 AV_LORAS = {
-    "ltx2": ("transformer_blocks.0.attn1.to_q", "transformer_blocks.0.audio_attn1.to_v",
-             "transformer_blocks.0.audio_to_video_attn.to_k", "transformer_blocks.1.video_to_audio_attn.to_q",
-             "transformer_blocks.1.ff.net.2", "transformer_blocks.1.audio_ff.net.0.proj"),
-    "minimax-h3": ("proj_in", "audio_proj_in", "transformer_blocks.0.attn.to_q", "transformer_blocks.1.ff.net.2"),
+    "ltx2": tuple(f"transformer.{layer}" for layer in (
+        "transformer_blocks.0.attn1.to_q", "transformer_blocks.0.audio_attn1.to_v",
+        "transformer_blocks.0.audio_to_video_attn.to_k", "transformer_blocks.1.video_to_audio_attn.to_q",
+        "transformer_blocks.1.ff.net.2", "transformer_blocks.1.audio_ff.net.0.proj")),
+    "minimax-h3": ("transformer.proj_in", "transformer.audio_proj_in", "transformer.transformer_blocks.0.attn.to_q",
+                   "transformer.transformer_blocks.1.ff.net.2"),
 }
+LTX2_CONNECTORS = ("connectors.video_connector.transformer_blocks.0.attn1.to_v", "connectors.audio_text_proj_in")
 
 
 @pytest.mark.parametrize("family", AV_LORAS)
 def test_lora_on_the_audio_video_families_equals_diffusers_fused(video_model_dirs, tmp_path, family):
     """LoRA on an LTX-2 or MiniMax-H3 pool (Ulysses 2) equals diffusers' own pipeline with the LoRA fused, its video
-    and its audio each, and is removed exactly."""
+    and its audio each, and is removed exactly. LTX-2's LoRA changes its text connectors too: without them the pool
+    would miss (the transformer's layers alone fused miss by far)."""
     import test_ltx2
     import test_minimax_h3
     from xdit_test_helpers import load_pipeline_folder
 
     model = video_model_dirs[family]
     pipeline = load_pipeline_folder(model)
-    lora = peft_lora_for(pipeline.transformer, tmp_path / "lora.safetensors", AV_LORAS[family])
+    parts = {"transformer": pipeline.transformer}
+    if family == "ltx2":
+        parts["connectors"] = pipeline.connectors
+    lora = peft_lora_on(parts, tmp_path / "lora.safetensors", AV_LORAS[family] + tuple(
+        LTX2_CONNECTORS if family == "ltx2" else ()))
     if family == "ltx2":
         t = test_ltx2
         inputs = tiny_models.make_inputs(family, height=t.HEIGHT, width=t.WIDTH, num_frames=t.FRAMES)
@@ -226,8 +243,15 @@ def test_lora_on_the_audio_video_families_equals_diffusers_fused(video_model_dir
     assert all(torch.equal(again[name], base[name]) for name in names)
     for name, expected in zip(names, reference(pipeline)):
         assert (base[name] - expected).abs().max().item() <= TOLERANCE, name
-    for name, expected in zip(names, reference(fuse_loras(pipeline, [(lora, 0.8)]))):
+    if family == "ltx2":  # the negative control: the same LoRA without its connector weights
+        transformer_only = peft_lora_on(parts, tmp_path / "transformer_only.safetensors", AV_LORAS[family])
+        misses = reference(fuse_loras(load_pipeline_folder(model), [(transformer_only, 0.8)]))
+    for name, expected in zip(names, reference(fuse_loras(pipeline, [(lora, 0.8)], tuple(parts)))):
         error, change = (with_lora[name] - expected).abs().max().item(), (with_lora[name] - base[name]).abs().max().item()
         print(f"{family} {name}: max |pool - fused| {error:.3g}, LoRA change {change:.3g}")
         assert error <= TOLERANCE, name
         assert change > 100 * TOLERANCE, name  # the LoRA takes part in both streams
+    if family == "ltx2":
+        for name, miss in zip(names, misses):
+            print(f"{family} {name}: without the connectors' weights {(with_lora[name] - miss).abs().max().item():.3g}")
+            assert (with_lora[name] - miss).abs().max().item() > 100 * TOLERANCE, name
