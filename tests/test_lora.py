@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers import DiffusionPipeline
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from parallel.loading import tiny_models
 from pool_helpers import PARAMS, free_endpoint, idle_client, serving, start_serve, stop_serve
@@ -202,56 +202,68 @@ AV_LORAS = {
 LTX2_CONNECTORS = ("connectors.video_connector.transformer_blocks.0.attn1.to_v", "connectors.audio_text_proj_in")
 
 
+def ltx2_original_layout(peft_path, path) -> str:
+    """The same LTX-2 LoRA in the LTX-2 trainer's layout (`diffusion_model.`, the connectors under
+    `text_embedding_projection.` with `aggregate_embed`), which diffusers' LTX-2 loader converts on load."""
+    renamed = {}
+    for key, value in load_file(peft_path).items():
+        if key.startswith("transformer."):
+            renamed["diffusion_model." + key.removeprefix("transformer.")] = value
+        else:
+            key = key.removeprefix("connectors.").replace("text_proj_in", "aggregate_embed")
+            renamed["text_embedding_projection." + key] = value
+    save_file(renamed, path)
+    return str(path)
+
+
+def _av_job(family: str):
+    """(inputs, pool job params, diffusers' reference of a pipeline: (video, audio)) as tests/test_ltx2.py and
+    tests/test_minimax_h3.py run them."""
+    import test_ltx2
+    import test_minimax_h3
+
+    if family == "minimax-h3":
+        t = test_minimax_h3
+        inputs = tiny_models.make_inputs(family, height=t.SIZE, width=t.SIZE, num_frames=t.FRAMES)
+        return inputs, {"steps": t.STEPS, "guidance_scale": 1.0, "height": t.SIZE, "width": t.SIZE}, \
+            lambda pipeline: t.reference(pipeline, inputs)
+    t = test_ltx2
+    inputs = tiny_models.make_inputs(family, height=t.HEIGHT, width=t.WIDTH, num_frames=t.FRAMES)
+    params = {"steps": t.STEPS, "guidance_scale": t.GUIDANCE, "height": t.HEIGHT, "width": t.WIDTH,
+              "call": {"frame_rate": t.RATE, "stg_block": 1}}
+    call = {**t.CALL, "spatio_temporal_guidance_blocks": [1]}
+    del call["stg_block"]
+    return inputs, params, lambda pipeline: diffusers_latents(pipeline, **inputs, **call, all_outputs=True)
+
+
 @pytest.mark.parametrize("family", AV_LORAS)
 def test_lora_on_the_audio_video_families_equals_diffusers_fused(video_model_dirs, tmp_path, family):
     """LoRA on an LTX-2 or MiniMax-H3 pool (Ulysses 2) equals diffusers' own pipeline with the LoRA fused, its video
-    and its audio each, and is removed exactly. LTX-2's LoRA changes its text connectors too: without them the pool
-    would miss (the transformer's layers alone fused miss by far)."""
-    import test_ltx2
-    import test_minimax_h3
+    and its audio each, and is removed exactly. LTX-2's LoRA changes its text connectors too (fused as diffusers'
+    loader loads them): the same LoRA without them misses by far; in the LTX-2 trainer's layout it equals it."""
     from xdit_test_helpers import load_pipeline_folder
 
-    model = video_model_dirs[family]
+    model, names = video_model_dirs[family], ("latents", "audio")
     pipeline = load_pipeline_folder(model)
-    parts = {"transformer": pipeline.transformer}
+    parts = {"transformer": pipeline.transformer, **({"connectors": pipeline.connectors} if family == "ltx2" else {})}
+    layers = AV_LORAS[family] + (LTX2_CONNECTORS if family == "ltx2" else ())
+    loras = {"peft": peft_lora_on(parts, tmp_path / "lora.safetensors", layers)}
     if family == "ltx2":
-        parts["connectors"] = pipeline.connectors
-    lora = peft_lora_on(parts, tmp_path / "lora.safetensors", AV_LORAS[family] + tuple(
-        LTX2_CONNECTORS if family == "ltx2" else ()))
-    if family == "ltx2":
-        t = test_ltx2
-        inputs = tiny_models.make_inputs(family, height=t.HEIGHT, width=t.WIDTH, num_frames=t.FRAMES)
-        params = {"steps": t.STEPS, "guidance_scale": t.GUIDANCE, "height": t.HEIGHT, "width": t.WIDTH,
-                  "call": {"frame_rate": t.RATE, "stg_block": 1}}
-        call = {**t.CALL, "spatio_temporal_guidance_blocks": [1]}
-        del call["stg_block"]
-
-        def reference(fused):
-            return diffusers_latents(fused, **inputs, **call, all_outputs=True)
-    else:
-        t = test_minimax_h3
-        inputs = tiny_models.make_inputs(family, height=t.SIZE, width=t.SIZE, num_frames=t.FRAMES)
-        params = {"steps": t.STEPS, "guidance_scale": 1.0, "height": t.SIZE, "width": t.SIZE}
-
-        def reference(fused):
-            return t.reference(fused, inputs)
+        loras["original"] = ltx2_original_layout(loras["peft"], tmp_path / "original.safetensors")
+    inputs, params, reference = _av_job(family)
     with serving(model, tmp_path, "--nproc", "2", "--ulysses-degree", "2") as client:
         base = client.sample_outputs(inputs, params)
-        with_lora = client.sample_outputs(inputs, {**params, "loras": [{"path": lora, "strength": 0.8}]})
-        again = client.sample_outputs(inputs, params)
-    names = ("latents", "audio")
-    assert all(torch.equal(again[name], base[name]) for name in names)
+        ours = {kind: client.sample_outputs(inputs, {**params, "loras": [{"path": path, "strength": 0.8}]})
+                for kind, path in loras.items()}
+        assert all(torch.equal(client.sample_outputs(inputs, params)[name], base[name]) for name in names)
     for name, expected in zip(names, reference(pipeline)):
         assert (base[name] - expected).abs().max().item() <= TOLERANCE, name
-    if family == "ltx2":  # the negative control: the same LoRA without its connector weights
+    fused = dict(zip(names, reference(fuse_loras(pipeline, [(loras["peft"], 0.8)], tuple(parts)))))
+    for kind, name in ((kind, name) for kind in ours for name in names):
+        error = (ours[kind][name] - fused[name]).abs().max().item()
+        assert error <= TOLERANCE, f"{family} {kind} {name}: max |pool - fused| {error:.3g}"
+        assert (ours[kind][name] - base[name]).abs().max().item() > 100 * TOLERANCE, name  # the LoRA takes part
+    if family == "ltx2":  # the negative control: the same LoRA without its connectors' weights
         transformer_only = peft_lora_on(parts, tmp_path / "transformer_only.safetensors", AV_LORAS[family])
-        misses = reference(fuse_loras(load_pipeline_folder(model), [(transformer_only, 0.8)]))
-    for name, expected in zip(names, reference(fuse_loras(pipeline, [(lora, 0.8)], tuple(parts)))):
-        error, change = (with_lora[name] - expected).abs().max().item(), (with_lora[name] - base[name]).abs().max().item()
-        print(f"{family} {name}: max |pool - fused| {error:.3g}, LoRA change {change:.3g}")
-        assert error <= TOLERANCE, name
-        assert change > 100 * TOLERANCE, name  # the LoRA takes part in both streams
-    if family == "ltx2":
-        for name, miss in zip(names, misses):
-            print(f"{family} {name}: without the connectors' weights {(with_lora[name] - miss).abs().max().item():.3g}")
-            assert (with_lora[name] - miss).abs().max().item() > 100 * TOLERANCE, name
+        for name, miss in zip(names, reference(fuse_loras(load_pipeline_folder(model), [(transformer_only, 0.8)]))):
+            assert (ours["peft"][name] - miss).abs().max().item() > 100 * TOLERANCE, name
