@@ -3,9 +3,9 @@
     torchrun --nproc-per-node N tests/step_cache_cases.py CASES.json
 
 Each case: {"model", "inputs", "output", "layout": {ParallelConfig fields}, "call": {__call__ kwargs},
-"cache": {CacheSettings map}, "fault"}. Rank 0 writes the latents (and the audio of a video with sound); every rank writes its cache decisions
-(per cache context) and the job's full/cached counts to output + ".rank<r>.json"; a failing rank's traceback goes to
-output + ".error.rank<r>" (xdit_test_helpers.case_errors reads them all).
+"cache": {CacheSettings map}, "fault"}. Rank 0 writes the latents (and the audio of a video with sound); every
+rank writes its cache decisions (per cache context) and the job's full/cached counts to output + ".rank<r>.json"; a
+failing rank's traceback goes to output + ".error.rank<r>" (xdit_test_helpers.case_errors reads them all).
 """
 
 from __future__ import annotations

@@ -100,7 +100,8 @@ def call_kwargs(case: Case) -> dict:
     tiny = tiny_models.MODELS[case.family]
     frames, height, width = case.video or (None, SIZE, SIZE)
     return {"num_inference_steps": STEPS, "guidance_scale": tiny.guidance, "height": height, "width": width,
-            **({"num_frames": frames} if frames else {}), **(tiny.true_cfg if case.true_cfg else {}), **(case.extra or {})}
+            **({"num_frames": frames} if frames else {}), **(tiny.true_cfg if case.true_cfg else {}),
+            **(case.extra or {})}
 
 
 def reference(model_dir: Path, family: str, inputs: dict, call: dict, cache: dict):
@@ -243,7 +244,8 @@ def test_pool_job_takes_the_cache_and_reports_its_calls(runs, tiny_model_dirs, t
         assert run.returncode == 0, run.stderr[-3000:]
         full = sum(decisions["cond"])
         assert f"{full} full model calls, {STEPS - full} from the cache" in run.stdout, run.stdout
-        assert (load_file(tmp_path / "out.safetensors")["latents"] - expected["latents"]).abs().max().item() <= TOLERANCE
+        result = load_file(tmp_path / "out.safetensors")["latents"]
+        assert (result - expected["latents"]).abs().max().item() <= TOLERANCE
         cache = status()["last_cache"]
         assert (cache["method"], cache["full"], cache["cached"]) == ("first-block", full, STEPS - full)
         assert sample().returncode == 0 and status()["last_cache"] is None  # the next job asks for none

@@ -64,7 +64,7 @@ class LoraManager:
         self.active = stack
 
     def _load(self, spec: LoraSpec) -> None:
-        """Load the file into the experts it targets (once per file and expert)."""
+        """Load the file into the experts it targets and the parts it has weights for (once per file and each)."""
         if spec.expert and spec.expert not in self.experts:
             raise ValueError(f"this {type(self.pipeline).__name__} has no {spec.expert}; its transformers are "
                              f"{', '.join(self.experts)}")
