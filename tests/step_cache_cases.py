@@ -3,9 +3,9 @@
     torchrun --nproc-per-node N tests/step_cache_cases.py CASES.json
 
 Each case: {"model", "inputs", "output", "layout": {ParallelConfig fields}, "call": {__call__ kwargs},
-"cache": {CacheSettings map}, "fault"}. Rank 0 writes the latents; every rank writes its cache decisions
-(per cache context) and the job's full/cached counts to output + ".rank<r>.json"; a failing rank's traceback goes to
-output + ".error.rank<r>" (xdit_test_helpers.case_errors reads them all).
+"cache": {CacheSettings map}, "fault"}. Rank 0 writes the latents (and the audio of a video with sound); every
+rank writes its cache decisions (per cache context) and the job's full/cached counts to output + ".rank<r>.json"; a
+failing rank's traceback goes to output + ".error.rank<r>" (xdit_test_helpers.case_errors reads them all).
 """
 
 from __future__ import annotations
@@ -46,15 +46,16 @@ def run_case(case: dict, rank: int) -> None:
             step_cache.reduced_relative_change = FAULTS[case["fault"]]
         try:
             cache = CacheSettings.from_params(case["cache"])
-            latents = parallel(**load_file(case["inputs"]), **case["call"], **{STEP_CACHE: cache},
-                               output_type="latent", return_dict=False)[0]
+            output = parallel(**load_file(case["inputs"]), **case["call"], **{STEP_CACHE: cache},
+                              output_type="latent", return_dict=False)
         finally:
             step_cache.reduced_relative_change = original
         report = parallel.cache_report
     Path(f"{case['output']}.rank{rank}.json").write_text(
         json.dumps({"decisions": report.decisions, "full": report.full, "cached": report.cached}))
-    if rank == 0:
-        save_file({"latents": latents.contiguous()}, case["output"])
+    if rank == 0:  # the latents, and what the pipeline returns beside them (LTX-2's and MiniMax-H3's audio)
+        outputs = {"latents": output[0], **dict(zip(parallel.extra_outputs, output[1:]))}
+        save_file({name: tensor.contiguous() for name, tensor in outputs.items()}, case["output"])
 
 
 if __name__ == "__main__":  # every rank names its own error file

@@ -49,7 +49,7 @@ CONTROLS = [("flux", "bf16"), ("qwen-image", "bf16"), ("wan", "fp8")]  # (Ulysse
 # One pool per family module (a pool serves one model and starts in ~10 s), bf16 and fp8 alternating
 POOLS = [("flux", "bf16"), ("flux2-klein", "fp8"), ("pixart-sigma", "bf16"), ("qwen-image-edit", "bf16"), ("sd3", "fp8"),
          ("z-image", "bf16"), ("wan22", "fp8"), ("hunyuanvideo15", "bf16"), ("flux3", "bf16"),
-         ("krea2", "fp8"), ("qwen-image-2.1", "bf16"), ("ltx2", "fp8")]
+         ("krea2", "fp8"), ("qwen-image-2.1", "bf16"), ("ltx2", "fp8"), ("minimax-h3", "bf16")]
 
 
 def call_of(model: str) -> dict:

@@ -93,6 +93,7 @@ def test_the_example_workflow_runs_in_the_frontend_and_equals_diffusers(comfy, p
     sampler = prompt[nodes["XDiTSampler"]]["inputs"]
     size = prompt[nodes["EmptyMiniMaxH3LatentAV"]]["inputs"]
     inputs = tiny_models.make_inputs(FAMILY, height=size["height"], width=size["width"], num_frames=size["length"])
+    call = {"num_inference_steps": sampler["steps"], "height": size["height"], "width": size["width"]}
     texts, tags = {}, inputs["text_token_tags"]
     for node, value in prompt.items():
         kind = value["class_type"]
@@ -114,8 +115,7 @@ def test_the_example_workflow_runs_in_the_frontend_and_equals_diffusers(comfy, p
     noise = {"latents": torch.randn(video.shape, generator=generator),
              "audio_latents": torch.randn(audio.shape, generator=generator).permute(*COMFY_AUDIO)}
     expected_video, expected_audio = reference(video_model_dirs[FAMILY], {
-        **noise, "prompt_embeds": inputs["prompt_embeds"], "text_token_tags": tags}, steps=sampler["steps"],
-        size=size["width"])
+        **noise, "prompt_embeds": inputs["prompt_embeds"], "text_token_tags": tags}, call)
     errors = ((video - expected_video).abs().max().item(),
               (audio - expected_audio.permute(*COMFY_AUDIO)).abs().max().item())
     assert max(errors) <= TOLERANCE, errors
@@ -124,5 +124,5 @@ def test_the_example_workflow_runs_in_the_frontend_and_equals_diffusers(comfy, p
     other = {"latents": torch.randn(video.shape, generator=generator),
              "audio_latents": torch.randn(audio.shape, generator=generator).permute(*COMFY_AUDIO)}
     reseeded, _ = reference(video_model_dirs[FAMILY], {**other, "prompt_embeds": inputs["prompt_embeds"],
-                                                       "text_token_tags": tags}, steps=sampler["steps"], size=size["width"])
+                                                       "text_token_tags": tags}, call)
     assert (video - reseeded).abs().max().item() > 100 * TOLERANCE

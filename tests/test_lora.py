@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers import DiffusionPipeline
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from parallel.loading import tiny_models
 from pool_helpers import PARAMS, free_endpoint, idle_client, serving, start_serve, stop_serve
@@ -66,12 +66,19 @@ def bfl_and_peft_lora(bfl_path, peft_path, seed: int) -> tuple[str, str]:
 
 def peft_lora_for(transformer, path, layers: tuple[str, ...], seed: int = 5) -> str:
     """A PEFT LoRA for `transformer`'s Linear layers named `layers`, of their own shapes (random A and B)."""
+    return peft_lora_on({"transformer": transformer}, path, tuple(f"transformer.{layer}" for layer in layers), seed)
+
+
+def peft_lora_on(parts: dict, path, layers: tuple[str, ...], seed: int = 5) -> str:
+    """A PEFT LoRA for the Linear layers named `layers` ("<part>.<layer>", the part a pipeline attribute in `parts`:
+    LTX-2's text connectors beside its transformer), of their own shapes (random A and B)."""
     g = torch.Generator().manual_seed(seed)
     weights = {}
-    for layer in layers:
-        linear = transformer.get_submodule(layer)
-        weights[f"transformer.{layer}.lora_A.weight"] = torch.randn(RANK, linear.in_features, generator=g) * 0.3
-        weights[f"transformer.{layer}.lora_B.weight"] = torch.randn(linear.out_features, RANK, generator=g) * 0.3
+    for name in layers:
+        part, _, layer = name.partition(".")
+        linear = parts[part].get_submodule(layer)
+        weights[f"{name}.lora_A.weight"] = torch.randn(RANK, linear.in_features, generator=g) * 0.3
+        weights[f"{name}.lora_B.weight"] = torch.randn(linear.out_features, RANK, generator=g) * 0.3
     save_file(weights, path)
     return str(path)
 
@@ -85,14 +92,15 @@ def pixart_lora(path) -> str:
     return str(path)
 
 
-def fuse_loras(pipeline, loras: list[tuple[str, float]]):
-    """diffusers' own LoRA path: load each file, weight them, fuse them into the weights; the pipeline back."""
+def fuse_loras(pipeline, loras: list[tuple[str, float]], components: tuple[str, ...] = ("transformer",)):
+    """diffusers' own LoRA path: load each file, weight them, fuse them into the weights of `components` (diffusers
+    fuses the transformer alone by default); the pipeline back."""
     names = [f"l{i}" for i in range(len(loras))]
     for name, (path, _) in zip(names, loras):
         pipeline.load_lora_weights(path, adapter_name=name)
     if names:
         pipeline.set_adapters(names, adapter_weights=[strength for _, strength in loras])
-        pipeline.fuse_lora(adapter_names=names, lora_scale=1.0)
+        pipeline.fuse_lora(components=list(components), adapter_names=names, lora_scale=1.0)
         pipeline.unload_lora_weights()
     return pipeline
 
@@ -179,3 +187,83 @@ def test_lora_on_the_newer_families_equals_diffusers_fused(tiny_model_dirs, tmp_
     fused = diffusers_latents(fuse_loras(pipeline, [(lora, 0.8)]), family, **call)
     assert (with_lora - fused).abs().max().item() <= TOLERANCE
     assert (with_lora - base).abs().max().item() > 100 * TOLERANCE  # the LoRA takes part
+
+
+# video and audio streams of each; LTX-2's audio-video cross attention both ways (video queries on audio keys, and
+# back), and its text connectors (diffusers' LTX-2 loader puts a LoRA's `connectors.` weights there)
+AV_LORAS = {
+    "ltx2": tuple(f"transformer.{layer}" for layer in (
+        "transformer_blocks.0.attn1.to_q", "transformer_blocks.0.audio_attn1.to_v",
+        "transformer_blocks.0.audio_to_video_attn.to_k", "transformer_blocks.1.video_to_audio_attn.to_q",
+        "transformer_blocks.1.ff.net.2", "transformer_blocks.1.audio_ff.net.0.proj")),
+    "minimax-h3": ("transformer.proj_in", "transformer.audio_proj_in", "transformer.transformer_blocks.0.attn.to_q",
+                   "transformer.transformer_blocks.1.ff.net.2"),
+}
+LTX2_CONNECTORS = ("connectors.video_connector.transformer_blocks.0.attn1.to_v", "connectors.audio_text_proj_in")
+
+
+def ltx2_original_layout(peft_path, path) -> str:
+    """The same LTX-2 LoRA in the LTX-2 trainer's layout (`diffusion_model.`, the connectors under
+    `text_embedding_projection.` with `aggregate_embed`), which diffusers' LTX-2 loader converts on load."""
+    renamed = {}
+    for key, value in load_file(peft_path).items():
+        if key.startswith("transformer."):
+            renamed["diffusion_model." + key.removeprefix("transformer.")] = value
+        else:
+            key = key.removeprefix("connectors.").replace("text_proj_in", "aggregate_embed")
+            renamed["text_embedding_projection." + key] = value
+    save_file(renamed, path)
+    return str(path)
+
+
+def _av_job(family: str):
+    """(inputs, pool job params, diffusers' reference of a pipeline: (video, audio)) as tests/test_ltx2.py and
+    tests/test_minimax_h3.py run them."""
+    import test_ltx2
+    import test_minimax_h3
+
+    if family == "minimax-h3":
+        t = test_minimax_h3
+        inputs = tiny_models.make_inputs(family, height=t.SIZE, width=t.SIZE, num_frames=t.FRAMES)
+        return inputs, {"steps": t.STEPS, "guidance_scale": 1.0, "height": t.SIZE, "width": t.SIZE}, \
+            lambda pipeline: t.reference(pipeline, inputs)
+    t = test_ltx2
+    inputs = tiny_models.make_inputs(family, height=t.HEIGHT, width=t.WIDTH, num_frames=t.FRAMES)
+    params = {"steps": t.STEPS, "guidance_scale": t.GUIDANCE, "height": t.HEIGHT, "width": t.WIDTH,
+              "call": {"frame_rate": t.RATE, "stg_block": 1}}
+    call = {**t.CALL, "spatio_temporal_guidance_blocks": [1]}
+    del call["stg_block"]
+    return inputs, params, lambda pipeline: diffusers_latents(pipeline, **inputs, **call, all_outputs=True)
+
+
+@pytest.mark.parametrize("family", AV_LORAS)
+def test_lora_on_the_audio_video_families_equals_diffusers_fused(video_model_dirs, tmp_path, family):
+    """LoRA on an LTX-2 or MiniMax-H3 pool (Ulysses 2) equals diffusers' own pipeline with the LoRA fused, its video
+    and its audio each, and is removed exactly. LTX-2's LoRA changes its text connectors too (fused as diffusers'
+    loader loads them): the same LoRA without them misses by far; in the LTX-2 trainer's layout it equals it."""
+    from xdit_test_helpers import load_pipeline_folder
+
+    model, names = video_model_dirs[family], ("latents", "audio")
+    pipeline = load_pipeline_folder(model)
+    parts = {"transformer": pipeline.transformer, **({"connectors": pipeline.connectors} if family == "ltx2" else {})}
+    layers = AV_LORAS[family] + (LTX2_CONNECTORS if family == "ltx2" else ())
+    loras = {"peft": peft_lora_on(parts, tmp_path / "lora.safetensors", layers)}
+    if family == "ltx2":
+        loras["original"] = ltx2_original_layout(loras["peft"], tmp_path / "original.safetensors")
+    inputs, params, reference = _av_job(family)
+    with serving(model, tmp_path, "--nproc", "2", "--ulysses-degree", "2") as client:
+        base = client.sample_outputs(inputs, params)
+        ours = {kind: client.sample_outputs(inputs, {**params, "loras": [{"path": path, "strength": 0.8}]})
+                for kind, path in loras.items()}
+        assert all(torch.equal(client.sample_outputs(inputs, params)[name], base[name]) for name in names)
+    for name, expected in zip(names, reference(pipeline)):
+        assert (base[name] - expected).abs().max().item() <= TOLERANCE, name
+    fused = dict(zip(names, reference(fuse_loras(pipeline, [(loras["peft"], 0.8)], tuple(parts)))))
+    for kind, name in ((kind, name) for kind in ours for name in names):
+        error = (ours[kind][name] - fused[name]).abs().max().item()
+        assert error <= TOLERANCE, f"{family} {kind} {name}: max |pool - fused| {error:.3g}"
+        assert (ours[kind][name] - base[name]).abs().max().item() > 100 * TOLERANCE, name  # the LoRA takes part
+    if family == "ltx2":  # the negative control: the same LoRA without its connectors' weights
+        transformer_only = peft_lora_on(parts, tmp_path / "transformer_only.safetensors", AV_LORAS[family])
+        for name, miss in zip(names, reference(fuse_loras(load_pipeline_folder(model), [(transformer_only, 0.8)]))):
+            assert (ours["peft"][name] - miss).abs().max().item() > 100 * TOLERANCE, name

@@ -80,13 +80,13 @@ def fl2va_reference(model, inputs: dict, anchors: tuple[str, ...], seed: int = S
     return state["latents"], state["audio_latents"][None]
 
 
-def reference(model, inputs: dict, steps: int = STEPS, size: int = SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(model, inputs: dict, call: dict = CALL) -> tuple[torch.Tensor, torch.Tensor]:
     """diffusers' MiniMaxH3ModularPipeline (its denoise blocks), one call per sample: (video, audio [B, 2, 32, L])."""
     model = loaded(model)
     videos, audios = [], []
     for b in range(inputs["latents"].shape[0]):
         video, audio = modular_latents(
-            model, outputs=("latents", "audio_latents"), num_inference_steps=steps, height=size, width=size, latents=inputs["latents"][b : b + 1],
+            model, outputs=("latents", "audio_latents"), **call, latents=inputs["latents"][b : b + 1],
             audio_latents=inputs["audio_latents"][b], prompt_embeds=inputs["prompt_embeds"][b : b + 1],
             text_token_tags=inputs["text_token_tags"])
         videos.append(video)

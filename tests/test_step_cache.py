@@ -5,6 +5,8 @@ diffusers' single-process pipeline with the same hook (`enable_cache`), its deci
 Each case must equal it within 1e-4 and skip exactly the same steps on every rank; the negative control
 (the metric of one rank's shard, agreed by broadcast) must miss. Qwen-Image 2.1 takes TaylorSeer with its prefix
 K/V cache on; its first-block cache and Krea 2's every cache are refused in one line, the one --list-supported prints.
+LTX-2 (Ulysses 2, CFG 2) and MiniMax-H3 (Ulysses 2) take TaylorSeer, video and audio each equal to diffusers' run (H3's
+modular pipeline in the engine's default cache context); diffusers' first-block cache knows neither's blocks.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ STEPS, SIZE, THRESHOLD = 20, 64, 0.42
 FIRST_BLOCK = {"method": "first-block", "threshold": THRESHOLD}
 TAYLORSEER = {"method": "taylorseer", "interval": 3, "warmup": 2, "order": 2}
 QWEN_FIRST_BLOCK = {"method": "first-block", "threshold": 1.0}  # its tiny model's first-block residual moves more
+LTX2_VIDEO, LTX2_CALL = (17, 96, 160), {"frame_rate": 25.0, "stg_block": 1}  # tests/test_ltx2.py's; STG on block 1
 
 
 class Case(NamedTuple):
@@ -40,6 +43,7 @@ class Case(NamedTuple):
     fault: str | None = None
     batch: int = 1
     video: tuple[int, int, int] | None = None  # (frames, height, width)
+    extra: dict | None = None  # the family's own call parameters
     refused: str | None = None  # the error every rank must raise instead (no reference then)
 
 
@@ -77,6 +81,18 @@ CASES = {
                                                                       "Krea2Transformer2DModel (no CacheMixin)"),
     "qwen-image-2.1-taylorseer-cfg2_ulysses2": Case(4, {"cfg_degree": 2, "ulysses_degree": 2}, "qwen-image-2.1",
                                                     true_cfg=True, cache=TAYLORSEER),
+    # video with sound: three calls a step for LTX-2 (CFG batch, STG, modality isolation: a cache context each), one
+    # packed sequence for MiniMax-H3 (its modular pipeline names no context); diffusers' first-block cache knows
+    # neither's blocks
+    "ltx2-taylorseer-ulysses2": Case(2, {"ulysses_degree": 2}, "ltx2", cache=TAYLORSEER, video=LTX2_VIDEO,
+                                     extra=LTX2_CALL),
+    "ltx2-taylorseer-cfg2": Case(2, {"cfg_degree": 2}, "ltx2", cache=TAYLORSEER, video=LTX2_VIDEO, extra=LTX2_CALL),
+    "ltx2-first-block": Case(2, {"ulysses_degree": 2}, "ltx2", video=LTX2_VIDEO, extra=LTX2_CALL,
+                             refused="has no entry for LTX2VideoTransformerBlock in its block registry"),
+    "minimax-h3-taylorseer-ulysses2": Case(2, {"ulysses_degree": 2}, "minimax-h3", cache=TAYLORSEER,
+                                           video=(124, 64, 64)),
+    "minimax-h3-first-block": Case(2, {"ulysses_degree": 2}, "minimax-h3", video=(124, 64, 64),
+                                   refused="has no entry for MiniMaxH3TransformerBlock and MiniMaxH3TokenRefinerBlock"),
 }
 
 
@@ -84,13 +100,16 @@ def call_kwargs(case: Case) -> dict:
     tiny = tiny_models.MODELS[case.family]
     frames, height, width = case.video or (None, SIZE, SIZE)
     return {"num_inference_steps": STEPS, "guidance_scale": tiny.guidance, "height": height, "width": width,
-            **({"num_frames": frames} if frames else {}), **(tiny.true_cfg if case.true_cfg else {})}
+            **({"num_frames": frames} if frames else {}), **(tiny.true_cfg if case.true_cfg else {}),
+            **(case.extra or {})}
 
 
 def reference(model_dir: Path, family: str, inputs: dict, call: dict, cache: dict):
-    """diffusers in this process with the same hook; returns (latents, decisions per cache context)."""
+    """diffusers in this process with the same hook; returns ({"latents", and "audio" for a video with sound},
+    decisions per cache context). A modular pipeline (MiniMax-H3) names no context: the engine's default one."""
     from parallel.cache_settings import CacheSettings
     from parallel.model_executor import step_cache
+    from test_minimax_h3 import reference as minimax_h3_reference
 
     pipeline = load_pipeline_folder(model_dir)  # Qwen-Image 2.1's processor for images only without torchvision
     settings = CacheSettings.from_params(cache)
@@ -101,7 +120,14 @@ def reference(model_dir: Path, family: str, inputs: dict, call: dict, cache: dic
             _record_decisions(_hook(transformer, "fbc_leader_block_hook"), "_should_compute_remaining_blocks", decisions)
         else:
             _record_decisions(_hook(transformer, "taylorseer_cache"), "_measure_should_compute", decisions)
-    return diffusers_latents(pipeline, family, **inputs, **call), decisions
+    if family == "minimax-h3":
+        with pipeline.transformer.cache_context(step_cache.DEFAULT_CONTEXT):
+            return dict(zip(("latents", "audio"), minimax_h3_reference(pipeline, inputs, call))), decisions
+    if "stg_block" in call:  # the engine's call parameter, as the list LTX2Pipeline takes
+        call = {**call, "spatio_temporal_guidance_blocks": [call["stg_block"]]}
+        del call["stg_block"]
+    outputs = diffusers_latents(pipeline, family, **inputs, **call, all_outputs=True)
+    return dict(zip(("latents", "audio") if family == "ltx2" else ("latents",), outputs)), decisions
 
 
 def _hook(transformer, name: str):
@@ -155,14 +181,16 @@ def _case(runs, name: str):
     errors = case_errors(output)
     assert not errors, errors[-3000:]
     per_rank = [json.loads(Path(f"{output}.rank{r}.json").read_text()) for r in range(ranks)]
-    return load_file(output)["latents"], expected, per_rank, decisions
+    return load_file(output), expected, per_rank, decisions
 
 
 @pytest.mark.parametrize("name", [n for n, case in CASES.items() if n != "control" and not case.refused])
 def test_cached_layout_equals_diffusers_with_the_same_hook(runs, name):
     parallel, expected, per_rank, decisions = _case(runs, name)
-    error = (parallel - expected).abs().max().item()
-    assert error <= TOLERANCE, f"{name}: max |parallel - diffusers| = {error:.3g}"
+    assert set(parallel) == set(expected)
+    for output, tensor in expected.items():  # the latents, and the audio of a video with sound
+        error = (parallel[output] - tensor).abs().max().item()
+        assert error <= TOLERANCE, f"{name}: max |parallel - diffusers| {output} = {error:.3g}"
     for rank, report in enumerate(per_rank):  # each rank ran every branch, or (sequential CFG) its own
         assert report["decisions"], f"{name}: rank {rank} recorded no decision"
         for context, mine in report["decisions"].items():
@@ -182,7 +210,7 @@ def test_unsupported_cache_layouts_fail_on_every_rank_with_one_reason(runs, name
 
 def test_negative_control_metric_of_one_shard_misses(runs):
     parallel, expected, per_rank, decisions = _case(runs, "control")
-    error = (parallel - expected).abs().max().item()
+    error = (parallel["latents"] - expected["latents"]).abs().max().item()
     assert per_rank[0]["decisions"] != decisions and error > 10 * TOLERANCE, (
         f"the one-shard metric took the single-process decisions (max error {error:.3g})")
 
@@ -216,7 +244,8 @@ def test_pool_job_takes_the_cache_and_reports_its_calls(runs, tiny_model_dirs, t
         assert run.returncode == 0, run.stderr[-3000:]
         full = sum(decisions["cond"])
         assert f"{full} full model calls, {STEPS - full} from the cache" in run.stdout, run.stdout
-        assert (load_file(tmp_path / "out.safetensors")["latents"] - expected).abs().max().item() <= TOLERANCE
+        result = load_file(tmp_path / "out.safetensors")["latents"]
+        assert (result - expected["latents"]).abs().max().item() <= TOLERANCE
         cache = status()["last_cache"]
         assert (cache["method"], cache["full"], cache["cached"]) == ("first-block", full, STEPS - full)
         assert sample().returncode == 0 and status()["last_cache"] is None  # the next job asks for none
@@ -269,20 +298,23 @@ def test_models_without_diffusers_cache_and_pipefusion_are_refused(tiny_model_di
 
 @pytest.mark.parametrize("family, pipeline, method", [("krea2", "Krea2Pipeline", "first-block"),
                                                       ("krea2", "Krea2Pipeline", "taylorseer"),
-                                                      ("qwen-image-2.1", "QwenImage21Pipeline", "first-block")])
-def test_a_refused_cache_is_one_line_that_list_supported_prints(tiny_model_dirs, family, pipeline, method):
+                                                      ("qwen-image-2.1", "QwenImage21Pipeline", "first-block"),
+                                                      ("ltx2", "LTX2Pipeline", "first-block"),
+                                                      ("minimax-h3", "MiniMaxH3ModularPipeline", "first-block")])
+def test_a_refused_cache_is_one_line_that_list_supported_prints(tiny_model_dirs, video_model_dirs, family, pipeline,
+                                                                method):
     """The engine's refusal (before any rank computes) and the step cache column of `--list-supported` (README's
-    table) give one reason, derived from diffusers' classes; Qwen-Image 2.1 takes TaylorSeer (the cases above)."""
-    import diffusers
+    table) give one reason, derived from diffusers' classes; Qwen-Image 2.1, LTX-2 and MiniMax-H3 take TaylorSeer
+    (the cases above)."""
+    from diffusers import AutoModel
 
     from parallel.cache_settings import CacheSettings
     from parallel.model_executor import capability_table
     from parallel.model_executor.step_cache import check_cache
 
-    transformer = getattr(diffusers, f"{pipeline.removesuffix('Pipeline')}Transformer2DModel")
+    transformer = AutoModel.from_pretrained(str({**tiny_model_dirs, **video_model_dirs}[family] / "transformer"))
     with pytest.raises(ValueError) as refused:
-        check_cache(CacheSettings.from_params({"method": method}), 1,
-                    transformer.from_pretrained(tiny_model_dirs[family] / "transformer"))
+        check_cache(CacheSettings.from_params({"method": method}), 1, transformer)
     message = str(refused.value)
     assert "\n" not in message and message.startswith(f"--cache {method}: ")
     why = message.removeprefix(f"--cache {method}: ").split("; use --cache ")[0]
@@ -305,7 +337,7 @@ def test_contract_e_ring2_takes_the_cache_and_prints_its_calls(runs, tiny_model_
     assert run.returncode == 0, run.stderr[-3000:]
     full = sum(decisions["cond"])
     assert f"first-block cache (threshold {THRESHOLD:g}): {full} full model calls, {STEPS - full} from the cache" in run.stdout
-    assert (load_file(result)["latents"] - expected).abs().max().item() <= TOLERANCE
+    assert (load_file(result)["latents"] - expected["latents"]).abs().max().item() <= TOLERANCE
 
 
 def test_contract_e_refuses_the_cache_with_pipefusion_in_one_line(runs, tiny_model_dirs, tmp_path):

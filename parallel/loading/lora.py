@@ -10,6 +10,10 @@ the blocks it holds; weights that match no layer of the model at all mean a LoRA
 A pipeline with two experts (Wan 2.2 A14B: `transformer` for high noise, `transformer_2` for low
 noise) takes a LoRA into the expert it names, or into every expert by default, as a ComfyUI user who
 loads the same LoRA onto both models expects.
+
+Weights for the other parts diffusers' loader of the pipeline puts LoRAs into (`_lora_loadable_modules`) that the
+pipeline's call runs go into those parts: LTX-2's text connectors, which every rank runs whole. Text encoders are
+not the sampler's (the pool's encode step and ComfyUI's own CLIP path encode the text).
 """
 
 from __future__ import annotations
@@ -34,7 +38,11 @@ class LoraManager:
         wrapped = {name: getattr(pipeline, name, None) for name in EXPERTS}
         # each expert's every layer, also those another PipeFusion stage holds, so all ranks judge a file alike
         self.experts = {name: (t.module, t.module_names) for name, t in wrapped.items() if t is not None}
-        self.loaded: dict[tuple[str, str], str] = {}  # (file, expert) -> adapter name ("": no layer on this rank)
+        loadable = getattr(type(pipeline), "_lora_loadable_modules", ())
+        self.parts = {name: (part, {layer for layer, _ in part.named_modules()}) for name in loadable
+                      if name not in EXPERTS and not name.startswith("text_encoder")
+                      and isinstance(part := getattr(pipeline, name, None), torch.nn.Module)}
+        self.loaded: dict[tuple[str, str], str] = {}  # (file, expert or part) -> adapter ("": no layer on this rank)
         self.loads = 0
         self.active: tuple[LoraSpec, ...] = ()
 
@@ -45,35 +53,37 @@ class LoraManager:
             return
         for spec in stack:
             self._load(spec)
-        for expert, (transformer, _) in self.experts.items():
-            active = [(self.loaded[spec.path, expert], spec.strength) for spec in stack
-                      if spec.expert in ("", expert) and self.loaded.get((spec.path, expert))]
+        for target, (module, _) in {**self.experts, **self.parts}.items():
+            active = [(self.loaded[spec.path, target], spec.strength) for spec in stack
+                      if (spec.expert in ("", target) or target in self.parts) and self.loaded[spec.path, target]]
             if active:
-                transformer.set_adapters([name for name, _ in active], weights=[strength for _, strength in active])
-                transformer.enable_lora()
-            elif any(name for (_, e), name in self.loaded.items() if e == expert):
-                transformer.disable_lora()
+                module.set_adapters([name for name, _ in active], weights=[strength for _, strength in active])
+                module.enable_lora()
+            elif any(name for (_, t), name in self.loaded.items() if t == target):
+                module.disable_lora()
         self.active = stack
 
     def _load(self, spec: LoraSpec) -> None:
-        """Load the file into the experts it targets (once per file and expert)."""
+        """Load the file into the experts it targets and the parts it has weights for (once per file and each)."""
         if spec.expert and spec.expert not in self.experts:
             raise ValueError(f"this {type(self.pipeline).__name__} has no {spec.expert}; its transformers are "
                              f"{', '.join(self.experts)}")
         targets = [spec.expert] if spec.expert else list(self.experts)
-        if all((spec.path, expert) in self.loaded for expert in targets):
+        if all((spec.path, target) in self.loaded for target in [*targets, *self.parts]):
             return
         if not os.path.isfile(spec.path):
             raise FileNotFoundError(f"LoRA file {spec.path} does not exist")
         state = self._read(spec.path)
-        weights = {k.removeprefix("transformer."): v for k, v in state.items() if k.startswith("transformer.")}
-        for expert in targets:
-            transformer, layers = self.experts[expert]
-            mine = self._select(spec.path, weights, transformer, layers)
-            name = "lora_" + hashlib.sha1(spec.path.encode()).hexdigest()[:12]
+        name = "lora_" + hashlib.sha1(spec.path.encode()).hexdigest()[:12]
+        for target, prefix in [(expert, "transformer.") for expert in targets] + [(p, f"{p}.") for p in self.parts]:
+            if (spec.path, target) in self.loaded:  # the file went into this expert before, for a job naming it
+                continue
+            module, layers = {**self.experts, **self.parts}[target]
+            weights = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+            mine = self._select(spec.path, weights, module, layers) if weights or target in self.experts else {}
             if mine:  # empty when another PipeFusion stage holds every layer this LoRA changes
-                transformer.load_lora_adapter(mine, adapter_name=name, prefix=None)
-            self.loaded[spec.path, expert] = name if mine else ""
+                module.load_lora_adapter(mine, adapter_name=name, prefix=None)
+            self.loaded[spec.path, target] = name if mine else ""
         self.loads += 1
 
     def _read(self, path: str) -> dict[str, torch.Tensor]:
@@ -82,7 +92,7 @@ class LoraManager:
         if loader is None:
             raise ValueError(
                 f"{type(self.pipeline).__name__} has no LoRA support in diffusers; LoRA works with SD3, FLUX.1 (Kontext), "
-                "FLUX.2, Qwen-Image (Edit), Z-Image and Wan pools"
+                "FLUX.2, Qwen-Image (Edit), Z-Image, Wan, LTX-2 and MiniMax-H3 pools"
             )
         try:
             state = loader(path)
