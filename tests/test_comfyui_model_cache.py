@@ -23,10 +23,11 @@ from test_comfyui_model import save_checkpoint
 from xdit_test_helpers import TOLERANCE
 
 STEPS, SIZE, SEED, OTHER_SEED, THRESHOLD = 8, 64, 11, 12, 0.43
+INTERVAL, WARMUP = 3, 2  # taylorseer
 FLUX = "xdit-tiny-flux"
 
 
-def _graph(runs: dict[str, bool], seed: int = SEED, family: str = "flux") -> dict:
+def _graph(runs: dict[str, bool], seed: int = SEED, family: str = "flux", method: str = "first-block") -> dict:
     """KSampler per run name on xDiT Model, through the cache where runs[name] (each with its own recorder)."""
     prompt = {
         "pool": {"class_type": "XDiTPool", "inputs": {
@@ -37,8 +38,8 @@ def _graph(runs: dict[str, bool], seed: int = SEED, family: str = "flux") -> dic
         "neg": {"class_type": "XDiTTextEncode", "inputs": {"pool": ["pool", 0], "text": "blurry"}},
         "latent": {"class_type": "EmptySD3LatentImage", "inputs": {"width": SIZE, "height": SIZE, "batch_size": 1}},
         "model": {"class_type": "XDiTModel", "inputs": {"pool": ["pool", 0]}},
-        "cache": {"class_type": "XDiTModelCache", "inputs": {"model": ["model", 0], "method": "first-block",
-                  "threshold": THRESHOLD, "interval": 5, "warmup": 3, "order": 1}},
+        "cache": {"class_type": "XDiTModelCache", "inputs": {"model": ["model", 0], "method": method,
+                  "threshold": THRESHOLD, "interval": INTERVAL, "warmup": WARMUP, "order": 1}},
     }
     for name, cached in runs.items():
         prompt[f"rec-{name}"] = {"class_type": "XDiTTestRecordCalls",
@@ -73,21 +74,29 @@ def _calls(comfy, name: str) -> list[dict[str, torch.Tensor]]:
     return calls
 
 
-def _replay(calls: list[dict], cached: bool) -> tuple[list[torch.Tensor], list[bool]]:
-    """diffusers' FLUX.1 transformer on the recorded calls in order, with its own FBCache hook: its outputs
-    (packed) and decisions, and the recorded outputs packed alike."""
+def _replay(calls: list[dict], method: str | None = "first-block") -> tuple[list[torch.Tensor], list[bool]]:
+    """diffusers' FLUX.1 transformer on the recorded calls in order, with its own cache hook for `method` (None:
+    none): its outputs (packed) and decisions."""
     from diffusers import FluxPipeline, FluxTransformer2DModel
-    from diffusers.hooks import FirstBlockCacheConfig
+    from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
     from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK
+    from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK
 
     transformer = FluxTransformer2DModel.from_pretrained(builtin_model_dir(FLUX) / "transformer",
                                                          torch_dtype=torch.float32).eval()
     decisions = []
-    if cached:
+    if method == "first-block":
         transformer.enable_cache(FirstBlockCacheConfig(threshold=THRESHOLD))
         hook = transformer.transformer_blocks[0]._diffusers_hook.get_hook(_FBC_LEADER_BLOCK_HOOK)
         decide = hook._should_compute_remaining_blocks
         hook._should_compute_remaining_blocks = lambda residual: decisions.append(decide(residual)) or decisions[-1]
+    elif method == "taylorseer":
+        transformer.enable_cache(TaylorSeerCacheConfig(cache_interval=INTERVAL, disable_cache_before_step=WARMUP,
+                                                       max_order=1, taylor_factors_dtype=None))
+        hook = next(m._diffusers_hook.get_hook(_TAYLORSEER_CACHE_HOOK) for m in transformer.modules()
+                    if getattr(m, "_diffusers_hook", None) and m._diffusers_hook.get_hook(_TAYLORSEER_CACHE_HOOK))
+        measure = hook._measure_should_compute
+        hook._measure_should_compute = lambda: (lambda out: decisions.append(out[0]) or out)(measure())
     outputs = []
     with torch.no_grad(), transformer.cache_context("default"):
         for call in calls:
@@ -113,7 +122,7 @@ def test_ksampler_with_the_pools_first_block_cache_equals_diffusers_hook_replaye
     first, report = _run(comfy, _graph({"cached": True, "off": False}))
     calls = _calls(comfy, "cached")
     assert len(calls) == STEPS  # cfg 1: one call per step
-    replayed, decisions = _replay(calls, cached=True)
+    replayed, decisions = _replay(calls)
     errors = [(_packed(call["out"]) - output).abs().max().item() for call, output in zip(calls, replayed)]
     assert max(errors) <= TOLERANCE, errors
     full = sum(decisions)
@@ -121,13 +130,22 @@ def test_ksampler_with_the_pools_first_block_cache_equals_diffusers_hook_replaye
     assert report["method"] == "first-block" and (report["full"], report["cached"]) == (full, STEPS - full), report
     # negative controls: without the cache the result differs, and so does the uncached replay of the same calls
     assert (first["cached"] - first["off"]).abs().max().item() > 1e-2
-    uncached, _ = _replay(calls, cached=False)
+    uncached, _ = _replay(calls, None)
     assert max((_packed(c["out"]) - o).abs().max().item() for c, o in zip(calls, uncached)) > 1e-2
 
     _run(comfy, _graph({"other": True}, seed=OTHER_SEED))  # leaves the pool's cache state of another run
     again, report_again = _run(comfy, _graph({"cached": True}))
     assert (again["cached"] - first["cached"]).abs().max().item() <= 1e-6  # started from a reset cache
     assert report_again == report
+
+
+def test_taylorseer_on_the_pool_equals_diffusers_hook_replayed(comfy):
+    _, report = _run(comfy, _graph({"taylor": True}, method="taylorseer"))
+    calls = _calls(comfy, "taylor")
+    replayed, decisions = _replay(calls, "taylorseer")
+    assert max((_packed(call["out"]) - output).abs().max().item() for call, output in zip(calls, replayed)) <= TOLERANCE
+    assert 0 < STEPS - sum(decisions) < STEPS and len(decisions) == STEPS, decisions
+    assert report["method"] == "taylorseer" and (report["full"], report["cached"]) == (sum(decisions), STEPS - sum(decisions))
 
 
 def _error(comfy, prompt: dict) -> str:
