@@ -9,6 +9,7 @@ from .cache_node import XDiTCache
 from .empty_latent_node import XDiTEmptyLatent
 from .loader_node import XDiTLoadDiffusionModel
 from .lora_node import XDiTLoRA
+from .model_cache_node import XDiTModelCache
 from .model_node import XDiTModel
 from .pool_node import XDiTPool
 from .sampler_node import XDiTSampler
@@ -19,7 +20,7 @@ from .vae_decode_node import XDiTVAEDecode
 class XDiTExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         return [XDiTPool, XDiTTextEncode, XDiTSampler, XDiTLoRA, XDiTCache, XDiTVAEDecode, XDiTModel,
-                XDiTEmptyLatent, XDiTLoadDiffusionModel]
+                XDiTEmptyLatent, XDiTLoadDiffusionModel, XDiTModelCache]
 
 
 async def comfy_entrypoint() -> XDiTExtension:

@@ -32,6 +32,7 @@ from .pools import POOLS
 CPU = torch.device("cpu")  # the pool holds the weights; ComfyUI keeps only the sampler's latents
 REFERENCE_KEYS = ("ref_latents", "ref_latents_method")  # ReferenceLatent's images and how they are placed: _references
 LORAS = "xdit_loras"  # transformer_options: the LoRA files ComfyUI's LoRA loaders added, with their strengths
+CACHE = "xdit_cache"  # transformer_options: the pool's step cache on these calls (model_cache_node.SamplingCache)
 
 
 class PoolTransformer(torch.nn.Module):
@@ -120,7 +121,8 @@ class PoolTransformer(torch.nn.Module):
 
         try:
             outputs = POOLS.client(self.pool.endpoint).evaluate(
-                tensors, conditioning, loras, should_cancel=comfy_compat.interrupt_requested, expert=self.expert)
+                tensors, conditioning, loras, should_cancel=comfy_compat.interrupt_requested, expert=self.expert,
+                cache=options[CACHE].next_call(self.expert) if CACHE in options else None)
         except JobCancelledError:
             comfy_compat.raise_interrupted()
         if av:

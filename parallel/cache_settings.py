@@ -56,6 +56,15 @@ class CacheSettings:
         return "no cache"
 
 
+@dataclass(frozen=True)
+class ModelCallCache:
+    """A model call's step cache (ComfyUI's samplers through xDiT Model): its settings, and `reset`, set on the
+    first call of each sampling run, so a run never starts from the state an earlier run left."""
+
+    settings: CacheSettings = declared(CacheSettings())
+    reset: bool = declared(False)
+
+
 def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     """`--cache` and its settings, shared by contract E and the pool CLI."""
     add_flags(parser.add_argument_group("step cache (diffusers' cache hooks; every rank takes the same decision)"),

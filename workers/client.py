@@ -272,14 +272,15 @@ class PoolClient:
 
     def evaluate(self, tensors: dict[str, torch.Tensor], conditioning: dict[str, torch.Tensor],
                  loras: list[dict] | tuple = (), should_cancel: Callable[[], bool] | None = None,
-                 expert: str = "") -> dict[str, torch.Tensor]:
+                 expert: str = "", cache: dict | None = None) -> dict[str, torch.Tensor]:
         """One model call (xDiT Model): `tensors` latents and sigma, `conditioning` by name, on the pipeline's
         `expert` transformer ("": its first); its predictions by name (`prediction`, and a video-with-sound model's
-        `audio`). Conditioning travels once: later calls name it by key, and send it again only if the pool no longer
+        `audio`); `cache`: the sampling run's step cache (ModelCallCache's plain map), its counts in `last_result`. Conditioning travels once: later calls name it by key, and send it again only if the pool no longer
         holds it."""
         keys = {name: self._key(name, tensor) for name, tensor in conditioning.items()}
         send = {name: tensor for name, tensor in conditioning.items() if keys[name] not in self._held}
-        params = {"conditioning": keys, **({"loras": list(loras)} if loras else {}), **({"expert": expert} if expert else {})}
+        params = {"conditioning": keys, **({"loras": list(loras)} if loras else {}), **({"expert": expert} if expert else {}),
+                  **({"cache": cache} if cache else {})}
         while True:
             self.check_listening()
             job = f"call-{uuid.uuid4().hex[:16]}"
@@ -295,6 +296,7 @@ class PoolClient:
                 continue
             self._held.update(keys.values())
             self.last_call_bytes = sum(t.nbytes for t in sent.values())
+            self.last_result = reply.params
             return reply.tensors
 
     def _key(self, name: str, tensor: torch.Tensor) -> str:

@@ -182,12 +182,15 @@ def step_cache(wrappers: list, settings: CacheSettings) -> Iterator[CacheReport]
 
     `wrappers`: xFuserTransformerBaseWrapper objects (Wan 2.2: both experts, each its own cache).
     """
+    from .call_cache import drop
+
     check_cache(settings, get_pp_group().world_size, wrappers[0].module)
     sequential_cfg = get_cfg_group().world_size > 1 and any(w.plan.cfg is CfgMode.SEQUENTIAL for w in wrappers)
     report = CacheReport(settings, branches_by_name=sequential_cfg)
     modules = [wrapper.module for wrapper in wrappers]
     try:
         for wrapper, module in zip(wrappers, modules):
+            drop(module)  # a model calls' cache left by ComfyUI's samplers
             install(module, settings, report, metric_groups(wrapper.plan.cfg))
         with contextlib.ExitStack() as contexts:
             for module in modules:

@@ -183,6 +183,46 @@ class XDiTTestVAE:
         return (_KeptDecode(),)
 
 
-NODE_CLASS_MAPPINGS = {"XDiTTestConditioning": XDiTTestConditioning, "XDiTTestClipVision": XDiTTestClipVision,
+class XDiTTestRecordCalls:
+    """MODEL → MODEL that saves every diffusion-model call (x, timesteps, context, its tensor keywords: y, guidance,
+    and the output) to output/<name>.safetensors as `i.x`, `i.t`, ...; re-run by every prompt, so each prompt's
+    calls are its own."""
+
+    CATEGORY = "testing/xdit"
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "record"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "name": ("STRING", {"default": "calls"})}}
+
+    @classmethod
+    def IS_CHANGED(cls, **inputs):
+        return float("nan")
+
+    def record(self, model, name):
+        import comfy.patcher_extension
+        import folder_paths
+        import torch
+        from safetensors.torch import save_file
+
+        calls, path = {}, os.path.join(folder_paths.get_output_directory(), f"{name}.safetensors")
+
+        def wrapper(executor, x, timesteps, context, *args, **kwargs):
+            output = executor(x, timesteps, context, *args, **kwargs)
+            i = len({key.split(".")[0] for key in calls})
+            named = {"x": x, "t": timesteps, "context": context, "out": output, **kwargs}
+            for key, value in named.items():
+                if isinstance(value, torch.Tensor):
+                    calls[f"{i}.{key}"] = value.detach().float().contiguous().clone()
+            save_file(calls, path)
+            return output
+
+        recorded = model.clone()
+        recorded.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, f"record-{name}", wrapper)
+        return (recorded,)
+
+
+NODE_CLASS_MAPPINGS = {"XDiTTestRecordCalls": XDiTTestRecordCalls, "XDiTTestConditioning": XDiTTestConditioning, "XDiTTestClipVision": XDiTTestClipVision,
                        "XDiTTestLatent": XDiTTestLatent, "XDiTTestSaveAudio": XDiTTestSaveAudio,
                        "XDiTTestTextEncoder": XDiTTestTextEncoder, "XDiTTestVAE": XDiTTestVAE}

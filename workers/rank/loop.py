@@ -61,7 +61,7 @@ class JobLoop:
                     census = time.monotonic() - rank.census_at >= CENSUS_EVERY_S
                     tensors = rank.runner.conditioning.to_send(call.conditioning, job.prepared)
                     work = Message.of(ModelCall(conditioning=call.conditioning, loras=call.loras, expert=call.expert,
-                                                census=census), job.id, tensors)
+                                                cache=call.cache, census=census), job.id, tensors)
                     client = job.client
                 else:  # submit or decode: the message as the server read and checked it
                     work, client, prepared = job.message, job.client, job.prepared
@@ -108,7 +108,9 @@ class JobLoop:
                 rank.jobs_done += 1
             elif work.type == ModelCall.TYPE:
                 rank.loras.apply(work.body.loras)
-                reply = Message.of(Result(), work.job, rank.runner.evaluate(work))
+                predictions, report = rank.runner.evaluate(work)
+                rank.last_cache = report or rank.last_cache
+                reply = Message.of(Result(cache=report), work.job, predictions)
                 rank.model_calls += 1
             else:
                 reply = self._sample(work, client, prepared)

@@ -126,6 +126,13 @@ class CancelPoints:
             self._travelling = None
 
 
+def _outcome(report) -> dict[str, Any] | None:
+    """A step cache's report as a Result carries it: its method, full and cached model calls."""
+    if report is None:
+        return None
+    return {"method": report.settings.method, "full": report.full, "cached": report.cached, "text": report.describe()}
+
+
 class JobRunner:
     """Runs sampling jobs on the wrapped pipeline; rank 0 also talks to clients through `server`."""
 
@@ -144,10 +151,7 @@ class JobRunner:
 
     def cache_outcome(self) -> dict[str, Any] | None:
         """What the last job reports beside its latents: the step cache's full and cached model calls."""
-        report = self.pipeline.cache_report
-        if report is None:
-            return None
-        return {"method": report.settings.method, "full": report.full, "cached": report.cached, "text": report.describe()}
+        return _outcome(self.pipeline.cache_report)
 
     def prepare(self, submit: Submit, tensors: dict[str, torch.Tensor],
                 check_layout: bool = True) -> tuple[dict[str, Any], int, int] | None:
@@ -200,18 +204,22 @@ class JobRunner:
         finally:
             points.close()
 
-    def evaluate(self, work: Message) -> dict[str, torch.Tensor]:
-        """One model call (model_call.py): its named predictions, cancellable between transformer blocks like a step."""
+    def evaluate(self, work: Message) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+        """One model call (model_call.py): its named predictions, cancellable between transformer blocks like a step,
+        and, with a step cache (call_cache.py), its sampling run's full and cached calls so far."""
         tensors = self.conditioning.on_device(work.body.conditioning, work.tensors, *self._placement())
         points = CancelPoints(self._transformers(), lambda: self.server.is_cancelled(work.job), self.group, self.rank,
                               self.cancel_inside_steps)
         points.every = self.call_every
+        model_call = engine("model_executor.model_call")
+        transformer = model_call.expert_of(self.pipeline, work.body.expert)
         try:
-            predictions = engine("model_executor.model_call").evaluate(self.pipeline, tensors, work.body.expert)
+            with engine("model_executor.call_cache").call_cache(transformer, work.body.cache) as report:
+                predictions = model_call.evaluate(self.pipeline, tensors, work.body.expert)
             if points.step_ended():
                 raise JobCancelled(0)
             self.call_every = points.every
-            return predictions
+            return predictions, _outcome(report)
         except JobCancelled:
             raise JobCancelled(0) from None
         finally:

@@ -47,6 +47,8 @@ def status_of(rank: "Rank") -> PoolStatus:
         step=rank.runner.step if rank.state == "busy" else 0,
         compile=engine("model_executor.compile").report() if rank.config.compile else None,
         fp8_matmul=pipeline.fp8_matmul,  # fp8 layers multiplying in fp8
+        step_caches={method: engine("model_executor.step_cache").cache_refusal(type(pipeline.transformers()[0].module), method)
+                     for method in ("first-block", "taylorseer")},  # --list-supported's reasons (xDiT Cache (model))
     )
 
 

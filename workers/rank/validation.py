@@ -64,6 +64,8 @@ class Validator:
         tensors = rank.conditioning.resolve(message.body.conditioning, message.tensors)
         model_call = engine("model_executor.model_call")
         model_call.check_model_call(rank.pipeline, tensors, message.body.expert)
+        transformer = model_call.expert_of(rank.pipeline, message.body.expert)
+        engine("model_executor.call_cache").check(transformer.module, message.body.cache.settings)
         size = model_call.call_size(rank.pipeline, tensors["latents"])
         rank.admission.check(rank.job_megapixels(size["height"], size["width"], tensors["latents"]), 1)
         return tensors

@@ -18,10 +18,11 @@ from functools import cache
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from ..engine import fields, request
+from ..engine import engine, fields, request
 
 declared, to_plain = fields.declared, fields.to_plain
 LoraSpec, SampleRequest = request.LoraSpec, request.SampleRequest
+ModelCallCache = engine("cache_settings").ModelCallCache
 
 MAX_PROMPT_CHARS = 20_000
 MAX_LORAS = 16
@@ -138,6 +139,7 @@ class Evaluate(Kind, kind="evaluate"):
     conditioning: dict[str, Any] = declared(factory=dict, check=_conditioning)  # tensor name → key: each checked there
     loras: tuple[LoraSpec, ...] = declared((), check=_loras)
     expert: str = declared("")  # the pipeline's transformer to call by attribute name ("": `transformer`; e.g. "transformer_2")
+    cache: ModelCallCache = declared(ModelCallCache())  # the step cache of the sampling run (xDiT Cache (model))
 
     tensor_names = staticmethod(model_call_tensors)
 
@@ -188,7 +190,8 @@ class Step(Kind, kind="step"):
 
 
 class Result(Kind, kind="result"):
-    """A job's tensors, with what it reports beside them: its step cache's full and cached model calls, or a
+    """A job's tensors, with what it reports beside them: its step cache's full and cached model calls (a model
+    call's: those of its sampling run so far), or a
     decode's tiles, each rank's share and its audio's samples a second (0: no audio)."""
 
     cache: dict[str, Any] | None = declared(None)
@@ -237,6 +240,7 @@ class PoolStatus(Kind, Mapping, kind="status"):
     restart_reason: str | None = declared(None)
     job_state: str | None = declared(None)  # a status asked about a job: queued | running | unknown
     model_calls: int = declared(0)
+    step_caches: dict[str, str] = declared(factory=dict)  # cache method → why diffusers has no hook for it here ("": has)
     last_cache: dict[str, Any] | None = declared(None)
     vae: str | None = declared(None)
     pipeline: str | None = declared(None)  # the diffusers pipeline class, once loaded
