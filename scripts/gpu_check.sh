@@ -5,6 +5,7 @@
 #     calls, xDiT VAE Decode, fp8 and GGUF storage, fp8 matmuls, --compile, the CUDA attention kernels (flash-attn's
 #     where `import flash_attn` works), two ranks sharing the card (--share-gpus), a call's peak memory against
 #     bench.memory_table, the device plan with the real queries;
+#   - bench.fp8_linear (FLUX.1-dev's projections one at a time: bf16 against fp8 matmuls and their parts);
 #   - bench.pool_overhead (the pool against the same pipeline in-process: goal ≤ 2%), bench.quantized_storage
 #     (bf16, fp8, GGUF Q8_0 and fp8 matmuls side by side, on 3 of the large model's blocks: writing the 12-block
 #     GGUF alone outran its stage on the first lent H200; goal ≥ 1.3× for fp8 matmuls), bench.link_table --measure
@@ -61,6 +62,7 @@ stage() {  # stage SECONDS NAME COMMAND...: run with a time limit, its output to
     [ "$code" -eq 0 ] || echo "gpu_check: $name ended with status $code$([ "$code" -eq 124 ] && echo ' (its time limit)')" \
         | tee -a "$out/gpu_check.log"
 }
+stage 40 "bench.fp8_linear" "$python" -m bench.fp8_linear --iters 50 --json "$out/fp8_linear.json"
 stage 250 "tests/gpu" "$python" -m pytest -q -p no:cacheprovider -o addopts= --timeout 200 --junitxml "$out/junit.xml" \
     --basetemp /tmp/xdit-gpu-tests "${tests[@]}"
 stage 90 "bench.pool_overhead" "$python" -m bench.pool_overhead --model large --runs 3 --steps 4 --json "$out/pool_overhead.json"

@@ -103,7 +103,7 @@ def flux_width(tmp_path_factory):
     folder = tmp_path_factory.mktemp("flux_width") / "model"
     reference = {"fp32": diffusers_run(pipeline, inputs, torch.float32, call),
                  "bf16": diffusers_run(pipeline, inputs, torch.bfloat16, call)}
-    sigmas = pipeline.scheduler.sigmas.clone()  # the bf16 run's steps: xDiT Model's test steps through them
+    sigmas = pipeline.scheduler.sigmas.cpu()  # the bf16 run's steps (on the card): xDiT Model's test steps through them
     pipeline.to(torch.bfloat16).save_pretrained(folder)
     return {"model": model, "folder": folder, "inputs": inputs, "call": call, "reference": reference, "sigmas": sigmas,
             "own_error": relative_l2(reference["bf16"], reference["fp32"])}

@@ -110,6 +110,25 @@ def test_fp8_matmul_on_the_card(world, quantized, record):
         assert relative_l2(engine_run(pipeline, quantized["inputs"], quantized["call"]), fp32) > 0.2
 
 
+@pytest.mark.parametrize("mode, how", [("row", "triton"), ("row", "compiled"), ("tensor", "compiled")])
+def test_the_fused_fp8_quantizers_equal_the_eager_passes(mode, how):
+    """On CUDA `linear` quantizes its activations in one kernel (fp8_rows' Triton kernel per row, torch.compile's
+    fusion per tensor): the eager four passes' scales exactly and their fp8 codes but for rounding (a Triton
+    division may round otherwise: one code at most, rarely), at FLUX.1's widths and at token counts that change
+    between calls (as the text and image streams do). Built here without `quantizer`'s eager fallback, so a kernel
+    that does not build fails the test instead of hiding behind the fallback."""
+    from parallel.loading.checkpoints.fp8_matmul import kernel, quantize
+
+    fused = kernel(mode, how)
+    for tokens, width in ((512, 3072), (4608, 3072), (4096, 12288), (4608, 15360)):
+        x = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16) * 3
+        (q, scale), (q_eager, scale_eager) = fused(x), quantize(x, mode)
+        codes = (q.view(torch.uint8).int() - q_eager.view(torch.uint8).int()).abs()
+        assert torch.equal(scale, scale_eager) and codes.max() <= 1 and codes.float().mean() < 1e-3
+    noisy = fused(x + torch.randn_like(x))[0]  # control: other activations give other codes
+    assert (noisy.view(torch.uint8) != q_eager.view(torch.uint8)).float().mean() > 0.1
+
+
 def test_peak_memory_of_a_call_against_the_memory_table(world, record):
     """Qwen-Image's width (24 heads of 128, MLP 12288) with 2 of its blocks at 1328² and 512 text tokens, one
     transformer call on the card: the allocator's peak above the weights against bench.memory_table's qwen_peak."""

@@ -5,8 +5,8 @@ fp8 file ran 1.28× slower than bf16 (bench/RESULTS.md). GPUs with fp8 tensor co
 up: Ada, Hopper, Blackwell) multiply fp8 directly, as ComfyUI's fast fp8 does (comfy/ops.py, `fp8_linear`):
 the weight stays as the file stores it, with its per-tensor scale; each call quantizes its activations to
 float8_e4m3fn with a scale of their own, amax / 448, per row (one per token: Hopper and newer) or per tensor
-(Ada, whose `_scaled_mm` takes per-tensor scales only), and `_scaled_mm` multiplies and rescales into the
-compute dtype. ComfyUI clamps the activations with a scale of 1 where the file gives no input scale; a scale
+(Ada, whose `_scaled_mm` takes per-tensor scales only), on CUDA in one kernel (`quantizer`), and `_scaled_mm`
+multiplies, rescales into the compute dtype and adds the bias. ComfyUI clamps the activations with a scale of 1 where the file gives no input scale; a scale
 from the activations' own range keeps small activations' precision, at one reduction per call.
 
 When: `--fp8-matmul` on a card that has fp8 tensor cores; by default (neither `--fp8-matmul` nor
@@ -18,6 +18,8 @@ which the tests use to check the path against the dequantized weights; the engin
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -47,6 +49,53 @@ def quantize(x: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.div(x, divisor).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
+_QUANTIZERS: dict[tuple[str, str], Callable] = {}
+HOW = ("triton", "compiled", "eager")  # how the activations are quantized on CUDA: one kernel, inductor's, 4 passes
+
+
+def quantizer(device: torch.device, mode: str, how: str | None = None) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """`quantize` for this device. On CUDA by default one kernel: per row fp8_rows' Triton kernel (one read, one
+    write, no guards), per tensor torch.compile's fusion of the passes; `how` picks one (bench.fp8_linear compares
+    them: the eager four passes made the first lent H200's fp8 matmuls 0.64× bf16's speed). Eager elsewhere, under
+    --compile (the transformer's graph fuses it) and if the kernel cannot be built here (said once)."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return lambda x: quantize(x, mode)
+    how = how or ("triton" if mode == "row" else "compiled")
+    if (mode, how) not in _QUANTIZERS:
+        _QUANTIZERS[mode, how] = _built(mode, how)
+    return _QUANTIZERS[mode, how]
+
+
+def kernel(mode: str, how: str) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The quantizer `how` names, as built, without `quantizer`'s eager fallback (tests/gpu checks each on a card)."""
+    if how == "eager":
+        return lambda x: quantize(x, mode)
+    if how == "triton":
+        if mode != "row":
+            raise ValueError("the Triton quantizer scales per row")
+        from .fp8_rows import MAX_WIDTH, quantize_rows
+
+        return lambda x: quantize_rows(x) if x.shape[-1] <= MAX_WIDTH else quantize(x, mode)
+    return torch.compile(lambda x: quantize(x, mode), dynamic=None, fullgraph=True)
+
+
+def _built(mode: str, how: str) -> Callable:
+    built = kernel(mode, how)
+
+    def first(x):  # the first call builds the kernel: where that fails, the eager passes from then on
+        try:
+            result = built(x)
+        except Exception as error:
+            print(f"xdit: fp8 activations quantized eagerly: the {how} quantizer failed "
+                  f"({type(error).__name__}: {str(error)[:400]})", flush=True)
+            _QUANTIZERS[mode, how] = lambda x: quantize(x, mode)
+            return quantize(x, mode)
+        _QUANTIZERS[mode, how] = built
+        return result
+
+    return first
+
+
 def takes(layer) -> bool:
     """Whether `_scaled_mm` takes this Fp8Linear: e4m3 weights whose sides are multiples of 16."""
     return layer.fp8_dtype == E4M3 and layer.in_features % 16 == 0 and layer.out_features % 16 == 0
@@ -57,10 +106,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: tor
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] == 0:  # a stream of no tokens (PipeFusion's patches): nothing to scale
         return x.new_zeros(*x.shape[:-1], weight.shape[0])
-    q, x_scale = quantize(rows, mode)
+    q, x_scale = quantizer(rows.device, mode)(rows)
     w_scale = scale.float().reshape(1, 1).expand(1, weight.shape[0]).contiguous() if mode == "row" else scale.float()
     out_dtype = torch.bfloat16 if mode == "row" else x.dtype  # CUDA's row-wise scaling writes bf16 only
-    out = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype).to(x.dtype)
-    if bias is not None:
+    # on CUDA the row-wise kernel adds a bf16 bias itself (on the lent H200: +3 µs, not a pass over the output)
+    fused_bias = bias.to(out_dtype) if bias is not None and x.is_cuda and mode == "row" else None
+    out = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=w_scale, bias=fused_bias,
+                           out_dtype=out_dtype).to(x.dtype)
+    if bias is not None and fused_bias is None:
         out = out + bias.to(x.dtype)
     return out.reshape(*x.shape[:-1], weight.shape[0])
