@@ -42,6 +42,14 @@ def _stand_in_outputs(folder, speedup: float) -> None:
     (folder / "quantized_storage.json").write_text(json.dumps({"rows": {
         "bf16": side(0.30, 1.0), "fp8_scaled": side(0.38, 0.5), "gguf_q8_0": side(0.41, 0.53),
         "fp8_matmul": side(0.30 / speedup, 0.5)}}))
+    timing = lambda ms, on_card: {"ms": ms, "on_card_ms": on_card}  # noqa: E731
+    projection = {"bf16": timing(0.16, 0.12), "fp8, per tensor": timing(0.34, 0.13), "_scaled_mm alone": timing(0.1, 0.07),
+                  "fp8": {**timing(0.1, 0.12 / speedup), "speedup": 1.6, "speedup_on_card": speedup, "relative_l2_to_bf16": 0.019},
+                  "_scaled_mm with the bias": {"error": "RuntimeError: not here"},
+                  **{f"quantizer, {how}": {**timing(0.02, 0.01), "codes_differing": 0.0, "scales_equal": True}
+                     for how in ("triton", "compiled", "eager")}}
+    (folder / "fp8_linear.json").write_text(json.dumps({"tokens": 4608, "mode": "row", "iters": 30,
+                                                        "rows": {"attention 3072→3072": projection}}))
 
 
 def test_gpu_report_writes_the_cards_section_and_replaces_it_on_a_rerun(tmp_path):
@@ -57,6 +65,8 @@ def test_gpu_report_writes_the_cards_section_and_replaces_it_on_a_rerun(tmp_path
     assert "rank 0's steps 1.002 s, outside them 0.008 s" in text
     assert "0.200 s vs 0.300 s: 1.50×" in text and "| tests/gpu (pytest) | 2 of 2 passed in 95 s |" in text
     assert "| bench.link_table calibrated | did not finish |" in text  # a stage without output says so
+    assert "on the card | 1.50× to 1.50× (table below) | ≥ 1.3× |" in text  # bench.fp8_linear: on-card speed-up first
+    assert "| attention 3072→3072 | 0.160 (0.120) | 0.100 (0.080) | 1.60× (1.50×) | 0.340 (0.130) | 0.100 (0.070) | – |" in text
     _stand_in_outputs(tmp_path, 2.0)
     assert gpu_report.main([*args[:-4], "--seconds", "500", "--results", str(results)]) == 1  # over the 8-minute budget
     again = results.read_text()
