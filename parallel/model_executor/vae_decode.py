@@ -11,7 +11,9 @@ tiled decode exactly. With tiles sized so that each rank owns about one (`fit_ti
 about 1/world of a plain decode's activations.
 
 Latents are in the VAE's own space (ComfyUI's LATENT; a pipeline's output after its own
-un-normalisation); the result is the VAE's sample in [-1, 1].
+un-normalisation); the result is the VAE's sample (in [-1, 1]; MiniMax-H3's ImageNet-normalised RGB, which its
+pipeline wrapper turns into that). MiniMax-H3's VAE tiles each 17-frame chunk itself: every decoder call (a spatial
+tile of a chunk) is a tile here.
 """
 
 from __future__ import annotations
@@ -61,9 +63,26 @@ def fit_tiles(vae, latents: torch.Tensor, world: int, tile: int = 0) -> int:
         vae.enable_tiling()
         vae.tile_sample_min_size, vae.tile_latent_min_size = size * scale, size
         vae.tile_overlap_factor = 1 / OVERLAP
+    elif hasattr(vae, "tile_sample_min_overlap_height"):  # MiniMax-H3: a size and a least overlap, per 17-frame chunk
+        overlap = (size - stride) * scale
+        vae.enable_tiling(tile_sample_min_height=size * scale, tile_sample_min_width=size * scale,
+                          tile_sample_min_overlap_height=overlap, tile_sample_min_overlap_width=overlap)
+        return _chunked_calls(vae, latents)
     else:
         raise TilingError(f"{type(vae).__name__} has no tiled decode in diffusers; decode with ComfyUI's VAE Decode")
     return _count(height, width, unit)
+
+
+def _chunked_calls(vae, latents: torch.Tensor) -> int:
+    """Decoder calls of a VAE that tiles each temporal chunk itself (MiniMax-H3's `decode`): its own spatial tiles
+    (it widens the overlaps to cover the frame exactly) times its chunks, each call a tile of the dispatch."""
+    scale = vae.spatial_compression_ratio
+    rows, cols = (len(vae._split_tiles(side * scale, size, overlap)[0]) for side, size, overlap in (
+        (latents.shape[-2], vae.tile_sample_min_height, vae.tile_sample_min_overlap_height),
+        (latents.shape[-1], vae.tile_sample_min_width, vae.tile_sample_min_overlap_width)))
+    drop = vae.config.token_drop
+    chunks = math.ceil((latents.shape[2] + drop) / vae.tokens_chunk_size) - int(drop > 0)
+    return rows * cols * chunks
 
 
 def tiled_decode(vae, latents: torch.Tensor, rank: int, world: int, group=None,
@@ -83,7 +102,10 @@ def tiled_decode(vae, latents: torch.Tensor, rank: int, world: int, group=None,
 
 
 def _tiled_decode(vae, latents: torch.Tensor) -> torch.Tensor:
-    """diffusers' tiled decode; LTX-2's VAE also takes a timestep embedding, none without timestep conditioning."""
+    """diffusers' tiled decode; LTX-2's VAE also takes a timestep embedding, none without timestep conditioning;
+    MiniMax-H3's `decode` tiles by itself (tiling on)."""
+    if not hasattr(vae, "tiled_decode"):
+        return vae.decode(latents, return_dict=False)[0]
     temb = {"temb": None} if "temb" in inspect.signature(vae.tiled_decode).parameters else {}
     return vae.tiled_decode(latents, **temb, return_dict=False)[0]
 

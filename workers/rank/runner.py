@@ -238,7 +238,8 @@ class JobRunner:
 
     def decode(self, work: Message, client: bytes | None) -> tuple[dict[str, torch.Tensor], int, tuple[dict, ...]]:
         """Decode the work's latents with the pipeline's VAE, its tiles over every rank (parallel/model_executor/vae_decode.py),
-        and its audio latents with the pipeline's audio VAE and vocoder on rank 0; rank 0 returns the image and the
+        and its audio latents with the pipeline's audio VAE and vocoder on rank 0, each as the pipeline's own decode takes
+        them (the wrapper's to_vae_latents, decode_audio); rank 0 returns the image and the
         waveforms ({"images", "audio"}, as given), and, per rank, the tiles it decoded and its peak memory above its
         resting one."""
         decoded, tensors = {}, dict(work.tensors)
@@ -252,7 +253,7 @@ class JobRunner:
             return decoded, 0, ()
         vae_decode = engine("model_executor.vae_decode")
         vae = self.pipeline.module.vae
-        latents = tensors["latents"].to(vae.device, vae.dtype)
+        latents = self.pipeline.to_vae_latents(tensors["latents"].to(vae.device, vae.dtype))
         rank, world = dist.get_rank(), dist.get_world_size()
         tiles = vae_decode.fit_tiles(vae, latents, world, work.body.tile)
         started = time.perf_counter()
@@ -264,7 +265,7 @@ class JobRunner:
         with PeakMemory() as peak:
             image = vae_decode.tiled_decode(vae, latents, rank, world, on_tile=on_tile if rank == 0 else None)
         if image is not None:
-            decoded["images"] = image
+            decoded["images"] = self.pipeline.from_vae_sample(image)
         mine = len(range(rank, tiles, world))
         flat = torch.tensor([mine, peak.bytes], dtype=torch.int64)
         every = [torch.empty_like(flat) for _ in range(world)]

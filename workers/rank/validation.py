@@ -74,7 +74,7 @@ class Validator:
         rank = self.rank
         audio = message.tensors.get("audio")
         if audio is not None:
-            self._check_audio(audio)
+            self.rank.pipeline.check_audio_latents(audio)
             if "latents" not in message.tensors:
                 return
         vae = getattr(rank.pipeline.module, "vae", None)
@@ -90,13 +90,3 @@ class Validator:
             raise ValueError(f"this pool's {type(vae).__name__} decodes {dims}-D latents {layout} with {channels} channels, "
                              f"got {list(latents.shape)}; decode latents of this pool's model")
         engine("model_executor.vae_decode").fit_tiles(vae, latents, rank.world_size, message.body.tile)
-
-    def _check_audio(self, audio: torch.Tensor) -> None:
-        pipeline = self.rank.pipeline.module
-        audio_vae = getattr(pipeline, "audio_vae", None)
-        if audio_vae is None or getattr(pipeline, "vocoder", None) is None:
-            raise ValueError(f"this pool's {type(pipeline).__name__} has no audio VAE and vocoder to decode audio with")
-        channels = audio_vae.config.latent_channels
-        if not audio.is_floating_point() or audio.ndim != 4 or audio.shape[1] != channels:
-            raise ValueError(f"this pool's audio VAE decodes audio latents [batch, {channels} channels, frames, mel bins], "
-                             f"got {list(audio.shape)} {audio.dtype}; decode audio latents of this pool's model")

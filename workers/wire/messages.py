@@ -146,7 +146,8 @@ class Evaluate(Kind, kind="evaluate"):
 
 class Decode(Kind, kind="decode"):
     """LATENT tensors decoded with the pool's VAE, tiles over the ranks (parallel/model_executor/vae_decode.py); tile in latent
-    pixels, 0: about one tile per rank. `audio`: audio latents decoded with the pool's audio VAE and vocoder (LTX-2),
+    pixels, 0: about one tile per rank. `audio`: audio latents decoded with the pool's audio VAE and vocoder (LTX-2;
+    MiniMax-H3's audio VAE, whose decoder is its vocoder),
     beside the video's latents or alone. model_latents: both are in the sampling loop's space (a job's results with
     `model_latents`; LTX-2's normalised latents, as ComfyUI keeps them), which the pipeline turns into its VAEs' first."""
 

@@ -39,7 +39,7 @@ class xFuserMiniMaxH3Pipeline(xFuserModularPipelineWrapper):
     counts the final step: `num_inference_steps` 4 are 3 transformer calls.
 
     First/last keyframe to video with sound (its `fl2va` blocks) when the job sends its keyframes encoded (the pool
-    holds no VAE): `condition_latents` [B, 24, Σ t·h·w] with `condition_sizes` [B, N, 3] (each keyframe's (1, H/16,
+    encodes none): `condition_latents` [B, 24, Σ t·h·w] with `condition_sizes` [B, N, 3] (each keyframe's (1, H/16,
     W/16); the flattened-and-joined list form of `reference_latents`) and `keyframe_anchors` [B, N] (0: the first
     frame, 1: the last). The pipeline noises each keyframe with a draw from the call's generator, before anything else:
     every rank builds that generator from the job's `seed`, so every rank draws what one process would."""
@@ -219,6 +219,56 @@ class xFuserMiniMaxH3Pipeline(xFuserModularPipelineWrapper):
         shape = inputs["audio_latents"].shape
         return {"prediction": -unpatchify_video_rows(video[0], tuple(latents.shape), self.module.patch_size),
                 "audio": -audio[0].reshape(shape[1], shape[3], shape[2]).transpose(1, 2)[None]}
+
+    # -- decode (a pool's decode job), as the pipeline's decode steps do it ------------------------------------
+    def to_vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """The video latents as the pipeline returns them (normalised: ComfyUI's MiniMaxH3 LATENT) denormalised by the
+        VAE's statistics, as its video decode step does before `vae.decode`."""
+        mean, std = self._statistics(self._vae("vae"), latents, 5)
+        return latents * std + mean
+
+    def from_vae_sample(self, sample: torch.Tensor) -> torch.Tensor:
+        """The VAE's ImageNet-normalised RGB reverted and clamped to [0, 1] as the video decode step does, on the
+        pool's [-1, 1] scale."""
+        view = (1, -1, 1, 1, 1)
+        mean = torch.tensor(self.module.pixel_mean, device=sample.device).view(view)
+        std = torch.tensor(self.module.pixel_std, device=sample.device).view(view)
+        return (sample.float() * std + mean).clamp(0, 1) * 2 - 1
+
+    def check_audio_latents(self, audio: torch.Tensor) -> None:
+        self._vae("audio_vae")
+        channels = self.module.audio_latent_channels
+        if not audio.is_floating_point() or audio.ndim != 4 or tuple(audio.shape[1:3]) != (2, channels):
+            raise ValueError(f"this pool's MiniMax-H3 decodes audio latents [batch, 2 stereo channels, {channels}, audio "
+                             f"latents], got {list(audio.shape)} {audio.dtype}; decode audio latents of this pool's model")
+
+    def decode_audio(self, latents: torch.Tensor) -> torch.Tensor:
+        """Audio latents [B, 2, 32, L] as the pipeline returns them (normalised) → stereo waveforms [B, 2, samples], as
+        its audio decode step makes them: a sample's two channels are two batch items of the mono audio VAE, whose
+        BigVGAN decoder is the vocoder (32 kHz)."""
+        audio_vae = self._vae("audio_vae")
+        latents = latents.to(audio_vae.device, torch.float32)
+        mean, std = self._statistics(audio_vae, latents, 3)
+        with torch.no_grad():
+            return torch.cat([audio_vae.decode(sample * std + mean, return_dict=False)[0].float().permute(1, 0, 2)
+                              for sample in latents])
+
+    def audio_sample_rate(self) -> int:
+        return int(self.module.audio_sampling_rate)
+
+    def _vae(self, name: str):
+        vae = getattr(self.module, name, None)
+        if vae is None:
+            raise ValueError(f"this pool's MiniMax-H3 has no {name} to decode with (a transformer-only file); decode with "
+                             "ComfyUI's VAE Decode")
+        return vae
+
+    @staticmethod
+    def _statistics(vae, latents: torch.Tensor, ndim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The VAE's per-channel latent mean and std, shaped to broadcast over `ndim`-D latents (channels second)."""
+        view = (1, -1) + (1,) * (ndim - 2)
+        return tuple(torch.tensor(getattr(vae.config, name), device=latents.device).view(view)
+                     for name in ("latents_mean", "latents_std"))
 
     def partial_denoise(self, kwargs: dict[str, Any], init_latents: torch.Tensor, denoise: float) -> dict[str, Any]:
         raise ValueError("denoise below 1 is not available for MiniMax-H3 (its blocks noise no given video); sample "

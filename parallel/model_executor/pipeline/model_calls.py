@@ -87,6 +87,27 @@ class ModelCallGlue:
             mel = audio_vae.decode(latents.to(audio_vae.device, audio_vae.dtype), return_dict=False)[0]
             return vocoder(mel)
 
+    def check_audio_latents(self, audio: torch.Tensor) -> None:
+        """A decode job's audio latents against the audio VAE (LTX-2's [B, C, frames, mel bins]), before any rank
+        decodes them."""
+        audio_vae = getattr(self.module, "audio_vae", None)
+        if audio_vae is None or getattr(self.module, "vocoder", None) is None:
+            raise ValueError(f"this pool's {type(self.module).__name__} has no audio VAE and vocoder to decode audio with")
+        channels = audio_vae.config.latent_channels
+        if not audio.is_floating_point() or audio.ndim != 4 or audio.shape[1] != channels:
+            raise ValueError(f"this pool's audio VAE decodes audio latents [batch, {channels} channels, frames, mel bins], "
+                             f"got {list(audio.shape)} {audio.dtype}; decode audio latents of this pool's model")
+
+    def to_vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """A decode job's video latents as the pipeline's own decode hands them to its VAE: the same for most (they come
+        in the VAE's own space); a family overrides it where its decode step denormalises them itself (MiniMax-H3)."""
+        return latents
+
+    def from_vae_sample(self, sample: torch.Tensor) -> torch.Tensor:
+        """The VAE's decode as a decode job returns it, in [-1, 1]: most VAEs' own range; a family overrides it where its
+        VAE decodes into another space (MiniMax-H3's ImageNet-normalised RGB)."""
+        return sample
+
     def audio_sample_rate(self) -> int:
         """The waveforms' samples a second (decode_audio's): the vocoder's output rate."""
         return int(self.module.vocoder.config.output_sampling_rate)
