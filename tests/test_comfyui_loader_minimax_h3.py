@@ -132,11 +132,12 @@ def test_a_pruned_file_is_refused_in_one_line_before_any_pool(comfyui_install, t
     assert "\n" not in message and "pruned MiniMax-H3" in message and "UNETLoader" in message, message
 
 
-def _template(unet: dict, seed: int) -> dict:
-    """video_minimax_h3_t2v's sampling part at a tiny size, its latent split and saved per stream."""
+def _template(unet: dict, seed: int, text: str = "h3-text.safetensors") -> dict:
+    """video_minimax_h3_t2v's sampling part at a tiny size, its latent split and saved per stream (the i2v template's
+    too: its MiniMaxH3ImageToVideo gives the same empty latent and the conditioning `text` holds)."""
     return {
         "unet": unet,
-        "text": {"class_type": "XDiTTestConditioning", "inputs": {"tensors": "h3-text.safetensors"}},
+        "text": {"class_type": "XDiTTestConditioning", "inputs": {"tensors": text}},
         "latent": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": SIZE, "height": SIZE, "length": LENGTH}},
         "sigmas": {"class_type": "BasicScheduler", "inputs": {"model": ["unet", 0], "scheduler": "simple",
                                                              "steps": STEPS, "denoise": 1.0}},
@@ -160,13 +161,19 @@ def _streams(comfy, prompt) -> tuple[torch.Tensor, torch.Tensor]:
     return saved_latent(comfy, entry, "save-video"), saved_latent(comfy, entry, "save-audio")
 
 
-def test_the_swapped_loader_on_ulysses_2_equals_comfyuis_own_minimax_h3(comfy):
+def _text(comfy) -> dict[str, torch.Tensor]:
+    """The tiny file in ComfyUI's models and the text encoder's output for it, saved as h3-text.safetensors."""
     _comfyui_file(comfy.python, comfy.comfy, comfy.work / "models" / "diffusion_models" / FILE)
     gen = torch.Generator().manual_seed(3)
     tags = torch.ones(TEXT_TOKENS, dtype=torch.long)
     tags[:2] = 0
-    save_file({"cond": torch.randn(1, TEXT_TOKENS, TEXT_WIDTH, generator=gen), "minimax_token_tags": tags},
-              comfy.work / "input" / "h3-text.safetensors")
+    text = {"cond": torch.randn(1, TEXT_TOKENS, TEXT_WIDTH, generator=gen), "minimax_token_tags": tags}
+    save_file(text, comfy.work / "input" / "h3-text.safetensors")
+    return text
+
+
+def test_the_swapped_loader_on_ulysses_2_equals_comfyuis_own_minimax_h3(comfy):
+    _text(comfy)
     spec = comfy.get("/object_info/XDiTLoadDiffusionModel")["XDiTLoadDiffusionModel"]["input"]["required"]["unet_name"]
     assert FILE in (spec[1]["options"] if spec[0] == "COMBO" else spec[0])  # the loader offers the file
     stock = _streams(comfy, _template({"class_type": "UNETLoader", "inputs": {"unet_name": FILE,
@@ -180,3 +187,31 @@ def test_the_swapped_loader_on_ulysses_2_equals_comfyuis_own_minimax_h3(comfy):
     other = _streams(comfy, _template({"class_type": "UNETLoader", "inputs": {"unet_name": FILE,
                                                                              "weight_dtype": "default"}}, seed=2))
     assert min((ours - theirs).abs().max().item() for ours, theirs in zip(swapped, other)) > 1e-2
+
+
+def _keyframe(comfy, text: dict, name: str, frame: int) -> str:
+    """MiniMaxH3ImageToVideo's conditioning with one keyframe at pixel `frame`: the text, `minimax_keyframes` (the
+    encoded image, one latent frame) and `minimax_frame_count`, saved as `name` (its VAE is too big for a CPU test)."""
+    latent = torch.randn(1, 24, 1, SIZE // 16, SIZE // 16, generator=torch.Generator().manual_seed(4))
+    save_file({**text, "minimax_keyframes.0.latent": latent, "minimax_keyframes.0.resolved_frame_index":
+               torch.tensor(frame), "minimax_frame_count": torch.tensor(LENGTH)}, comfy.work / "input" / name)
+    return name
+
+
+def test_the_swapped_loader_on_ulysses_2_equals_comfyuis_own_minimax_h3_from_a_first_frame(comfy):
+    """video_minimax_h3_i2v's sampling part (fl2va: a first frame) with UNETLoader swapped: the keyframe, noised as
+    ComfyUI's model noises it from the sampler's seed, reaches the pool's model call in front of the video rows."""
+    text = _text(comfy)
+    first, last = _keyframe(comfy, text, "h3-first.safetensors", 0), _keyframe(comfy, text, "h3-last.safetensors",
+                                                                                 LENGTH - 1)
+    stock_unet = {"class_type": "UNETLoader", "inputs": {"unet_name": FILE, "weight_dtype": "default"}}
+    stock = _streams(comfy, _template(stock_unet, seed=1, text=first))
+    loader = _loader(ulysses_degree=2)
+    swapped = _streams(comfy, _template({**loader, "inputs": {**loader["inputs"], "unet_name": FILE}}, seed=1,
+                                        text=first))
+    diffs = [(ours - theirs).abs().max().item() for ours, theirs in zip(swapped, stock)]
+    assert max(diffs) <= TOLERANCE, diffs
+    # negative controls: ComfyUI's own model with the keyframe dropped, or moved to the last frame, is far from it
+    for control in ("h3-text.safetensors", last):
+        other = _streams(comfy, _template(stock_unet, seed=1, text=control))
+        assert min((ours - theirs).abs().max().item() for ours, theirs in zip(swapped, other)) > 1e-2, control
