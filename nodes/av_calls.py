@@ -3,8 +3,10 @@ diffusion model takes and answers it: the sampler hands it the latent's two stre
 ModelSamplingAV carries the audio scaled onto the video's schedule (its `audio_scale`: video shift / audio shift). The
 model undoes that before its network runs and turns the audio velocity back after, so the pool, which samples each
 stream on its own schedule as the pipeline does, gets the stream's own audio at its own sigma (the video's, moved
-from the one shift to the other) and answers the stream's own velocity. The formulas are ComfyUI 0.33's
-(comfy/ldm/minimax/model.py: time_shift_sigma and MiniMaxH3Model.forward).
+from the one shift to the other) and answers the stream's own velocity. Its keyframes (MiniMaxH3ImageToVideo's first
+and last frame, in the call's payload) go noised as ComfyUI's model noises them, so the pool puts in front of the video
+rows what ComfyUI's model does. The formulas are ComfyUI 0.33's (comfy/ldm/minimax/model.py: time_shift_sigma,
+MiniMaxH3Model.forward and _cond_video_rows).
 """
 
 from __future__ import annotations
@@ -44,6 +46,30 @@ class AudioCall:
     def batched(conditioning: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The call's one sample (ComfyUI's model takes batch 1): one layout's per-token tags [T] as [1, T]."""
         return {name: value[None] if value.ndim == 1 else value for name, value in conditioning.items()}
+
+    def keyframes(self, kwargs: dict) -> dict[str, torch.Tensor]:
+        """The call's keyframes (`ComfyData.keyframes`) as the pool takes them: each latent [1, C, 1, h, w] mixed, in
+        ComfyUI's row layout, with a draw from a generator seeded by the call's seed (restarted for every keyframe,
+        as ComfyUI's model does), joined as `condition_latents` with their `condition_sizes` and `keyframe_anchors`
+        (0: the first frame, 1: the last; ComfyUI's model built its layout from them first, refusing any other)."""
+        prefix = self.data.keyframes
+        frames = kwargs.get(f"{prefix}.keyframes") if prefix else None
+        if not frames:
+            return {}
+        from comfy.ldm.minimax.model import VISUAL_COND_TIMESTEP, patchify_video, unpatchify_video
+
+        seed, latents, anchors = int(kwargs.get(f"{prefix}.seed") or 0), [], []
+        for frame in frames:
+            latent = frame["latent"].float().cpu()
+            rows = patchify_video(latent)
+            noise = torch.randn(rows.shape, generator=torch.Generator("cpu").manual_seed(seed), dtype=torch.float32)
+            rows = VISUAL_COND_TIMESTEP * rows + (1.0 - VISUAL_COND_TIMESTEP) * noise
+            _, channels, length, height, width = latent.shape
+            latents.append(unpatchify_video(rows, length, height // 2, width // 2, channels))
+            anchors.append(0.0 if frame["resolved_frame_index"] == 0 else 1.0)  # its layout refused any but the ends
+        sizes = torch.tensor([list(latent.shape[2:]) for latent in latents], dtype=torch.float32)
+        return {"condition_latents": torch.cat([latent.flatten(2) for latent in latents], dim=2),
+                "condition_sizes": sizes[None].contiguous(), "keyframe_anchors": torch.tensor([anchors])}
 
     def answer(self, outputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         audio = outputs[self.data.audio_stream[1]].float()

@@ -114,7 +114,7 @@ class PoolTransformer(torch.nn.Module):
         if self.timestep:  # a discrete-schedule model's own step (PixArt), which sigma does not give
             tensors["timestep"] = timesteps.float().reshape(-1).expand(batch).contiguous()
         if av:
-            tensors, conditioning = av.inputs(), av.batched(conditioning)
+            tensors, conditioning = av.inputs(), {**av.batched(conditioning), **av.keyframes(kwargs)}
         loras = self.pool.lora_params() + [{"path": path, "strength": strength} for path, strength in options.get(LORAS, ())]
 
         from ..workers.client import JobCancelledError

@@ -10,6 +10,10 @@ the pipeline's transformer call in what a mapping of inputs covers: it takes the
 schedule (undone around the call: nodes/av_calls.py), derives the audio's sigma from the video's, packs [text | audio |
 video] itself and returns minus the transformer's velocity. The conditioning is the text encoder's hidden states with
 their modality tags (`minimax_token_tags`), through XDiTTestConditioning (Qwen3-VL 32B is too big for a CPU test).
+
+video_minimax_h3_i2v's sampling part is the same with MiniMaxH3ImageToVideo's conditioning: a first frame's encoded
+latent in `minimax_keyframes`, which ComfyUI's model noises from the sampler's seed and puts in front of the video rows;
+the loader sends it noised the same way (nodes/av_calls.py) and the pool's call places it as the pipeline's fl2va does.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ sys.argv = sys.argv[:1] + ["--cpu", "--use-pytorch-cross-attention"]
 import comfy.options; comfy.options.enable_args_parsing()
 import torch, comfy.ops, comfy.sd
 from safetensors.torch import load_file, save_file
-from comfy.ldm.minimax.model import MiniMaxH3Model, time_shift_sigma
+from comfy.ldm.minimax.model import MiniMaxH3Model, time_shift_sigma, unpatchify_video
 config = json.loads(config)
 model = MiniMaxH3Model(**config, operations=comfy.ops.disable_weight_init, device="meta")
 generator = torch.Generator().manual_seed(0)
@@ -57,18 +61,25 @@ save_file({"model.diffusion_model." + k: v.contiguous() for k, v in weights.item
 if inputs:
     patcher = comfy.sd.load_diffusion_model(path)
     x = load_file(inputs)
+    payload, out = {"text_token_tags": x["tags"], "audio_scale": 1.0}, {}
+    if "keyframes" in x:  # fl2va: a first and a last frame of 22 (7 latent frames), noised by its model from seed 5
+        frames = [{"resolved_frame_index": i, "latent": x["keyframes"][:, :, j:j + 1]} for j, i in enumerate((0, 21))]
+        payload.update(keyframes=frames, frame_count=22, seed=5, cond_video_latents=[f["latent"] for f in frames])
+        rows = patcher.model.diffusion_model._cond_video_rows(payload, "cpu").chunk(2)
+        out["noised"] = torch.cat([unpatchify_video(r, 1, *(n // 2 for n in x["video"].shape[3:])) for r in rows], 2)
     with torch.no_grad():
         video, audio = patcher.model.diffusion_model([x["video"], x["audio"]], x["sigma"] * 1000, x["context"],
-                                                     minimax_payload={"text_token_tags": x["tags"], "audio_scale": 1.0})
-    save_file({"video": video.contiguous(), "audio": audio.contiguous(),
+                                                     minimax_payload=payload)
+    save_file({**out, "video": video.contiguous(), "audio": audio.contiguous(),
                "audio_sigma": time_shift_sigma(x["sigma"], 12.0, 3.0)}, result,
               metadata={"model": type(patcher.model).__name__})
 """
 
 
-def _comfyui_file(python, comfyui, path, work=None) -> tuple[dict, str] | None:
+def _comfyui_file(python, comfyui, path, work=None, keyframes=False) -> tuple[dict, str] | None:
     """The file written at `path` by ComfyUI's own code; with `work`, ComfyUI's model call on it too: the inputs and
-    its outputs, and the model class ComfyUI detected."""
+    its outputs (with `keyframes`, two of them in its payload, and them noised as its model noises them), and the
+    model class ComfyUI detected."""
     if work is None:
         subprocess.run([str(python), "-c", COMFY_SCRIPT, str(path), "", "", json.dumps(CONFIG)], cwd=comfyui,
                        check=True, capture_output=True)
@@ -78,6 +89,8 @@ def _comfyui_file(python, comfyui, path, work=None) -> tuple[dict, str] | None:
     tags[2:4] = 0  # two vision rows among the text, as a keyframe's tokens are tagged
     inputs = {"video": torch.randn(1, 24, 7, 4, 6, generator=gen), "audio": torch.randn(1, 32, 2, 23, generator=gen),
               "context": torch.randn(1, TEXT_TOKENS, TEXT_WIDTH, generator=gen), "sigma": torch.tensor([0.7]), "tags": tags}
+    if keyframes:
+        inputs["keyframes"] = torch.randn(1, 24, 2, 4, 6, generator=gen)
     save_file(inputs, work / "inputs.safetensors")
     subprocess.run([str(python), "-c", COMFY_SCRIPT, str(path), str(work / "inputs.safetensors"),
                     str(work / "result.safetensors"), json.dumps(CONFIG)], cwd=comfyui, check=True, capture_output=True)
@@ -86,8 +99,9 @@ def _comfyui_file(python, comfyui, path, work=None) -> tuple[dict, str] | None:
     return {**inputs, **{f"comfy_{k}": v for k, v in load_file(work / "result.safetensors").items()}}, model
 
 
-def _pool_call(path, x: dict, audio_sigma: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The engine's model call on the file as a pool loads it (one rank): ComfyUI's streams in the pipeline's layout."""
+def _pool_call(path, x: dict, audio_sigma: torch.Tensor, anchors=None) -> dict[str, torch.Tensor]:
+    """The engine's model call on the file as a pool loads it (one rank): ComfyUI's streams in the pipeline's layout;
+    with `anchors`, ComfyUI's noised keyframes as the loader sends them."""
     from parallel.layout.config import ParallelConfig
     from parallel.loading.checkpoints.load import load_single_file_pipeline
     from parallel.model_executor.model_call import check_model_call, evaluate
@@ -96,6 +110,9 @@ def _pool_call(path, x: dict, audio_sigma: torch.Tensor) -> dict[str, torch.Tens
     tensors = {"latents": x["video"], "sigma": x["sigma"], "prompt_embeds": x["context"],
                "text_token_tags": x["tags"][None], "audio_latents": x["audio"].permute(0, 2, 1, 3),
                "audio_sigma": audio_sigma}
+    if anchors is not None:
+        tensors.update(condition_latents=x["comfy_noised"].flatten(2), keyframe_anchors=torch.tensor([anchors]),
+                       condition_sizes=torch.tensor([[[1.0, 4, 6]] * len(anchors)]))
     with one_rank(ParallelConfig()):
         wrapper = xFuserPipelineBaseWrapper.wrap(load_single_file_pipeline(path))
         check_model_call(wrapper, tensors)
@@ -116,6 +133,19 @@ def test_comfyuis_minimax_h3_model_call_equals_the_pools_on_the_same_file(comfyu
     assert (unshifted["audio"] - x["comfy_audio"]).abs().max().item() > 1e-2
 
 
+def test_comfyuis_model_call_with_a_first_and_a_last_keyframe_equals_the_pools(comfyui_install, tmp_path):
+    """fl2va's rows: ComfyUI's model's keyframes (in front of the video, at the first and the last frame's time, held
+    at t = 0.999) are the pool's from the same noised latents."""
+    comfyui, python = comfyui_install
+    x, _ = _comfyui_file(python, comfyui, tmp_path / FILE, tmp_path, keyframes=True)
+    ours = _pool_call(tmp_path / FILE, x, x["comfy_audio_sigma"], anchors=[0.0, 1.0])
+    diffs = {name: (ours[name] - x[f"comfy_{name}"]).abs().max().item() for name in ("video", "audio")}
+    assert max(diffs.values()) <= TOLERANCE, diffs
+    # negative control: the two keyframes' anchors swapped
+    swapped = _pool_call(tmp_path / FILE, x, x["comfy_audio_sigma"], anchors=[1.0, 0.0])
+    assert (swapped["video"] - x["comfy_video"]).abs().max().item() > 1e-2
+
+
 def test_a_pruned_file_is_refused_in_one_line_before_any_pool(comfyui_install, tmp_path):
     """The template's file is pruned (its time embedder replaced by `adaln_t_table`, ComfyUI's curve basis), which
     diffusers' transformer cannot hold: detection, which the loader runs before a pool starts, says so."""
@@ -132,11 +162,12 @@ def test_a_pruned_file_is_refused_in_one_line_before_any_pool(comfyui_install, t
     assert "\n" not in message and "pruned MiniMax-H3" in message and "UNETLoader" in message, message
 
 
-def _template(unet: dict, seed: int) -> dict:
-    """video_minimax_h3_t2v's sampling part at a tiny size, its latent split and saved per stream."""
+def _template(unet: dict, seed: int, text: str = "h3-text.safetensors") -> dict:
+    """video_minimax_h3_t2v's sampling part at a tiny size, its latent split and saved per stream (the i2v template's
+    too: its MiniMaxH3ImageToVideo gives the same empty latent and the conditioning `text` holds)."""
     return {
         "unet": unet,
-        "text": {"class_type": "XDiTTestConditioning", "inputs": {"tensors": "h3-text.safetensors"}},
+        "text": {"class_type": "XDiTTestConditioning", "inputs": {"tensors": text}},
         "latent": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": SIZE, "height": SIZE, "length": LENGTH}},
         "sigmas": {"class_type": "BasicScheduler", "inputs": {"model": ["unet", 0], "scheduler": "simple",
                                                              "steps": STEPS, "denoise": 1.0}},
@@ -160,13 +191,19 @@ def _streams(comfy, prompt) -> tuple[torch.Tensor, torch.Tensor]:
     return saved_latent(comfy, entry, "save-video"), saved_latent(comfy, entry, "save-audio")
 
 
-def test_the_swapped_loader_on_ulysses_2_equals_comfyuis_own_minimax_h3(comfy):
+def _text(comfy) -> dict[str, torch.Tensor]:
+    """The tiny file in ComfyUI's models and the text encoder's output for it, saved as h3-text.safetensors."""
     _comfyui_file(comfy.python, comfy.comfy, comfy.work / "models" / "diffusion_models" / FILE)
     gen = torch.Generator().manual_seed(3)
     tags = torch.ones(TEXT_TOKENS, dtype=torch.long)
     tags[:2] = 0
-    save_file({"cond": torch.randn(1, TEXT_TOKENS, TEXT_WIDTH, generator=gen), "minimax_token_tags": tags},
-              comfy.work / "input" / "h3-text.safetensors")
+    text = {"cond": torch.randn(1, TEXT_TOKENS, TEXT_WIDTH, generator=gen), "minimax_token_tags": tags}
+    save_file(text, comfy.work / "input" / "h3-text.safetensors")
+    return text
+
+
+def test_the_swapped_loader_on_ulysses_2_equals_comfyuis_own_minimax_h3(comfy):
+    _text(comfy)
     spec = comfy.get("/object_info/XDiTLoadDiffusionModel")["XDiTLoadDiffusionModel"]["input"]["required"]["unet_name"]
     assert FILE in (spec[1]["options"] if spec[0] == "COMBO" else spec[0])  # the loader offers the file
     stock = _streams(comfy, _template({"class_type": "UNETLoader", "inputs": {"unet_name": FILE,
@@ -180,3 +217,31 @@ def test_the_swapped_loader_on_ulysses_2_equals_comfyuis_own_minimax_h3(comfy):
     other = _streams(comfy, _template({"class_type": "UNETLoader", "inputs": {"unet_name": FILE,
                                                                              "weight_dtype": "default"}}, seed=2))
     assert min((ours - theirs).abs().max().item() for ours, theirs in zip(swapped, other)) > 1e-2
+
+
+def _keyframe(comfy, text: dict, name: str, frame: int) -> str:
+    """MiniMaxH3ImageToVideo's conditioning with one keyframe at pixel `frame`: the text, `minimax_keyframes` (the
+    encoded image, one latent frame) and `minimax_frame_count`, saved as `name` (its VAE is too big for a CPU test)."""
+    latent = torch.randn(1, 24, 1, SIZE // 16, SIZE // 16, generator=torch.Generator().manual_seed(4))
+    save_file({**text, "minimax_keyframes.0.latent": latent, "minimax_keyframes.0.resolved_frame_index":
+               torch.tensor(frame), "minimax_frame_count": torch.tensor(LENGTH)}, comfy.work / "input" / name)
+    return name
+
+
+def test_the_swapped_loader_on_ulysses_2_equals_comfyuis_own_minimax_h3_from_a_first_frame(comfy):
+    """video_minimax_h3_i2v's sampling part (fl2va: a first frame) with UNETLoader swapped: the keyframe, noised as
+    ComfyUI's model noises it from the sampler's seed, reaches the pool's model call in front of the video rows."""
+    text = _text(comfy)
+    first, last = _keyframe(comfy, text, "h3-first.safetensors", 0), _keyframe(comfy, text, "h3-last.safetensors",
+                                                                                 LENGTH - 1)
+    stock_unet = {"class_type": "UNETLoader", "inputs": {"unet_name": FILE, "weight_dtype": "default"}}
+    stock = _streams(comfy, _template(stock_unet, seed=1, text=first))
+    loader = _loader(ulysses_degree=2)
+    swapped = _streams(comfy, _template({**loader, "inputs": {**loader["inputs"], "unet_name": FILE}}, seed=1,
+                                        text=first))
+    diffs = [(ours - theirs).abs().max().item() for ours, theirs in zip(swapped, stock)]
+    assert max(diffs) <= TOLERANCE, diffs
+    # negative controls: ComfyUI's own model with the keyframe dropped, or moved to the last frame, is far from it
+    for control in ("h3-text.safetensors", last):
+        other = _streams(comfy, _template(stock_unet, seed=1, text=control))
+        assert min((ours - theirs).abs().max().item() for ours, theirs in zip(swapped, other)) > 1e-2, control

@@ -115,6 +115,10 @@ class ComfyData:
                     12 and 3, MiniMaxH3SigmaShift's options set others); its sampler carries the audio scaled onto the
                     video's schedule by the model call's `audio_scale` (nodes/av_calls.py); (): one schedule.
     audio_scale:    the model call entry holding that scale (a `keyword.key` of a dict keyword, as in model_call_conds).
+    keyframes:      the dict keyword of the model call whose `keyframes` ({resolved_frame_index, latent} each, with its
+                    `frame_count` and `seed`) ComfyUI's model puts in front of the video rows (MiniMax-H3's
+                    `minimax_payload`, from MiniMaxH3ImageToVideo): they go to the pool noised as its model does, as
+                    `condition_latents`, `condition_sizes` and `keyframe_anchors` (nodes/av_calls.py); "": none.
     conditioning_calls: key of a conditioning's extras → (the call parameter it sets, ComfyUI's value without it)
                     (LTXVConditioning's frame_rate, 25 when none set it).
     conditioning_inputs: key of the positive conditioning's extras → the pipeline input it is, as given (MiniMax-H3's
@@ -156,6 +160,7 @@ class ComfyData:
     audio_axes: tuple[int, ...] = ()
     audio_shifts: tuple[tuple[str, float], tuple[str, float]] = ()
     audio_scale: str = ""
+    keyframes: str = ""
     conditioning_calls: dict[str, tuple[str, float]] = field(default_factory=dict)
     conditioning_inputs: dict[str, str] = field(default_factory=dict)
     derives_frames: bool = False

@@ -11,8 +11,8 @@ XDiTTestTextEncoder and XDiTTestVAE stand in for a whole template's CLIPLoader /
 CLIPTextEncode and TextGenerate, VAEDecode and WanImageToVideo call on them), so an official workflow runs unchanged
 otherwise (tests/test_comfyui_browser_loader.py).
 
-A file holds `cond` and extras by key; a list (reference_latents) as `key.0`, `key.1`, ...; a float (guidance) as
-a 0-d tensor.
+A file holds `cond` and extras by key; a list (reference_latents) as `key.0`, `key.1`, ...; a list of dicts
+(MiniMaxH3ImageToVideo's `minimax_keyframes`) as `key.0.field`, ...; a number (guidance, a frame index) as a 0-d tensor.
 """
 
 import json
@@ -38,16 +38,20 @@ class XDiTTestConditioning:
 
     def load(self, tensors):
         saved = _load(tensors)
-        extras, lists = {}, {}
+        extras, lists, records = {}, {}, {}
         for key, value in saved.items():
             if key == "cond":
                 continue
-            if key.rsplit(".", 1)[-1].isdigit():
+            parts = key.split(".")
+            if len(parts) == 3 and parts[1].isdigit():
+                records.setdefault(parts[0], {}).setdefault(int(parts[1]), {})[parts[2]] = \
+                    value.item() if value.ndim == 0 else value
+            elif key.rsplit(".", 1)[-1].isdigit():
                 name, index = key.rsplit(".", 1)
                 lists.setdefault(name, {})[int(index)] = value
             else:
                 extras[key] = value.item() if value.ndim == 0 else value
-        for name, items in lists.items():
+        for name, items in {**lists, **records}.items():
             extras[name] = [items[i] for i in sorted(items)]
         return ([[saved["cond"], extras]],)
 

@@ -22,9 +22,13 @@ COMFY = ComfyData(
     expects="the MiniMax-H3 text encoder's hidden states (Qwen3-VL's layer 50) with their modality tags",
     empty_latent="EmptyMiniMaxH3LatentAV", model_class="MiniMaxH3",
     # ComfyUI's model call: the text (its model refines it itself, as the pool's does), the tags and the t2va payload
-    # (the seed and the prebuilt layout: the pool builds its own); keyframes and references are refused
+    # (the seed and the prebuilt layout: the pool builds its own), and fl2va's keyframes, which travel noised as
+    # condition_latents (nodes/av_calls.py: MiniMaxH3ImageToVideo's first/last frame); references are refused
     model_call_conds={"context": "prompt_embeds", "minimax_payload.text_token_tags": "text_token_tags",
-                      "minimax_payload.seed": "", "minimax_payload.layout": "", "minimax_payload.audio_scale": ""},
+                      "minimax_payload.seed": "", "minimax_payload.layout": "", "minimax_payload.audio_scale": "",
+                      "minimax_payload.keyframes": "", "minimax_payload.frame_count": "",
+                      "minimax_payload.cond_video_latents": ""},
+    keyframes="minimax_payload",
     audio_shifts=(("minimax_h3_sigma_shift_video", 12.0), ("minimax_h3_sigma_shift_audio", 3.0)),
     audio_scale="minimax_payload.audio_scale",
 )
@@ -53,7 +57,8 @@ class xFuserMiniMaxH3Pipeline(xFuserModularPipelineWrapper):
     tensor_inputs = ("audio_latents", "text_token_tags", "condition_latents", "condition_sizes", "keyframe_anchors")
     shared_inputs = ("text_token_tags",)
     embedding_sizes = {"prompt_embeds": "text_dim"}
-    model_call_inputs = ("prompt_embeds", "text_token_tags", "audio_latents", "audio_sigma")
+    model_call_inputs = ("prompt_embeds", "text_token_tags", "audio_latents", "audio_sigma", "condition_latents",
+                         "condition_sizes", "keyframe_anchors")
     model_call_required = ("prompt_embeds", "audio_latents", "audio_sigma")
     call_parameters = {
         "num_frames": CallParameter(int, "video frames at 24 fps, 17n+5 from 5 to 15 s (default: as many as the latents "
@@ -188,7 +193,9 @@ class xFuserMiniMaxH3Pipeline(xFuserModularPipelineWrapper):
     def model_call_arguments(self, latents, timestep, inputs):
         """The loop's transformer call for one video [1, 24, T', h, w] at video sigma `timestep` [1] and its audio
         [1, 2, 32, L] at `audio_sigma` [1] (each stream's own schedule, as the pipeline's two schedulers give them):
-        the t2va layout the pipeline builds, the text's modality tags [1, T] (all text where none are sent)."""
+        the layout the pipeline builds, the text's modality tags [1, T] (all text where none are sent); fl2va's
+        keyframes, sent noised as the rows take them (`condition_latents`, `condition_sizes`, `keyframe_anchors`),
+        in front of the video rows at the anchors' times, held at t = max(t, 0.999) as the pipeline holds them."""
         from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep, \
             MiniMaxH3SetTimestepsStep, patchify_video_latents
 
@@ -199,14 +206,20 @@ class xFuserMiniMaxH3Pipeline(xFuserModularPipelineWrapper):
         tags = inputs.get("text_token_tags")
         tags = torch.ones(text.shape[1], dtype=torch.long) if tags is None else tags[0].long().cpu()
         _, _, frames, height, width = latents.shape
-        positions, token_tags, video, audio_rows, text_rows, _, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-            tags, frames, height, width, audio.shape[-1], module.patch_size, module.audio_channels, module.audio_tag,
-            module.video_tag)
-        sigma, audio_sigma = float(timestep[0]), float(inputs["audio_sigma"][0])
+        scale = self.latent_scale()
+        self.check_keyframes({**inputs, "height": height * scale, "width": width * scale}, 1)
+        anchors = self.keyframe_anchors(inputs)
+        keyframes = references(inputs, "condition_latents", "condition_sizes") if anchors else []
+        positions, token_tags, video, audio_rows, text_rows, conditions, _ = \
+            MiniMaxH3PrepareLayoutStep.build_packed_sequence(tags, frames, height, width, audio.shape[-1],
+                                                             module.patch_size, module.audio_channels,
+                                                             module.audio_tag, module.video_tag, anchors)
+        t, audio_t = 1.0 - float(timestep[0]), 1.0 - float(inputs["audio_sigma"][0])
         steps, indices = MiniMaxH3SetTimestepsStep.build_row_timesteps(
-            video, audio_rows, 0, 0, text_rows.numel(), 1.0 - sigma, 1.0 - audio_sigma, 1.0 - sigma, 1.0)
+            video, audio_rows, conditions, 0, text_rows.numel(), t, audio_t, max(t, module.keyframe_noise_aug), 1.0)
+        rows = [patchify_video_latents(frame.float(), module.patch_size) for frame in [*keyframes, latents]]
         device = latents.device
-        return {"hidden_states": patchify_video_latents(latents.float(), module.patch_size)[None],
+        return {"hidden_states": torch.cat(rows)[None],
                 "audio_hidden_states": audio.float().permute(0, 2, 1).reshape(1, -1, audio.shape[1]),
                 "encoder_hidden_states": text, "timestep": steps.to(device), "timestep_indices": indices.to(device),
                 "token_tags": token_tags.to(device), "position_ids": positions.to(device), "video_indices": video.to(device),
@@ -214,10 +227,12 @@ class xFuserMiniMaxH3Pipeline(xFuserModularPipelineWrapper):
 
     def model_call_outputs(self, outputs, latents, inputs):
         """The velocities as every model call gives them, d/dsigma (the transformer's are along t = 1 − sigma): the
-        video shaped like `latents`, the audio (`audio`) like `audio_latents`."""
+        video shaped like `latents` (its generated rows: the keyframes' come first), the audio (`audio`) like
+        `audio_latents`."""
         video, audio = outputs
-        shape = inputs["audio_latents"].shape
-        return {"prediction": -unpatchify_video_rows(video[0], tuple(latents.shape), self.module.patch_size),
+        shape, patch = inputs["audio_latents"].shape, self.module.patch_size
+        generated = video[0, video.shape[1] - math.prod(latents.shape[2:]) // math.prod(patch):]
+        return {"prediction": -unpatchify_video_rows(generated, tuple(latents.shape), patch),
                 "audio": -audio[0].reshape(shape[1], shape[3], shape[2]).transpose(1, 2)[None]}
 
     # -- decode (a pool's decode job), as the pipeline's decode steps do it ------------------------------------
