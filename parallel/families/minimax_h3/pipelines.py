@@ -26,7 +26,7 @@ COMFY = ComfyData(
     model_call_conds={"context": "prompt_embeds", "minimax_payload.text_token_tags": "text_token_tags",
                       "minimax_payload.seed": "", "minimax_payload.layout": "", "minimax_payload.audio_scale": ""},
     audio_shifts=(("minimax_h3_sigma_shift_video", 12.0), ("minimax_h3_sigma_shift_audio", 3.0)),
-    audio_scale="minimax_payload.audio_scale",
+    audio_scale="minimax_payload.audio_scale", vae_normalises=True,  # ComfyUI's VAEs denormalise inside decode
 )
 
 
