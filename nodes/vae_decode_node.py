@@ -3,9 +3,10 @@
 The step that runs out of memory first on a long clip is the decode, on one device. Here each rank
 decodes about one tile (diffusers' tiled decode, blended exactly as in one process; see
 parallel/model_executor/vae_decode.py), so a rank holds about 1/world of the activations. The LATENT is in the VAE's own
-space, as every ComfyUI LATENT is, except where ComfyUI's VAE normalises inside it (LTX-2: the pool converts it
-first); video comes back as its frames. A video-with-sound latent (LTX-2's AV latent) also gives its sound, decoded
-by the pool's audio VAE and vocoder, as ComfyUI's AUDIO (CreateVideo joins the two).
+space, as every ComfyUI LATENT is, except where ComfyUI's VAE normalises inside it (LTX-2, MiniMax-H3: its latent
+format's process_in, as ComfyUI's samplers apply it, and the pool convert it); video comes back as its frames. A
+video-with-sound latent (LTX-2's or MiniMax-H3's AV latent) also gives its sound, decoded by the pool's audio VAE and
+vocoder, as ComfyUI's AUDIO (CreateVideo joins the two).
 """
 
 from __future__ import annotations
@@ -41,15 +42,15 @@ class XDiTVAEDecode(io.ComfyNode):
 
     @classmethod
     def execute(cls, pool, samples, tile_size) -> io.NodeOutput:
-        streams = comfy_compat.latent_streams(samples["samples"])
-        tensors = {"latents": streams[0].float(), **({"audio": streams[1].float()} if len(streams) > 1 else {})}
+        adapter = adapter_for(pool.pipeline, pool.latent_scale)
+        normalised = adapter.data.vae_normalises
+        tensors = _loop_latents(adapter, samples["samples"]) if normalised else _vae_latents(samples["samples"])
         comfy.model_management.throw_exception_if_processing_interrupted()
         progress = comfy.utils.ProgressBar(1)
 
         def on_step(message):
             progress.update_absolute(message.params["index"], message.params["total"])
 
-        normalised = adapter_for(pool.pipeline, pool.latent_scale).data.vae_normalises
         reply = POOLS.client(pool.endpoint).decode_streams(tensors, tile_size, model_latents=normalised, on_step=on_step)
         images = (reply.tensors["images"].float() / 2 + 0.5).clamp(0, 1)
         if images.ndim == 5:  # video [B, 3, T, H, W] → frames
@@ -58,3 +59,21 @@ class XDiTVAEDecode(io.ComfyNode):
         if "audio" in reply.tensors:
             audio = {"waveform": reply.tensors["audio"].float().contiguous(), "sample_rate": reply.params["sample_rate"]}
         return io.NodeOutput(images.movedim(1, -1).contiguous(), audio)
+
+
+def _vae_latents(samples) -> dict:
+    """A LATENT in the VAE's own space, sent as it is: its streams by the names a decode job takes."""
+    streams = comfy_compat.latent_streams(samples)
+    return {"latents": streams[0].float(), **({"audio": streams[1].float()} if len(streams) > 1 else {})}
+
+
+def _loop_latents(adapter, samples) -> dict:
+    """A LATENT in the sampling loop's space (ComfyUI's VAE normalises inside it: LTX-2, MiniMax-H3) as the pool's
+    decode takes it: ComfyUI's samplers' own step into the model's space (the latent format's process_in, on every
+    stream of an AV latent), the audio in the pipeline's axes (MiniMax-H3: ComfyUI's [B, 32, 2, L] → [B, 2, 32, L])."""
+    video = comfy_compat.latent_streams(samples)[0]
+    streams = comfy_compat.latent_streams(adapter.latent_format(video.shape[1]).process_in(samples))
+    tensors = {"latents": streams[0].float()}
+    if len(streams) > 1:
+        tensors["audio"] = adapter.audio_to_model(streams[1].float()).contiguous()
+    return tensors

@@ -10,6 +10,11 @@ pipeline's own count, not (T'−1)·4+1. The text is the tiny model's hidden sta
 ComfyUI's key (`minimax_token_tags`, as ComfyUI's MiniMax-H3 text encoder returns them), through the test-only
 XDiTTestConditioning (Qwen3-VL 32B is too big for a CPU test). A negative control: the tags given as all text
 where the tiny model's tags mark vision rows moves the result far beyond the tolerance.
+
+xDiT VAE Decode on the same pool turns the sampled AV latent into ComfyUI's IMAGE frames and AUDIO (stereo, 32 kHz),
+which CreateVideo / SaveVideo take; both equal diffusers' MiniMaxH3VideoDecodeStep (the VAE tiled as the pool tiles
+it) and MiniMaxH3AudioDecodeStep of the saved latents. Controls: the audio latent read without its axes swapped, and
+the frames with one tile of rank 1 missing.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from parallel.loading import tiny_models
 from loader_examples import LOAD_CONVERT
 from test_comfyui import saved_latent
 from test_minimax_h3 import FAMILY, FRAMES, SIZE, STEPS, reference
+from test_minimax_h3_decode import decode_step, reference_video, vaes
 from xdit_test_helpers import ROOT, TOLERANCE
 
 SEED = 5
@@ -45,6 +51,12 @@ def workflow(conditioning: str) -> dict:
         "split": {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["sample", 0]}},
         "save_video": {"class_type": "SaveLatent", "inputs": {"samples": ["split", 0], "filename_prefix": "h3_video"}},
         "save_audio": {"class_type": "SaveLatent", "inputs": {"samples": ["split", 1], "filename_prefix": "h3_audio"}},
+        "decode": {"class_type": "XDiTVAEDecode", "inputs": {"pool": ["pool", 0], "samples": ["sample", 0], "tile_size": 0}},
+        "frames": {"class_type": "XDiTTestSaveImage", "inputs": {"images": ["decode", 0], "name": "h3-frames.safetensors"}},
+        "sound": {"class_type": "XDiTTestSaveAudio", "inputs": {"audio": ["decode", 1], "name": "h3-sound.safetensors"}},
+        "clip": {"class_type": "CreateVideo", "inputs": {"images": ["decode", 0], "fps": 24.0, "audio": ["decode", 1]}},
+        "save_clip": {"class_type": "SaveVideo", "inputs": {"video": ["clip", 0], "filename_prefix": "h3_clip",
+                                                            "format": "auto", "codec": "auto"}},
     }
 
 
@@ -76,6 +88,28 @@ def test_xdit_sampler_takes_and_returns_comfyuis_minimax_h3_av_latent(comfy, vid
     untagged_video, _ = reference(model, {**noise, "prompt_embeds": inputs["prompt_embeds"],
                                                        "text_token_tags": torch.ones_like(tags)})
     assert (video - untagged_video).abs().max().item() > 100 * TOLERANCE
+
+    # xDiT VAE Decode: the AV latent as IMAGE frames and AUDIO equal diffusers' decode steps of the same latents
+    frames = load_file(comfy.work / "output" / "h3-frames.safetensors")["images"]
+    sound = load_file(comfy.work / "output" / "h3-sound.safetensors")
+    pipeline = vaes(model)
+    expected_frames = reference_video(pipeline.vae, video, 2)[0].movedim(1, -1)  # [T, H, W, 3], as ComfyUI's IMAGE
+    expected_sound = decode_step("MiniMaxH3AudioDecodeStep", {"audio_vae": pipeline.audio_vae},
+                                 audio_latents=audio.permute(*COMFY_AUDIO)[0])
+    assert frames.shape == expected_frames.shape == (FRAMES, SIZE, SIZE, 3)
+    assert int(sound["sample_rate"]) == 32000 and sound["waveform"].shape == expected_sound.shape == (1, 2, 207 * 800)
+    errors = ((frames - expected_frames).abs().max().item(), (sound["waveform"] - expected_sound).abs().max().item())
+    assert max(errors) <= TOLERANCE, errors
+    assert expected_frames.std().item() > 0.05 and expected_sound.abs().max().item() > 100 * TOLERANCE
+    clip = entry["outputs"]["save_clip"]  # CreateVideo joined the frames and the sound; SaveVideo wrote them
+    assert any(item["filename"].startswith("h3_clip") for item in next(iter(clip.values())))
+    # negative controls: ComfyUI's audio read in the pipeline's shape without swapping its axes, and rank 1's first
+    # tile missing from the frames
+    unswapped = decode_step("MiniMaxH3AudioDecodeStep", {"audio_vae": pipeline.audio_vae},
+                            audio_latents=audio.reshape(2, 32, -1))
+    assert (sound["waveform"] - unswapped).abs().max().item() > 100 * TOLERANCE
+    missing = reference_video(pipeline.vae, video, 2, missing=1)[0].movedim(1, -1)
+    assert (frames - missing).abs().max().item() > 100 * TOLERANCE
 
 
 def test_the_example_workflow_runs_in_the_frontend_and_equals_diffusers(comfy, page, video_model_dirs):

@@ -125,7 +125,7 @@ class ComfyData:
                     text encoder returns each token's modality tag as `minimax_token_tags`).
     derives_frames: the pipeline counts its frames from the latents' (MiniMax-H3: 5n+2 latent frames hold 17n+5
                     frames, not (T'−1)·temporal+1); the job names none.
-    vae_normalises: ComfyUI's VAE for this family normalises latents inside it (LTXV's per-channel statistics), so its
+    vae_normalises: ComfyUI's VAE for this family normalises latents inside it (LTXV's, MiniMax-H3's statistics), so its
                     LATENT is the sampling loop's space, not the VAE's own: a decode on the pool converts it first.
     """
 

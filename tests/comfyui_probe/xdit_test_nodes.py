@@ -6,10 +6,10 @@ ComfyUI's own text encoders are built at their released, multi-billion-parameter
 CONDITIONING: XDiTTestConditioning builds one from tensors a test saved, in exactly the layout the encoder node
 gives (its `cond`, and its extras under their ComfyUI keys: `attention_mask`, `conditioning_byt5small`,
 `reference_latents` as TextEncodeQwenImageEdit(Plus) appends them, ...). XDiTTestClipVision stands for
-CLIPVisionEncode's output the same way, XDiTTestLatent a latent node's LATENT; XDiTTestSaveAudio keeps an AUDIO exactly.
-XDiTTestTextEncoder and XDiTTestVAE stand in for a whole template's CLIPLoader / DualCLIPLoader and VAELoader (what
-CLIPTextEncode and TextGenerate, VAEDecode and WanImageToVideo call on them), so an official workflow runs unchanged
-otherwise (tests/test_comfyui_browser_loader.py).
+CLIPVisionEncode's output the same way, XDiTTestLatent a latent node's LATENT; XDiTTestSaveAudio and XDiTTestSaveImage
+keep an AUDIO and an IMAGE exactly. XDiTTestTextEncoder and XDiTTestVAE stand in for a whole template's CLIPLoader /
+DualCLIPLoader and VAELoader (what CLIPTextEncode and TextGenerate, VAEDecode and WanImageToVideo call on them), so an
+official workflow runs unchanged otherwise (tests/test_comfyui_browser_loader.py).
 
 A file holds `cond` and extras by key; a list (reference_latents) as `key.0`, `key.1`, ...; a list of dicts
 (MiniMaxH3ImageToVideo's `minimax_keyframes`) as `key.0.field`, ...; a number (guidance, a frame index) as a 0-d tensor.
@@ -107,6 +107,26 @@ class XDiTTestSaveAudio:
 
         save_file({"waveform": audio["waveform"].contiguous(), "sample_rate": torch.tensor(audio["sample_rate"])},
                   os.path.join(folder_paths.get_output_directory(), name))
+        return {}
+
+
+class XDiTTestSaveImage:
+    """An IMAGE kept exactly (SaveImage rounds it to 8 bits): its frames [N, H, W, 3] as `images` in a safetensors
+    file `name` in the output folder."""
+
+    CATEGORY = "testing/xdit"
+    RETURN_TYPES = ()
+    FUNCTION = "save"
+    OUTPUT_NODE = True
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"images": ("IMAGE",), "name": ("STRING", {"default": "images.safetensors"})}}
+
+    def save(self, images, name):
+        from safetensors.torch import save_file
+
+        save_file({"images": images.contiguous()}, os.path.join(folder_paths.get_output_directory(), name))
         return {}
 
 
@@ -229,4 +249,5 @@ class XDiTTestRecordCalls:
 
 NODE_CLASS_MAPPINGS = {"XDiTTestRecordCalls": XDiTTestRecordCalls, "XDiTTestConditioning": XDiTTestConditioning, "XDiTTestClipVision": XDiTTestClipVision,
                        "XDiTTestLatent": XDiTTestLatent, "XDiTTestSaveAudio": XDiTTestSaveAudio,
+                       "XDiTTestSaveImage": XDiTTestSaveImage,
                        "XDiTTestTextEncoder": XDiTTestTextEncoder, "XDiTTestVAE": XDiTTestVAE}

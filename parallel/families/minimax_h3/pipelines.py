@@ -30,7 +30,7 @@ COMFY = ComfyData(
                       "minimax_payload.cond_video_latents": ""},
     keyframes="minimax_payload",
     audio_shifts=(("minimax_h3_sigma_shift_video", 12.0), ("minimax_h3_sigma_shift_audio", 3.0)),
-    audio_scale="minimax_payload.audio_scale",
+    audio_scale="minimax_payload.audio_scale", vae_normalises=True,  # ComfyUI's VAEs denormalise inside decode
 )
 
 
