@@ -233,3 +233,43 @@ class xFuserLTX2ConditionPipeline(xFuserLTX2Pipeline):
             kwargs["conditions"] = [LTX2VideoCondition(frames=image.float(), index=int(index), strength=float(strength),
                                                        crf=0) for image, index, strength in zip(images, indices, strengths)]
         return super().call_context(kwargs)
+
+
+REFERENCE_INPUTS = ("reference_videos", "reference_strengths")
+
+
+class xFuserLTX2InContextPipeline(xFuserLTX2ConditionPipeline):
+    """`LTX2InContextPipeline` (IC-LoRA): the condition pipeline's pictures, and reference videos encoded on every rank
+    and appended to the video's tokens (with their own positions and per-token timesteps: split as the keyframes are).
+    A job sends `reference_videos` [R, F, 3, H, W] in 0..255 (F = 8k + 1) and `reference_strengths` [R] in [0, 1]. The
+    references attend to the video unmasked (conditioning_attention_strength 1, diffusers' default): a weaker one
+    needs a [tokens × tokens] mask in the video's self-attention, which the sequence split does not carry."""
+
+    tensor_inputs = xFuserLTX2ConditionPipeline.tensor_inputs + REFERENCE_INPUTS
+    shared_inputs = xFuserLTX2ConditionPipeline.shared_inputs + REFERENCE_INPUTS
+
+    def check_inputs(self, kwargs: dict[str, Any], batch: int) -> None:
+        videos, strengths = (kwargs.get(name) for name in REFERENCE_INPUTS)
+        if (videos is None) != (strengths is None):
+            raise ValueError("LTX-2 reference videos need both reference_videos [R, F, 3, H, W] and reference_strengths "
+                             "[R]; send the missing one")
+        if videos is not None:
+            if videos.ndim != 5 or videos.shape[2] != 3 or (videos.shape[1] - 1) % 8:
+                raise ValueError(f"reference_videos have shape {list(videos.shape)}; send RGB clips [R, F, 3, H, W] of "
+                                 "8k + 1 frames in 0..255")
+            if tuple(strengths.shape) != (len(videos),) or not all(0.0 <= float(s) <= 1.0 for s in strengths):
+                raise ValueError(f"{len(videos)} reference_videos need reference_strengths [{len(videos)}] in [0, 1], "
+                                 f"got {strengths.tolist()}")
+        super().check_inputs(kwargs, batch)
+
+    def call_context(self, kwargs: dict[str, Any]):
+        """The reference tensors as the `LTX2ReferenceCondition`s the pipeline takes (frames in 0..1, as its video
+        processor reads tensors)."""
+        from diffusers.pipelines.ltx2.pipeline_ltx2_ic_lora import LTX2ReferenceCondition
+
+        videos, strengths = (kwargs.pop(name, None) for name in REFERENCE_INPUTS)
+        if videos is not None:
+            kwargs["reference_conditions"] = [
+                LTX2ReferenceCondition(frames=video.float() / 255, strength=float(strength))
+                for video, strength in zip(videos, strengths)]
+        return super().call_context(kwargs)

@@ -29,9 +29,10 @@ def build_tiny(seed: int, pipeline: str = "LTX2Pipeline"):
     from ...loading import tiny_models as tm
 
     audio_width = AUDIO_HEADS * tm.HEAD_DIM
-    # The condition pipeline encodes its pictures: its encoder compresses ×32 / ×8 as the decoder expands (the other
-    # tiny models' encoder, never run, compresses ×16 / ×4 and is kept so their files stay as they are).
-    encoder = {"downsample_type": ("spatiotemporal",) * 4} if pipeline == "LTX2ConditionPipeline" else {}
+    # The condition pipelines encode their pictures: their encoder compresses ×32 / ×8 as the decoder expands (the
+    # other tiny models' encoder, never run, compresses ×16 / ×4 and is kept so their files stay as they are).
+    encodes = pipeline in ("LTX2ConditionPipeline", "LTX2InContextPipeline")
+    encoder = {"downsample_type": ("spatiotemporal",) * 4} if encodes else {}
     transformer = tm._seeded(
         seed, LTX2VideoTransformer3DModel, num_attention_heads=tm.HEADS, attention_head_dim=tm.HEAD_DIM, in_channels=LATENT, out_channels=LATENT, cross_attention_dim=VIDEO_WIDTH,
         audio_in_channels=AUDIO_WIDTH, audio_out_channels=AUDIO_WIDTH, audio_num_attention_heads=AUDIO_HEADS,
