@@ -39,6 +39,7 @@ MODELS = {
     "qwen-image-edit-plus": (RING2, None, 64), "sd3": (ULYSSES2, None, 64), "z-image": (ULYSSES2, None, 64),
     "wan": (ULYSSES2, 5, 64), "wan22": (RING2, 5, 64), "wan22-5b": (ULYSSES2, 5, 128),
     "hunyuanvideo15": (ULYSSES2, 5, 64), "ltx2": (ULYSSES2, 17, 64), "ltx2-i2v": (RING2, 17, 64),
+    "ltx2-condition": (ULYSSES2, 17, 64), "ltx2-ic": (RING2, 17, 64),
     "flux3": (ULYSSES2, None, 64), "flux3-distilled": (RING2, None, 64), "krea2": (ULYSSES2, None, 64),
     "qwen-image-2.1": (RING2, None, 64), "minimax-h3": (RING2, 124, 64),
 }

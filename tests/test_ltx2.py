@@ -6,16 +6,20 @@ samples 17 frames at 96×160 and 25 fps: 45 video tokens (shards of 23/22 and 12
 text tokens left-padded by a different amount for the negative prompt. Every call guides with all of LTX-2's terms:
 classifier-free guidance (video and audio scales), spatio-temporal guidance on block 1 (`stg_block`, as the 28 of
 the real model's default is past a tiny model) and modality isolation, i.e. three transformer calls per step.
-Image-to-video (LTX2ImageToVideoPipeline: the first latent frame kept clean, per-token video timesteps split with
-the tokens) runs a selection of layouts. One torchrun launch per world size runs the layouts through
-tests/engine_cases.py. Negative controls: rank 1 holding
-the replicated audio's rows swapped; video-to-audio attention without merging the other ranks' keys. PipeFusion is
-refused in one line with its reason; contract E takes audio_latents in IN and writes `audio` beside `latents`. A
-2-rank pool samples both, decodes the video across its ranks and the audio through its audio VAE and vocoder.
+Image-to-video (LTX2ImageToVideoPipeline: the first latent frame kept clean, per-token video timesteps split with the
+tokens) runs a selection of layouts; LTX2ConditionPipeline (two pictures, at latent frames 0 and 2, the second
+appended as tokens of its own at strength 0.6) runs Ring 2 and CFG 2 in the matrix and Ulysses 2 through contract E,
+its control the second picture at frame 1; LTX2InContextPipeline (IC-LoRA: a 9-frame reference video appended at
+strength 0.8) runs Ulysses 2, Ring 2 and CFG 2, its control the clip played backwards. One torchrun launch per world
+size runs the layouts through tests/engine_cases.py. Negative controls: rank 1 holding the replicated audio's rows
+swapped; video-to-audio attention without merging the other ranks' keys. PipeFusion is refused in one line with its
+reason; contract E takes audio_latents in IN and writes `audio` beside `latents`. A 2-rank pool samples both, decodes
+the video across its ranks and the audio through its audio VAE and vocoder.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -27,7 +31,7 @@ from parallel.loading import tiny_models
 from test_engine_layouts import LAYOUTS
 from xdit_test_helpers import TOLERANCE, case_errors, diffusers_latents, run_engine_cases, torchrun
 
-FAMILY, I2V, STEPS, GUIDANCE = "ltx2", "ltx2-i2v", 3, 4.0
+FAMILY, I2V, CONDITION, IC, STEPS, GUIDANCE = "ltx2", "ltx2-i2v", "ltx2-condition", "ltx2-ic", 3, 4.0
 FRAMES, HEIGHT, WIDTH, RATE = 17, 96, 160, 25.0
 CALL = {"num_inference_steps": STEPS, "guidance_scale": GUIDANCE, "height": HEIGHT, "width": WIDTH,
         "frame_rate": RATE, "stg_block": 1}
@@ -36,7 +40,16 @@ CASES = [(n, layout, "default") for n, layouts in LAYOUTS.items() for layout in 
 CASES = [(n, l, "batch2" if l == "dp2" else v) for n, l, v in CASES] + [(2, "cfg2", "batch2")]
 CASES += [(2, layout, "i2v") for layout in ("ulysses2", "ring2", "cfg2")]
 CASES += [(4, layout, "i2v") for layout in ("ulysses2_ring2", "cfg2_ulysses2")]
+CASES += [(2, layout, "condition") for layout in ("ring2", "cfg2")]
+CASES += [(2, layout, "ic") for layout in ("ulysses2", "ring2", "cfg2")]
 CONTROLS = [(2, "ulysses2", "swapped_audio"), (2, "ring2", "own_keys_only")]
+# The conditions (pictures at latent frames 0 and 2, strengths 1 and 0.6) and the control's: the second picture at
+# latent frame 1 (the job's), while the reference keeps it at 2.
+CONDITIONS, MISPLACED = ([0, 2], [1.0, 0.6]), ([0, 1], [1.0, 0.6])
+CONDITION_CONTROL = (2, "ring2", "condition-misplaced")
+# IC-LoRA's reference video (9 frames at strength 0.8) and the control's: the job's clip played backwards.
+REFERENCE_STRENGTH, IC_CONTROL = 0.8, (2, "ring2", "ic-reversed")
+MODELS = {"i2v": I2V, "condition": CONDITION, "condition-misplaced": CONDITION, "ic": IC, "ic-reversed": IC}
 REFUSED = [(2, "pp2", "default")]
 
 
@@ -45,10 +58,50 @@ def case_name(nproc, layout, variant) -> str:
 
 
 def reference(model_dir: Path, inputs: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """diffusers' own LTX2Pipeline (LTX2ImageToVideoPipeline): (video latents, audio latents)."""
+    """diffusers' own LTX2Pipeline (LTX2ImageToVideoPipeline; LTX2ConditionPipeline given the conditions as its own
+    LTX2VideoConditions, at the frames CONDITIONS names; LTX2InContextPipeline given reference_clip() as its own
+    LTX2ReferenceCondition): (video latents, audio latents)."""
+    from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition
+    from diffusers.pipelines.ltx2.pipeline_ltx2_ic_lora import LTX2ReferenceCondition
+
     call = {**CALL, "spatio_temporal_guidance_blocks": [CALL["stg_block"]]}
     del call["stg_block"]
-    return diffusers_latents(model_dir, **load_file(inputs), **call, all_outputs=True)
+    tensors = load_file(inputs)
+    if "condition_images" in tensors:
+        images = tensors.pop("condition_images")
+        del tensors["condition_indices"], tensors["condition_strengths"]
+        call.update(num_frames=FRAMES, noise_scale=0.0, conditions=[
+            LTX2VideoCondition(frames=image[None], index=index, strength=strength, crf=0)
+            for image, index, strength in zip(images, *CONDITIONS)])
+    if tensors.pop("reference_videos", None) is not None:
+        del tensors["reference_strengths"]
+        call.update(num_frames=FRAMES, noise_scale=0.0, reference_conditions=[
+            LTX2ReferenceCondition(frames=reference_clip() / 255, strength=REFERENCE_STRENGTH)])
+    return diffusers_latents(model_dir, **tensors, **call, all_outputs=True)
+
+
+def condition_inputs(indices: list[int], strengths: list[float]) -> dict[str, torch.Tensor]:
+    """The tiny inputs with two random pictures [2, 3, H, W] in 0..255 held at latent frames `indices`."""
+    gen = torch.Generator().manual_seed(1)
+    return {**tiny_models.make_inputs(CONDITION, height=HEIGHT, width=WIDTH, num_frames=FRAMES),
+            "condition_images": torch.rand(2, 3, HEIGHT, WIDTH, generator=gen) * 255,
+            "condition_indices": torch.tensor(indices, dtype=torch.float32), "condition_strengths": torch.tensor(strengths)}
+
+
+def reference_clip() -> torch.Tensor:
+    """IC-LoRA's reference video: 9 random frames [9, 3, H, W] in 0..255."""
+    return torch.rand(9, 3, HEIGHT, WIDTH, generator=torch.Generator().manual_seed(2)) * 255
+
+
+def variant_inputs(variant: str) -> dict[str, torch.Tensor] | None:
+    """The inputs of a condition or in-context case (None: the plain tiny inputs)."""
+    if variant.startswith("condition"):
+        return condition_inputs(*(MISPLACED if variant.endswith("misplaced") else CONDITIONS))
+    if variant.startswith("ic"):
+        clip = reference_clip().flip(0) if variant.endswith("reversed") else reference_clip()
+        return {**tiny_models.make_inputs(IC, height=HEIGHT, width=WIDTH, num_frames=FRAMES),
+                "reference_videos": clip[None], "reference_strengths": torch.tensor([REFERENCE_STRENGTH])}
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -58,14 +111,15 @@ def matrix(video_model_dirs, tmp_path_factory):
     results = {}
     for nproc in (2, 4):
         specs = []
-        for case in [c for c in CASES + CONTROLS + REFUSED if c[0] == nproc]:
+        for case in [c for c in CASES + CONTROLS + [CONDITION_CONTROL, IC_CONTROL] + REFUSED if c[0] == nproc]:
             _, layout, variant = case
             batch = 2 if variant == "batch2" else 1
-            inputs = work / f"in-b{batch}.safetensors"
+            own = variant_inputs(variant)
+            inputs = work / (f"in-{variant}.safetensors" if own else f"in-b{batch}.safetensors")
             if not inputs.exists():
-                save_file(tiny_models.make_inputs(FAMILY, batch=batch, height=HEIGHT, width=WIDTH, num_frames=FRAMES),
-                          inputs)
-            model = video_model_dirs[I2V if variant == "i2v" else FAMILY]
+                save_file(own or tiny_models.make_inputs(FAMILY, batch=batch, height=HEIGHT, width=WIDTH,
+                                                         num_frames=FRAMES), inputs)
+            model = video_model_dirs[MODELS.get(variant, FAMILY)]
             layouts = {**LAYOUTS[nproc], "pp2": {"pipefusion_degree": 2, "warmup_steps": STEPS}}
             output = work / f"{nproc}-{case_name(*case)}.safetensors"
             specs.append({"name": case_name(*case), "model": str(model), "inputs": str(inputs), "output": str(output),
@@ -99,6 +153,35 @@ def test_a_misplaced_audio_stream_fails_the_check(matrix, case):
     assert (audio - expected_audio).abs().max().item() > 100 * TOLERANCE
     if case[2] == "swapped_audio":
         assert (video - expected_video).abs().max().item() > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("case", [CONDITION_CONTROL, IC_CONTROL], ids=["picture-at-another-frame", "clip-reversed"])
+def test_a_condition_elsewhere_fails_the_check(matrix, case):
+    """The job holds its second picture at latent frame 1 (the reference at 2), or its IC-LoRA clip played backwards:
+    both streams miss."""
+    (video, audio), (expected_video, expected_audio) = _result(matrix, case)
+    assert (video - expected_video).abs().max().item() > 100 * TOLERANCE
+    assert (audio - expected_audio).abs().max().item() > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"condition_indices": torch.tensor([0.0, 3.0])}, "condition_indices [0.0, 3.0] are latent frames of a video of 3"),
+    ({"condition_strengths": torch.tensor([1.0])}, "2 condition_images need condition_indices and condition_strengths"),
+    ({"condition_images": torch.zeros(2, 4, HEIGHT, WIDTH)}, "send RGB pictures [N, 3, H, W]"),
+    ({"reference_videos": torch.zeros(1, 8, 3, HEIGHT, WIDTH), "reference_strengths": torch.tensor([1.0])},
+     "send RGB clips [R, F, 3, H, W] of 8k + 1 frames")])
+def test_conditions_that_cannot_apply_are_refused_in_one_line(change, message):
+    """diffusers would skip a condition past the last frame with a warning; the job is refused, naming the fix (on
+    the in-context pipeline, which checks the condition pipeline's pictures and its own reference videos)."""
+    from parallel.layout.config import ParallelConfig
+    from parallel.model_executor import wrap_pipeline
+    from xdit_test_helpers import one_rank
+
+    with one_rank(ParallelConfig()):
+        wrapper = wrap_pipeline(tiny_models.build_tiny_pipeline(IC))
+        with pytest.raises(ValueError, match=re.escape(message)):
+            wrapper.prepare({**condition_inputs(*CONDITIONS), **change, **CALL})
+        wrapper.unwrap()
 
 
 def test_pipefusion_is_refused_with_its_reason(matrix):
@@ -141,6 +224,22 @@ def test_contract_e_takes_audio_in_and_writes_it_out(video_model_dirs, tmp_path)
     expected = diffusers_latents(model, **load_file(inputs), **call, all_outputs=True)
     for name, tensor in zip(("latents", "audio"), expected):
         assert (saved[name] - tensor).abs().max().item() <= TOLERANCE, name
+
+
+def test_contract_e_holds_pictures_at_chosen_frames(video_model_dirs, tmp_path):
+    """LTX2ConditionPipeline on Ulysses 2 through contract E: IN carries the pictures, their latent frames and
+    strengths as tensors; every rank encodes them with the pipeline's VAE; video and audio equal diffusers'."""
+    model = video_model_dirs[CONDITION]
+    inputs, output = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_file(condition_inputs(*CONDITIONS), inputs)
+    run = torchrun(2, "-m", "parallel.run", "--model", str(model), "--inputs", str(inputs), "--output", str(output),
+                   "--steps", str(STEPS), "--guidance-scale", str(GUIDANCE), "--height", str(HEIGHT), "--width",
+                   str(WIDTH), "--ulysses-degree", "2", "--call", f"frame_rate={RATE}", "--call", "stg_block=1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    saved = load_file(output)
+    for name, tensor in zip(("latents", "audio"), reference(model, inputs)):
+        error = (saved[name] - tensor).abs().max().item()
+        assert error <= TOLERANCE, f"{name}: max |parallel - diffusers| {error:.3g}"
 
 
 def test_a_pool_samples_video_with_sound_and_decodes_both(video_model_dirs, tmp_path):

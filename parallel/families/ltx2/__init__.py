@@ -1,8 +1,9 @@
-"""LTX-2.x text- and image-to-video with sound (`LTX2Pipeline`, `LTX2ImageToVideoPipeline`): one transformer denoises video latents [B, 128, T', H/32, W/32]
-and audio latents [B, C, L, M] together, each a token stream of its own (video: one token per latent pixel of each
-latent frame; audio: one per latent frame, its channels × mel bins wide), with its own modulation, rotary table
-and text (Gemma's hidden states through the pipeline's connectors, one stream per modality). Every block runs video
-and audio self-attention, text cross-attention for each, then audio-to-video and video-to-audio cross-attention.
+"""LTX-2.x text- and image-to-video with sound (`LTX2Pipeline`, `LTX2ImageToVideoPipeline`, `LTX2ConditionPipeline`,
+`LTX2InContextPipeline`): one transformer denoises video latents [B, 128, T', H/32, W/32] and audio latents [B, C, L, M]
+together, each a token stream of its own (video: one token per latent pixel of each latent frame; audio: one per
+latent frame, its channels × mel bins wide), with its own modulation, rotary table and text (Gemma's hidden states
+through the pipeline's connectors, one stream per modality). Every block runs video and audio self-attention, text
+cross-attention for each, then audio-to-video and video-to-audio cross-attention.
 
 The plan splits the video tokens where they enter (with their per-token timesteps, where image-to-video gives them,
 and the video rotary tables: both the video's own and the cross-modal one are made from the split positions) and
@@ -22,6 +23,9 @@ parameters.
 
 Image-to-video takes the start image's encoding in the first latent frame of the given latents (ComfyUI's
 LTXVImgToVideoInplace); its tokens get timestep 0, so the video's timesteps are per token and split with them.
+The condition pipeline encodes pictures on every rank and appends those past frame 0 to the video's tokens with their
+own positions and per-token timesteps (the in-context one its reference videos too): the same split takes them,
+nothing new in the plan.
 
 PipeFusion is refused (`no_pipefusion`): video and audio cross-attend in every block, so a patch of video rows would
 need the whole audio stream's state of the same step, which the patch pipeline does not carry.
@@ -32,7 +36,8 @@ from __future__ import annotations
 from ...model_executor.attention import TextLayout
 from ...model_executor.plans import CfgMode, Gather, ParallelPlan, Replicated, Split
 from ..base import FAMILIES, Family, TinyModel
-from .pipelines import xFuserLTX2ImageToVideoPipeline, xFuserLTX2Pipeline
+from .pipelines import (xFuserLTX2ConditionPipeline, xFuserLTX2ImageToVideoPipeline, xFuserLTX2InContextPipeline,
+                        xFuserLTX2Pipeline)
 from .tiny import build_tiny, tiny_inputs
 
 AUDIO_REPLICATED = Replicated(
@@ -43,7 +48,9 @@ TEXT_REPLICATED = Replicated(
 
 LTX2 = FAMILIES.register(Family(
     name="ltx2",
-    pipelines={"LTX2Pipeline": xFuserLTX2Pipeline, "LTX2ImageToVideoPipeline": xFuserLTX2ImageToVideoPipeline},
+    pipelines={"LTX2Pipeline": xFuserLTX2Pipeline, "LTX2ImageToVideoPipeline": xFuserLTX2ImageToVideoPipeline,
+               "LTX2ConditionPipeline": xFuserLTX2ConditionPipeline,
+               "LTX2InContextPipeline": xFuserLTX2InContextPipeline},
     transformer="LTX2VideoTransformer3DModel",
     plan=ParallelPlan(
         inputs={"": {"hidden_states": Split(dim=1, expected_dims=3), "timestep": Split(dim=1, ndim=2),
@@ -63,7 +70,11 @@ LTX2 = FAMILIES.register(Family(
                       "of its step",
     ),
     tiny={"ltx2": TinyModel("LTX2Pipeline", build_tiny, tiny_inputs, guidance=4.0),
-          "ltx2-i2v": TinyModel("LTX2ImageToVideoPipeline", lambda seed: build_tiny(seed, image_to_video=True),
-                                tiny_inputs, guidance=4.0)},
+          "ltx2-i2v": TinyModel("LTX2ImageToVideoPipeline", lambda seed: build_tiny(seed, "LTX2ImageToVideoPipeline"),
+                                tiny_inputs, guidance=4.0),
+          "ltx2-condition": TinyModel("LTX2ConditionPipeline", lambda seed: build_tiny(seed, "LTX2ConditionPipeline"),
+                                      tiny_inputs, guidance=4.0),
+          "ltx2-ic": TinyModel("LTX2InContextPipeline", lambda seed: build_tiny(seed, "LTX2InContextPipeline"),
+                               tiny_inputs, guidance=4.0)},
     attention_layers={"LTX2Attention": "diffusers.models.transformers.transformer_ltx2"},
 ))

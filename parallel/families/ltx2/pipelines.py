@@ -184,3 +184,92 @@ class xFuserLTX2ImageToVideoPipeline(xFuserLTX2Pipeline):
     ComfyUI's LTXVImgToVideoInplace puts it there), which the pipeline keeps clean (a timestep of 0 for its tokens:
     per-token timesteps, split with the video tokens); with latents given the pipeline encodes no image itself."""
 
+
+
+CONDITION_INPUTS = ("condition_images", "condition_indices", "condition_strengths")
+
+
+class xFuserLTX2ConditionPipeline(xFuserLTX2Pipeline):
+    """`LTX2ConditionPipeline`: pictures (or clips) held at chosen latent frames. diffusers' pipeline takes them only as
+    pixels (`LTX2VideoCondition`), so a job sends pixels and every rank encodes them with the pipeline's VAE (at its
+    mode: alike on every rank): `condition_images` [N, 3, H, W] (or clips [N, F, 3, H, W]) in 0..255,
+    `condition_indices` [N] latent frames (whole numbers as floats, as contract E's tensors are; negative: from the
+    end), `condition_strengths` [N] in [0, 1]. A condition at frame 0 overwrites the first frame's tokens; any other is
+    appended as tokens of its own with its positions, which split with the video's as its per-token timesteps do.
+    Images are H.264-compressed on the client if at all (ComfyUI's LTXVPreprocess): the ranks pass crf 0. Given
+    latents are the initial noise as they are (noise_scale 0), not noised again by a generator each rank would draw
+    differently."""
+
+    tensor_inputs = xFuserLTX2Pipeline.tensor_inputs + CONDITION_INPUTS
+    shared_inputs = CONDITION_INPUTS  # every sample of a batch gets every condition, as in diffusers
+    call_defaults = {"noise_scale": 0.0}
+
+    def check_inputs(self, kwargs: dict[str, Any], batch: int) -> None:
+        images, indices, strengths = (kwargs.get(name) for name in CONDITION_INPUTS)
+        if images is not None or indices is not None or strengths is not None:
+            if images is None or indices is None or strengths is None:
+                raise ValueError("LTX-2 conditions need all three of condition_images [N, 3, H, W], condition_indices "
+                                 "[N] and condition_strengths [N]; send the missing ones")
+            count, frames = len(images), self.latent_frames(kwargs)
+            if images.ndim not in (4, 5) or images.shape[-3] != 3:
+                raise ValueError(f"condition_images have shape {list(images.shape)}; send RGB pictures [N, 3, H, W] or "
+                                 "clips [N, frames, 3, H, W] in 0..255")
+            if tuple(indices.shape) != (count,) or tuple(strengths.shape) != (count,):
+                raise ValueError(f"{count} condition_images need condition_indices and condition_strengths of shape "
+                                 f"[{count}], got {list(indices.shape)} and {list(strengths.shape)}")
+            if not all(float(i).is_integer() and -frames <= int(i) < frames for i in indices):
+                raise ValueError(f"condition_indices {indices.tolist()} are latent frames of a video of {frames}; "
+                                 f"send whole numbers in [-{frames}, {frames - 1}]")
+            if not all(0.0 <= float(s) <= 1.0 for s in strengths):
+                raise ValueError(f"condition_strengths {strengths.tolist()} must lie in [0, 1]")
+        super().check_inputs(kwargs, batch)
+
+    def call_context(self, kwargs: dict[str, Any]):
+        """The condition tensors as the `LTX2VideoCondition`s the pipeline takes."""
+        from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition
+
+        images, indices, strengths = (kwargs.pop(name, None) for name in CONDITION_INPUTS)
+        if images is not None:
+            kwargs["conditions"] = [LTX2VideoCondition(frames=image.float(), index=int(index), strength=float(strength),
+                                                       crf=0) for image, index, strength in zip(images, indices, strengths)]
+        return super().call_context(kwargs)
+
+
+REFERENCE_INPUTS = ("reference_videos", "reference_strengths")
+
+
+class xFuserLTX2InContextPipeline(xFuserLTX2ConditionPipeline):
+    """`LTX2InContextPipeline` (IC-LoRA): the condition pipeline's pictures, and reference videos encoded on every rank
+    and appended to the video's tokens (with their own positions and per-token timesteps: split as the keyframes are).
+    A job sends `reference_videos` [R, F, 3, H, W] in 0..255 (F = 8k + 1) and `reference_strengths` [R] in [0, 1]. The
+    references attend to the video unmasked (conditioning_attention_strength 1, diffusers' default): a weaker one
+    needs a [tokens × tokens] mask in the video's self-attention, which the sequence split does not carry."""
+
+    tensor_inputs = xFuserLTX2ConditionPipeline.tensor_inputs + REFERENCE_INPUTS
+    shared_inputs = xFuserLTX2ConditionPipeline.shared_inputs + REFERENCE_INPUTS
+
+    def check_inputs(self, kwargs: dict[str, Any], batch: int) -> None:
+        videos, strengths = (kwargs.get(name) for name in REFERENCE_INPUTS)
+        if (videos is None) != (strengths is None):
+            raise ValueError("LTX-2 reference videos need both reference_videos [R, F, 3, H, W] and reference_strengths "
+                             "[R]; send the missing one")
+        if videos is not None:
+            if videos.ndim != 5 or videos.shape[2] != 3 or (videos.shape[1] - 1) % 8:
+                raise ValueError(f"reference_videos have shape {list(videos.shape)}; send RGB clips [R, F, 3, H, W] of "
+                                 "8k + 1 frames in 0..255")
+            if tuple(strengths.shape) != (len(videos),) or not all(0.0 <= float(s) <= 1.0 for s in strengths):
+                raise ValueError(f"{len(videos)} reference_videos need reference_strengths [{len(videos)}] in [0, 1], "
+                                 f"got {strengths.tolist()}")
+        super().check_inputs(kwargs, batch)
+
+    def call_context(self, kwargs: dict[str, Any]):
+        """The reference tensors as the `LTX2ReferenceCondition`s the pipeline takes (frames in 0..1, as its video
+        processor reads tensors)."""
+        from diffusers.pipelines.ltx2.pipeline_ltx2_ic_lora import LTX2ReferenceCondition
+
+        videos, strengths = (kwargs.pop(name, None) for name in REFERENCE_INPUTS)
+        if videos is not None:
+            kwargs["reference_conditions"] = [
+                LTX2ReferenceCondition(frames=video.float() / 255, strength=float(strength))
+                for video, strength in zip(videos, strengths)]
+        return super().call_context(kwargs)

@@ -20,14 +20,19 @@ FRAME_RATE = 25.0  # ComfyUI's LTXVEmptyLatentAudio default
 PEAK = 2.0
 
 
-def build_tiny(seed: int, image_to_video: bool = False):
+def build_tiny(seed: int, pipeline: str = "LTX2Pipeline"):
+    import diffusers
     from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
-                           LTX2ImageToVideoPipeline, LTX2Pipeline, LTX2VideoTransformer3DModel)
+                           LTX2VideoTransformer3DModel)
     from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
 
     from ...loading import tiny_models as tm
 
     audio_width = AUDIO_HEADS * tm.HEAD_DIM
+    # The condition pipelines encode their pictures: their encoder compresses ×32 / ×8 as the decoder expands (the
+    # other tiny models' encoder, never run, compresses ×16 / ×4 and is kept so their files stay as they are).
+    encodes = pipeline in ("LTX2ConditionPipeline", "LTX2InContextPipeline")
+    encoder = {"downsample_type": ("spatiotemporal",) * 4} if encodes else {}
     transformer = tm._seeded(
         seed, LTX2VideoTransformer3DModel, num_attention_heads=tm.HEADS, attention_head_dim=tm.HEAD_DIM, in_channels=LATENT, out_channels=LATENT, cross_attention_dim=VIDEO_WIDTH,
         audio_in_channels=AUDIO_WIDTH, audio_out_channels=AUDIO_WIDTH, audio_num_attention_heads=AUDIO_HEADS,
@@ -38,7 +43,7 @@ def build_tiny(seed: int, image_to_video: bool = False):
     vae = tm._seeded(seed + 3, AutoencoderKLLTX2Video, latent_channels=LATENT, block_out_channels=(8, 8, 8, 8),
                      decoder_block_out_channels=(8, 8, 8), layers_per_block=(1, 1, 1, 1, 1),
                      decoder_layers_per_block=(1, 1, 1, 1), spatio_temporal_scaling=(True, True, True, False),
-                     upsample_factor=(1, 1, 1))
+                     upsample_factor=(1, 1, 1), **encoder)
     audio_vae = tm._seeded(seed + 4, AutoencoderKLLTX2Audio, base_channels=AUDIO_WIDTH, output_channels=2,
                            ch_mult=(1, 2, 4), num_res_blocks=1, in_channels=2, latent_channels=AUDIO_LATENT,
                            mel_bins=MEL_BINS, resolution=64)
@@ -59,7 +64,7 @@ def build_tiny(seed: int, image_to_video: bool = False):
         per_modality_projections=True, video_hidden_dim=VIDEO_WIDTH, audio_hidden_dim=audio_width,
         video_gated_attn=True, audio_gated_attn=True)
     tokenizer, text_encoder = tm._gemma3(seed + 8, CAPTION, LAYERS - 1)  # embeddings + 2 layers: 3 stacked states
-    return (LTX2ImageToVideoPipeline if image_to_video else LTX2Pipeline)(
+    return getattr(diffusers, pipeline)(
         scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, audio_vae=audio_vae, text_encoder=text_encoder,
         tokenizer=tokenizer, connectors=connectors, transformer=transformer, vocoder=vocoder)
 
