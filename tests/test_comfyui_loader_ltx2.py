@@ -11,6 +11,10 @@ diffusers' transformer and text connectors on the same file within 1e-4, video a
 the audio moves by O(1), and in the first block, on equal inputs, the audio-to-video attention still agrees while the
 video-to-audio attention does not. The pool therefore cannot give ComfyUI's result for a real LTX-2 file.
 
+ComfyUI is the one that moved: its LTXAV read the video before the update (one `vx_norm3` for both attentions, as
+Lightricks' own ltx-core's BasicAVTransformerBlock still does) until "Speedup LTX and Wan" (ComfyUI PR 15138,
+2026-08-06) re-normalised `vx` after the in-place update. The refusal names that.
+
 Widths ComfyUI fixes in code, which the tiny file keeps: the audio latent is 8 channels × 16 mel bins (128 wide), the
 text connectors have 128 learnable registers, and the cross-modal rotary tables are made with the audio's head count
 (equal to the video's in the released models, 32, and in the tiny one, 4). The rotary and timestep settings are the

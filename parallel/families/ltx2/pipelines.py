@@ -29,8 +29,9 @@ class xFuserLTX2Pipeline(xFuserPipelineBaseWrapper):
         latent_formats={128: "LTXAV"}, temporal=8, tokens="loop", audio_stream=("audio_latents", "audio"),
         vae_normalises=True, model_class="LTXAV", model_call_refused=(
             "ComfyUI 0.33's LTXAV feeds each block's video-to-audio attention (audio queries, video keys) the video "
-            "after that block's audio-to-video update, diffusers' LTX2VideoTransformer3DModel (the pool's) the video "
-            "before it, so the pool's predictions would not be ComfyUI's"),
+            "after that block's audio-to-video update (since ComfyUI's LTX speed-up of 2026-08-06, PR 15138), while "
+            "Lightricks' own ltx-core, ComfyUI before it and diffusers' LTX2VideoTransformer3DModel (the pool's) feed "
+            "it the video before, so the pool's predictions would not be this ComfyUI's"),
         conditioning_calls={"frame_rate": ("frame_rate", 25.0)},
         expects="Gemma's stacked hidden states as LTX2Pipeline's prompt_embeds, with prompt_attention_mask",
         empty_latent="EmptyLTXVLatentVideo and LTXVEmptyLatentAudio into LTXVConcatAVLatent",
