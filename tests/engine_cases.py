@@ -3,8 +3,8 @@
     torchrun --nproc-per-node N tests/engine_cases.py CASES.json
 
 Each case in CASES.json: {"name", "model", "inputs", "output", "layout": {ParallelConfig fields},
-"call": {extra __call__ kwargs}, "scheduler", "fault", "report_memory", "report_flow",
-"report_prefix_cache"}. Rank 0 writes each case's
+"call": {extra __call__ kwargs}, "dtype", "scheduler", "fault", "report_memory", "report_storage",
+"report_flow", "report_prefix_cache"}. Rank 0 writes each case's
 latents (and what the pipeline returns beside them, under its names: LTX-2's `audio`); a rank that fails writes its traceback to output + ".error" (rank 0) or ".error.rank<N>" (rank N), which
 the tests read all together with xdit_test_helpers.case_errors. One launch amortises process-group start-up and
 imports over the whole matrix, and exercises tearing the layout down and building it again.
@@ -73,7 +73,7 @@ def block_bytes(transformer) -> int:
 
 
 def run_case(case: dict, rank: int) -> None:
-    pipeline = load_pipeline(case["model"])
+    pipeline = load_pipeline(case["model"], dtype=case.get("dtype"))
     set_scheduler(pipeline, case.get("scheduler", "default"))
     all_blocks = block_bytes(pipeline.transformer)
     with under_layout(pipeline, ParallelConfig(**case["layout"])) as parallel:
@@ -85,6 +85,13 @@ def run_case(case: dict, rank: int) -> None:
                 report = [{"rank": r, "block_parameter_bytes": int(t), "all_block_parameter_bytes": all_blocks}
                           for r, t in enumerate(every)]
                 Path(case["output"] + ".memory.json").write_text(json.dumps(report))
+        if case.get("report_storage"):  # the transformer's parameter bytes per storage format, on every rank
+            from parallel.loading.checkpoints.fp8 import storage_of
+
+            every = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(every, storage_of(parallel.module.transformer.module))
+            if rank == 0:
+                Path(case["output"] + ".storage.json").write_text(json.dumps(every))
         fault, hook = case.get("fault"), None
         if fault in FLOW_FAULTS:
             pipefusion.patch_copy = FLOW_FAULTS[fault]
