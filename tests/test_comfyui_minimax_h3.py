@@ -14,13 +14,13 @@ where the tiny model's tags mark vision rows moves the result far beyond the tol
 xDiT VAE Decode on the same pool turns the sampled AV latent into ComfyUI's IMAGE frames and AUDIO (stereo, 32 kHz),
 which CreateVideo / SaveVideo take; both equal diffusers' MiniMaxH3VideoDecodeStep (the VAE tiled as the pool tiles
 it) and MiniMaxH3AudioDecodeStep of the saved latents. Controls: the audio latent read without its axes swapped, and
-the frames with one tile of rank 1 missing.
+the frames with one tile of rank 1 missing. example_workflows/xdit_minimax_h3.json (ComfyUI's text encoder, xDiT
+Sampler, xDiT VAE Decode → CreateVideo → SaveVideo) runs whole in the frontend and is checked the same way.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -89,22 +89,29 @@ def test_xdit_sampler_takes_and_returns_comfyuis_minimax_h3_av_latent(comfy, vid
                                                        "text_token_tags": torch.ones_like(tags)})
     assert (video - untagged_video).abs().max().item() > 100 * TOLERANCE
 
-    # xDiT VAE Decode: the AV latent as IMAGE frames and AUDIO equal diffusers' decode steps of the same latents
-    frames = load_file(comfy.work / "output" / "h3-frames.safetensors")["images"]
-    sound = load_file(comfy.work / "output" / "h3-sound.safetensors")
+    assert_decoded_equals_diffusers(comfy, model, video, audio, "h3-frames.safetensors", "h3-sound.safetensors")
+    clip = entry["outputs"]["save_clip"]  # CreateVideo joined the frames and the sound; SaveVideo wrote them
+    assert any(item["filename"].startswith("h3_clip") for item in next(iter(clip.values())))
+
+
+def assert_decoded_equals_diffusers(comfy, model, video, audio, frames_name: str, sound_name: str) -> None:
+    """xDiT VAE Decode's IMAGE frames and AUDIO (kept by XDiTTestSaveImage / XDiTTestSaveAudio) equal diffusers'
+    MiniMaxH3VideoDecodeStep (tiled as the pool tiles it for 2 ranks) and MiniMaxH3AudioDecodeStep of the saved latents;
+    controls: ComfyUI's audio read in the pipeline's shape without swapping its axes, and rank 1's first tile missing
+    from the frames."""
+    frames = load_file(comfy.work / "output" / frames_name)["images"]
+    sound = load_file(comfy.work / "output" / sound_name)
     pipeline = vaes(model)
     expected_frames = reference_video(pipeline.vae, video, 2)[0].movedim(1, -1)  # [T, H, W, 3], as ComfyUI's IMAGE
     expected_sound = decode_step("MiniMaxH3AudioDecodeStep", {"audio_vae": pipeline.audio_vae},
                                  audio_latents=audio.permute(*COMFY_AUDIO)[0])
-    assert frames.shape == expected_frames.shape == (FRAMES, SIZE, SIZE, 3)
-    assert int(sound["sample_rate"]) == 32000 and sound["waveform"].shape == expected_sound.shape == (1, 2, 207 * 800)
+    frame_count = (video.shape[2] - 2) // 5 * 17 + 5  # 5n+2 latent frames hold 17n+5
+    assert frames.shape == expected_frames.shape == (frame_count, *(side * 16 for side in video.shape[-2:]), 3)
+    assert int(sound["sample_rate"]) == 32000
+    assert sound["waveform"].shape == expected_sound.shape == (1, 2, audio.shape[-1] * 800)
     errors = ((frames - expected_frames).abs().max().item(), (sound["waveform"] - expected_sound).abs().max().item())
     assert max(errors) <= TOLERANCE, errors
     assert expected_frames.std().item() > 0.05 and expected_sound.abs().max().item() > 100 * TOLERANCE
-    clip = entry["outputs"]["save_clip"]  # CreateVideo joined the frames and the sound; SaveVideo wrote them
-    assert any(item["filename"].startswith("h3_clip") for item in next(iter(clip.values())))
-    # negative controls: ComfyUI's audio read in the pipeline's shape without swapping its axes, and rank 1's first
-    # tile missing from the frames
     unswapped = decode_step("MiniMaxH3AudioDecodeStep", {"audio_vae": pipeline.audio_vae},
                             audio_latents=audio.reshape(2, 32, -1))
     assert (sound["waveform"] - unswapped).abs().max().item() > 100 * TOLERANCE
@@ -113,38 +120,42 @@ def test_xdit_sampler_takes_and_returns_comfyuis_minimax_h3_av_latent(comfy, vid
 
 
 def test_the_example_workflow_runs_in_the_frontend_and_equals_diffusers(comfy, page, video_model_dirs):
-    """example_workflows/xdit_minimax_h3.json as the 0.33 frontend converts it, run with its released-size parts stood
-    in (tests/comfyui_probe/xdit_test_nodes.py): CLIPLoader by XDiTTestTextEncoder, which gives each prompt text the
-    tiny model's hidden states and tags as ComfyUI's MiniMax-H3 encoder lays them out; both VAELoaders by XDiTTestVAE,
-    which keeps the video latent it decodes (its frames black), the audio decode dropped (the stand-in decodes no
-    sound). The sampled video and audio equal diffusers' MiniMaxH3ModularPipeline from ComfyUI's noise of the
-    example's seed."""
+    """example_workflows/xdit_minimax_h3.json as the 0.33 frontend converts it, run whole (xDiT VAE Decode → CreateVideo
+    → SaveVideo) with its released-size text encoder stood in (tests/comfyui_probe/xdit_test_nodes.py): CLIPLoader by
+    XDiTTestTextEncoder, which gives each prompt text the tiny model's hidden states and tags as ComfyUI's MiniMax-H3
+    encoder lays them out. LTXVSeparateAVLatent → SaveLatent on the sampler's output and XDiTTestSaveImage /
+    XDiTTestSaveAudio on the decoder's are added: the sampled video and audio equal diffusers' MiniMaxH3ModularPipeline
+    from ComfyUI's noise of the example's seed, the frames and sound CreateVideo takes its decode steps'."""
     prompt = page.eval(LOAD_CONVERT, json.loads((ROOT / "example_workflows" / "xdit_minimax_h3.json").read_text()))
     assert sorted(value["class_type"] for value in prompt.values()) == sorted([
         "XDiTPool", "CLIPLoader", "CLIPTextEncode", "CLIPTextEncode", "EmptyMiniMaxH3LatentAV", "XDiTSampler",
-        "LTXVSeparateAVLatent", "VAELoader", "VAELoader", "VAEDecode", "VAEDecodeAudio", "CreateVideo", "SaveVideo"])
+        "XDiTVAEDecode", "CreateVideo", "SaveVideo"])
     nodes = {value["class_type"]: node for node, value in prompt.items()}
+    clip = prompt[nodes["CreateVideo"]]["inputs"]  # the pool's frames and sound, 24 frames a second
+    assert (clip["images"], clip["audio"], clip["fps"]) == ([nodes["XDiTVAEDecode"], 0], [nodes["XDiTVAEDecode"], 1], 24)
     sampler = prompt[nodes["XDiTSampler"]]["inputs"]
     size = prompt[nodes["EmptyMiniMaxH3LatentAV"]]["inputs"]
     inputs = tiny_models.make_inputs(FAMILY, height=size["height"], width=size["width"], num_frames=size["length"])
     call = {"num_inference_steps": sampler["steps"], "height": size["height"], "width": size["width"]}
     texts, tags = {}, inputs["text_token_tags"]
     for node, value in prompt.items():
-        kind = value["class_type"]
-        if kind == "CLIPTextEncode":
+        if value["class_type"] == "CLIPTextEncode":
             texts[value["inputs"]["text"]] = "h3-example.safetensors"  # guidance-distilled: the negative is unused
-        elif kind in ("CLIPLoader", "VAELoader"):
-            prompt[node] = {"class_type": "XDiTTestTextEncoder" if kind == "CLIPLoader" else "XDiTTestVAE", "inputs": {}}
-    del prompt[nodes["VAEDecodeAudio"]], prompt[nodes["CreateVideo"]]["inputs"]["audio"]
-    prompt["save_audio"] = {"class_type": "SaveLatent", "inputs": {"samples": [nodes["LTXVSeparateAVLatent"], 1],
-                                                                   "filename_prefix": "h3_example_audio"}}
+    prompt[nodes["CLIPLoader"]] = {"class_type": "XDiTTestTextEncoder", "inputs": {}}
+    decode = nodes["XDiTVAEDecode"]
+    prompt |= {
+        "split": {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": [nodes["XDiTSampler"], 0]}},
+        "save_video": {"class_type": "SaveLatent", "inputs": {"samples": ["split", 0], "filename_prefix": "ex_video"}},
+        "save_audio": {"class_type": "SaveLatent", "inputs": {"samples": ["split", 1], "filename_prefix": "ex_audio"}},
+        "frames": {"class_type": "XDiTTestSaveImage", "inputs": {"images": [decode, 0], "name": "ex-frames.safetensors"}},
+        "sound": {"class_type": "XDiTTestSaveAudio", "inputs": {"audio": [decode, 1], "name": "ex-sound.safetensors"}}}
     save_file({"cond": inputs["prompt_embeds"], "minimax_token_tags": tags}, comfy.work / "input" / "h3-example.safetensors")
     (comfy.work / "input" / "xdit-test-texts.json").write_text(json.dumps(texts))
-    shutil.rmtree(comfy.work / "output" / "xdit-decoded", ignore_errors=True)
     entry = comfy.wait(comfy.queue(prompt), 600)
     assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
-    video = load_file(comfy.work / "output" / "xdit-decoded" / "0000.safetensors")["latent"]
-    audio = saved_latent(comfy, entry, "save_audio")
+    saved = next(iter(entry["outputs"][nodes["SaveVideo"]].values()))
+    assert any(item["filename"].startswith("xdit_minimax_h3") for item in saved)
+    video, audio = saved_latent(comfy, entry, "save_video"), saved_latent(comfy, entry, "save_audio")
     generator = torch.manual_seed(sampler["seed"])
     noise = {"latents": torch.randn(video.shape, generator=generator),
              "audio_latents": torch.randn(audio.shape, generator=generator).permute(*COMFY_AUDIO)}
@@ -160,3 +171,5 @@ def test_the_example_workflow_runs_in_the_frontend_and_equals_diffusers(comfy, p
     reseeded, _ = reference(video_model_dirs[FAMILY], {**other, "prompt_embeds": inputs["prompt_embeds"],
                                                        "text_token_tags": tags}, call)
     assert (video - reseeded).abs().max().item() > 100 * TOLERANCE
+    assert_decoded_equals_diffusers(comfy, video_model_dirs[FAMILY], video, audio, "ex-frames.safetensors",
+                                    "ex-sound.safetensors")

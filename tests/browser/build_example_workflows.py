@@ -53,14 +53,15 @@ EXAMPLES = {  # file stem: (family, empty latent node, cfg, what the example say
                           "xDiT Empty Latent makes its latent, 64 channels at 1/16 size)"),
 }
 # video with sound: ComfyUI's own AV latent nodes; LTX-2's text by the pool's Gemma, MiniMax-H3's by ComfyUI's own
-# encoder (the pool's H3 pipeline samples; its text encoder step is not run), decoded as each family's template does
+# encoder (the pool's H3 pipeline samples; its text encoder step is not run); both decoded on the pool
 AV_EXAMPLES = {
     "xdit_ltx2": ("ltx2", "EmptyLTXVLatentVideo", 4.0,
                   "LTX-2.3 text-to-video with sound (17 frames at 24 fps; the audio VAE from the LTX-2.3 checkpoint; "
                   "xDiT VAE Decode decodes the video on the ranks and the sound with the pool's audio VAE and vocoder)"),
     "xdit_minimax_h3": ("minimax-h3", "EmptyMiniMaxH3LatentAV", 1.0,
                         "MiniMax-H3 text-to-video with sound (124 frames = 5 s at 24 fps, its shortest; cfg 1: its "
-                        "guidance is distilled; ComfyUI's own MiniMax-H3 text encoder and VAEs, as its template)"),
+                        "guidance is distilled; ComfyUI's own MiniMax-H3 text encoder, as its template; xDiT VAE "
+                        "Decode decodes the video on the ranks and the sound with the pool's audio VAE)"),
 }
 REFERENCE = {"xdit_flux_kontext"}  # edit models: a first sampler's LATENT → ReferenceLatent on the positive
 IMAGE = {"xdit_qwen_image_edit": "turn it into a watercolor painting, soft washes of colour"}  # prompt with a picture
@@ -69,30 +70,15 @@ KSAMPLER = {"xdit_model_ksampler"}  # ComfyUI's own KSampler on xDiT Model inste
 # video frames, where the empty latent node takes them with a default of 1 (or MiniMax-H3's 124, its shortest)
 LENGTH = {"xdit_hunyuan_video15": 9, "xdit_minimax_h3": 124}
 
-# The end of a video-with-sound example: LTX-2's AV latent decoded on the pool (video and sound); MiniMax-H3's split and
-# decoded by ComfyUI's own VAEs, as its template; CreateVideo joins frames and sound, SaveVideo writes them.
+# The end of a video-with-sound example: the AV latent decoded on the pool (video and sound: xDiT VAE Decode), CreateVideo
+# joins frames and sound, SaveVideo writes them.
 SAVE_VIDEO = """    const saveVideo = (av, pool, sampler, add) => {
         const clip = add('CreateVideo', [1130, 120], { fps: 24 });
-        if (av === 'ltx2') {
-            const decode = add('XDiTVAEDecode', [810, 500], { tile_size: 0 });
-            pool.connect(0, decode, 0);
-            sampler.connect(0, decode, 1);
-            decode.connect(0, clip, clip.findInputSlot('images'));
-            decode.connect(1, clip, clip.findInputSlot('audio'));
-        } else {
-            const split = add('LTXVSeparateAVLatent', [810, 500]);
-            const videoVae = add('VAELoader', [810, 640], { vae_name: 'minimax_h3_video_vae_fp16.safetensors' });
-            const audioVae = add('VAELoader', [810, 760], { vae_name: 'minimax_h3_audio_vae_fp32.safetensors' });
-            const video = add('VAEDecode', [1130, 500]);
-            const audio = add('VAEDecodeAudio', [1130, 640]);
-            sampler.connect(0, split, 0);
-            split.connect(0, video, 0);
-            videoVae.connect(0, video, 1);
-            split.connect(1, audio, 0);
-            audioVae.connect(0, audio, 1);
-            video.connect(0, clip, clip.findInputSlot('images'));
-            audio.connect(0, clip, clip.findInputSlot('audio'));
-        }
+        const decode = add('XDiTVAEDecode', [810, 500], { tile_size: 0 });
+        pool.connect(0, decode, 0);
+        sampler.connect(0, decode, 1);
+        decode.connect(0, clip, clip.findInputSlot('images'));
+        decode.connect(1, clip, clip.findInputSlot('audio'));
         const save = add('SaveVideo', [1420, 120], { filename_prefix: `video/xdit_${av.replace('-', '_')}`, format: 'auto',
                                                      codec: 'auto' });
         clip.connect(0, save, 0);
@@ -196,7 +182,7 @@ def main() -> None:
                     "reference": stem in REFERENCE, "ksampler": stem in KSAMPLER, "length": LENGTH.get(stem),
                     "image": IMAGE.get(stem), "av": family if stem in AV_EXAMPLES else None}
             result = browser.eval(BUILD, spec)
-            nodes = 12 if stem == "xdit_ltx2" else 13 if stem in AV_EXAMPLES else 8 if stem in REFERENCE else \
+            nodes = 12 if stem == "xdit_ltx2" else 9 if stem in AV_EXAMPLES else 8 if stem in REFERENCE else \
                 7 if stem in KSAMPLER | set(IMAGE) else 6
             assert len(result["classes"]) == nodes, result["classes"]
             path.parent.mkdir(exist_ok=True)
