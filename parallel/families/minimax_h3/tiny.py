@@ -2,9 +2,10 @@
 in the pipeline's 17n+5 frame grid, 32 audio latent channels at 40 a second, stereo as two channel-major blocks of
 rows, one packed sequence [text | audio | video]) at a tiny width, two blocks, one text refiner block; no text
 encoder and no VAEs (jobs send the text encoder's hidden states and their modality tags; the pipeline's geometry
-defaults are the released VAEs'). Its blocks refuse videos under 5 s, so the smallest case is 124 frames: 37 latent
-frames, at 64×64 4 rows each (148), 207 audio latents × 2 channels (414), and the text: one packed sequence of ~585
-rows that no sequence-parallel degree above 1 divides evenly for most text lengths."""
+defaults are the released VAEs'); a second transformer of other weights, `transformer_ref`, for reference-to-video.
+Its blocks refuse videos under 5 s, so the smallest case is 124 frames: 37 latent frames, at 64×64 4 rows each (148),
+207 audio latents × 2 channels (414), and the text: one packed sequence of ~585 rows that no sequence-parallel degree
+above 1 divides evenly for most text lengths."""
 
 from __future__ import annotations
 
@@ -24,14 +25,19 @@ def build_tiny(seed: int):
 
     from ...loading import tiny_models as tm
 
-    transformer = tm._seeded(
-        seed, MiniMaxH3Transformer3DModel, num_attention_heads=tm.HEADS, attention_head_dim=tm.HEAD_DIM, hidden_size=64,
-        num_layers=2, num_refiner_layers=1, ffn_dim=128, in_channels=LATENT, audio_in_channels=AUDIO_LATENT,
-        text_dim=TEXT_WIDTH, freq_dim=32, time_embed_hidden_dim=64, time_embed_dim=32, rope_freq_dim=2)
-    tm._peak_attention(transformer, PEAK)
+    def transformer(weights_seed: int):
+        model = tm._seeded(
+            weights_seed, MiniMaxH3Transformer3DModel, num_attention_heads=tm.HEADS, attention_head_dim=tm.HEAD_DIM,
+            hidden_size=64, num_layers=2, num_refiner_layers=1, ffn_dim=128, in_channels=LATENT,
+            audio_in_channels=AUDIO_LATENT, text_dim=TEXT_WIDTH, freq_dim=32, time_embed_hidden_dim=64,
+            time_embed_dim=32, rope_freq_dim=2)
+        return tm._peak_attention(model, PEAK)
+
     pipeline = MiniMaxH3ModularPipeline()
-    pipeline.update_components(transformer=transformer, scheduler=MiniMaxH3Scheduler(shift=12.0),
-                               audio_scheduler=MiniMaxH3Scheduler(shift=3.0))
+    # ref2va runs its own checkpoint partition, `transformer_ref` (same architecture, other weights: a job that ran the
+    # t2va weights would miss)
+    pipeline.update_components(transformer=transformer(seed), transformer_ref=transformer(seed + 1),
+                               scheduler=MiniMaxH3Scheduler(shift=12.0), audio_scheduler=MiniMaxH3Scheduler(shift=3.0))
     return pipeline
 
 
