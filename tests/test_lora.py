@@ -267,3 +267,31 @@ def test_lora_on_the_audio_video_families_equals_diffusers_fused(video_model_dir
         transformer_only = peft_lora_on(parts, tmp_path / "transformer_only.safetensors", AV_LORAS[family])
         for name, miss in zip(names, reference(fuse_loras(load_pipeline_folder(model), [(transformer_only, 0.8)]))):
             assert (ours["peft"][name] - miss).abs().max().item() > 100 * TOLERANCE, name
+
+
+def test_lora_of_minimax_h3_references_goes_into_transformer_ref(video_model_dirs, tmp_path):
+    """A LoRA of `transformer_ref.` weights (diffusers routes a MiniMax-H3 LoRA to the partition its prefix names) on
+    a pool (Ulysses 2) sampling references (ref2va) equals diffusers' ref2va blocks with it fused into
+    `transformer_ref`, and takes part: the pool's output with it misses the one without by far."""
+    import test_minimax_h3 as h3
+
+    model = video_model_dirs["minimax-h3"]
+    pipeline = h3.loaded(model)
+    lora = peft_lora_on({"transformer_ref": pipeline.transformer_ref}, tmp_path / "ref.safetensors",
+                        tuple(layer.replace("transformer.", "transformer_ref.", 1) for layer in AV_LORAS["minimax-h3"]))
+    inputs = h3.reference_inputs(tiny_models.make_inputs("minimax-h3", height=h3.SIZE, width=h3.SIZE,
+                                                         num_frames=h3.FRAMES))
+    inputs = {name: tensor.float() if name.endswith(("_kinds", "_sizes")) else tensor  # the pool takes floats
+              for name, tensor in inputs.items()}
+    params = {"steps": h3.STEPS, "guidance_scale": 1.0, "height": h3.SIZE, "width": h3.SIZE, "call": {"seed": h3.SEED}}
+    with serving(model, tmp_path, "--nproc", "2", "--ulysses-degree", "2") as client:
+        base = client.sample_outputs(inputs, params)
+        ours = client.sample_outputs(inputs, {**params, "loras": [{"path": lora, "strength": 0.8}]})
+    names = ("latents", "audio")
+    expected = dict(zip(names, h3.ref2va_reference(pipeline, inputs)))
+    fused = dict(zip(names, h3.ref2va_reference(fuse_loras(pipeline, [(lora, 0.8)], ("transformer_ref",)), inputs)))
+    for name in names:
+        assert (base[name] - expected[name]).abs().max().item() <= TOLERANCE, name
+        error = (ours[name] - fused[name]).abs().max().item()
+        assert error <= TOLERANCE, f"ref2va {name}: max |pool - fused| {error:.3g}"
+        assert (ours[name] - base[name]).abs().max().item() > 100 * TOLERANCE, name  # the LoRA takes part

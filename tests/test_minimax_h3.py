@@ -14,6 +14,13 @@ Keyframes (fl2va) in the same 2-rank launch, on Ulysses 2 and Ring 2: a first an
 (condition_latents [1, 24, 2·16] with condition_sizes and keyframe_anchors; 16 more rows, 601 in all) with a seed,
 against diffusers' own `MiniMaxH3FL2VACoreDenoiseStep` in one process drawing from that seed. Controls: the same
 output misses diffusers' fl2va with the anchors swapped and its t2va, and it is the seed's draw, not the next seed's.
+
+References (ref2va) in the same launch, on Ulysses 2 and Ring 2: an image at its own size (1×6×4 latents), a video
+with its soundtrack (2×4×4 latents, 20 audio rows) and an audio clip (12 rows), sent encoded with their kinds (46 more
+rows, 631 in all), against diffusers' own `MiniMaxH3Ref2VACoreDenoiseStep` (its `transformer_ref`, its own reference
+dataclasses) in one process. Controls: the same output misses diffusers' ref2va with the image and the video read in
+the other order, with the t2va weights in place of `transformer_ref`, and its t2va without references; and Ulysses 2
+with each rank's attention on its own shard misses it (the split reaches `transformer_ref`).
 """
 
 from __future__ import annotations
@@ -36,6 +43,10 @@ CONTROLS = [(2, "ulysses2", "swapped_audio")]
 # fl2va: a first and a last keyframe (one latent frame each, 16 more rows), their conditioning noise from SEED
 FL2VA = [(2, "ulysses2", "fl2va"), (2, "ring2", "fl2va")]
 SEED, ANCHORS = 3, ("first", "last")
+# ref2va: an image, a video with its soundtrack and an audio clip (reference_kinds 0, 2, 3), their noise from SEED
+REF2VA = [(2, "ulysses2", "ref2va"), (2, "ring2", "ref2va")]
+REF2VA_CONTROL = (2, "ulysses2", "ref2va no_exchange")  # each rank's attention on its own shard: transformer_ref split
+KINDS, VISUALS, SOUNDS = (0, 2, 3), ((1, 6, 4), (2, 4, 4)), (20, 12)
 REFUSED = {(2, "cfg2"): "MiniMax-H3 is guidance-distilled: one transformer call per step, no unconditional branch",
            (4, "cfg2_ulysses2"): "MiniMax-H3 is guidance-distilled",
            (2, "pp2"): "MiniMaxH3Transformer3DModel has no PipeFusion plan (its blocks take per-row modulation indices"}
@@ -47,7 +58,7 @@ def loaded(model):
     if isinstance(model, ModularPipeline):
         return model
     model = ModularPipeline.from_pretrained(str(model))
-    model.load_components(names=["transformer", "scheduler", "audio_scheduler"])
+    model.load_components(names=["transformer", "transformer_ref", "scheduler", "audio_scheduler"])
     return model
 
 
@@ -80,6 +91,50 @@ def fl2va_reference(model, inputs: dict, anchors: tuple[str, ...], seed: int = S
     return state["latents"], state["audio_latents"][None]
 
 
+def reference_inputs(inputs: dict) -> dict:
+    """The batch-1 inputs with three encoded references as a job sends them: reference_kinds [1, 3], the image's and
+    the video's latents joined (condition_latents [1, 24, 1·6·4 + 2·4·4], condition_sizes [1, 2, 3]) and the
+    soundtrack's and the clip's rows joined (audio_condition_latents [1, 32, 20 + 12], audio_condition_sizes
+    [1, 2, 1])."""
+    gen = torch.Generator().manual_seed(13)
+    return {**inputs, "reference_kinds": torch.tensor([KINDS]),
+            "condition_latents": torch.randn(1, 24, sum(t * h * w for t, h, w in VISUALS), generator=gen),
+            "condition_sizes": torch.tensor([VISUALS]),
+            "audio_condition_latents": torch.randn(1, 32, sum(SOUNDS), generator=gen),
+            "audio_condition_sizes": torch.tensor([[[rows] for rows in SOUNDS]])}
+
+
+def ref2va_reference(model, inputs: dict, order: tuple[int, ...] = (0, 1, 2), partition: str = "transformer_ref"
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' own ref2va blocks (`MiniMaxH3Ref2VACoreDenoiseStep`) in one process on the references as its own
+    dataclasses (their media unread by these blocks), read in `order`, with `partition` as its `transformer_ref`."""
+    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference, \
+        MiniMaxH3VideoReference
+    from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3Ref2VACoreDenoiseStep
+
+    model = loaded(model)
+    pipeline = MiniMaxH3Ref2VACoreDenoiseStep().init_pipeline()
+    pipeline.update_components(transformer_ref=model.components[partition], scheduler=model.components["scheduler"],
+                               audio_scheduler=model.components["audio_scheduler"])
+    pipeline.set_progress_bar_config(disable=True)
+    visuals = [part.unflatten(2, size) for part, size in zip(
+        inputs["condition_latents"].split([t * h * w for t, h, w in VISUALS], dim=2), VISUALS)]
+    sounds = list(inputs["audio_condition_latents"][0].T.split(SOUNDS))
+    image, video = MiniMaxH3ImageReference(image=None), MiniMaxH3VideoReference(frames=None, audio=sounds[0])
+    clip = MiniMaxH3AudioReference(audio=sounds[1])
+    given = [(image, visuals[0], None), (video, visuals[1], sounds[0]), (clip, None, sounds[1])]
+    given = [given[i] for i in order]
+    with torch.no_grad():
+        state = pipeline(num_inference_steps=STEPS, height=SIZE, width=SIZE, num_frames=FRAMES,
+                         latents=inputs["latents"], audio_latents=inputs["audio_latents"][0],
+                         prompt_embeds=inputs["prompt_embeds"], text_token_tags=inputs["text_token_tags"],
+                         normalized_references=[r for r, _, _ in given],
+                         condition_latents=[v for _, v, _ in given if v is not None],
+                         audio_condition_latents=[s for _, _, s in given if s is not None],
+                         generator=torch.Generator().manual_seed(SEED), output=["latents", "audio_latents"])
+    return state["latents"], state["audio_latents"][None]
+
+
 def reference(model, inputs: dict, call: dict = CALL) -> tuple[torch.Tensor, torch.Tensor]:
     """diffusers' MiniMaxH3ModularPipeline (its denoise blocks), one call per sample: (video, audio [B, 2, 32, L])."""
     model = loaded(model)
@@ -104,22 +159,25 @@ def matrix(video_model_dirs, tmp_path_factory):
         inputs[batch] = work / f"in-b{batch}.safetensors"
         save_file(tiny_models.make_inputs(FAMILY, batch=batch, height=SIZE, width=SIZE, num_frames=FRAMES),
                   inputs[batch])
-    inputs["fl2va"] = work / "in-fl2va.safetensors"
+    inputs["fl2va"], inputs["ref2va"] = work / "in-fl2va.safetensors", work / "in-ref2va.safetensors"
     save_file(keyframe_inputs(load_file(inputs[1])), inputs["fl2va"])
+    save_file(reference_inputs(load_file(inputs[1])), inputs["ref2va"])
     layouts = {n: {**LAYOUTS[n], "pp2": {"pipefusion_degree": 2, "warmup_steps": STEPS}} for n in (2, 4)}
     outputs = {}
     for nproc in (2, 4):
         specs = []
-        cases = [c for c in CASES + CONTROLS + FL2VA if c[0] == nproc] + [(n, l, 1) for n, l in REFUSED if n == nproc]
+        cases = [c for c in CASES + CONTROLS + FL2VA + REF2VA + [REF2VA_CONTROL] if c[0] == nproc]
+        cases += [(n, l, 1) for n, l in REFUSED if n == nproc]
         for case in cases:
             _, layout, variant = case
-            fl2va = variant == "fl2va"
-            batch = "fl2va" if fl2va else variant if isinstance(variant, int) else 1
+            workflow, _, fault = variant.partition(" ") if isinstance(variant, str) else ("", "", None)
+            fl2va = workflow in ("fl2va", "ref2va")
+            batch = workflow if fl2va else variant if isinstance(variant, int) else 1
             output = work / f"{nproc}-{layout}-{variant}.safetensors"
             specs.append({"name": f"{layout}-{variant}", "model": str(model), "inputs": str(inputs[batch]),
                           "output": str(output), "layout": layouts[nproc][layout],
                           "call": {**CALL, "seed": SEED} if fl2va else CALL,
-                          "fault": variant if isinstance(variant, str) and not fl2va else None})
+                          "fault": (fault or None) if fl2va else variant if isinstance(variant, str) else None})
             outputs[case] = output
         run_engine_cases(nproc, specs, work)
     return outputs, {batch: load_file(path) for batch, path in inputs.items()}, model
@@ -128,10 +186,13 @@ def matrix(video_model_dirs, tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(matrix):
     _, inputs, model = matrix
-    expected = {batch: fl2va_reference(model, tensors, ANCHORS) if batch == "fl2va" else reference(model, tensors)
+    expected = {batch: fl2va_reference(model, tensors, ANCHORS) if batch == "fl2va" else
+                ref2va_reference(model, tensors) if batch == "ref2va" else reference(model, tensors)
                 for batch, tensors in inputs.items()}
     return {**expected, "fl2va swapped": fl2va_reference(model, inputs["fl2va"], ANCHORS[::-1]),
-            "fl2va other seed": fl2va_reference(model, inputs["fl2va"], ANCHORS, SEED + 1)}
+            "fl2va other seed": fl2va_reference(model, inputs["fl2va"], ANCHORS, SEED + 1),
+            "ref2va reordered": ref2va_reference(model, inputs["ref2va"], (1, 0, 2)),
+            "ref2va t2va weights": ref2va_reference(model, inputs["ref2va"], partition="transformer")}
 
 
 def _result(matrix, case) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,6 +235,29 @@ def test_keyframes_match_diffusers_fl2va_blocks(matrix, references, case):
     reseeded = references["fl2va other seed"]
     assert (video - reseeded[0]).abs().max().item() > 50 * errors[0] + 1e-6
     assert (audio - reseeded[1]).abs().max().item() > 50 * errors[1] + 1e-6
+
+
+@pytest.mark.parametrize("case", REF2VA, ids=[f"{c[0]}-{c[1]}-ref2va" for c in REF2VA])
+def test_references_match_diffusers_ref2va_blocks(matrix, references, case):
+    """Encoded references (an image, a video with its soundtrack, an audio clip) through the pool equal diffusers'
+    ref2va blocks on its `transformer_ref`; the references and their partition matter: the same pool output misses
+    diffusers' ref2va with the image and the video read in the other order, with the t2va weights, and its t2va."""
+    video, audio = _result(matrix, case)
+    expected_video, expected_audio = references["ref2va"]
+    errors = (video - expected_video).abs().max().item(), (audio - expected_audio).abs().max().item()
+    assert max(errors) <= TOLERANCE, f"{case}: max |parallel - diffusers| video {errors[0]:.3g}, audio {errors[1]:.3g}"
+    for other in (references["ref2va reordered"], references["ref2va t2va weights"], references[1]):
+        assert (video - other[0]).abs().max().item() > 100 * TOLERANCE
+        assert (audio - other[1]).abs().max().item() > 100 * TOLERANCE
+
+
+def test_references_run_on_a_split_transformer_ref(matrix, references):
+    """The ref2va calls run under the plan, not on a whole unwrapped `transformer_ref` per rank (which would match
+    too): with each rank attending to its own shard only, the output misses diffusers'."""
+    video, audio = _result(matrix, REF2VA_CONTROL)
+    expected_video, expected_audio = references["ref2va"]
+    assert (video - expected_video).abs().max().item() > 100 * TOLERANCE
+    assert (audio - expected_audio).abs().max().item() > 100 * TOLERANCE
 
 
 @pytest.mark.parametrize("case", list(REFUSED), ids=[f"{n}-{l}" for n, l in REFUSED])

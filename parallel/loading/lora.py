@@ -12,8 +12,10 @@ noise) takes a LoRA into the expert it names, or into every expert by default, a
 loads the same LoRA onto both models expects.
 
 Weights for the other parts diffusers' loader of the pipeline puts LoRAs into (`_lora_loadable_modules`) that the
-pipeline's call runs go into those parts: LTX-2's text connectors, which every rank runs whole. Text encoders are
-not the sampler's (the pool's encode step and ComfyUI's own CLIP path encode the text).
+pipeline's call runs go into those parts: LTX-2's text connectors, which every rank runs whole; MiniMax-H3's
+reference-to-video partition `transformer_ref` (its `transformer_ref.` weights: diffusers routes a LoRA to one
+partition, as one partition's LoRA degrades the other). Text encoders are not the sampler's (the pool's encode step
+and ComfyUI's own CLIP path encode the text).
 """
 
 from __future__ import annotations
@@ -39,9 +41,15 @@ class LoraManager:
         # each expert's every layer, also those another PipeFusion stage holds, so all ranks judge a file alike
         self.experts = {name: (t.module, t.module_names) for name, t in wrapped.items() if t is not None}
         loadable = getattr(type(pipeline), "_lora_loadable_modules", ())
-        self.parts = {name: (part, {layer for layer, _ in part.named_modules()}) for name in loadable
-                      if name not in EXPERTS and not name.startswith("text_encoder")
-                      and isinstance(part := getattr(pipeline, name, None), torch.nn.Module)}
+        self.parts = {}
+        for name in loadable:
+            part = getattr(pipeline, name, None)
+            if name in EXPERTS or name.startswith("text_encoder") or not isinstance(part, torch.nn.Module):
+                continue
+            # a wrapped transformer (MiniMax-H3's `transformer_ref`) takes its LoRA into the model it wraps
+            wrapped = hasattr(part, "module_names")
+            self.parts[name] = (part.module, part.module_names) if wrapped else \
+                (part, {layer for layer, _ in part.named_modules()})
         self.loaded: dict[tuple[str, str], str] = {}  # (file, expert or part) -> adapter ("": no layer on this rank)
         self.loads = 0
         self.active: tuple[LoraSpec, ...] = ()
@@ -75,12 +83,16 @@ class LoraManager:
             raise FileNotFoundError(f"LoRA file {spec.path} does not exist")
         state = self._read(spec.path)
         name = "lora_" + hashlib.sha1(spec.path.encode()).hexdigest()[:12]
-        for target, prefix in [(expert, "transformer.") for expert in targets] + [(p, f"{p}.") for p in self.parts]:
+        prefixes = [(expert, "transformer.") for expert in targets] + [(p, f"{p}.") for p in self.parts]
+        parts_only = not any(k.startswith("transformer.") for k in state) and any(
+            k.startswith(prefix) for k in state for _, prefix in prefixes)  # MiniMax-H3: a `transformer_ref.` LoRA
+        for target, prefix in prefixes:
             if (spec.path, target) in self.loaded:  # the file went into this expert before, for a job naming it
                 continue
             module, layers = {**self.experts, **self.parts}[target]
             weights = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
-            mine = self._select(spec.path, weights, module, layers) if weights or target in self.experts else {}
+            expert = target in self.experts and not parts_only
+            mine = self._select(spec.path, weights, module, layers) if weights or expert else {}
             if mine:  # empty when another PipeFusion stage holds every layer this LoRA changes
                 module.load_lora_adapter(mine, adapter_name=name, prefix=None)
             self.loaded[spec.path, target] = name if mine else ""

@@ -13,12 +13,13 @@ from __future__ import annotations
 import torch
 
 from ..loading.weight_sharding import transformer_blocks
+from .pipeline.wrapper import TRANSFORMERS
 
 
 def compile_blocks(pipeline) -> int:
     """Compile the forward of every block of the pipeline's transformer(s); the number of blocks."""
     count = 0
-    for name in ("transformer", "transformer_2"):
+    for name in TRANSFORMERS:
         transformer = getattr(pipeline, name, None)
         if transformer is None:
             continue

@@ -1,21 +1,26 @@
 """MiniMax-H3, text to video with sound (`MiniMaxH3ModularPipeline`, its `t2va` denoise blocks; diffusers runs it
-only as a modular pipeline), and first/last keyframe to video with sound (its `fl2va` blocks, when a job sends the
-keyframes encoded: pipelines.py): one transformer denoises ONE packed sequence [text | keyframes | audio | video] —
-the text encoder's hidden states through a token refiner, the keyframes (one latent frame of video rows each), the
-audio latents (stereo: two channel-major blocks of rows, 40 a second) and the video latents (2×2 patches of each
-latent frame) — with full self-attention over every row in every block and no cross-attention. Each row carries its
-modality tag (0 video, 1 text, 2 audio) and its timestep index, which together pick its AdaLN modulation from a
-per-(timestep, modality) table, and its (t, h, w) rotary position (a keyframe's rows: their own timestep, held at
-0.999, and their anchor's time, the video's first or last frame).
+only as a modular pipeline), first/last keyframe to video with sound (its `fl2va` blocks, when a job sends the
+keyframes encoded) and reference to video with sound (its `ref2va` blocks on the `transformer_ref` partition, when a
+job sends its references encoded with their kinds: pipelines.py): one transformer denoises ONE packed sequence
+[text | keyframes or reference blocks | audio | video] — the text encoder's hidden states through a token refiner,
+the keyframes (one latent frame of video rows each) or the references in reading order (an image's or a video's
+latent frames at their own size, a video's soundtrack and an audio clip as audio rows), the audio latents (stereo:
+two channel-major blocks of rows, 40 a second) and the video latents (2×2 patches of each latent frame) — with full
+self-attention over every row in every block and no cross-attention. Each row carries its modality tag (0 video, 1
+text, 2 audio) and its timestep index, which together pick its AdaLN modulation from a per-(timestep, modality)
+table, and its (t, h, w) rotary position (a keyframe's rows: their own timestep, held at 0.999, and their anchor's
+time; a reference's: its video rows held as a keyframe's, its audio rows clean, on a clock each reference
+advances, so their order matters).
 
-The plan splits the packed sequence where it enters the first block, as diffusers' own `_cp_plan` does: every row
-of every modality is split (text and audio are most of the rows of a short video, and all attend to all: there is
-no stream to leave whole; keyframe rows are rows like any other). Everything indexed per row is split with the rows
-— each block's modulation indices (tag and timestep together), the rotary positions where the rotary module takes
-them (its cos/sin tables follow), the final norm's timestep indices — so tags, modulation and rotary tables follow
-their rows. Attention runs USP over the sequence; the text refiner before it runs locally on the whole text. The two
-output heads gather the sequence back before the pipeline picks each modality's rows. The rows rarely divide by the
-degree: the split is uneven.
+The plan splits the packed sequence where it enters the first block, as diffusers' own `_cp_plan` does: every row of
+every modality is split (text and audio are most of the rows of a short video, and all attend to all: there is no
+stream to leave whole; keyframe and reference rows are rows like any other, their tags, indices and positions built
+by the pipeline before the split, so ref2va needs no plan of its own; `transformer_ref` is wrapped under the same
+plan). Everything indexed per row is split with the rows — each block's modulation indices (tag and timestep
+together), the rotary positions where the rotary module takes them (its cos/sin tables follow), the final norm's
+timestep indices — so tags, modulation and rotary tables follow their rows. Attention runs USP over the sequence; the
+text refiner before it runs locally on the whole text. The two output heads gather the sequence back before the
+pipeline picks each modality's rows. The rows rarely divide by the degree: the split is uneven.
 
 Guidance is distilled into the weights (no guider, no negative prompt): CFG parallel is refused with the reason.
 A batch goes one sample per data-parallel rank (the pipeline packs one video per call).

@@ -1,9 +1,10 @@
 """MiniMax-H3's modular pipeline wrapper: its packed sequence's size, its stereo audio per sample, one video per call,
-and its keyframe workflow (fl2va) from encoded keyframes."""
+its keyframe workflow (fl2va) from encoded keyframes and its reference workflow (ref2va) from encoded references."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,6 +16,18 @@ from ..base import references
 from ..comfy_data import ComfyData
 
 ANCHORS = ("first", "last")  # `keyframe_anchors` on the wire: 0 anchors a keyframe at the first latent frame, 1 the last
+# `reference_kinds` on the wire (ref2va), one per reference in the order the model reads them
+REFERENCE_KINDS = ("image", "video", "video with its soundtrack", "audio")
+
+
+@dataclass(frozen=True)
+class EncodedReference:
+    """A reference as ref2va's layout reads it, its modality alone: the job sends the media encoded (the pool holds
+    no VAE), where diffusers' MiniMaxH3*Reference hold the media."""
+
+    kind: str  # "image", "video" or "audio"
+    has_audio: bool
+
 
 COMFY = ComfyData(
     latent_formats={24: "MiniMaxH3AV"}, temporal=4, audio_stream=("audio_latents", "audio"), audio_axes=(0, 2, 1, 3),
@@ -46,15 +59,24 @@ class xFuserMiniMaxH3Pipeline(xFuserModularPipelineWrapper):
     encodes none): `condition_latents` [B, 24, Σ t·h·w] with `condition_sizes` [B, N, 3] (each keyframe's (1, H/16,
     W/16); the flattened-and-joined list form of `reference_latents`) and `keyframe_anchors` [B, N] (0: the first
     frame, 1: the last). The pipeline noises each keyframe with a draw from the call's generator, before anything else:
-    every rank builds that generator from the job's `seed`, so every rank draws what one process would."""
+    every rank builds that generator from the job's `seed`, so every rank draws what one process would.
+
+    Reference to video with sound (its `ref2va` blocks, run on its `transformer_ref` partition) when the job sends
+    `reference_kinds` [B, R] (REFERENCE_KINDS: 0 image, 1 video, 2 video with its soundtrack, 3 audio; the order is the
+    model's reading order), the image and video references encoded in the same form as the keyframes,
+    `condition_latents` [B, 24, Σ t·h·w] with `condition_sizes` [B, N, 3] (each at its own size; an image one latent
+    frame), and the soundtrack and audio references as `audio_condition_latents` [B, 32, Σ rows] with
+    `audio_condition_sizes` [B, M, 1] (each one's rows: 2 per audio latent, channel-major, as diffusers packs them).
+    Kinds and sizes may come as floats of whole values, as a pool's wire takes every tensor but masks and tags."""
 
     comfy = COMFY
     sampling_blocks = ("denoise",)
-    workflows = {"condition_latents": ("denoise.fl2va",)}
+    workflows = {"normalized_references": ("denoise.ref2va",), "condition_latents": ("denoise.fl2va",)}
     guider_arguments = ()
     state_outputs = ("latents", "audio_latents")
     extra_outputs = ("audio",)  # the audio latents [B, 2, 32, L], as given
-    tensor_inputs = ("audio_latents", "text_token_tags", "condition_latents", "condition_sizes", "keyframe_anchors")
+    tensor_inputs = ("audio_latents", "text_token_tags", "condition_latents", "condition_sizes", "keyframe_anchors",
+                     "reference_kinds", "audio_condition_latents", "audio_condition_sizes")
     shared_inputs = ("text_token_tags",)
     embedding_sizes = {"prompt_embeds": "text_dim"}
     model_call_inputs = ("prompt_embeds", "text_token_tags", "audio_latents", "audio_sigma", "condition_latents",
@@ -63,8 +85,9 @@ class xFuserMiniMaxH3Pipeline(xFuserModularPipelineWrapper):
     call_parameters = {
         "num_frames": CallParameter(int, "video frames at 24 fps, 17n+5 from 5 to 15 s (default: as many as the latents "
                                     "hold)", 1, 10_000),
-        "seed": CallParameter(int, "the generator the pipeline draws the keyframes' conditioning noise from (fl2va; "
-                              "default 0), torch.Generator().manual_seed(seed) on every rank", 0, 2**63 - 1),
+        "seed": CallParameter(int, "the generator the pipeline draws the keyframes' or references' conditioning noise "
+                              "from (fl2va, ref2va; default 0), torch.Generator().manual_seed(seed) on every rank", 0,
+                              2**63 - 1),
     }
 
     # -- shapes ------------------------------------------------------------------------------------------
@@ -85,14 +108,19 @@ class xFuserMiniMaxH3Pipeline(xFuserModularPipelineWrapper):
         return self.grid_tokens(height, width, self.latent_scale(), patch_h, patch_w)
 
     def sequence_tokens(self, kwargs: dict[str, Any]) -> int:
-        """The packed sequence's rows: the text's, the keyframes' (one latent frame each), the audio's (both channels)
-        and the video's."""
+        """The packed sequence's rows: the text's, the keyframes' or references' (each latent frame's patches, and a
+        reference's audio rows), the audio's (both channels) and the video's."""
         text = kwargs.get("prompt_embeds")
         audio = kwargs.get("audio_latents")
         text_rows = text.shape[1] if isinstance(text, torch.Tensor) else 0
         audio_rows = audio.shape[1] * audio.shape[3] if isinstance(audio, torch.Tensor) and audio.ndim == 4 else 0
-        frames = self.latent_frames(kwargs) + len(self.keyframe_anchors(kwargs))
-        return text_rows + audio_rows + frames * self.image_tokens(kwargs["height"], kwargs["width"])
+        _, patch_h, patch_w = self.module.patch_size
+        sizes, audio_sizes = kwargs.get("condition_sizes"), kwargs.get("audio_condition_sizes")
+        condition_rows = 0 if sizes is None else sum(int(t) * (int(h) // patch_h) * (int(w) // patch_w)
+                                                     for t, h, w in sizes[0].tolist())
+        condition_rows += 0 if audio_sizes is None else int(audio_sizes[0].sum())
+        video_rows = self.latent_frames(kwargs) * self.image_tokens(kwargs["height"], kwargs["width"])
+        return text_rows + condition_rows + audio_rows + video_rows
 
     def keyframe_anchors(self, kwargs: dict[str, Any]) -> tuple[str, ...]:
         """The first sample's anchors as the pipeline names them (the call's one sample, once split)."""
@@ -130,7 +158,14 @@ class xFuserMiniMaxH3Pipeline(xFuserModularPipelineWrapper):
         if isinstance(text, torch.Tensor) and (tags is None or tags.shape != text.shape[1:2]):
             raise ValueError(f"prompt_embeds of {text.shape[1]} tokens need text_token_tags [{text.shape[1]}], each "
                              "token's modality (1: text, 0: a keyframe's vision tokens), as the text encoder gives them")
-        self.check_keyframes(kwargs, batch)
+        if kwargs.get("reference_kinds") is None and kwargs.get("audio_condition_latents") is not None:
+            raise ValueError("audio_condition_latents are ref2va references' audio rows: send reference_kinds [batch, "
+                             "R] too, each reference's kind in reading order (0 image, 1 video, 2 video with its "
+                             "soundtrack, 3 audio)")
+        if kwargs.get("reference_kinds") is None:
+            self.check_keyframes(kwargs, batch)
+        else:
+            self.check_references(kwargs, batch)
         super().check_inputs({k: v for k, v in kwargs.items() if k != "latents"}, batch)
 
     def check_keyframes(self, kwargs: dict[str, Any], batch: int) -> None:
@@ -151,6 +186,30 @@ class xFuserMiniMaxH3Pipeline(xFuserModularPipelineWrapper):
                              f"keyframe_anchors {anchors.tolist()}: MiniMax-H3 at {kwargs['height']}x"
                              f"{kwargs['width']} takes keyframes of {channels} channels and size {list(frame)} (one "
                              "latent frame of the video), each with its anchor, 0 (first frame) or 1 (last)")
+
+    def check_references(self, kwargs: dict[str, Any], batch: int) -> None:
+        """ref2va's references: a known kind each, as many video latents as image and video references (an image one
+        latent frame), as many audio row blocks (even: two channels) as references with audio, not audio alone."""
+        kinds = kwargs["reference_kinds"]
+        usage = ("MiniMax-H3's references (ref2va) are reference_kinds [batch, R] (0 image, 1 video, 2 video with its "
+                 "soundtrack, 3 audio) with condition_latents [batch, 24, Σ t·h·w] and condition_sizes "
+                 "[batch, N, 3] for each image and video, audio_condition_latents [batch, 32, Σ rows] and "
+                 "audio_condition_sizes [batch, M, 1] (2 rows per audio latent) for each soundtrack and audio; at "
+                 "least one image or video")
+        if (kinds.ndim != 2 or kinds.shape[0] != batch or kwargs.get("keyframe_anchors") is not None
+                or not set(kinds.flatten().tolist()) <= set(range(len(REFERENCE_KINDS)))):
+            raise ValueError(f"reference_kinds {kinds.tolist()}: {usage}; keyframe_anchors (fl2va) do not go with them")
+        visuals = references(kwargs, "condition_latents", "condition_sizes")
+        sounds = references(kwargs, "audio_condition_latents", "audio_condition_sizes")
+        names = [REFERENCE_KINDS[int(k)] for k in kinds[0]]
+        seen = [name for name in names if name != "audio"]  # the references with video latents, in order
+        if ((len(seen), sum(name in REFERENCE_KINDS[2:] for name in names)) != (len(visuals), len(sounds)) or not seen
+                or any(v.shape[:2] != (batch, self.module.vae_latent_channels) for v in visuals)
+                or any(v.shape[2] != 1 for v, name in zip(visuals, seen) if name == "image")
+                or any(s.shape[:2] != (batch, self.module.audio_latent_channels) or s.shape[2] % 2 for s in sounds)):
+            raise ValueError(f"references {names} with {len(visuals)} video latents of shapes "
+                             f"{[list(v.shape) for v in visuals]} and {len(sounds)} audio row blocks of shapes "
+                             f"{[list(s.shape) for s in sounds]}: {usage}")
 
     def check_layout(self, kwargs: dict[str, Any], batch: int) -> int:
         most = max(self.parallel_config.batch_split(batch) or [batch])  # the samples of the busiest rank
@@ -173,15 +232,24 @@ class xFuserMiniMaxH3Pipeline(xFuserModularPipelineWrapper):
 
     def run_pipeline(self, arguments: dict[str, Any]):
         """The call's one sample: its audio as the pipeline's two stereo batch items, and back; its keyframes as the
-        pipeline's list of latents and anchor names; the generator from the seed, alike on every rank."""
+        pipeline's list of latents and anchor names, or its references as its lists of latents and of audio rows with
+        each one's kind; the generator from the seed, alike on every rank."""
         self._video_shape = self.expected_latents_shape(1, arguments["height"], arguments["width"],
                                                         self.latent_frames(arguments))
-        call = {k: v for k, v in arguments.items() if k not in ("seed", "condition_sizes")}
+        call = {k: v for k, v in arguments.items()
+                if k not in ("seed", "condition_sizes", "reference_kinds", "audio_condition_sizes")}
         call["generator"] = torch.Generator().manual_seed(arguments.get("seed", 0))
         if isinstance(arguments.get("audio_latents"), torch.Tensor):
             call["audio_latents"] = arguments["audio_latents"][0]
         if arguments.get("condition_latents") is not None:
             call["condition_latents"] = references(arguments, "condition_latents", "condition_sizes")
+        if arguments.get("reference_kinds") is not None:
+            names = [REFERENCE_KINDS[int(k)] for k in arguments["reference_kinds"][0]]
+            call["normalized_references"] = [EncodedReference(name.split()[0], name in REFERENCE_KINDS[2:])
+                                             for name in names]
+            call["audio_condition_latents"] = [rows[0].T for rows in references(
+                arguments, "audio_condition_latents", "audio_condition_sizes")]
+        elif arguments.get("condition_latents") is not None:
             call["keyframe_anchors"] = self.keyframe_anchors(arguments)
         latents, audio = super().run_pipeline({**call, "return_dict": False})
         return latents, audio[None]

@@ -1,13 +1,14 @@
 """The built-in tiny MiniMax-H3 (`xdit-tiny-minimax-h3`): the released layout (24 video latent channels at ×16 / ×4
 in the pipeline's 17n+5 frame grid, 32 audio latent channels at 40 a second, stereo as two channel-major blocks of
-rows, one packed sequence [text | audio | video]) at a tiny width, two blocks, one text refiner block, and tiny VAEs of
-diffusers' own classes at the released geometry (video: 24 channels at ×16 / ×4 in 17-frame chunks, a one-block ViT
-decoder; audio: 32 channels at 800 samples a latent, 32 kHz, a three-stage BigVGAN decoder — its vocoder); no text
-encoder (jobs send the text encoder's hidden states and their modality tags). Both VAEs have latent statistics far
-from 0 and 1, so a denormalisation left out shows; they decode the tiny video in under a second. Its blocks refuse
-videos under 5 s, so the smallest case is 124 frames: 37 latent frames, at 64×64 4 rows each (148), 207 audio latents
-× 2 channels (414), and the text: one packed sequence of ~585 rows that no sequence-parallel degree above 1 divides
-evenly for most text lengths."""
+rows, one packed sequence [text | audio | video]) at a tiny width, two blocks, one text refiner block; a second
+transformer of other weights, `transformer_ref`, for reference-to-video; tiny VAEs of diffusers' own classes at the
+released geometry (video: 24 channels at ×16 / ×4 in 17-frame chunks, a one-block ViT decoder; audio: 32 channels at
+800 samples a latent, 32 kHz, a three-stage BigVGAN decoder — its vocoder); no text encoder (jobs send the text
+encoder's hidden states and their modality tags). Both VAEs have latent statistics far from 0 and 1, so a
+denormalisation left out shows; they decode the tiny video in under a second. Its blocks refuse videos under 5 s, so
+the smallest case is 124 frames: 37 latent frames, at 64×64 4 rows each (148), 207 audio latents × 2 channels (414),
+and the text: one packed sequence of ~585 rows that no sequence-parallel degree above 1 divides evenly for most text
+lengths."""
 
 from __future__ import annotations
 
@@ -28,11 +29,14 @@ def build_tiny(seed: int):
 
     from ...loading import tiny_models as tm
 
-    transformer = tm._seeded(
-        seed, MiniMaxH3Transformer3DModel, num_attention_heads=tm.HEADS, attention_head_dim=tm.HEAD_DIM, hidden_size=64,
-        num_layers=2, num_refiner_layers=1, ffn_dim=128, in_channels=LATENT, audio_in_channels=AUDIO_LATENT,
-        text_dim=TEXT_WIDTH, freq_dim=32, time_embed_hidden_dim=64, time_embed_dim=32, rope_freq_dim=2)
-    tm._peak_attention(transformer, PEAK)
+    def transformer(weights_seed: int):
+        model = tm._seeded(
+            weights_seed, MiniMaxH3Transformer3DModel, num_attention_heads=tm.HEADS, attention_head_dim=tm.HEAD_DIM,
+            hidden_size=64, num_layers=2, num_refiner_layers=1, ffn_dim=128, in_channels=LATENT,
+            audio_in_channels=AUDIO_LATENT, text_dim=TEXT_WIDTH, freq_dim=32, time_embed_hidden_dim=64,
+            time_embed_dim=32, rope_freq_dim=2)
+        return tm._peak_attention(model, PEAK)
+
     gen = torch.Generator().manual_seed(seed + 5)
     statistics = {"latents_mean": (torch.randn(LATENT, generator=gen) * 0.5).tolist(),
                   "latents_std": (torch.rand(LATENT, generator=gen) + 0.5).tolist()}
@@ -47,8 +51,11 @@ def build_tiny(seed: int):
                            decoder_kernel_sizes=(16, 20, 20), resblock_kernel_sizes=(3,), resblock_dilation_sizes=((1,),),
                            **audio_statistics)
     pipeline = MiniMaxH3ModularPipeline()
-    pipeline.update_components(transformer=transformer, scheduler=MiniMaxH3Scheduler(shift=12.0),
-                               audio_scheduler=MiniMaxH3Scheduler(shift=3.0), vae=vae, audio_vae=audio_vae)
+    # ref2va runs its own checkpoint partition, `transformer_ref` (same architecture, other weights: a job that ran the
+    # t2va weights would miss)
+    pipeline.update_components(transformer=transformer(seed), transformer_ref=transformer(seed + 1),
+                               scheduler=MiniMaxH3Scheduler(shift=12.0), audio_scheduler=MiniMaxH3Scheduler(shift=3.0),
+                               vae=vae, audio_vae=audio_vae)
     return pipeline
 
 

@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 
 # What every pipeline takes; families add theirs in `tensor_inputs`.
 BASE_TENSOR_INPUTS = ("latents", "prompt_embeds", "negative_prompt_embeds")
+# the pipeline attributes that hold a transformer, each wrapped under its family's plan: Wan 2.2 A14B's low-noise
+# expert `transformer_2`, MiniMax-H3's reference-to-video partition `transformer_ref`
+TRANSFORMERS = ("transformer", "transformer_2", "transformer_ref")
 
 
 class xFuserPipelineBaseWrapper(LayoutChecks, Img2Img, ModelCallGlue, xFuserBaseWrapper):
@@ -78,7 +81,7 @@ class xFuserPipelineBaseWrapper(LayoutChecks, Img2Img, ModelCallGlue, xFuserBase
         self._original = {"scheduler": pipeline.scheduler}
         pipeline.scheduler = xFuserSchedulerWrappersRegister.get_wrapper(pipeline.scheduler)(pipeline.scheduler)
         try:
-            for name in ("transformer", "transformer_2"):  # Wan 2.2's low-noise expert is wrapped like the first
+            for name in TRANSFORMERS:
                 transformer = getattr(pipeline, name, None)
                 if transformer is not None:
                     plan = FAMILIES.for_transformer(transformer).plan
@@ -119,11 +122,11 @@ class xFuserPipelineBaseWrapper(LayoutChecks, Img2Img, ModelCallGlue, xFuserBase
 
     def transformers(self) -> list:
         """The pipeline's transformers as wrapped here (Wan 2.2 A14B: both experts), high-noise first."""
-        return [getattr(self.module, name) for name in ("transformer", "transformer_2") if name in self._original]
+        return [getattr(self.module, name) for name in TRANSFORMERS if name in self._original]
 
     def unwrap(self) -> DiffusionPipeline:
         """Restore the pipeline's own transformer and scheduler (before re-initialising the layout)."""
-        for name in ("transformer", "transformer_2"):
+        for name in TRANSFORMERS:
             if name in self._original:
                 getattr(self.module, name).unwrap()
                 setattr(self.module, name, self._original[name])
@@ -250,7 +253,7 @@ class xFuserPipelineBaseWrapper(LayoutChecks, Img2Img, ModelCallGlue, xFuserBase
             with schedule, after_step, caching as self.cache_report, self.call_context(local):
                 output = self.run_pipeline(local)
         finally:
-            for name in ("transformer", "transformer_2"):
+            for name in TRANSFORMERS:
                 if name in self._original:
                     getattr(self.module, name).settle()
             runtime.flow_scheduler = runtime.step_result = runtime.flow_combine = None  # the flow ends with the call
