@@ -14,7 +14,8 @@ strength 0.8) runs Ulysses 2, Ring 2 and CFG 2, its control the clip played back
 size runs the layouts through tests/engine_cases.py. Negative controls: rank 1 holding the replicated audio's rows
 swapped; video-to-audio attention without merging the other ranks' keys. PipeFusion is refused in one line with its
 reason; contract E takes audio_latents in IN and writes `audio` beside `latents`. A 2-rank pool samples both, decodes
-the video across its ranks and the audio through its audio VAE and vocoder.
+the video across its ranks and the audio through its audio VAE and vocoder; another serves LTX2ConditionPipeline,
+refuses a picture past the last frame in one line and samples the two pictures equal to diffusers.
 """
 
 from __future__ import annotations
@@ -51,15 +52,18 @@ CONDITION_CONTROL = (2, "ring2", "condition-misplaced")
 REFERENCE_STRENGTH, IC_CONTROL = 0.8, (2, "ring2", "ic-reversed")
 MODELS = {"i2v": I2V, "condition": CONDITION, "condition-misplaced": CONDITION, "ic": IC, "ic-reversed": IC}
 REFUSED = [(2, "pp2", "default")]
+# What a job may send to the condition and in-context pipelines (the pool's submit must accept every name).
+CONDITION_INPUTS_SENT = ("condition_images", "condition_indices", "condition_strengths", "reference_videos",
+                         "reference_strengths")
 
 
 def case_name(nproc, layout, variant) -> str:
     return layout + ("" if variant == "default" else f"-{variant}")
 
 
-def reference(model_dir: Path, inputs: Path) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(model_dir: Path, inputs: Path, conditions=CONDITIONS) -> tuple[torch.Tensor, torch.Tensor]:
     """diffusers' own LTX2Pipeline (LTX2ImageToVideoPipeline; LTX2ConditionPipeline given the conditions as its own
-    LTX2VideoConditions, at the frames CONDITIONS names; LTX2InContextPipeline given reference_clip() as its own
+    LTX2VideoConditions, at the frames `conditions` names, whatever the job sent; LTX2InContextPipeline given reference_clip() as its own
     LTX2ReferenceCondition): (video latents, audio latents)."""
     from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition
     from diffusers.pipelines.ltx2.pipeline_ltx2_ic_lora import LTX2ReferenceCondition
@@ -72,7 +76,7 @@ def reference(model_dir: Path, inputs: Path) -> tuple[torch.Tensor, torch.Tensor
         del tensors["condition_indices"], tensors["condition_strengths"]
         call.update(num_frames=FRAMES, noise_scale=0.0, conditions=[
             LTX2VideoCondition(frames=image[None], index=index, strength=strength, crf=0)
-            for image, index, strength in zip(images, *CONDITIONS)])
+            for image, index, strength in zip(images, *conditions)])
     if tensors.pop("reference_videos", None) is not None:
         del tensors["reference_strengths"]
         call.update(num_frames=FRAMES, noise_scale=0.0, reference_conditions=[
@@ -275,3 +279,30 @@ def test_a_pool_samples_video_with_sound_and_decodes_both(video_model_dirs, tmp_
         tiled = vae_decode._tiled_decode(vae, outputs["latents"])
     assert frames.shape == tiled.shape and (frames - tiled).abs().max().item() <= TOLERANCE
     assert sum(r["tiles"] for r in info["ranks"]) == info["tiles"]
+
+
+def test_a_pool_holds_pictures_at_chosen_frames(video_model_dirs, tmp_path):
+    """A 2-rank Ulysses pool serving LTX2ConditionPipeline: the condition tensors go from the client's submit through
+    rank 0's checks and the broadcast to every rank's VAE. A picture past the last latent frame (which diffusers would
+    skip with a warning) is refused at submit in one line; the pool answers the next job, whose video and audio equal
+    diffusers'. Control: the reference with the second picture at frame 1 misses both streams."""
+    from pool_helpers import serving
+    from workers.client import JobFailed
+    from workers.wire.messages import job_inputs
+
+    assert set(CONDITION_INPUTS_SENT) <= set(job_inputs())
+    model, inputs = video_model_dirs[CONDITION], tmp_path / "in.safetensors"
+    save_file(condition_inputs(*CONDITIONS), inputs)
+    job = {"steps": STEPS, "guidance_scale": GUIDANCE, "height": HEIGHT, "width": WIDTH,
+           "call": {"frame_rate": RATE, "stg_block": 1}}
+    with serving(model, tmp_path, "--nproc", "2", "--ulysses-degree", "2") as client:
+        with pytest.raises(JobFailed) as refused:
+            client.sample_outputs({**load_file(inputs), "condition_indices": torch.tensor([0.0, 3.0])}, job)
+        outputs = client.sample_outputs(load_file(inputs), job)
+    message = str(refused.value)
+    assert refused.value.mistake and "\n" not in message, message
+    assert "condition_indices [0.0, 3.0] are latent frames of a video of 3; send whole numbers in [-3, 2]" in message
+    for name, tensor, control in zip(("latents", "audio"), reference(model, inputs), reference(model, inputs, MISPLACED)):
+        error, miss = ((outputs[name] - t).abs().max().item() for t in (tensor, control))
+        assert error <= TOLERANCE, f"{name}: max |pool - diffusers| {error:.3g}"
+        assert miss > 100 * TOLERANCE, f"{name}: the control misses by only {miss:.3g}"
