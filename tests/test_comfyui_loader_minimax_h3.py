@@ -14,6 +14,10 @@ their modality tags (`minimax_token_tags`), through XDiTTestConditioning (Qwen3-
 video_minimax_h3_i2v's sampling part is the same with MiniMaxH3ImageToVideo's conditioning: a first frame's encoded
 latent in `minimax_keyframes`, which ComfyUI's model noises from the sampler's seed and puts in front of the video rows;
 the loader sends it noised the same way (nodes/av_calls.py) and the pool's call places it as the pipeline's fl2va does.
+
+Model from xDiT Pool on an xDiT Pool of the same file takes the same calls through the same nodes/av_calls.py, its
+ComfyUI model class from the pool (not from the file): the same sampling part, and the i2v one with ModelSamplingMiniMaxH3
+moving the audio shift, equal ComfyUI's own model too.
 """
 
 from __future__ import annotations
@@ -245,3 +249,56 @@ def test_the_swapped_loader_on_ulysses_2_equals_comfyuis_own_minimax_h3_from_a_f
     for control in ("h3-text.safetensors", last):
         other = _streams(comfy, _template(stock_unet, seed=1, text=control))
         assert min((ours - theirs).abs().max().item() for ours, theirs in zip(swapped, other)) > 1e-2, control
+
+
+def _pool_model(layout: dict) -> dict:
+    """xDiT Pool serving the tiny file (its transformer alone: the conditioning comes from ComfyUI) and Model from xDiT
+    Pool on it, as the nodes `pool` and `unet` of a prompt."""
+    return {"pool": {"class_type": "XDiTPool", "inputs": {
+        "model": f"file: diffusion_models/{FILE}", "nproc": 2, "ulysses_degree": 1, "ring_degree": 1,
+        "pipefusion_degree": 1, "num_patches": 0, "warmup_steps": 1, "cfg_parallel": False, "dp_degree": 1,
+        "text_encoders": False, "dtype": "auto", "devices": "", "threads_per_rank": 1, "endpoint": "", **layout}},
+        "unet": {"class_type": "XDiTModel", "inputs": {"pool": ["pool", 0]}}}
+
+
+def _shifted(prompt: dict, audio: float) -> dict:
+    """The prompt with ModelSamplingMiniMaxH3 between its model and the sampler's nodes: the video shift the
+    template's (12), the audio shift `audio` (the model's own sampling moved, and the shifts in its call's options)."""
+    shift = {"class_type": "MiniMaxH3SigmaShift", "inputs": {"model": ["unet", 0], "shift_video": 12.0,
+                                                              "shift_audio": audio}}
+    for node in ("sigmas", "guider"):
+        prompt[node] = {**prompt[node], "inputs": {**prompt[node]["inputs"], "model": ["shift", 0]}}
+    return {**prompt, "shift": shift}
+
+
+def _max_diffs(ours, theirs) -> list[float]:
+    return [(mine - stock).abs().max().item() for mine, stock in zip(ours, theirs)]
+
+
+STOCK_UNET = {"class_type": "UNETLoader", "inputs": {"unet_name": FILE, "weight_dtype": "default"}}
+
+
+def test_model_from_an_xdit_pool_of_the_file_on_ulysses_2_equals_comfyuis_own_minimax_h3(comfy):
+    """The template's sampling part on Model from xDiT Pool: a pool of the single file (its ComfyUI model class from the
+    pool's status, not from the file) takes ComfyUI's [video, audio] calls as the loader's MODEL does."""
+    _text(comfy)
+    stock = _streams(comfy, _template(STOCK_UNET, seed=1))
+    nodes = _pool_model({"ulysses_degree": 2})
+    ours = _streams(comfy, {**_template(nodes["unet"], seed=1), "pool": nodes["pool"]})
+    diffs = _max_diffs(ours, stock)
+    assert max(diffs) <= TOLERANCE, diffs
+    # negative control: ComfyUI's own model from another seed's noise is far from the pool's result
+    assert min(_max_diffs(ours, _streams(comfy, _template(STOCK_UNET, seed=2)))) > 1e-2
+
+
+def test_model_from_an_xdit_pool_with_a_first_frame_and_another_audio_shift_equals_comfyuis_own(comfy):
+    """The i2v template's first frame, and ModelSamplingMiniMaxH3 with the audio shift 5: the shifts reach the pool's
+    call from the sampler's options, the keyframe noised from the sampler's seed, as for ComfyUI's own model."""
+    first = _keyframe(comfy, _text(comfy), "h3-first.safetensors", 0)
+    stock = _streams(comfy, _shifted(_template(STOCK_UNET, seed=1, text=first), audio=5.0))
+    nodes = _pool_model({"ulysses_degree": 2})
+    ours = _streams(comfy, {**_shifted(_template(nodes["unet"], seed=1, text=first), audio=5.0), "pool": nodes["pool"]})
+    diffs = _max_diffs(ours, stock)
+    assert max(diffs) <= TOLERANCE, diffs
+    # negative control: ComfyUI's own model at the template's audio shift (3) is far from it in the audio
+    assert _max_diffs(ours, _streams(comfy, _shifted(_template(STOCK_UNET, seed=1, text=first), audio=3.0)))[1] > 1e-2
