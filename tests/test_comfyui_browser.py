@@ -88,7 +88,7 @@ def test_panel_streams_steps_live_on_a_cfg_x_ulysses_mesh(comfy, page, tmp_path)
         if node["type"] == "XDiTPool":  # model, nproc, ulysses, ring, pipefusion, patches, warmup, cfg_parallel, …
             node["widgets_values"][1], node["widgets_values"][7] = 4, True
         if node["type"] == "XDiTSampler":  # seed, control_after_generate, steps, cfg, …
-            node["widgets_values"][2] = 400
+            node["widgets_values"][2] = 1000  # the most it takes: a loaded box must not finish before the interrupt
     _open_panel(page)
     prompt_id = page.eval(LOAD_CONVERT_QUEUE, workflow)["response"]["prompt_id"]
     cells = page.wait("""() => {
@@ -97,7 +97,7 @@ def test_panel_streams_steps_live_on_a_cfg_x_ulysses_mesh(comfy, page, tmp_path)
         const cells = pool && [...pool.querySelectorAll('.xdit-rank')].map((e) => ({
             rank: +e.dataset.rank, cfg: +e.dataset.cfg, ulysses: +e.dataset.ulysses,
             step: e.querySelector('.xdit-rank-step').innerText }));
-        return cells && /^([2-9]|\\d\\d+)\\/400$/.test(cells[0].step) && cells;
+        return cells && /^([2-9]|\\d\\d+)\\/1000$/.test(cells[0].step) && cells;
     }""", timeout_s=90)
     shot = tmp_path / "xdit-panel.png"
     page.eval("() => document.querySelector('.xdit-pool[data-state=\"busy\"]').scrollIntoView({ block: 'center' })")
