@@ -4,9 +4,10 @@ ModelSamplingAV carries the audio scaled onto the video's schedule (its `audio_s
 model undoes that before its network runs and turns the audio velocity back after, so the pool, which samples each
 stream on its own schedule as the pipeline does, gets the stream's own audio at its own sigma (the video's, moved
 from the one shift to the other) and answers the stream's own velocity. Its keyframes (MiniMaxH3ImageToVideo's first
-and last frame, in the call's payload) go noised as ComfyUI's model noises them, so the pool puts in front of the video
-rows what ComfyUI's model does. The formulas are ComfyUI 0.33's (comfy/ldm/minimax/model.py: time_shift_sigma,
-MiniMaxH3Model.forward and _cond_video_rows).
+and last frame, in the call's payload) and its references (MiniMaxH3ReferenceToVideo's images, videos and sounds, in
+ref2va's wire form) go noised as ComfyUI's model noises them, so the pool puts in front of the audio and video rows
+what ComfyUI's model does. The formulas are ComfyUI 0.33's (comfy/ldm/minimax/model.py: time_shift_sigma,
+MiniMaxH3Model.forward, _cond_video_rows and _cond_audio_rows).
 """
 
 from __future__ import annotations
@@ -48,28 +49,39 @@ class AudioCall:
         return {name: value[None] if value.ndim == 1 else value for name, value in conditioning.items()}
 
     def keyframes(self, kwargs: dict) -> dict[str, torch.Tensor]:
-        """The call's keyframes (`ComfyData.keyframes`) as the pool takes them: each latent [1, C, 1, h, w] mixed, in
-        ComfyUI's row layout, with a draw from a generator seeded by the call's seed (restarted for every keyframe,
-        as ComfyUI's model does), joined as `condition_latents` with their `condition_sizes` and `keyframe_anchors`
-        (0: the first frame, 1: the last; ComfyUI's model built its layout from them first, refusing any other)."""
+        """The call's keyframes (`ComfyData.keyframes`) as the pool takes them: each latent [1, C, 1, h, w] noised
+        as ComfyUI's model noises it (`_noised`), joined as `condition_latents` with their `condition_sizes` and
+        `keyframe_anchors` (0: the first frame, 1: the last; ComfyUI's model built its layout from them first,
+        refusing any other); or its references (MiniMaxH3ReferenceToVideo's `refs`: `references`)."""
         prefix = self.data.keyframes
+        if prefix and kwargs.get(f"{prefix}.refs"):
+            return self.references(kwargs[f"{prefix}.refs"], int(kwargs.get(f"{prefix}.seed") or 0))
         frames = kwargs.get(f"{prefix}.keyframes") if prefix else None
         if not frames:
             return {}
-        from comfy.ldm.minimax.model import VISUAL_COND_TIMESTEP, patchify_video, unpatchify_video
+        seed = int(kwargs.get(f"{prefix}.seed") or 0)
+        latents = [_noised(frame["latent"], seed) for frame in frames]
+        anchors = [0.0 if frame["resolved_frame_index"] == 0 else 1.0 for frame in frames]  # its layout refused others
+        return {**_joined(latents, "condition"), "keyframe_anchors": torch.tensor([anchors])}
 
-        seed, latents, anchors = int(kwargs.get(f"{prefix}.seed") or 0), [], []
-        for frame in frames:
-            latent = frame["latent"].float().cpu()
-            rows = patchify_video(latent)
-            noise = torch.randn(rows.shape, generator=torch.Generator("cpu").manual_seed(seed), dtype=torch.float32)
-            rows = VISUAL_COND_TIMESTEP * rows + (1.0 - VISUAL_COND_TIMESTEP) * noise
-            _, channels, length, height, width = latent.shape
-            latents.append(unpatchify_video(rows, length, height // 2, width // 2, channels))
-            anchors.append(0.0 if frame["resolved_frame_index"] == 0 else 1.0)  # its layout refused any but the ends
-        sizes = torch.tensor([list(latent.shape[2:]) for latent in latents], dtype=torch.float32)
-        return {"condition_latents": torch.cat([latent.flatten(2) for latent in latents], dim=2),
-                "condition_sizes": sizes[None].contiguous(), "keyframe_anchors": torch.tensor([anchors])}
+    @staticmethod
+    def references(refs: list[dict], seed: int) -> dict[str, torch.Tensor]:
+        """ref2va's wire form of ComfyUI's reference blocks, in their order: `reference_kinds` [1, R] (0 image, 1 video,
+        2 video with its soundtrack, 3 audio), each image's and video's latent noised as its model noises them
+        (`condition_latents`, `condition_sizes`), each soundtrack and audio clean, as its model packs them (its
+        audio_cond_noise_aug 1: channel-major rows, `audio_condition_latents` [1, 32, Σ rows] with their sizes)."""
+        from comfy.ldm.minimax.model import pack_audio
+
+        kinds, visuals, sounds = [], [], []
+        for ref in refs:
+            sound = ref.get("audio_latent") is not None and int(ref.get("ref_audio_t") or 0) > 0
+            kinds.append({"image": 0, "audio": 3}.get(ref["kind"], 2 if sound else 1))
+            if ref.get("latent") is not None:
+                visuals.append(_noised(ref["latent"], seed))
+            if sound:
+                sounds.append(pack_audio(ref["audio_latent"].float().cpu()).T[None])
+        wire = {"reference_kinds": torch.tensor([kinds], dtype=torch.float32), **_joined(visuals, "condition")}
+        return {**wire, **_joined(sounds, "audio_condition")} if sounds else wire
 
     def answer(self, outputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         audio = outputs[self.data.audio_stream[1]].float()
@@ -78,3 +90,24 @@ class AudioCall:
         if self.scale != 1.0:  # d/d(video sigma) of the carried audio
             audio = (1.0 - self.scale) * self.audio + (1.0 + (self.scale - 1.0) * self.audio_sigma) * audio
         return [outputs["prediction"], audio.contiguous()]
+
+
+def _noised(latent: torch.Tensor, seed: int) -> torch.Tensor:
+    """A conditioning latent [1, C, t, h, w] mixed, in ComfyUI's row layout, with a draw from a generator seeded by
+    the call's seed, restarted for every latent, as ComfyUI's model does (its _cond_video_rows)."""
+    from comfy.ldm.minimax.model import VISUAL_COND_TIMESTEP, patchify_video, unpatchify_video
+
+    latent = latent.float().cpu()
+    rows = patchify_video(latent)
+    noise = torch.randn(rows.shape, generator=torch.Generator("cpu").manual_seed(seed), dtype=torch.float32)
+    rows = VISUAL_COND_TIMESTEP * rows + (1.0 - VISUAL_COND_TIMESTEP) * noise
+    _, channels, length, height, width = latent.shape
+    return unpatchify_video(rows, length, height // 2, width // 2, channels)
+
+
+def _joined(latents: list[torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    """Tensors [1, C, *size] as `{name}_latents` [1, C, Σ size] and `{name}_sizes` [1, N, len(size)] (families.base.
+    references reads them back)."""
+    sizes = torch.tensor([list(latent.shape[2:]) for latent in latents], dtype=torch.float32)
+    return {f"{name}_latents": torch.cat([latent.flatten(2) for latent in latents], dim=2),
+            f"{name}_sizes": sizes[None].contiguous()}

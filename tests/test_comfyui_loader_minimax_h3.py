@@ -15,6 +15,12 @@ video_minimax_h3_i2v's sampling part is the same with MiniMaxH3ImageToVideo's co
 latent in `minimax_keyframes`, which ComfyUI's model noises from the sampler's seed and puts in front of the video rows;
 the loader sends it noised the same way (nodes/av_calls.py) and the pool's call places it as the pipeline's fl2va does.
 
+video_minimax_h3_r2v's sampling part is the same with MiniMaxH3ReferenceToVideo's conditioning (`minimax_refs`: an
+image, a video with its soundtrack, an audio clip). ComfyUI runs references on the one file UNETLoader loaded (the
+template's is minimax_h3_ref2va_*, other weights than the t2v/i2v file, and pruned: refused, as above); the loader sends
+them in ref2va's wire form, their image and video noised as ComfyUI's model noises them, and a pool of that one file
+runs them on its transformer (a diffusers directory's pool on its `transformer_ref`: test_minimax_h3).
+
 Model from xDiT Pool on an xDiT Pool of the same file takes the same calls through the same nodes/av_calls.py, its
 ComfyUI model class from the pool (not from the file): the same sampling part, and the i2v one with ModelSamplingMiniMaxH3
 moving the audio shift, equal ComfyUI's own model too.
@@ -71,6 +77,14 @@ if inputs:
         payload.update(keyframes=frames, frame_count=22, seed=5, cond_video_latents=[f["latent"] for f in frames])
         rows = patcher.model.diffusion_model._cond_video_rows(payload, "cpu").chunk(2)
         out["noised"] = torch.cat([unpatchify_video(r, 1, *(n // 2 for n in x["video"].shape[3:])) for r in rows], 2)
+    if "image" in x:  # ref2va: an image, a video with its soundtrack and an audio clip, as MiniMaxH3ReferenceToVideo's
+        refs = [{"kind": "image", "latent_h": 4, "latent_w": 4, "latent": x["image"]},
+                {"kind": "video_audio", "latent_t": 2, "latent_h": 4, "latent_w": 6, "ref_audio_t": 5,
+                 "latent": x["refvideo"], "audio_latent": x["soundtrack"]},
+                {"kind": "audio", "ref_audio_t": 3, "audio_latent": x["refaudio"]}]
+        payload.update(refs=refs, seed=5, cond_video_latents=[x["image"], x["refvideo"]],
+                       cond_audio_latents=[x["soundtrack"], x["refaudio"]])
+        out["noised_rows"] = patcher.model.diffusion_model._cond_video_rows(payload, "cpu")
     with torch.no_grad():
         video, audio = patcher.model.diffusion_model([x["video"], x["audio"]], x["sigma"] * 1000, x["context"],
                                                      minimax_payload=payload)
@@ -80,7 +94,7 @@ if inputs:
 """
 
 
-def _comfyui_file(python, comfyui, path, work=None, keyframes=False) -> tuple[dict, str] | None:
+def _comfyui_file(python, comfyui, path, work=None, keyframes=False, refs=False) -> tuple[dict, str] | None:
     """The file written at `path` by ComfyUI's own code; with `work`, ComfyUI's model call on it too: the inputs and
     its outputs (with `keyframes`, two of them in its payload, and them noised as its model noises them), and the
     model class ComfyUI detected."""
@@ -95,6 +109,9 @@ def _comfyui_file(python, comfyui, path, work=None, keyframes=False) -> tuple[di
               "context": torch.randn(1, TEXT_TOKENS, TEXT_WIDTH, generator=gen), "sigma": torch.tensor([0.7]), "tags": tags}
     if keyframes:
         inputs["keyframes"] = torch.randn(1, 24, 2, 4, 6, generator=gen)
+    if refs:
+        inputs.update(image=torch.randn(1, 24, 1, 4, 4, generator=gen), refvideo=torch.randn(1, 24, 2, 4, 6, generator=gen),
+                      soundtrack=torch.randn(1, 32, 2, 5, generator=gen), refaudio=torch.randn(1, 32, 2, 3, generator=gen))
     save_file(inputs, work / "inputs.safetensors")
     subprocess.run([str(python), "-c", COMFY_SCRIPT, str(path), str(work / "inputs.safetensors"),
                     str(work / "result.safetensors"), json.dumps(CONFIG)], cwd=comfyui, check=True, capture_output=True)
@@ -103,7 +120,7 @@ def _comfyui_file(python, comfyui, path, work=None, keyframes=False) -> tuple[di
     return {**inputs, **{f"comfy_{k}": v for k, v in load_file(work / "result.safetensors").items()}}, model
 
 
-def _pool_call(path, x: dict, audio_sigma: torch.Tensor, anchors=None) -> dict[str, torch.Tensor]:
+def _pool_call(path, x: dict, audio_sigma: torch.Tensor, anchors=None, refs=None) -> dict[str, torch.Tensor]:
     """The engine's model call on the file as a pool loads it (one rank): ComfyUI's streams in the pipeline's layout;
     with `anchors`, ComfyUI's noised keyframes as the loader sends them."""
     from parallel.layout.config import ParallelConfig
@@ -117,6 +134,8 @@ def _pool_call(path, x: dict, audio_sigma: torch.Tensor, anchors=None) -> dict[s
     if anchors is not None:
         tensors.update(condition_latents=x["comfy_noised"].flatten(2), keyframe_anchors=torch.tensor([anchors]),
                        condition_sizes=torch.tensor([[[1.0, 4, 6]] * len(anchors)]))
+    if refs is not None:
+        tensors.update(refs)
     with one_rank(ParallelConfig()):
         wrapper = xFuserPipelineBaseWrapper.wrap(load_single_file_pipeline(path))
         check_model_call(wrapper, tensors)
@@ -147,6 +166,37 @@ def test_comfyuis_model_call_with_a_first_and_a_last_keyframe_equals_the_pools(c
     assert max(diffs.values()) <= TOLERANCE, diffs
     # negative control: the two keyframes' anchors swapped
     swapped = _pool_call(tmp_path / FILE, x, x["comfy_audio_sigma"], anchors=[1.0, 0.0])
+    assert (swapped["video"] - x["comfy_video"]).abs().max().item() > 1e-2
+
+
+def _reference_wire(x: dict, swapped: bool = False) -> dict[str, torch.Tensor]:
+    """ComfyUI's references in ref2va's wire form, as nodes/av_calls.py sends them: its noised image and video rows
+    back as latents, the soundtrack and the audio clip as its model packs them (channel-major rows, clean); with
+    `swapped`, the image and the video in the other order."""
+    from parallel.families.minimax_h3.pipelines import unpatchify_video_rows
+
+    rows = x["comfy_noised_rows"]
+    visuals = [unpatchify_video_rows(rows[:4], (1, 24, 1, 4, 4), (1, 2, 2)),
+               unpatchify_video_rows(rows[4:], (1, 24, 2, 4, 6), (1, 2, 2))]
+    kinds, sizes = [0.0, 2.0, 3.0], [[1.0, 4, 4], [2.0, 4, 6]]
+    if swapped:
+        visuals, kinds, sizes = visuals[::-1], [2.0, 0.0, 3.0], sizes[::-1]
+    sounds = [x[name][0].permute(1, 2, 0).reshape(-1, 32).T for name in ("soundtrack", "refaudio")]
+    return {"reference_kinds": torch.tensor([kinds]), "condition_latents": torch.cat([v.flatten(2) for v in visuals], 2),
+            "condition_sizes": torch.tensor([sizes]), "audio_condition_latents": torch.cat(sounds, 1)[None],
+            "audio_condition_sizes": torch.tensor([[[10.0], [6.0]]])}
+
+
+def test_comfyuis_model_call_with_references_equals_the_pools(comfyui_install, tmp_path):
+    """ref2va's rows: ComfyUI's model's references (MiniMaxH3ReferenceToVideo's blocks: an image, a video with its
+    soundtrack, an audio clip), run on the one file it loaded, are the pool's from the same noised latents."""
+    comfyui, python = comfyui_install
+    x, _ = _comfyui_file(python, comfyui, tmp_path / FILE, tmp_path, refs=True)
+    ours = _pool_call(tmp_path / FILE, x, x["comfy_audio_sigma"], refs=_reference_wire(x))
+    diffs = {name: (ours[name] - x[f"comfy_{name}"]).abs().max().item() for name in ("video", "audio")}
+    assert max(diffs.values()) <= TOLERANCE, diffs
+    # negative control: the image and the video reference in the other order
+    swapped = _pool_call(tmp_path / FILE, x, x["comfy_audio_sigma"], refs=_reference_wire(x, swapped=True))
     assert (swapped["video"] - x["comfy_video"]).abs().max().item() > 1e-2
 
 
@@ -249,6 +299,41 @@ def test_the_swapped_loader_on_ulysses_2_equals_comfyuis_own_minimax_h3_from_a_f
     for control in ("h3-text.safetensors", last):
         other = _streams(comfy, _template(stock_unet, seed=1, text=control))
         assert min((ours - theirs).abs().max().item() for ours, theirs in zip(swapped, other)) > 1e-2, control
+
+
+def _references(comfy, text: dict, name: str, swapped: bool = False) -> str:
+    """MiniMaxH3ReferenceToVideo's conditioning, saved as `name`: the text and its `minimax_refs` (an image, a video with
+    its soundtrack, an audio clip: the blocks it builds, their latents encoded; its VAEs are too big for a CPU test);
+    with `swapped`, the image and the video in the other order."""
+    gen = torch.Generator().manual_seed(6)
+    image, video = torch.randn(1, 24, 1, 4, 4, generator=gen), torch.randn(1, 24, 2, 4, 6, generator=gen)
+    soundtrack, clip = torch.randn(1, 32, 2, 5, generator=gen), torch.randn(1, 32, 2, 3, generator=gen)
+    refs = [({"kind": "image"}, {"latent_h": 4, "latent_w": 4, "latent": image}),
+            ({"kind": "video_audio"}, {"latent_t": 2, "latent_h": 4, "latent_w": 6, "ref_audio_t": 5, "latent": video,
+                                       "audio_latent": soundtrack}),
+            ({"kind": "audio"}, {"ref_audio_t": 3, "audio_latent": clip})]
+    refs = [refs[1], refs[0], refs[2]] if swapped else refs
+    tensors = {f"minimax_refs.{i}.{k}": v if isinstance(v, torch.Tensor) else torch.tensor(v)
+               for i, (_, fields) in enumerate(refs) for k, v in fields.items()}
+    kinds = {f"minimax_refs.{i}.kind": kind["kind"] for i, (kind, _) in enumerate(refs)}
+    save_file({**text, **tensors}, comfy.work / "input" / name, metadata=kinds)
+    return name
+
+
+def test_the_swapped_loader_on_ulysses_2_equals_comfyuis_own_minimax_h3_from_references(comfy):
+    """video_minimax_h3_r2v's sampling part (ref2va: MiniMaxH3ReferenceToVideo's image, video with its soundtrack and
+    audio clip) with UNETLoader swapped: the references, their image and video noised as ComfyUI's model noises them
+    from the sampler's seed, reach the pool's model call in ref2va's layout, run on the one file both loaded."""
+    text = _text(comfy)
+    refs = _references(comfy, text, "h3-refs.safetensors")
+    swapped_refs = _references(comfy, text, "h3-refs-swapped.safetensors", swapped=True)
+    stock = _streams(comfy, _template(STOCK_UNET, seed=1, text=refs))
+    loader = _loader(ulysses_degree=2)
+    ours = _streams(comfy, _template({**loader, "inputs": {**loader["inputs"], "unet_name": FILE}}, seed=1, text=refs))
+    diffs = _max_diffs(ours, stock)
+    assert max(diffs) <= TOLERANCE, diffs
+    # negative control: ComfyUI's own model with the image and the video reference in the other order
+    assert min(_max_diffs(ours, _streams(comfy, _template(STOCK_UNET, seed=1, text=swapped_refs)))) > 1e-2
 
 
 def _pool_model(layout: dict) -> dict:

@@ -293,3 +293,33 @@ def test_preview_latents_are_diffusers_patch_rows_unfolded():
     rows = patchify_video_latents(video, (1, 2, 2))
     assert torch.equal(unpatchify_video_rows(rows, video.shape, (1, 2, 2)), video)
     assert not torch.equal(unpatchify_video_rows(rows, (1, 24, 7, 6, 4), (1, 2, 2)).transpose(-1, -2), video)
+
+
+def test_a_model_call_with_references_runs_on_transformer_ref(tmp_path):
+    """xDiT Model's reference calls (MiniMaxH3ReferenceToVideo's, nodes/av_calls.py) on a pool holding both partitions
+    run on `transformer_ref`, as diffusers' ref2va loop does (a single file's pool holds one transformer, which
+    ComfyUI's own model runs them on: test_comfyui_loader_minimax_h3); the control: `transformer` on the same call."""
+    from parallel.layout.config import ParallelConfig
+    from parallel.model_executor.model_call import check_model_call, evaluate
+    from parallel.model_executor.pipeline import xFuserPipelineBaseWrapper
+    from xdit_test_helpers import one_rank
+
+    model = loaded(tiny_models.save_tiny_pipeline(FAMILY, tmp_path / FAMILY))
+    given = reference_inputs(tiny_models.make_inputs(FAMILY, batch=1, height=SIZE, width=SIZE, num_frames=FRAMES))
+    inputs = {"prompt_embeds": given["prompt_embeds"], "text_token_tags": given["text_token_tags"][None],
+              "audio_latents": given["audio_latents"], "audio_sigma": torch.tensor([0.4]),
+              **{name: given[name].float() for name in ("reference_kinds", "condition_latents", "condition_sizes",
+                                                        "audio_condition_latents", "audio_condition_sizes")}}
+    latents, sigma = given["latents"], torch.tensor([0.7])
+    with one_rank(ParallelConfig()):
+        wrapper = xFuserPipelineBaseWrapper.wrap(model)
+        check_model_call(wrapper, {"latents": latents, "sigma": sigma, **inputs})
+        ours = evaluate(wrapper, {"latents": latents, "sigma": sigma, **inputs})
+        arguments = wrapper.model_call_arguments(latents, sigma, inputs)
+        wrapper.unwrap()
+    with torch.no_grad():
+        theirs = {name: wrapper.model_call_outputs(getattr(model, name)(**arguments, return_dict=False), latents, inputs)
+                  for name in ("transformer_ref", "transformer")}
+    diffs = {name: {k: (ours[k] - v).abs().max().item() for k, v in out.items()} for name, out in theirs.items()}
+    assert max(diffs["transformer_ref"].values()) <= TOLERANCE, diffs
+    assert min(diffs["transformer"].values()) > 1e-2, diffs

@@ -118,7 +118,8 @@ class ComfyData:
     keyframes:      the dict keyword of the model call whose `keyframes` ({resolved_frame_index, latent} each, with its
                     `frame_count` and `seed`) ComfyUI's model puts in front of the video rows (MiniMax-H3's
                     `minimax_payload`, from MiniMaxH3ImageToVideo): they go to the pool noised as its model does, as
-                    `condition_latents`, `condition_sizes` and `keyframe_anchors` (nodes/av_calls.py); "": none.
+                    `condition_latents`, `condition_sizes` and `keyframe_anchors` (nodes/av_calls.py); its `refs`
+                    (MiniMaxH3ReferenceToVideo's) as ref2va's `reference_kinds` and condition tensors; "": none.
     conditioning_calls: key of a conditioning's extras → (the call parameter it sets, ComfyUI's value without it)
                     (LTXVConditioning's frame_rate, 25 when none set it).
     conditioning_inputs: key of the positive conditioning's extras → the pipeline input it is, as given (MiniMax-H3's

@@ -22,14 +22,16 @@ import torch
 from ..distributed import get_dp_group, get_layout, get_runtime_state
 from ..layout.config import LayoutError
 from ..families.comfy_data import MODEL_CALL_TENSORS
+from .pipeline.wrapper import TRANSFORMERS
 from ..request import check_tensor_values
 
 
 def expert_of(wrapper, expert: str):
-    """The pipeline's transformer a call names ("": its first; "transformer_2": Wan 2.2's low-noise expert)."""
+    """The pipeline's transformer a call names ("": its first; "transformer_2": Wan 2.2's low-noise expert;
+    "transformer_ref": MiniMax-H3's reference partition, which its wrapper names for reference calls)."""
     name = expert or "transformer"
-    if name not in ("transformer", "transformer_2") or getattr(wrapper.module, name, None) is None:
-        experts = [n for n in ("transformer", "transformer_2") if getattr(wrapper.module, n, None) is not None]
+    if name not in TRANSFORMERS or getattr(wrapper.module, name, None) is None:
+        experts = [n for n in TRANSFORMERS if getattr(wrapper.module, n, None) is not None]
         raise ValueError(f"this pool's {type(wrapper.module).__name__} has no {name}; its transformers are {experts}")
     return getattr(wrapper.module, name)
 
@@ -113,7 +115,7 @@ def evaluate(wrapper, tensors: dict[str, torch.Tensor], expert: str = "") -> dic
     get_runtime_state().set_input_parameters(height=size["height"], width=size["width"], batch_size=latents.shape[0],
                                              num_inference_steps=0, image_tokens=wrapper.sequence_tokens(size))
     arguments = wrapper.model_call_arguments(latents, timestep, inputs)
-    transformer = expert_of(wrapper, expert)
+    transformer = expert_of(wrapper, wrapper.model_call_expert(expert, inputs))
     with torch.no_grad(), wrapper.model_call_context(transformer, {**inputs, "latents": latents}):
         output = transformer.evaluate(**arguments, return_dict=False)
     predictions = wrapper.model_call_outputs(output, latents, inputs)

@@ -12,7 +12,8 @@ DualCLIPLoader and VAELoader (what CLIPTextEncode and TextGenerate, VAEDecode an
 official workflow runs unchanged otherwise (tests/test_comfyui_browser_loader.py).
 
 A file holds `cond` and extras by key; a list (reference_latents) as `key.0`, `key.1`, ...; a list of dicts
-(MiniMaxH3ImageToVideo's `minimax_keyframes`) as `key.0.field`, ...; a number (guidance, a frame index) as a 0-d tensor.
+(MiniMaxH3ImageToVideo's `minimax_keyframes`) as `key.0.field`, ...; a number (guidance, a frame index) as a 0-d tensor;
+a string field (MiniMaxH3ReferenceToVideo's `minimax_refs.0.kind`) in the file's metadata under its key.
 """
 
 import json
@@ -20,6 +21,7 @@ import os
 
 import comfy.clip_vision
 import folder_paths
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 
@@ -38,14 +40,16 @@ class XDiTTestConditioning:
 
     def load(self, tensors):
         saved = _load(tensors)
+        with safe_open(os.path.join(folder_paths.get_input_directory(), tensors), "pt") as f:
+            strings = {key: value for key, value in (f.metadata() or {}).items() if key.count(".") == 2}
         extras, lists, records = {}, {}, {}
-        for key, value in saved.items():
+        for key, value in {**saved, **strings}.items():
             if key == "cond":
                 continue
             parts = key.split(".")
             if len(parts) == 3 and parts[1].isdigit():
                 records.setdefault(parts[0], {}).setdefault(int(parts[1]), {})[parts[2]] = \
-                    value.item() if value.ndim == 0 else value
+                    value if isinstance(value, str) else value.item() if value.ndim == 0 else value
             elif key.rsplit(".", 1)[-1].isdigit():
                 name, index = key.rsplit(".", 1)
                 lists.setdefault(name, {})[int(index)] = value

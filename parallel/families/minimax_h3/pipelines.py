@@ -35,12 +35,14 @@ COMFY = ComfyData(
     expects="the MiniMax-H3 text encoder's hidden states (Qwen3-VL's layer 50) with their modality tags",
     empty_latent="EmptyMiniMaxH3LatentAV", model_class="MiniMaxH3",
     # ComfyUI's model call: the text (its model refines it itself, as the pool's does), the tags and the t2va payload
-    # (the seed and the prebuilt layout: the pool builds its own), and fl2va's keyframes, which travel noised as
-    # condition_latents (nodes/av_calls.py: MiniMaxH3ImageToVideo's first/last frame); references are refused
+    # (the seed and the prebuilt layout: the pool builds its own), fl2va's keyframes, which travel noised as
+    # condition_latents (nodes/av_calls.py: MiniMaxH3ImageToVideo's first/last frame), and ref2va's references
+    # (MiniMaxH3ReferenceToVideo's), which travel in ref2va's wire form (reference_kinds, ...)
     model_call_conds={"context": "prompt_embeds", "minimax_payload.text_token_tags": "text_token_tags",
                       "minimax_payload.seed": "", "minimax_payload.layout": "", "minimax_payload.audio_scale": "",
                       "minimax_payload.keyframes": "", "minimax_payload.frame_count": "",
-                      "minimax_payload.cond_video_latents": ""},
+                      "minimax_payload.cond_video_latents": "", "minimax_payload.refs": "",
+                      "minimax_payload.cond_audio_latents": ""},
     keyframes="minimax_payload",
     audio_shifts=(("minimax_h3_sigma_shift_video", 12.0), ("minimax_h3_sigma_shift_audio", 3.0)),
     audio_scale="minimax_payload.audio_scale", vae_normalises=True,  # ComfyUI's VAEs denormalise inside decode
@@ -80,7 +82,8 @@ class xFuserMiniMaxH3Pipeline(xFuserModularPipelineWrapper):
     shared_inputs = ("text_token_tags",)
     embedding_sizes = {"prompt_embeds": "text_dim"}
     model_call_inputs = ("prompt_embeds", "text_token_tags", "audio_latents", "audio_sigma", "condition_latents",
-                         "condition_sizes", "keyframe_anchors")
+                         "condition_sizes", "keyframe_anchors", "reference_kinds", "audio_condition_latents",
+                         "audio_condition_sizes")
     model_call_required = ("prompt_embeds", "audio_latents", "audio_sigma")
     call_parameters = {
         "num_frames": CallParameter(int, "video frames at 24 fps, 17n+5 from 5 to 15 s (default: as many as the latents "
@@ -244,9 +247,7 @@ class xFuserMiniMaxH3Pipeline(xFuserModularPipelineWrapper):
         if arguments.get("condition_latents") is not None:
             call["condition_latents"] = references(arguments, "condition_latents", "condition_sizes")
         if arguments.get("reference_kinds") is not None:
-            names = [REFERENCE_KINDS[int(k)] for k in arguments["reference_kinds"][0]]
-            call["normalized_references"] = [EncodedReference(name.split()[0], name in REFERENCE_KINDS[2:])
-                                             for name in names]
+            call["normalized_references"] = encoded_references(arguments["reference_kinds"])
             call["audio_condition_latents"] = [rows[0].T for rows in references(
                 arguments, "audio_condition_latents", "audio_condition_sizes")]
         elif arguments.get("condition_latents") is not None:
@@ -263,9 +264,11 @@ class xFuserMiniMaxH3Pipeline(xFuserModularPipelineWrapper):
         [1, 2, 32, L] at `audio_sigma` [1] (each stream's own schedule, as the pipeline's two schedulers give them):
         the layout the pipeline builds, the text's modality tags [1, T] (all text where none are sent); fl2va's
         keyframes, sent noised as the rows take them (`condition_latents`, `condition_sizes`, `keyframe_anchors`),
-        in front of the video rows at the anchors' times, held at t = max(t, 0.999) as the pipeline holds them."""
+        in front of the video rows at the anchors' times, held at t = max(t, 0.999) as the pipeline holds them; or
+        ref2va's references (`reference_kinds`, ...: its layout, the image and video rows held so too, the
+        soundtracks' and audio clips' rows clean, at t = 1, in front of the audio rows)."""
         from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep, \
-            MiniMaxH3SetTimestepsStep, patchify_video_latents
+            MiniMaxH3Ref2VAPrepareLayoutStep, MiniMaxH3SetTimestepsStep, patchify_video_latents
 
         if latents.shape[0] != 1:
             raise ValueError(f"a MiniMax-H3 model call takes one video (batch 1, as ComfyUI's own model), not "
@@ -275,33 +278,53 @@ class xFuserMiniMaxH3Pipeline(xFuserModularPipelineWrapper):
         tags = torch.ones(text.shape[1], dtype=torch.long) if tags is None else tags[0].long().cpu()
         _, _, frames, height, width = latents.shape
         scale = self.latent_scale()
-        self.check_keyframes({**inputs, "height": height * scale, "width": width * scale}, 1)
-        anchors = self.keyframe_anchors(inputs)
-        keyframes = references(inputs, "condition_latents", "condition_sizes") if anchors else []
-        positions, token_tags, video, audio_rows, text_rows, conditions, _ = \
-            MiniMaxH3PrepareLayoutStep.build_packed_sequence(tags, frames, height, width, audio.shape[-1],
-                                                             module.patch_size, module.audio_channels,
-                                                             module.audio_tag, module.video_tag, anchors)
+        size = {**inputs, "height": height * scale, "width": width * scale}
+        kinds, sounds = inputs.get("reference_kinds"), []
+        if kinds is None:
+            self.check_keyframes(size, 1)
+            anchors = self.keyframe_anchors(inputs)
+            conditions = references(inputs, "condition_latents", "condition_sizes") if anchors else []
+            layout = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+                tags, frames, height, width, audio.shape[-1], module.patch_size, module.audio_channels,
+                module.audio_tag, module.video_tag, anchors)
+        else:
+            self.check_references(size, 1)
+            conditions = references(inputs, "condition_latents", "condition_sizes")
+            sounds = [rows[0].T for rows in references(inputs, "audio_condition_latents", "audio_condition_sizes")]
+            layout = MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence(
+                tags, encoded_references(kinds), conditions, sounds, frames, height, width, audio.shape[-1],
+                module.patch_size, module.audio_channels, module.audio_tag, module.video_tag)
+        positions, token_tags, video, audio_rows, text_rows, condition_rows, sound_rows = layout
         t, audio_t = 1.0 - float(timestep[0]), 1.0 - float(inputs["audio_sigma"][0])
         steps, indices = MiniMaxH3SetTimestepsStep.build_row_timesteps(
-            video, audio_rows, conditions, 0, text_rows.numel(), t, audio_t, max(t, module.keyframe_noise_aug), 1.0)
-        rows = [patchify_video_latents(frame.float(), module.patch_size) for frame in [*keyframes, latents]]
+            video, audio_rows, condition_rows, sound_rows, text_rows.numel(), t, audio_t,
+            max(t, module.keyframe_noise_aug), 1.0)
+        rows = [patchify_video_latents(frame.float(), module.patch_size) for frame in [*conditions, latents]]
+        target = audio.float().permute(0, 2, 1).reshape(-1, audio.shape[1])
         device = latents.device
         return {"hidden_states": torch.cat(rows)[None],
-                "audio_hidden_states": audio.float().permute(0, 2, 1).reshape(1, -1, audio.shape[1]),
+                "audio_hidden_states": torch.cat([*(s.float().to(target.device) for s in sounds), target])[None],
                 "encoder_hidden_states": text, "timestep": steps.to(device), "timestep_indices": indices.to(device),
                 "token_tags": token_tags.to(device), "position_ids": positions.to(device), "video_indices": video.to(device),
                 "audio_indices": audio_rows.to(device), "text_indices": text_rows.to(device)}
 
+    def model_call_expert(self, expert: str, inputs: dict[str, torch.Tensor]) -> str:
+        """A reference call runs on `transformer_ref`, as ref2va's loop does, where the pool holds that partition (a
+        diffusers directory); a single file's pool holds the one transformer ComfyUI's own model runs them on."""
+        if inputs.get("reference_kinds") is not None and getattr(self.module, "transformer_ref", None) is not None:
+            return "transformer_ref"
+        return expert
+
     def model_call_outputs(self, outputs, latents, inputs):
         """The velocities as every model call gives them, d/dsigma (the transformer's are along t = 1 − sigma): the
-        video shaped like `latents` (its generated rows: the keyframes' come first), the audio (`audio`) like
-        `audio_latents`."""
+        video shaped like `latents` (its generated rows: the keyframes' or references' come first), the audio
+        (`audio`) like `audio_latents` (its generated rows: the references' sounds come first)."""
         video, audio = outputs
         shape, patch = inputs["audio_latents"].shape, self.module.patch_size
         generated = video[0, video.shape[1] - math.prod(latents.shape[2:]) // math.prod(patch):]
         return {"prediction": -unpatchify_video_rows(generated, tuple(latents.shape), patch),
-                "audio": -audio[0].reshape(shape[1], shape[3], shape[2]).transpose(1, 2)[None]}
+                "audio": -audio[0, audio.shape[1] - shape[1] * shape[3]:].reshape(shape[1], shape[3], shape[2])
+                .transpose(1, 2)[None]}
 
     # -- decode (a pool's decode job), as the pipeline's decode steps do it ------------------------------------
     def to_vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
@@ -360,6 +383,12 @@ class xFuserMiniMaxH3Pipeline(xFuserModularPipelineWrapper):
     def cfg_parallel_hint(self, kwargs: dict[str, Any]) -> str:
         return ("MiniMax-H3 is guidance-distilled: one transformer call per step, no unconditional branch for CFG "
                 "parallel to split; turn CFG parallel off (use its degree for Ulysses, Ring or data parallel)")
+
+
+def encoded_references(kinds: torch.Tensor) -> list[EncodedReference]:
+    """The first sample's `reference_kinds` [B, R] as ref2va's layout reads them."""
+    names = [REFERENCE_KINDS[int(k)] for k in kinds[0]]
+    return [EncodedReference(name.split()[0], name in REFERENCE_KINDS[2:]) for name in names]
 
 
 def unpatchify_video_rows(rows: torch.Tensor, shape: tuple[int, ...], patch: tuple[int, int, int]) -> torch.Tensor:

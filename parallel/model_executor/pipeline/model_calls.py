@@ -37,6 +37,11 @@ class ModelCallGlue:
         as the pipeline's loop makes them (families with model_call_inputs)."""
         raise NotImplementedError
 
+    def model_call_expert(self, expert: str, inputs: dict[str, torch.Tensor]) -> str:
+        """The transformer a call with these inputs runs on, where its conditioning picks one (MiniMax-H3's references:
+        `transformer_ref`): the caller's, for most."""
+        return expert
+
     def model_call_context(self, transformer, inputs: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager:
         """What the call (its conditioning, and its `latents`) switches on the wrapped `transformer` for this call only,
         where the model's config fixes what ComfyUI chooses per call (Qwen-Image's reference method, PixArt's position
