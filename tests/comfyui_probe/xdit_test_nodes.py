@@ -92,46 +92,48 @@ class XDiTTestLatent:
         return (dict(_load(tensors)),)
 
 
-class XDiTTestSaveAudio:
-    """An AUDIO kept exactly (SaveAudio's FLAC rounds it to 16 bits): its waveform and sample rate as a safetensors
-    file `name` in the output folder."""
+class _SavedExactly:
+    """An output kept exactly (ComfyUI's own savers round it) as a safetensors file `name` in the output folder; a
+    subclass names its input (`INPUT` of type `KIND`), the file's default name and the tensors it writes (`tensors`)."""
 
     CATEGORY = "testing/xdit"
     RETURN_TYPES = ()
     FUNCTION = "save"
     OUTPUT_NODE = True
+    INPUT = KIND = DEFAULT = ""
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"audio": ("AUDIO",), "name": ("STRING", {"default": "audio.safetensors"})}}
+        return {"required": {cls.INPUT: (cls.KIND,), "name": ("STRING", {"default": cls.DEFAULT})}}
 
-    def save(self, audio, name):
+    def save(self, name, **value):
+        from safetensors.torch import save_file
+
+        (value,) = value.values()
+        save_file(self.tensors(value), os.path.join(folder_paths.get_output_directory(), name))
+        return {}
+
+
+class XDiTTestSaveAudio(_SavedExactly):
+    """An AUDIO kept exactly (SaveAudio's FLAC rounds it to 16 bits): its waveform and sample rate."""
+
+    INPUT, KIND, DEFAULT = "audio", "AUDIO", "audio.safetensors"
+
+    @staticmethod
+    def tensors(audio) -> dict:
         import torch
-        from safetensors.torch import save_file
 
-        save_file({"waveform": audio["waveform"].contiguous(), "sample_rate": torch.tensor(audio["sample_rate"])},
-                  os.path.join(folder_paths.get_output_directory(), name))
-        return {}
+        return {"waveform": audio["waveform"].contiguous(), "sample_rate": torch.tensor(audio["sample_rate"])}
 
 
-class XDiTTestSaveImage:
-    """An IMAGE kept exactly (SaveImage rounds it to 8 bits): its frames [N, H, W, 3] as `images` in a safetensors
-    file `name` in the output folder."""
+class XDiTTestSaveImage(_SavedExactly):
+    """An IMAGE kept exactly (SaveImage rounds it to 8 bits): its frames [N, H, W, 3] as `images`."""
 
-    CATEGORY = "testing/xdit"
-    RETURN_TYPES = ()
-    FUNCTION = "save"
-    OUTPUT_NODE = True
+    INPUT, KIND, DEFAULT = "images", "IMAGE", "images.safetensors"
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"images": ("IMAGE",), "name": ("STRING", {"default": "images.safetensors"})}}
-
-    def save(self, images, name):
-        from safetensors.torch import save_file
-
-        save_file({"images": images.contiguous()}, os.path.join(folder_paths.get_output_directory(), name))
-        return {}
+    @staticmethod
+    def tensors(images) -> dict:
+        return {"images": images.contiguous()}
 
 
 TEXTS = "xdit-test-texts.json"  # in the input folder: {prompt text: the tensors file XDiTTestTextEncoder gives for it}
