@@ -90,6 +90,8 @@ class SingleFile:
     experts:  where a model's two experts come as two files, how they pair (ExpertPair).
     vae:      the VAE file that may go beside them (VaeFile); variants whose shipped model_index.json lists a
               `vae` need it.
+    components: (file, shipped config folder, dtype) → the pipeline's other parts the same file holds (LTX-2's text
+              connectors and VAE statistics in its whole checkpoint), by component name.
     """
 
     marker: str
@@ -99,6 +101,7 @@ class SingleFile:
     convert: Callable[[dict, dict], dict]
     experts: ExpertPair | None = None
     vae: VaeFile | None = None
+    components: Callable[[Any, Any, Any], dict] | None = None
 
 
 @dataclass(frozen=True)

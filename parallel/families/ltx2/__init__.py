@@ -27,6 +27,8 @@ The condition pipeline encodes pictures on every rank and appends those past fra
 own positions and per-token timesteps (the in-context one its reference videos too): the same split takes them,
 nothing new in the plan.
 
+Single files (file.py): LTX-2.3's whole checkpoint in Lightricks' layout, ComfyUI's scaled fp8 and GGUF kept quantized.
+
 PipeFusion is refused (`no_pipefusion`): video and audio cross-attend in every block, so a patch of video rows would
 need the whole audio stream's state of the same step, which the patch pipeline does not carry.
 """
@@ -36,6 +38,7 @@ from __future__ import annotations
 from ...model_executor.attention import TextLayout
 from ...model_executor.plans import CfgMode, Gather, ParallelPlan, Replicated, Split
 from ..base import FAMILIES, Family, TinyModel
+from .file import SINGLE_FILE
 from .pipelines import (xFuserLTX2ConditionPipeline, xFuserLTX2ImageToVideoPipeline, xFuserLTX2InContextPipeline,
                         xFuserLTX2Pipeline)
 from .tiny import build_tiny, tiny_inputs
@@ -69,6 +72,7 @@ LTX2 = FAMILIES.register(Family(
         no_pipefusion="video and audio cross-attend in every block: a patch of video rows would need the whole audio "
                       "of its step",
     ),
+    single_file=SINGLE_FILE,
     tiny={"ltx2": TinyModel("LTX2Pipeline", build_tiny, tiny_inputs, guidance=4.0),
           "ltx2-i2v": TinyModel("LTX2ImageToVideoPipeline", lambda seed: build_tiny(seed, "LTX2ImageToVideoPipeline"),
                                 tiny_inputs, guidance=4.0),

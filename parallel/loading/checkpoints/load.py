@@ -164,10 +164,13 @@ def load_single_file_pipeline(path: str | Path, *, dtype: torch.dtype | None = N
                          f"two files as released, named {words}, side by side")
     components = {name: load_transformer(found, file, index, dtype, keep_fp8, subfolder=name)
                   for name, (found, file) in experts.items()}
+    if detected.single_file.components is not None:  # parts the same file holds (LTX-2's connectors, VAE statistics)
+        components.update(detected.single_file.components(
+            detected.path, detected.config_dir, dtype or components["transformer"].dtype))
     missing_vae = None
     if vae is not None:
         components["vae"] = load_vae(vae, detected, dtype or components["transformer"].dtype)
-    elif "vae" in index:  # model calls need none; sampling runs are refused with this (missing_vae)
+    elif "vae" in index and "vae" not in components:  # model calls need none; sampling runs are refused with this (missing_vae)
         layout = detected.single_file.vae
         missing_vae = (f"{Path(path).name} is {title}, which needs its VAE file beside it to sample ({layout.needed}): "
                        f"choose the {layout.title} as the pool's vae (--vae FILE, from ComfyUI's models/vae); its "

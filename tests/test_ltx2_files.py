@@ -1,0 +1,215 @@
+"""LTX-2.3 whole checkpoints kept quantized on the ranks: ComfyUI's scaled fp8 (`scaled_fp8` marker, per-tensor
+`scale_weight`) and city96's GGUF Q8_0 of a tiny LTX-2.3 in Lightricks' layout — its transformer and text connectors
+written by ComfyUI's own LTXAVModel under `model.diffusion_model.` (tests/test_comfyui_loader_ltx2.py's widths), the
+text projections (`text_embedding_projection.*_aggregate_embed`, over Gemma 3's 49 stacked states of 32) and the VAEs'
+latent statistics beside it as the official checkpoint keeps them — both files in one torchrun launch on Ulysses 2 in
+fp32 compute (tests/engine_cases.py: the engine's loader and layout, as contract E runs them).
+
+Each file's video and audio latents equal diffusers' own single-process LTX2Pipeline (17 frames at 96×160, 3 steps,
+every guidance term) around a transformer diffusers itself loads (`from_single_file`, its converter; diffusers 0.42.1
+leaves LTX-2.3's `prompt_adaln_single` unrenamed, so the reference renames it as the loader test does) and text
+connectors loaded by the names tests/test_comfyui_loader_ltx2.py checks against ComfyUI's own model, from the weights
+the file means: stored · scale for fp8 (tests/quantized_files.py), for Q8_0 as diffusers' GGUF layers compute them.
+Every rank holds the transformer's layers quantized (float8_e4m3fn, Q8_0), its bytes reported ÷ the fp32 ones.
+Negative control: the unquantized weights' result misses each by far more than the tolerance, so a loader that dropped
+the scales or the quantization would fail.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from quantized_files import fp8_scaled, gguf_file
+from test_comfyui_loader_ltx2 import AUDIO_HEAD, AUDIO_WIDTH, CONFIG, HEAD, HEADS, VIDEO_WIDTH
+from xdit_test_helpers import TOLERANCE, case_errors, run_engine_cases
+
+PREFIX, CAPTION, STACKED, TOKENS, REGISTERS = "model.diffusion_model.", 32, 49, 256, 128  # ComfyUI's 128 registers
+FRAMES, HEIGHT, WIDTH, RATE = 17, 96, 160, 25.0
+CALL = {"num_inference_steps": 3, "guidance_scale": 4.0, "height": HEIGHT, "width": WIDTH, "frame_rate": RATE,
+        "stg_block": 1}
+STORAGE = {"fp8": "float8_e4m3fn", "gguf": "Q8_0"}
+WRITE = """
+import json, sys
+path, config = sys.argv[1:3]
+sys.argv = sys.argv[:1] + ["--cpu"]
+import comfy.options; comfy.options.enable_args_parsing()
+import torch, comfy.ops
+from safetensors.torch import save_file
+from comfy.ldm.lightricks.av_model import LTXAVModel
+model = LTXAVModel(**json.loads(config), operations=comfy.ops.disable_weight_init, device="meta")
+generator = torch.Generator().manual_seed(0)
+save_file({"model.diffusion_model." + k: torch.randn(v.shape, generator=generator) * 0.2
+           for k, v in model.state_dict().items()}, path)
+"""
+
+
+def _whole_checkpoint(python, comfyui, work) -> dict:
+    """ComfyUI's LTXAVModel's state dict (random) with the official checkpoint's top-level text projections and VAE
+    statistics beside it."""
+    subprocess.run([str(python), "-c", WRITE, str(work / "dit.safetensors"), json.dumps(CONFIG)], cwd=comfyui,
+                   check=True, capture_output=True)
+    gen = torch.Generator().manual_seed(3)
+    weights = load_file(work / "dit.safetensors")
+    for side, width in (("video", VIDEO_WIDTH), ("audio", AUDIO_WIDTH)):
+        weights[f"text_embedding_projection.{side}_aggregate_embed.weight"] = torch.randn(
+            width, CAPTION * STACKED, generator=gen) / (CAPTION * STACKED) ** 0.5
+    for vae in ("vae", "audio_vae"):
+        weights[f"{vae}.per_channel_statistics.mean-of-means"] = torch.randn(128, generator=gen) * 0.5
+        weights[f"{vae}.per_channel_statistics.std-of-means"] = torch.rand(128, generator=gen) + 0.5
+    return weights
+
+
+def _inputs() -> dict:
+    """17 frames at 96×160 (3 latent frames of 3×5), 17 audio frames of 8 channels × 16 mel bins, 256 text tokens
+    of Gemma-style stacked states, left-padded (the negative more)."""
+    gen = torch.Generator().manual_seed(4)
+    out = {"latents": torch.randn(1, 128, 3, HEIGHT // 32, WIDTH // 32, generator=gen),
+           "audio_latents": torch.randn(1, 8, 17, 16, generator=gen)}
+    for prefix, padding in (("", 200), ("negative_", 230)):
+        out[prefix + "prompt_embeds"] = torch.randn(1, TOKENS, CAPTION * STACKED, generator=gen)
+        out[prefix + "prompt_attention_mask"] = (torch.arange(TOKENS) >= padding).long()[None]
+    return out
+
+
+@pytest.fixture(scope="module")
+def files(comfyui_install, tmp_path_factory):
+    """The fp8 and Q8_0 copies of the whole checkpoint, each one's meant weights, the plain ones, and the inputs."""
+    comfyui, python = comfyui_install
+    root = tmp_path_factory.mktemp("ltx2files")
+    plain = _whole_checkpoint(python, comfyui, root)
+    dit = {k: v for k, v in plain.items() if k.startswith(PREFIX)}
+    top = {k: v for k, v in plain.items() if not k.startswith(PREFIX)}
+    stored, meant = fp8_scaled(dit, per_layer=False)
+    save_file({**stored, **top}, root / "ltx-2.3-tiny-fp8_scaled.safetensors")
+    # city96's names: the transformer's unprefixed (GGUF names are short), the rest as in the whole checkpoint
+    quantized = gguf_file({k.removeprefix(PREFIX): v for k, v in plain.items()}, root / "ltx-2.3-tiny-Q8_0.gguf",
+                          "ltxv", as_diffusers=True)
+    quantized = {(PREFIX + k if PREFIX + k in plain else k): v for k, v in quantized.items()}
+    save_file(_inputs(), root / "in.safetensors")
+    return {"paths": {"fp8": root / "ltx-2.3-tiny-fp8_scaled.safetensors", "gguf": root / "ltx-2.3-tiny-Q8_0.gguf"},
+            "meant": {"fp8": {**{k: v for k, v in meant.items() if k != PREFIX + "scaled_fp8"}, **top},
+                      "gguf": quantized, "plain": plain},
+            "inputs": root / "in.safetensors", "root": root}
+
+
+def _connectors(weights: dict):
+    """diffusers' LTX2TextConnectors at the file's sizes, by the names test_comfyui_loader_ltx2 checks."""
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+
+    connectors = LTX2TextConnectors(
+        caption_channels=CAPTION, text_proj_in_factor=STACKED, video_connector_num_attention_heads=HEADS,
+        video_connector_attention_head_dim=HEAD, video_connector_num_layers=1,
+        video_connector_num_learnable_registers=REGISTERS, audio_connector_num_attention_heads=HEADS,
+        audio_connector_attention_head_dim=AUDIO_HEAD, audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=REGISTERS, rope_type="split", per_modality_projections=True,
+        video_hidden_dim=VIDEO_WIDTH, audio_hidden_dim=AUDIO_WIDTH, video_gated_attn=True, audio_gated_attn=True)
+    renamed = {f"{side}_text_proj_in.weight": weights[f"text_embedding_projection.{side}_aggregate_embed.weight"]
+               for side in ("video", "audio")}
+    for name, value in weights.items():
+        for side in ("video", "audio"):
+            prefix = f"{PREFIX}{side}_embeddings_connector."
+            if name.startswith(prefix):
+                rest = name[len(prefix):].replace("transformer_1d_blocks", "transformer_blocks")
+                renamed[f"{side}_connector." + rest.replace("q_norm", "norm_q").replace("k_norm", "norm_k")] = value
+    connectors.load_state_dict(renamed, strict=True)
+    return connectors.eval()
+
+
+def diffusers_result(weights: dict, inputs: dict, work) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' LTX2Pipeline, one process, fp32: its transformer by diffusers' own single-file loader from
+    `weights`, the VAEs' statistics from them."""
+    from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler, LTX2Pipeline,
+                           LTX2VideoTransformer3DModel)
+
+    (work / "config").mkdir(exist_ok=True)
+    LTX2VideoTransformer3DModel.from_config(dict(
+        num_attention_heads=HEADS, attention_head_dim=HEAD, in_channels=128, out_channels=128,
+        cross_attention_dim=VIDEO_WIDTH, audio_in_channels=128, audio_out_channels=128, audio_num_attention_heads=HEADS,
+        audio_attention_head_dim=AUDIO_HEAD, audio_cross_attention_dim=AUDIO_WIDTH, num_layers=2, rope_type="split",
+        gated_attn=True, cross_attn_mod=True, audio_gated_attn=True, audio_cross_attn_mod=True,
+        use_prompt_embeddings=False, perturbed_attn=True)).save_config(work / "config")
+    dit = {k.replace("prompt_adaln_single", "prompt_adaln"): v.contiguous() for k, v in weights.items()
+           if k.startswith(PREFIX) and "embeddings_connector" not in k}
+    save_file(dit, work / "weights.safetensors")
+    transformer = LTX2VideoTransformer3DModel.from_single_file(
+        str(work / "weights.safetensors"), config=str(work / "config"), local_files_only=True, torch_dtype=torch.float32)
+    # small VAEs of the shipped ones' latent layout (never decoding here): ×32 / ×8, 128 channels; 8 × 64 mel bins
+    vae = AutoencoderKLLTX2Video(block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8),
+                                 layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1),
+                                 spatio_temporal_scaling=(True, True, True, False), upsample_factor=(1, 1, 1))
+    audio_vae = AutoencoderKLLTX2Audio(ch_mult=(1,), num_res_blocks=1)
+    assert (vae.spatial_compression_ratio, vae.temporal_compression_ratio, audio_vae.config.mel_bins) == (32, 8, 64)
+    for model, name in ((vae, "vae"), (audio_vae, "audio_vae")):
+        model.latents_mean.copy_(weights[f"{name}.per_channel_statistics.mean-of-means"])
+        model.latents_std.copy_(weights[f"{name}.per_channel_statistics.std-of-means"])
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05,
+                                                base_image_seq_len=1024, max_image_seq_len=4096, shift_terminal=0.1)
+    pipeline = LTX2Pipeline(scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=None, tokenizer=None,
+                            connectors=_connectors(weights), transformer=transformer, vocoder=None)
+    call = {**CALL, "spatio_temporal_guidance_blocks": [CALL["stg_block"]]}
+    del call["stg_block"]
+    with torch.no_grad():
+        video, audio = pipeline(**inputs, **call, output_type="latent", return_dict=False)
+    return video, audio
+
+
+@pytest.fixture(scope="module")
+def runs(files):
+    """Both files in one launch of 2 ranks, Ulysses 2, fp32 compute: {kind: (outputs, each rank's storage)}."""
+    root, specs = files["root"], []
+    for kind, path in files["paths"].items():
+        specs.append({"name": kind, "model": str(path), "inputs": str(files["inputs"]), "dtype": "fp32",
+                      "output": str(root / f"out-{kind}.safetensors"), "layout": {"ulysses_degree": 2}, "call": CALL,
+                      "report_storage": True})
+    run_engine_cases(2, specs, root)
+    out = {}
+    for spec in specs:
+        errors = case_errors(spec["output"])
+        assert not errors, errors[-3000:]
+        out[spec["name"]] = (load_file(spec["output"]), json.loads(open(spec["output"] + ".storage.json").read()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(files, tmp_path_factory):
+    inputs = load_file(files["inputs"])
+    return {kind: diffusers_result(weights, inputs, tmp_path_factory.mktemp(kind))
+            for kind, weights in files["meant"].items()}
+
+
+@pytest.mark.parametrize("kind", list(STORAGE))
+def test_a_quantized_ltx2_checkpoint_on_ulysses_2_equals_diffusers_on_the_weights_it_means(files, runs, references,
+                                                                                           kind):
+    output, storage = runs[kind]
+    want_video, want_audio = references[kind]
+    errors = [(output["latents"] - want_video).abs().max().item(), (output["audio"] - want_audio).abs().max().item()]
+    plain_video, plain_audio = references["plain"]  # negative control: the unquantized weights' result
+    misses = [(output["latents"] - plain_video).abs().max().item(), (output["audio"] - plain_audio).abs().max().item()]
+    fp32 = sum(v.numel() * 4 for k, v in files["meant"]["plain"].items()
+               if k.startswith(PREFIX) and "embeddings_connector" not in k)
+    ratios = [sum(rank.values()) / fp32 for rank in storage]
+    print(f"{kind}: errors {errors}, control misses {misses}, per-rank bytes / fp32 {ratios}")
+    assert max(errors) <= TOLERANCE, errors
+    assert min(misses) > 10 * TOLERANCE, misses
+    assert len(storage) == 2 and all(STORAGE[kind] in rank for rank in storage), storage
+    assert all(ratio <= 0.55 for ratio in ratios), ratios
+
+
+def test_the_marker_is_diffusers_own_and_a_diffusion_model_file_is_refused_in_one_line(files):
+    """ComfyUI's diffusion-model file (the transformer and connectors alone; ComfyUI's text encoder holds the text
+    projections) cannot sample Gemma's states: one line naming the missing tensor and the whole checkpoint."""
+    from diffusers.loaders.single_file_utils import CHECKPOINT_KEY_NAMES
+
+    from parallel.families.ltx2.file import MARKER
+    from parallel.loading.pipelines import load_pipeline
+
+    assert PREFIX + MARKER == CHECKPOINT_KEY_NAMES["ltx2"][0]
+    with pytest.raises(ValueError) as error:
+        load_pipeline(files["root"] / "dit.safetensors", dtype="fp32")
+    message = str(error.value)
+    assert "\n" not in message and "text_embedding_projection" in message and "whole checkpoint" in message, message
