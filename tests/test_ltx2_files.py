@@ -213,3 +213,20 @@ def test_the_marker_is_diffusers_own_and_a_diffusion_model_file_is_refused_in_on
         load_pipeline(files["root"] / "dit.safetensors", dtype="fp32")
     message = str(error.value)
     assert "\n" not in message and "text_embedding_projection" in message and "whole checkpoint" in message, message
+
+
+def test_a_decode_job_on_the_checkpoints_statistics_only_vae_is_refused_in_one_line(files):
+    """The pool holds the VAEs' statistics alone (the pipeline normalises latents with them): rank 0 refuses a decode
+    at submit, naming ComfyUI's VAE Decode, instead of failing on the ranks without weights."""
+    from types import SimpleNamespace
+
+    from parallel.loading.pipelines import load_pipeline
+    from workers.rank.validation import Validator
+
+    pipeline = load_pipeline(files["paths"]["fp8"], dtype="fp32")
+    assert pipeline.vae.latents_mean.abs().sum() > 0 and not list(pipeline.vae.parameters())
+    rank = SimpleNamespace(state="idle", pipeline=SimpleNamespace(module=pipeline))
+    decode = SimpleNamespace(type="decode", tensors={"latents": torch.randn(1, 128, 3, 3, 5)})
+    with pytest.raises(ValueError) as error:
+        Validator(rank)(decode)
+    assert "\n" not in str(error.value) and "ComfyUI's VAE Decode" in str(error.value), error.value
