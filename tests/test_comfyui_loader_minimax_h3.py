@@ -17,7 +17,8 @@ the loader sends it noised the same way (nodes/av_calls.py) and the pool's call 
 
 video_minimax_h3_r2v's sampling part is the same with MiniMaxH3ReferenceToVideo's conditioning (`minimax_refs`: an
 image, a video with its soundtrack, an audio clip). ComfyUI runs references on the one file UNETLoader loaded (the
-template's is minimax_h3_ref2va_*, other weights than the t2v/i2v file, and pruned: refused, as above); the loader sends
+template's is minimax_h3_ref2va_*, other weights than the t2v/i2v file, and in the curve form:
+test_comfyui_loader_minimax_h3_curve); the loader sends
 them in ref2va's wire form, their image and video noised as ComfyUI's model noises them, and a pool of that one file
 runs them on its transformer (a diffusers directory's pool on its `transformer_ref`: test_minimax_h3).
 
@@ -48,12 +49,12 @@ CONFIG = dict(hidden_size=64, num_layers=2, token_refiner_num_layers=1, num_atte
               ffn_hidden_size=128, latents_dim=24, audio_latents_dim=32, text_dim=TEXT_WIDTH, timestep_input_dim=32,
               time_embed_hidden_size=64, time_embed_dim=32, rope_inv_freq_len=2)
 
-# Writes the file from ComfyUI's own MiniMaxH3Model (its rotary frequencies as the released file's: theta 10000),
-# loads it with UNETLoader's own function and, given inputs, evaluates ComfyUI's diffusion model call on the unpacked
+# Writes the file (unless one is there: the same weights quantized) from ComfyUI's own MiniMaxH3Model (its rotary
+# frequencies as the released file's: theta 10000), loads it with UNETLoader's own function and, given inputs, evaluates ComfyUI's diffusion model call on the unpacked
 # [video, audio] at the video's sigma × 1000, with the tags and the sampler's audio scale in its payload, and the
 # audio's sigma ComfyUI's model derives from the video's (its shifts 12 and 3).
 COMFY_SCRIPT = """
-import json, sys
+import json, os, sys
 path, inputs, result, config = sys.argv[1:5]
 sys.argv = sys.argv[:1] + ["--cpu", "--use-pytorch-cross-attention"]
 import comfy.options; comfy.options.enable_args_parsing()
@@ -67,7 +68,8 @@ weights = {name: torch.randn(value.shape, generator=generator) * 0.2 + (2.0 if n
            for name, value in model.state_dict().items()}
 rotary = config["rope_inv_freq_len"]
 weights["rope.inv_freq"] = 1.0 / 10000.0 ** (torch.arange(0, 2 * rotary, 2, dtype=torch.float32) / (2 * rotary))
-save_file({"model.diffusion_model." + k: v.contiguous() for k, v in weights.items()}, path)
+if not os.path.exists(path):  # a file there already (the same weights quantized): ComfyUI's model call on it
+    save_file({"model.diffusion_model." + k: v.contiguous() for k, v in weights.items()}, path)
 if inputs:
     patcher = comfy.sd.load_diffusion_model(path)
     x = load_file(inputs)
@@ -90,16 +92,17 @@ if inputs:
                                                      minimax_payload=payload)
     save_file({**out, "video": video.contiguous(), "audio": audio.contiguous(),
                "audio_sigma": time_shift_sigma(x["sigma"], 12.0, 3.0)}, result,
-              metadata={"model": type(patcher.model).__name__})
+              metadata={"model": type(patcher.model).__name__,
+                        "curve": str(patcher.model.diffusion_model.use_adaln_curves)})
 """
 
 
-def _comfyui_file(python, comfyui, path, work=None, keyframes=False, refs=False) -> tuple[dict, str] | None:
-    """The file written at `path` by ComfyUI's own code; with `work`, ComfyUI's model call on it too: the inputs and
-    its outputs (with `keyframes`, two of them in its payload, and them noised as its model noises them), and the
-    model class ComfyUI detected."""
+def _comfyui_file(python, comfyui, path, work=None, keyframes=False, refs=False, config=CONFIG) -> tuple[dict, str] | None:
+    """The file written at `path` by ComfyUI's own code from its MiniMaxH3Model of `config`; with `work`, ComfyUI's
+    model call on it too: the inputs and its outputs (with `keyframes`, two of them in its payload, and them noised as
+    its model noises them), and the model class ComfyUI detected."""
     if work is None:
-        subprocess.run([str(python), "-c", COMFY_SCRIPT, str(path), "", "", json.dumps(CONFIG)], cwd=comfyui,
+        subprocess.run([str(python), "-c", COMFY_SCRIPT, str(path), "", "", json.dumps(config)], cwd=comfyui,
                        check=True, capture_output=True)
         return None
     gen = torch.Generator().manual_seed(1)
@@ -114,15 +117,15 @@ def _comfyui_file(python, comfyui, path, work=None, keyframes=False, refs=False)
                       soundtrack=torch.randn(1, 32, 2, 5, generator=gen), refaudio=torch.randn(1, 32, 2, 3, generator=gen))
     save_file(inputs, work / "inputs.safetensors")
     subprocess.run([str(python), "-c", COMFY_SCRIPT, str(path), str(work / "inputs.safetensors"),
-                    str(work / "result.safetensors"), json.dumps(CONFIG)], cwd=comfyui, check=True, capture_output=True)
+                    str(work / "result.safetensors"), json.dumps(config)], cwd=comfyui, check=True, capture_output=True)
     with safe_open(work / "result.safetensors", "pt") as f:
-        model = f.metadata()["model"]
+        model = f.metadata()["model"] + (" curve form" if f.metadata()["curve"] == "True" else "")
     return {**inputs, **{f"comfy_{k}": v for k, v in load_file(work / "result.safetensors").items()}}, model
 
 
-def _pool_call(path, x: dict, audio_sigma: torch.Tensor, anchors=None, refs=None) -> dict[str, torch.Tensor]:
-    """The engine's model call on the file as a pool loads it (one rank): ComfyUI's streams in the pipeline's layout;
-    with `anchors`, ComfyUI's noised keyframes as the loader sends them."""
+def _pool_call(path, x: dict, audio_sigma: torch.Tensor, anchors=None, refs=None, dtype=None) -> dict[str, torch.Tensor]:
+    """The engine's model call on the file as a pool loads it (one rank; `dtype` None: as stored): ComfyUI's streams
+    in the pipeline's layout; with `anchors`, ComfyUI's noised keyframes as the loader sends them."""
     from parallel.layout.config import ParallelConfig
     from parallel.loading.checkpoints.load import load_single_file_pipeline
     from parallel.model_executor.model_call import check_model_call, evaluate
@@ -137,7 +140,7 @@ def _pool_call(path, x: dict, audio_sigma: torch.Tensor, anchors=None, refs=None
     if refs is not None:
         tensors.update(refs)
     with one_rank(ParallelConfig()):
-        wrapper = xFuserPipelineBaseWrapper.wrap(load_single_file_pipeline(path))
+        wrapper = xFuserPipelineBaseWrapper.wrap(load_single_file_pipeline(path, dtype=dtype))
         check_model_call(wrapper, tensors)
         out = evaluate(wrapper, tensors)
         wrapper.unwrap()
@@ -198,22 +201,6 @@ def test_comfyuis_model_call_with_references_equals_the_pools(comfyui_install, t
     # negative control: the image and the video reference in the other order
     swapped = _pool_call(tmp_path / FILE, x, x["comfy_audio_sigma"], refs=_reference_wire(x, swapped=True))
     assert (swapped["video"] - x["comfy_video"]).abs().max().item() > 1e-2
-
-
-def test_a_pruned_file_is_refused_in_one_line_before_any_pool(comfyui_install, tmp_path):
-    """The template's file is pruned (its time embedder replaced by `adaln_t_table`, ComfyUI's curve basis), which
-    diffusers' transformer cannot hold: detection, which the loader runs before a pool starts, says so."""
-    from parallel.loading.checkpoints import detect_checkpoint
-
-    comfyui, python = comfyui_install
-    _comfyui_file(python, comfyui, tmp_path / FILE)
-    weights = {k: v for k, v in load_file(tmp_path / FILE).items() if ".time_embedder." not in k}
-    save_file({**weights, "model.diffusion_model.adaln_t_table": torch.zeros(1001, 32)}, tmp_path / "pruned.safetensors")
-    detect_checkpoint(tmp_path / FILE)  # the unpruned file is detected
-    with pytest.raises(ValueError) as error:
-        detect_checkpoint(tmp_path / "pruned.safetensors")
-    message = str(error.value)
-    assert "\n" not in message and "pruned MiniMax-H3" in message and "UNETLoader" in message, message
 
 
 def _template(unet: dict, seed: int, text: str = "h3-text.safetensors") -> dict:

@@ -87,6 +87,9 @@ class SingleFile:
     variants: variant (config folder name) → Variant.
     read:     Shapes → (variant, config values the shapes pin down); raises ValueError for what it cannot load.
     convert:  (original state dict, config) → diffusers' names (may import diffusers).
+    adapt:    (model made from the config, converted state dict) → whether it swapped modules for what the file
+              holds and diffusers' class does not (MiniMax-H3's curve form); the weights then load into that model,
+              not through diffusers' single-file loader (which builds its own).
     experts:  where a model's two experts come as two files, how they pair (ExpertPair).
     vae:      the VAE file that may go beside them (VaeFile); variants whose shipped model_index.json lists a
               `vae` need it.
@@ -99,6 +102,7 @@ class SingleFile:
     variants: dict[str, Variant]
     read: Callable[[Any], tuple[str, dict]]
     convert: Callable[[dict, dict], dict]
+    adapt: Callable[[Any, dict], bool] | None = None
     experts: ExpertPair | None = None
     vae: VaeFile | None = None
     components: Callable[[Any, Any, Any], dict] | None = None

@@ -108,16 +108,24 @@ def load_transformer(detected: Detected, checkpoint: CheckpointFile, index: dict
         raise ValueError(f"{detected.path} does not convert as {detected.describe()}: {error}") from None
     with init_empty_weights():
         model = cls.from_config(config)
+    adapted = detected.single_file.adapt is not None and detected.single_file.adapt(model, state_dict)
+    if adapted and checkpoint.is_gguf:
+        raise ValueError(f"{detected.path}: a GGUF file of a {detected.describe()} form diffusers' own class does not "
+                         "have (its modules swapped at load) does not load through diffusers' GGUF loader; use its "
+                         ".safetensors file")
     if checkpoint.is_gguf:
         state_dict = _dequantized_outside_linears(model, state_dict)
     _check_fits(model, state_dict, detected)
     if keep_fp8:
         layer_scales = fp8.converted_scales(detected.single_file.convert, original, scales, config, state_dict)
         return fp8.load_keeping_fp8(model, state_dict, layer_scales, dtype, comfy_fast=fast)
-    if cls.__name__ in SINGLE_FILE_LOADABLE_CLASSES:  # diffusers' own loader (GGUF too)
+    if cls.__name__ in SINGLE_FILE_LOADABLE_CLASSES and not adapted:  # diffusers' own loader (GGUF too)
         return cls.from_single_file(state_dict, config=str(detected.config_dir), subfolder=subfolder,
                                     local_files_only=True, torch_dtype=dtype, **quantized, **detected.overrides)
-    state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+    # an adapted model loads here, its class's float32 modules kept float32 where diffusers' own loader keeps them
+    fp32 = set(cls._keep_in_fp32_modules or ()) if adapted and dtype == torch.float16 else set()
+    state_dict = {k: v.to(torch.float32 if fp32 & set(k.split(".")) else dtype) if v.is_floating_point() else v
+                  for k, v in state_dict.items()}
     model.load_state_dict(state_dict, strict=True, assign=True)
     return model.eval()
 
