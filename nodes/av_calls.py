@@ -1,4 +1,4 @@
-"""A model call of a model that samples video with sound from ComfyUI's AV latent (MiniMax-H3), as ComfyUI's own
+"""A model call of a model that samples video with sound from ComfyUI's AV latent (MiniMax-H3, LTX-2), as ComfyUI's own
 diffusion model takes and answers it: the sampler hands it the latent's two streams, [video, audio], and ComfyUI's
 ModelSamplingAV carries the audio scaled onto the video's schedule (its `audio_scale`: video shift / audio shift). The
 model undoes that before its network runs and turns the audio velocity back after, so the pool, which samples each
@@ -8,6 +8,9 @@ and last frame, in the call's payload) and its references (MiniMaxH3ReferenceToV
 ref2va's wire form) go noised as ComfyUI's model noises them, so the pool puts in front of the audio and video rows
 what ComfyUI's model does. The formulas are ComfyUI 0.33's (comfy/ldm/minimax/model.py: time_shift_sigma,
 MiniMaxH3Model.forward, _cond_video_rows and _cond_audio_rows).
+
+LTX-2 (ComfyUI's LTXAV) samples both streams on one schedule: its model takes the (video, audio) timesteps, each its
+stream's sigma, and answers [video, audio] velocities as they are; the frame rate (LTXVConditioning's) goes along.
 """
 
 from __future__ import annotations
@@ -24,17 +27,31 @@ def time_shift(sigma: torch.Tensor, from_shift: float, to_shift: float) -> torch
 
 
 class AudioCall:
-    """One call's streams: `inputs()` what the pool takes, `answer()` the pool's predictions as ComfyUI's model's."""
+    """One call's streams: `inputs()` what the pool takes, `answer()` the pool's predictions as ComfyUI's model's.
+    `timesteps`: ComfyUI's model's (video, audio) timesteps, where the audio's is its own (LTXAV: each stream's
+    sigma, the audio's from its own noise mask) rather than derived from the video's by two shifts."""
 
-    def __init__(self, data: ComfyData, streams: list[torch.Tensor], sigma: torch.Tensor, options: dict, scale):
-        if streams[0].shape[0] != 1:  # as ComfyUI's own model: its packed sequence holds one video
-            raise ValueError(f"this model's call takes one video at a time (got a batch of {streams[0].shape[0]}), as "
-                             "ComfyUI's own does: use batch size 1, and cfg 1 with BasicGuider (its guidance is distilled)")
-        (video_option, video_shift), (audio_option, audio_shift) = data.audio_shifts
+    def __init__(self, data: ComfyData, streams: list[torch.Tensor], sigma: torch.Tensor, options: dict, scale,
+                 timesteps=None):
+        if streams[0].shape[0] != 1:
+            why = ("as ComfyUI's own does (its packed sequence holds one video): use batch size 1, and cfg 1 with "
+                   "BasicGuider (its guidance is distilled)") if data.audio_shifts else (
+                   "since the pool runs the text connectors on each call's text, which ComfyUI pads across a batch's "
+                   "prompts: use batch size 1, and cfg 1 (CFGGuider at 1, as the LTX-2 templates' distilled stages)")
+            raise ValueError(f"this model's call takes one video at a time (got a batch of {streams[0].shape[0]}), {why}")
         self.data, self.video, self.scale = data, streams[0], float(1.0 if scale is None else scale)
         self.sigma = sigma.float().reshape(-1)[:1].clamp(min=1e-6)
-        self.audio_sigma = time_shift(self.sigma, float(options.get(video_option, video_shift)),
-                                      float(options.get(audio_option, audio_shift)))
+        if data.audio_shifts:
+            (video_option, video_shift), (audio_option, audio_shift) = data.audio_shifts
+            self.audio_sigma = time_shift(self.sigma, float(options.get(video_option, video_shift)),
+                                          float(options.get(audio_option, audio_shift)))
+        else:
+            video_t, audio_t = timesteps if isinstance(timesteps, (tuple, list)) else (timesteps, timesteps)
+            if video_t.numel() != 1 or audio_t.numel() != 1:
+                raise ValueError("this model's call got a timestep per token (a noise mask: an image or audio held in "
+                                 "the latent), which the pool's call does not take yet; sample text to video without "
+                                 "LTXVImgToVideoInplace or a set latent noise mask, or with ComfyUI's own model")
+            self.audio_sigma = audio_t.float().reshape(1)  # LTXAV's timesteps are its sigmas (flow matching)
         carry = self.audio_sigma / self.sigma if self.scale != 1.0 else torch.ones(1)
         self.audio = streams[1].float() * carry  # the stream's own audio, ComfyUI's layout
 

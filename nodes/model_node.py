@@ -62,10 +62,24 @@ class PoolTransformer(torch.nn.Module):
                 return state["config"][name]
             return lookup(state.get("weights", {}), name)
 
-    def preprocess_text_embeds(self, text: torch.Tensor) -> torch.Tensor:
-        """ComfyUI's model refines the text once per sampling here (MiniMax-H3's token refiner); the pool's
-        transformer refines it in each call, so the text goes as the encoder gave it."""
+    def preprocess_text_embeds(self, text: torch.Tensor, unprocessed: bool | None = None) -> torch.Tensor:
+        """ComfyUI's model refines the text once per sampling here (MiniMax-H3's token refiner, LTX-2's connectors);
+        the pool refines it in each call, so the text goes as the encoder gave it. LTX-2's text that a compat-mode
+        encoder already ran through connectors (`unprocessed` False) would go through the pool's again: refused."""
+        if unprocessed is False:
+            raise UnsupportedPatch("xDiT Model: this LTX-2 text already went through text connectors (a text encoder "
+                                   "in compat mode); the pool runs its own: encode with LTX-2.3's text encoder "
+                                   "(LTXAVTextEncoderLoader), whose text is unprocessed")
         return text
+
+    @property
+    def patchifier(self):
+        """ComfyUI's LTXAV patchifies per-token timesteps (a noise mask) and keyframe positions with its model's."""
+        raise UnsupportedPatch("xDiT Model: this LTX-2 latent carries a noise mask (LTXVImgToVideoInplace, "
+                               "LTXVAddGuide or SetLatentNoiseMask), whose per-token timesteps the pool's model call does "
+                               "not take yet; sample text to video without it, or with ComfyUI's own model")
+
+    a_patchifier = patchifier
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         for name, shape in self.weights.items():
@@ -92,13 +106,15 @@ class PoolTransformer(torch.nn.Module):
         if sigma is None:
             raise UnsupportedPatch("xDiT Model is called by ComfyUI's samplers, which pass the noise level (sigmas); "
                                    "this caller passed none")
-        av = AudioCall(self.av, x, sigma, options, kwargs.get(self.av.audio_scale)) if self.av else None
+        av = AudioCall(self.av, x, sigma, options, kwargs.get(self.av.audio_scale), timesteps) if self.av else None
         x = x[0] if av else x
         one_frame = x.ndim == 5 and x.shape[2] == 1  # an image model in a video latent format (Qwen-Image: [B, C, 1, H, W])
         if one_frame:
             x = x[:, :, 0]
         batch = x.shape[0]
-        conditioning = {self.conds[name]: value.float() for name, value in {"context": context, **kwargs}.items()
+        conditioning = {self.conds[name]: torch.as_tensor(value).float().reshape(value.shape if torch.is_tensor(value)
+                                                                                   else (1,))
+                        for name, value in {"context": context, **kwargs}.items()
                         if value is not None and self.conds.get(name) and name not in REFERENCE_KEYS}  # "": not used
         if kwargs.get("ref_latents") is not None and "ref_latents" in self.conds:
             conditioning.update(_references(kwargs["ref_latents"]))
@@ -107,7 +123,7 @@ class PoolTransformer(torch.nn.Module):
         if "guidance" in conditioning:
             conditioning["guidance"] = conditioning["guidance"].reshape(-1).expand(batch).contiguous()
         sigma = sigma.float().reshape(-1).expand(batch)
-        if timesteps.ndim == 2:  # one per latent frame (Wan 2.2 TI2V: its start frame's 0), ComfyUI's mask × timestep
+        if not av and timesteps.ndim == 2:  # one per latent frame (Wan 2.2 TI2V: its start frame's 0), ComfyUI's mask × timestep
             top = timesteps.float().amax(dim=1, keepdim=True)
             sigma = sigma[:, None] * torch.where(top > 0, timesteps.float() / top.clamp_min(1e-12), 1.0)
         tensors = {"latents": x.float().contiguous(), "sigma": sigma.contiguous()}
@@ -196,8 +212,9 @@ def comfy_model(pool, comfy_file=None, expert: str = "") -> PoolModelPatcher:
     `comfy_file` (comfy_files.read: its model sampling and weight names), or for a pipeline folder, from the
     family's ComfyUI model class."""
     adapter = adapter_for(pool.pipeline, pool.latent_scale)
-    if adapter.data.model_call_refused or not adapter.data.model_call_conds:
-        why = adapter.data.model_call_refused or "it takes no model calls yet"
+    refused = adapter.data.model_call_refused if comfy_file is not None else ""  # a file ComfyUI computes otherwise
+    if refused or not adapter.data.model_call_conds:
+        why = refused or "it takes no model calls yet"
         raise ConditioningError(f"xDiT Model cannot run the pool's {pool.pipeline} under ComfyUI's samplers: {why}; "
                                 "sample it with xDiT Sampler")
     if comfy_file is not None:
@@ -216,7 +233,7 @@ def comfy_model(pool, comfy_file=None, expert: str = "") -> PoolModelPatcher:
                                             config=dict(model_config.unet_config),
                                             methods=adapter.data.reference_methods,
                                             timestep=adapter.data.model_call_timestep,
-                                            av=adapter.data if adapter.data.audio_shifts else None)
+                                            av=adapter.data if adapter.data.audio_stream else None)
     return PoolModelPatcher(model, load_device=CPU, offload_device=CPU)
 
 

@@ -147,8 +147,8 @@ def test_the_guidance_combination_is_the_pipelines_own(rank, family):
 
 def _model_calls(family: str) -> bool:
     """Families a model call serves as their pipeline's loop calls the transformer (edit models' reference images
-    are the loader-swap issue's; MiniMax-H3's call of two streams is held to ComfyUI's own model's in
-    test_comfyui_loader_minimax_h3.py)."""
+    are the loader-swap issue's; MiniMax-H3's and LTX-2's calls of two streams are held to ComfyUI's own model's in
+    test_comfyui_loader_minimax_h3.py and test_comfyui_model_ltx2.py)."""
     wrapper = FAMILIES.pipeline_wrapper(tiny_models.build_tiny_pipeline(family))
     return bool(wrapper.model_call_inputs) and not wrapper.comfy.reference_latents and not wrapper.comfy.audio_stream
 

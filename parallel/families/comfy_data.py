@@ -94,9 +94,9 @@ class ComfyData:
     model_call_timestep: ComfyUI's model gives this model a timestep that is not sigma × 1000 (a discrete-schedule
                     eps model, PixArt: its model sampling's interpolated step), so the call carries ComfyUI's own.
     model_call_refused: why a model call of the pool cannot give what ComfyUI's own `model_class` gives (ComfyUI
-                    computes the model otherwise than the pool's diffusers transformer): xDiT Model and the drop-in
-                    loader refuse this family's pools and files in one line with it, rather than sample a
-                    different model under ComfyUI's samplers.
+                    computes the model otherwise than the pool's diffusers transformer): the drop-in loader refuses
+                    this family's files in one line with it, rather than sample a different model under ComfyUI's
+                    samplers (Model from xDiT Pool on a pipeline folder's pool samples the folder's model).
     model_call_conds: keyword of ComfyUI's diffusion model call (context, y, guidance) → the pipeline's name
                     for it in a model call (the wrapper's model_call_inputs; "": ComfyUI's model passes it, this model
                     does not use it; `keyword.key`: an entry of a dict keyword, MiniMax-H3's `minimax_payload`, whose

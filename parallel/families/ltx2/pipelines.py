@@ -32,6 +32,9 @@ class xFuserLTX2Pipeline(xFuserPipelineBaseWrapper):
             "after that block's audio-to-video update (since ComfyUI's LTX speed-up of 2026-08-06, PR 15138), while "
             "Lightricks' own ltx-core, ComfyUI before it and diffusers' LTX2VideoTransformer3DModel (the pool's) feed "
             "it the video before, so the pool's predictions would not be this ComfyUI's"),
+        # Model from xDiT Pool on a pipeline folder's pool: ComfyUI's text (its connectors run on the pool, per call)
+        # and LTXVConditioning's frame rate
+        model_call_conds={"context": "prompt_embeds", "frame_rate": "frame_rate"},
         conditioning_calls={"frame_rate": ("frame_rate", 25.0)},
         expects="Gemma's stacked hidden states as LTX2Pipeline's prompt_embeds, with prompt_attention_mask",
         empty_latent="EmptyLTXVLatentVideo and LTXVEmptyLatentAudio into LTXVConcatAVLatent",
@@ -40,6 +43,8 @@ class xFuserLTX2Pipeline(xFuserPipelineBaseWrapper):
     extra_outputs = ("audio",)  # LTX2PipelineOutput(frames, audio): the audio latents after the video latents
     guidance = ("guidance_scale", 3.0)
     default_sigmas = staticmethod(linear_sigmas)
+    model_call_inputs = ("prompt_embeds", "audio_latents", "audio_sigma", "frame_rate")
+    model_call_required = ("prompt_embeds", "audio_latents", "audio_sigma")
     call_parameters = {
         "num_frames": CallParameter(int, "video frames, 8k+1 (default: as many as the latents hold)", 1, 10_000),
         "frame_rate": CallParameter(float, "frames a second (the audio's length and the video's time positions; "
@@ -55,6 +60,51 @@ class xFuserLTX2Pipeline(xFuserPipelineBaseWrapper):
         "audio_guidance_rescale": CallParameter(float, "guidance rescale of the audio (default: guidance_rescale)", 0.0,
                                                 1.0),
     }
+
+    # -- model calls (ComfyUI's samplers): ComfyUI's LTXAV call on the loop's transformer ------------------
+    def model_call_arguments(self, latents, timestep, inputs):
+        """The loop's transformer call for video `latents` [B, 128, T', h, w] at `timestep` (sigma × 1000) and audio
+        [B, C, L, M] at `audio_sigma` (each stream's own, as ComfyUI's LTXAV takes them), at `frame_rate` (25 where
+        none is sent, as ComfyUI's). The text is ComfyUI's, [B, T, video width + audio width]: its text encoder already
+        projected Gemma's states (the connectors' text_proj_in), so it goes through the connectors themselves as the
+        pipeline's connectors call runs them, right-padded to the pipeline's 1024 tokens with their mask (the
+        connectors' registers take the padding)."""
+        module, text = self.module, inputs["prompt_embeds"]
+        connectors = module.connectors
+        widths = (connectors.config.video_hidden_dim, connectors.config.audio_hidden_dim)
+        if not connectors.config.per_modality_projections or text.shape[-1] != sum(widths):
+            raise ValueError(f"prompt_embeds have width {text.shape[-1]}; a model call of this LTX-2 takes ComfyUI's "
+                             f"LTX-2.3 text, its video and audio projections side by side ({widths[0]} + {widths[1]})")
+        batch, _, frames, height, width = latents.shape
+        padding = max(1024 - text.shape[1], 0)
+        text = torch.cat([text, text.new_zeros(batch, padding, text.shape[2])], dim=1)
+        valid = (torch.arange(text.shape[1], device=text.device) < text.shape[1] - padding).to(text.dtype)
+        additive = ((valid - 1) * torch.finfo(text.dtype).max).reshape(1, 1, 1, -1).expand(batch, -1, -1, -1)
+        video_text, video_mask = connectors.video_connector(text[..., :widths[0]], additive)
+        mask = (video_mask < 1e-6).to(torch.int64).reshape(batch, -1)
+        audio_text = connectors.audio_connector(text[..., widths[0]:], additive)[0]
+        audio = inputs["audio_latents"]
+        rate = float(inputs["frame_rate"].reshape(-1)[0]) if "frame_rate" in inputs else 25.0
+        audio_timestep = inputs["audio_sigma"].to(timestep) * self.timestep_scale()
+        transformer, (patch_t, patch) = module.transformer, self._patches()
+        return {"hidden_states": module._pack_latents(latents, patch, patch_t), "audio_hidden_states": module._pack_audio_latents(audio),
+                "encoder_hidden_states": video_text * mask[..., None], "audio_encoder_hidden_states": audio_text,
+                "timestep": timestep, "sigma": timestep, "audio_timestep": audio_timestep, "audio_sigma": audio_timestep,
+                "encoder_attention_mask": mask, "audio_encoder_attention_mask": mask, "num_frames": frames,
+                "height": height, "width": width, "fps": rate, "audio_num_frames": audio.shape[2],
+                "video_coords": transformer.rope.prepare_video_coords(batch, frames, height, width, latents.device,
+                                                                      fps=rate),
+                "audio_coords": transformer.audio_rope.prepare_audio_coords(batch, audio.shape[2], latents.device),
+                "use_cross_timestep": True}
+
+    def model_call_outputs(self, outputs, latents, inputs):
+        """The velocities shaped as the streams came: the video like `latents`, the audio (`audio`) like
+        `audio_latents`."""
+        video, audio = outputs
+        shape = inputs["audio_latents"].shape
+        patch_t, patch = self._patches()
+        return {"prediction": self.module._unpack_latents(video.float(), *latents.shape[2:], patch, patch_t),
+                "audio": self.module._unpack_audio_latents(audio.float(), shape[2], shape[3])}
 
     def encode_text(self, prompt: str) -> dict[str, torch.Tensor]:
         """As `LTX2Pipeline(prompt=...)` encodes it: Gemma's stacked hidden states, left-padded to 1024 tokens, and
