@@ -199,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
             if parallel.fp8_matmul:
                 print(f"xdit: {parallel.fp8_matmul} fp8 layers multiply in fp8 (torch._scaled_mm)", flush=True)
             if shares is not None:
-                print(f"xdit: each rank holds {', '.join(f'{s:.3f}' for s in shares)} of the transformer's parameter bytes",
-                      flush=True)
+                held = "; ".join(f"{', '.join(f'{s:.3f}' for s in share)} of {name}'s" for name, share in shares.items())
+                print(f"xdit: each rank holds {held} parameter bytes", flush=True)
             if parallel.cache_report is not None:
                 print(f"xdit: {parallel.cache_report.describe()}", flush=True)
             if config.compile:

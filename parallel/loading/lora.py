@@ -26,10 +26,9 @@ import os
 import torch
 
 from ..families import FAMILIES
+from ..pipeline_transformers import EXPERTS
 from ..request import LoraSpec
 
-
-EXPERTS = ("transformer", "transformer_2")  # the pipeline attributes that hold a transformer
 
 
 class LoraManager:

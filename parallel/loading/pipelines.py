@@ -15,6 +15,7 @@ from diffusers import (
     UniPCMultistepScheduler,
 )
 
+from ..pipeline_transformers import TRANSFORMERS
 from . import vl_processors
 from .checkpoints import CHECKPOINT_SUFFIXES
 from .checkpoints.fp8 import Fp8Linear
@@ -105,7 +106,8 @@ def _load_single_file(path: Path, text_encoders: bool, dtype: str | None, shard_
 
 
 def _place(pipeline: DiffusionPipeline, dtype: str | None, shard_weights: bool, offload: bool) -> DiffusionPipeline:
-    """On this rank's GPU if there is one; fp8 keeps the transformer's weights in fp8 between uses."""
+    """On this rank's GPU if there is one; fp8 keeps every transformer's weights in fp8 between uses (Wan 2.2
+    A14B's two experts, MiniMax-H3's `transformer_ref`)."""
     if torch.cuda.is_available():
         pipeline.to(f"cuda:{torch.cuda.current_device()}")
     if shard_weights:
@@ -113,7 +115,7 @@ def _place(pipeline: DiffusionPipeline, dtype: str | None, shard_weights: bool, 
 
         shard(pipeline, offload)
     if dtype == "fp8" and not any(isinstance(m, Fp8Linear) for m in pipeline.transformer.modules()):  # else fp8 already
-        for name in ("transformer", "transformer_2"):  # Wan 2.2 A14B: both experts
+        for name in TRANSFORMERS:
             if getattr(pipeline, name, None) is not None:
                 getattr(pipeline, name).enable_layerwise_casting(storage_dtype=FP8_STORAGE, compute_dtype=torch.bfloat16)
     return pipeline

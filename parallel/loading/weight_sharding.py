@@ -20,6 +20,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+from ..pipeline_transformers import TRANSFORMERS
+
 
 def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
     """The elements of the top-level ModuleLists, and of ModuleLists in a top-level ModuleDict (FLUX 3's per-mode
@@ -34,13 +36,14 @@ def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard_weights(pipeline, offload: bool = False) -> None:
-    """Shard the blocks of the pipeline's transformer(s) (Wan 2.2's two experts each) over the whole world;
+    """Shard the blocks of every transformer of the pipeline (Wan 2.2's two experts, MiniMax-H3's `transformer_ref`)
+    over the whole world;
     `offload` (--offload): the shards live in (pinned) CPU memory and are copied in for their block's gather."""
     world = torch.distributed.get_world_size()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = init_device_mesh(device, (world,))
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
-    for name in ("transformer", "transformer_2"):
+    for name in TRANSFORMERS:
         transformer = getattr(pipeline, name, None)
         if transformer is None:
             continue
@@ -62,16 +65,21 @@ def _keep_step_cache_metadata(original: type, sharded: type) -> None:
     TransformerBlockRegistry.register(sharded, dataclasses.replace(metadata))
 
 
-def parameter_shares(pipeline) -> list[float]:
-    """Each rank's parameter bytes of the transformer(s) over their unsharded bytes, in rank order (a collective:
-    every rank calls it)."""
-    mine = whole = 0
-    for name in ("transformer", "transformer_2"):
-        for parameter in getattr(getattr(pipeline, name, None), "parameters", lambda: [])():
+def parameter_shares(pipeline) -> dict[str, list[float]]:
+    """Each transformer's parameter bytes on each rank over its unsharded bytes, in rank order, so a transformer left
+    whole shows (a collective: every rank calls it)."""
+    shares = {}
+    for name in TRANSFORMERS:
+        transformer = getattr(pipeline, name, None)
+        if transformer is None:
+            continue
+        mine = whole = 0
+        for parameter in transformer.parameters():
             local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
             mine += local.numel() * local.element_size()
             whole += parameter.numel() * parameter.element_size()
-    share = torch.tensor([mine / whole], dtype=torch.float64, device=pipeline.transformer.device)
-    every = [torch.zeros_like(share) for _ in range(torch.distributed.get_world_size())]
-    torch.distributed.all_gather(every, share)
-    return [float(s) for s in every]
+        share = torch.tensor([mine / whole], dtype=torch.float64, device=pipeline.transformer.device)
+        every = [torch.zeros_like(share) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(every, share)
+        shares[name] = [float(s) for s in every]
+    return shares

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..loading.weight_sharding import transformer_blocks
-from .pipeline.wrapper import TRANSFORMERS
+from ..pipeline_transformers import TRANSFORMERS
 
 
 def compile_blocks(pipeline) -> int:

@@ -22,7 +22,7 @@ import torch
 from ..distributed import get_dp_group, get_layout, get_runtime_state
 from ..layout.config import LayoutError
 from ..families.comfy_data import MODEL_CALL_TENSORS
-from .pipeline.wrapper import TRANSFORMERS
+from ..pipeline_transformers import TRANSFORMERS
 from ..request import check_tensor_values
 
 

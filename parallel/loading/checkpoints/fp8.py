@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ...pipeline_transformers import TRANSFORMERS
 from .fp8_matmul import hardware_mode, linear, takes
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -127,7 +128,7 @@ def use_fp8_matmul(pipeline, requested: bool | None, mode: str | None = None) ->
     True (--fp8-matmul), False (--no-fp8-matmul) or None (where ComfyUI would); `mode`: the activation scaling,
     default the hardware's (tests give one to run the path on the CPU). The number of layers multiplying in fp8."""
     count = 0
-    for name in ("transformer", "transformer_2"):
+    for name in TRANSFORMERS:
         transformer = getattr(pipeline, name, None)
         for layer in transformer.modules() if transformer is not None else ():
             if isinstance(layer, Fp8Linear):

@@ -28,6 +28,7 @@ import torch
 from accelerate import init_empty_weights
 from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 
+from ...pipeline_transformers import EXPERTS
 from . import fp8, scaled
 from .detect import CheckpointFile, Detected, detect_checkpoint
 from .vae import load_vae
@@ -143,7 +144,7 @@ def expert_files(detected: Detected, checkpoint: CheckpointFile) -> dict[str, tu
                          f"beside it in {missing.parent}: put both expert files in one folder (or rename a file that "
                          "is not an expert)")
     experts = {}
-    for name, path in zip(("transformer", "transformer_2"), files):
+    for name, path in zip(EXPERTS, files):
         one = checkpoint if path == detected.path else CheckpointFile(path)
         found = detected if path == detected.path else detect_checkpoint(one)
         if (found.single_file, found.variant, found.overrides) != (detected.single_file, detected.variant, detected.overrides):

@@ -18,6 +18,7 @@ import torch
 from ...call_parameters import CallParameter
 from ...distributed import get_dp_group, get_layout, get_runtime_state
 from ...layout.config import ParallelConfig
+from ...pipeline_transformers import TRANSFORMERS
 from ...request import STEP_CACHE
 from ..register import xFuserSchedulerWrappersRegister
 from ..wrapper import xFuserBaseWrapper
@@ -33,9 +34,6 @@ if TYPE_CHECKING:
 
 # What every pipeline takes; families add theirs in `tensor_inputs`.
 BASE_TENSOR_INPUTS = ("latents", "prompt_embeds", "negative_prompt_embeds")
-# the pipeline attributes that hold a transformer, each wrapped under its family's plan: Wan 2.2 A14B's low-noise
-# expert `transformer_2`, MiniMax-H3's reference-to-video partition `transformer_ref`
-TRANSFORMERS = ("transformer", "transformer_2", "transformer_ref")
 
 
 class xFuserPipelineBaseWrapper(LayoutChecks, Img2Img, ModelCallGlue, xFuserBaseWrapper):
