@@ -56,13 +56,16 @@ MODELS = {"i2v": I2V, "condition": CONDITION, "condition-misplaced": CONDITION, 
 REFUSED = [(2, "pp2", "default")]
 # IC-LoRA's attention strength (its [tokens × tokens] mask on the video's self-attention, carried by the plan's
 # attention_masks): 0.5 on Ulysses 2, Ring 2, CFG 2 and Ulysses 2 × Ring 2; a pixel mask at strength 1 on Ring 2 (1 on the left half of the
-# reference, 0 on the right: key columns that differ). Controls: strength 1 on Ring 2, against the reference at 0.5;
-# rank 1's queries attending without the mask.
-WEAK = {"ic-weak": {"conditioning_attention_strength": 0.5}, "ic-weak-dropped": {"conditioning_attention_strength": 0.5},
-        "ic-pixel": {}, "ic": {}}
+# reference, 0 on the right: key columns that differ). Controls, against the reference at 0.5: strength 1 on Ring 2;
+# rank 1's chunk of the mask masking nothing; every Ring block taking the mask's leading key columns.
+WEAK = {"ic-weak": {"conditioning_attention_strength": 0.5}, "ic-pixel": {}, "ic": {},
+        "ic-weak-dropped": {"conditioning_attention_strength": 0.5},
+        "ic-weak-unsliced": {"conditioning_attention_strength": 0.5}}
+FAULTS = {"ic-weak-dropped": "mask_dropped_on_rank1", "ic-weak-unsliced": "mask_columns_not_sliced"}
 WEAK_CASES = [(2, "ulysses2", "ic-weak"), (2, "ring2", "ic-weak"), (2, "cfg2", "ic-weak"), (2, "ring2", "ic-pixel"),
               (4, "ulysses2_ring2", "ic-weak")]
-WEAK_CONTROLS = {(2, "ring2", "ic"): "ic-weak", (2, "ulysses2", "ic-weak-dropped"): "ic-weak"}
+WEAK_CONTROLS = {(2, "ring2", "ic"): "ic-weak", (2, "ulysses2", "ic-weak-dropped"): "ic-weak",
+                 (2, "ring2", "ic-weak-unsliced"): "ic-weak"}
 # What a job may send to the condition and in-context pipelines (the pool's submit must accept every name).
 CONDITION_INPUTS_SENT = ("condition_images", "condition_indices", "condition_strengths", "reference_videos",
                          "reference_strengths")
@@ -170,7 +173,7 @@ def weak_matrix(video_model_dirs, tmp_path_factory):
                 save_file(variant_inputs(variant), inputs)
             specs.append({"name": case_name(*case), "model": str(video_model_dirs[IC]), "inputs": str(inputs),
                           "output": str(output), "layout": LAYOUTS[nproc][layout], "call": {**CALL, **WEAK[variant]},
-                          "fault": "mask_dropped_on_rank1" if variant.endswith("dropped") else None})
+                          "fault": FAULTS.get(variant)})
             results[case] = (output, inputs, video_model_dirs[IC])
         run_engine_cases(nproc, specs, work)
     return results
@@ -195,9 +198,10 @@ def test_reference_attention_strength_matches_diffusers(weak_matrix, case):
     assert max(errors) <= TOLERANCE, f"{case_name(*case)}: max |parallel - diffusers| video {errors[0]:.3g}, audio {errors[1]:.3g}"
 
 
-@pytest.mark.parametrize("case", list(WEAK_CONTROLS), ids=["strength-1", "mask-dropped-on-rank1"])
+@pytest.mark.parametrize("case", list(WEAK_CONTROLS), ids=["strength-1", "mask-dropped-on-rank1", "columns-not-sliced"])
 def test_attention_strength_controls_miss(weak_matrix, case):
-    """Strength 1 on Ring 2, or rank 1 attending without the mask, against diffusers at strength 0.5: both streams miss."""
+    """Strength 1 on Ring 2, rank 1's chunk of the mask masking nothing (Ulysses 2), or every Ring block taking the
+    mask's leading key columns (not its own keys'), against diffusers at strength 0.5: both streams miss."""
     errors = _weak_errors(weak_matrix, case, WEAK_CONTROLS[case])
     print(f"{case_name(*case)}: misses video {errors[0]:.3g}, audio {errors[1]:.3g}")
     assert min(errors) > 100 * TOLERANCE, errors
