@@ -31,7 +31,7 @@ from parallel.model_executor.attention import usp as attention_usp
 
 _USP, _KEY_SHARDS = attention_seam.usp_attention, attention_seam.key_shard_attention
 _PATCH_COPY = pipefusion.patch_copy
-_JOIN_HEAD_GROUPS = attention_usp._join_head_groups
+_JOIN_HEAD_GROUPS, _BIAS_COLUMNS = attention_usp._join_head_groups, attention_usp._bias_columns
 
 
 def _forgetful_patch_copy(scheduler, rows):
@@ -58,11 +58,17 @@ INPUT_FAULTS = {"swapped_audio": _swap_audio_rows}
 KEY_FAULTS = {"own_keys_only": lambda q, k, v, *, sp, kernel, scale=None, real=None: kernel(q, k, v, scale or q.shape[-1] ** -0.5)[0]}
 # Negative control for the overlapped Ulysses: the head groups' outputs joined group after group, not per rank.
 GROUP_FAULTS = {"groups_out_of_order": lambda parts, u: torch.cat(parts, dim=1)}
+# Negative control for a plan's attention mask in Ring: every key block takes the mask's leading columns, not its own.
+COLUMN_FAULTS = {"mask_columns_not_sliced": lambda bias, ring, keep, block: [
+    bias[..., : c.shape[-1]] for c in _BIAS_COLUMNS(bias, ring, keep, block)]}
 FAULTS = {
     # Negative control: attention on the local shard only, i.e. a sequence split with no exchange.
     "no_exchange": lambda q, k, v, **kw: torch.nn.functional.scaled_dot_product_attention(q, k, v),
     # Negative control for uneven token splits: attention also sees the padding keys.
     "padded_keys": lambda q, k, v, keep=None, **kw: _USP(q, k, v, **kw),
+    # Negative control for a plan's attention mask (ParallelPlan.attention_masks): rank 1's chunk of it masks nothing.
+    "mask_dropped_on_rank1": lambda q, k, v, bias=None, **kw: _USP(
+        q, k, v, bias=torch.zeros_like(bias) if bias is not None and get_sp_group().rank_in_group == 1 else bias, **kw),
 }
 
 
@@ -101,6 +107,8 @@ def run_case(case: dict, rank: int) -> None:
             attention_seam.key_shard_attention = KEY_FAULTS[fault]
         elif fault in GROUP_FAULTS:
             attention_usp._join_head_groups = GROUP_FAULTS[fault]
+        elif fault in COLUMN_FAULTS:
+            attention_usp._bias_columns = COLUMN_FAULTS[fault]
         elif fault:
             attention_seam.usp_attention = FAULTS[fault]
         try:
@@ -108,7 +116,7 @@ def run_case(case: dict, rank: int) -> None:
         finally:
             attention_seam.usp_attention, attention_seam.key_shard_attention = _USP, _KEY_SHARDS
             pipefusion.patch_copy = _PATCH_COPY
-            attention_usp._join_head_groups = _JOIN_HEAD_GROUPS
+            attention_usp._join_head_groups, attention_usp._bias_columns = _JOIN_HEAD_GROUPS, _BIAS_COLUMNS
             if hook is not None:
                 hook.remove()
         if case.get("report_prefix_cache"):  # Qwen-Image 2.1's prefix K/V per rank: layers stored, bytes, still held

@@ -10,7 +10,9 @@ Image-to-video (LTX2ImageToVideoPipeline: the first latent frame kept clean, per
 tokens) runs a selection of layouts; LTX2ConditionPipeline (two pictures, at latent frames 0 and 2, the second
 appended as tokens of its own at strength 0.6) runs Ring 2 and CFG 2 in the matrix and Ulysses 2 through contract E,
 its control the second picture at frame 1; LTX2InContextPipeline (IC-LoRA: a 9-frame reference video appended at
-strength 0.8) runs Ulysses 2, Ring 2 and CFG 2, its control the clip played backwards. One torchrun launch per world
+strength 0.8) runs Ulysses 2, Ring 2 and CFG 2, its control the clip played backwards; at conditioning_attention_strength
+0.5 (the video's self-attention masked per token pair) it runs Ulysses 2 and Ring 2, and a pixel mask Ring 2, in a
+launch of their own, their controls strength 1 and rank 1's chunk of the mask masking nothing. One torchrun launch per world
 size runs the layouts through tests/engine_cases.py. Negative controls: rank 1 holding the replicated audio's rows
 swapped; video-to-audio attention without merging the other ranks' keys. PipeFusion is refused in one line with its
 reason; contract E takes audio_latents in IN and writes `audio` beside `latents`. A 2-rank pool samples both, decodes
@@ -52,6 +54,18 @@ CONDITION_CONTROL = (2, "ring2", "condition-misplaced")
 REFERENCE_STRENGTH, IC_CONTROL = 0.8, (2, "ring2", "ic-reversed")
 MODELS = {"i2v": I2V, "condition": CONDITION, "condition-misplaced": CONDITION, "ic": IC, "ic-reversed": IC}
 REFUSED = [(2, "pp2", "default")]
+# IC-LoRA's attention strength (its [tokens × tokens] mask on the video's self-attention, carried by the plan's
+# attention_masks): 0.5 on Ulysses 2, Ring 2, CFG 2 and Ulysses 2 × Ring 2; a pixel mask at strength 1 on Ring 2 (1 on the left half of the
+# reference, 0 on the right: key columns that differ). Controls, against the reference at 0.5: strength 1 on Ring 2;
+# rank 1's chunk of the mask masking nothing; every Ring block taking the mask's leading key columns.
+WEAK = {"ic-weak": {"conditioning_attention_strength": 0.5}, "ic-pixel": {}, "ic": {},
+        "ic-weak-dropped": {"conditioning_attention_strength": 0.5},
+        "ic-weak-unsliced": {"conditioning_attention_strength": 0.5}}
+FAULTS = {"ic-weak-dropped": "mask_dropped_on_rank1", "ic-weak-unsliced": "mask_columns_not_sliced"}
+WEAK_CASES = [(2, "ulysses2", "ic-weak"), (2, "ring2", "ic-weak"), (2, "cfg2", "ic-weak"), (2, "ring2", "ic-pixel"),
+              (4, "ulysses2_ring2", "ic-weak")]
+WEAK_CONTROLS = {(2, "ring2", "ic"): "ic-weak", (2, "ulysses2", "ic-weak-dropped"): "ic-weak",
+                 (2, "ring2", "ic-weak-unsliced"): "ic-weak"}
 # What a job may send to the condition and in-context pipelines (the pool's submit must accept every name).
 CONDITION_INPUTS_SENT = ("condition_images", "condition_indices", "condition_strengths", "reference_videos",
                          "reference_strengths")
@@ -61,14 +75,14 @@ def case_name(nproc, layout, variant) -> str:
     return layout + ("" if variant == "default" else f"-{variant}")
 
 
-def reference(model_dir: Path, inputs: Path, conditions=CONDITIONS) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(model_dir: Path, inputs: Path, conditions=CONDITIONS, **extra) -> tuple[torch.Tensor, torch.Tensor]:
     """diffusers' own LTX2Pipeline (LTX2ImageToVideoPipeline; LTX2ConditionPipeline given the conditions as its own
     LTX2VideoConditions, at the frames `conditions` names, whatever the job sent; LTX2InContextPipeline given reference_clip() as its own
     LTX2ReferenceCondition): (video latents, audio latents)."""
     from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition
     from diffusers.pipelines.ltx2.pipeline_ltx2_ic_lora import LTX2ReferenceCondition
 
-    call = {**CALL, "spatio_temporal_guidance_blocks": [CALL["stg_block"]]}
+    call = {**CALL, "spatio_temporal_guidance_blocks": [CALL["stg_block"]], **extra}
     del call["stg_block"]
     tensors = load_file(inputs)
     if "condition_images" in tensors:
@@ -103,8 +117,12 @@ def variant_inputs(variant: str) -> dict[str, torch.Tensor] | None:
         return condition_inputs(*(MISPLACED if variant.endswith("misplaced") else CONDITIONS))
     if variant.startswith("ic"):
         clip = reference_clip().flip(0) if variant.endswith("reversed") else reference_clip()
-        return {**tiny_models.make_inputs(IC, height=HEIGHT, width=WIDTH, num_frames=FRAMES),
-                "reference_videos": clip[None], "reference_strengths": torch.tensor([REFERENCE_STRENGTH])}
+        inputs = {**tiny_models.make_inputs(IC, height=HEIGHT, width=WIDTH, num_frames=FRAMES),
+                  "reference_videos": clip[None], "reference_strengths": torch.tensor([REFERENCE_STRENGTH])}
+        if variant == "ic-pixel":
+            inputs["conditioning_attention_mask"] = (torch.arange(WIDTH) < WIDTH // 2).float().expand(
+                1, 1, len(clip), HEIGHT, WIDTH).contiguous()
+        return inputs
     return None
 
 
@@ -142,6 +160,53 @@ def _result(matrix, case):
     return (saved["latents"], saved["audio"]), reference(model, inputs)
 
 
+@pytest.fixture(scope="module")
+def weak_matrix(video_model_dirs, tmp_path_factory):
+    """The attention-strength cases and controls, one launch per world size: {case: (output file, inputs file)}."""
+    work, results = tmp_path_factory.mktemp("ltx2-weak"), {}
+    for nproc in (2, 4):
+        specs = []
+        for case in [c for c in WEAK_CASES + list(WEAK_CONTROLS) if c[0] == nproc]:
+            _, layout, variant = case
+            inputs, output = work / f"in-{variant}.safetensors", work / f"{nproc}-{case_name(*case)}.safetensors"
+            if not inputs.exists():
+                save_file(variant_inputs(variant), inputs)
+            specs.append({"name": case_name(*case), "model": str(video_model_dirs[IC]), "inputs": str(inputs),
+                          "output": str(output), "layout": LAYOUTS[nproc][layout], "call": {**CALL, **WEAK[variant]},
+                          "fault": FAULTS.get(variant)})
+            results[case] = (output, inputs, video_model_dirs[IC])
+        run_engine_cases(nproc, specs, work)
+    return results
+
+
+def _weak_errors(weak_matrix, case, variant):
+    """max |parallel - diffusers at `variant`'s strength| of the video and the audio."""
+    output, inputs, model = weak_matrix[case]
+    errors = case_errors(output)
+    assert not errors, errors[-3000:]
+    saved = load_file(output)
+    expected = reference(model, inputs, **WEAK[variant])
+    return tuple((saved[name] - tensor).abs().max().item() for name, tensor in zip(("latents", "audio"), expected))
+
+
+@pytest.mark.parametrize("case", WEAK_CASES, ids=[f"{c[0]}-{case_name(*c)}" for c in WEAK_CASES])
+def test_reference_attention_strength_matches_diffusers(weak_matrix, case):
+    """LTX2InContextPipeline at conditioning_attention_strength 0.5 (or a pixel mask): the video's self-attention
+    masks the references per token pair; the mask's rows split with the tokens and its keys follow the keys."""
+    errors = _weak_errors(weak_matrix, case, case[2])
+    print(f"{case_name(*case)}: max |parallel - diffusers| video {errors[0]:.3g}, audio {errors[1]:.3g}")
+    assert max(errors) <= TOLERANCE, f"{case_name(*case)}: max |parallel - diffusers| video {errors[0]:.3g}, audio {errors[1]:.3g}"
+
+
+@pytest.mark.parametrize("case", list(WEAK_CONTROLS), ids=["strength-1", "mask-dropped-on-rank1", "columns-not-sliced"])
+def test_attention_strength_controls_miss(weak_matrix, case):
+    """Strength 1 on Ring 2, rank 1's chunk of the mask masking nothing (Ulysses 2), or every Ring block taking the
+    mask's leading key columns (not its own keys'), against diffusers at strength 0.5: both streams miss."""
+    errors = _weak_errors(weak_matrix, case, WEAK_CONTROLS[case])
+    print(f"{case_name(*case)}: misses video {errors[0]:.3g}, audio {errors[1]:.3g}")
+    assert min(errors) > 100 * TOLERANCE, errors
+
+
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{case_name(*c)}" for c in CASES])
 def test_layout_matches_single_process_diffusers(matrix, case):
     (video, audio), (expected_video, expected_audio) = _result(matrix, case)
@@ -173,7 +238,10 @@ def test_a_condition_elsewhere_fails_the_check(matrix, case):
     ({"condition_strengths": torch.tensor([1.0])}, "2 condition_images need condition_indices and condition_strengths"),
     ({"condition_images": torch.zeros(2, 4, HEIGHT, WIDTH)}, "send RGB pictures [N, 3, H, W]"),
     ({"reference_videos": torch.zeros(1, 8, 3, HEIGHT, WIDTH), "reference_strengths": torch.tensor([1.0])},
-     "send RGB clips [R, F, 3, H, W] of 8k + 1 frames")])
+     "send RGB clips [R, F, 3, H, W] of 8k + 1 frames"),
+    ({"reference_videos": torch.zeros(1, 9, 3, HEIGHT, WIDTH), "reference_strengths": torch.tensor([1.0]),
+      "conditioning_attention_mask": torch.ones(1, 1, 8, HEIGHT, WIDTH)},
+     f"conditioning_attention_mask has shape [1, 1, 8, {HEIGHT}, {WIDTH}]; send [1, 1, F, H, W]")])
 def test_conditions_that_cannot_apply_are_refused_in_one_line(change, message):
     """diffusers would skip a condition past the last frame with a warning; the job is refused, naming the fix (on
     the in-context pipeline, which checks the condition pipeline's pictures and its own reference videos)."""
@@ -243,6 +311,26 @@ def test_contract_e_holds_pictures_at_chosen_frames(video_model_dirs, tmp_path):
     saved = load_file(output)
     for name, tensor in zip(("latents", "audio"), reference(model, inputs)):
         error = (saved[name] - tensor).abs().max().item()
+        assert error <= TOLERANCE, f"{name}: max |parallel - diffusers| {error:.3g}"
+
+
+@pytest.mark.parametrize("degree, variant", [("--ulysses-degree", "ic-weak"), ("--ring-degree", "ic-pixel")])
+def test_contract_e_weakens_the_references_attention(video_model_dirs, tmp_path, degree, variant):
+    """LTX2InContextPipeline through contract E on 2 ranks: conditioning_attention_strength 0.5 through --call, or the
+    pixel mask as a tensor of IN; video and audio equal diffusers'."""
+    model = video_model_dirs[IC]
+    inputs, output = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_file(variant_inputs(variant), inputs)
+    strength = [f"conditioning_attention_strength={v}" for v in WEAK[variant].values()]
+    run = torchrun(2, "-m", "parallel.run", "--model", str(model), "--inputs", str(inputs), "--output", str(output),
+                   "--steps", str(STEPS), "--guidance-scale", str(GUIDANCE), "--height", str(HEIGHT), "--width",
+                   str(WIDTH), degree, "2", "--call", f"frame_rate={RATE}", "--call", "stg_block=1",
+                   *[arg for s in strength for arg in ("--call", s)])
+    assert run.returncode == 0, run.stderr[-3000:]
+    saved = load_file(output)
+    for name, tensor in zip(("latents", "audio"), reference(model, inputs, **WEAK[variant])):
+        error = (saved[name] - tensor).abs().max().item()
+        print(f"contract E {degree} 2 {variant} {name}: max |parallel - diffusers| {error:.3g}")
         assert error <= TOLERANCE, f"{name}: max |parallel - diffusers| {error:.3g}"
 
 

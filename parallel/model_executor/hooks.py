@@ -90,10 +90,13 @@ def apply_sequence_plan(
         # Patterns are optional one by one (SD3.5's attn2 exists only in some blocks), not all together.
         text_layout = next((t for p, t in plan.attention.items() if fnmatch.fnmatchcase(name, p)), None)
         replicated_queries = any(fnmatch.fnmatchcase(name, p) for p in plan.replicated_queries)
+        mask = next((m for p, m in plan.attention_masks.items() if fnmatch.fnmatchcase(name, p)), None)
         if text_layout is not None or (replicated_queries and sp.world_size > 1):
             wrapper = xFuserLayerWrappersRegister.get_wrapper(module)
             assert issubclass(wrapper, xFuserAttentionBaseWrapper), wrapper
-            layers.append(wrapper(module, name, text_layout or TextLayout.NONE, kernel, kv_cache, replicated_queries))
+            assert mask is None or text_layout is not None, f"{name}: attention_masks names a layer USP does not run"
+            layers.append(wrapper(module, name, text_layout or TextLayout.NONE, kernel, kv_cache, replicated_queries,
+                                  mask))
     if not layers:
         raise ValueError(f"the plan for {type(transformer).__name__} selects no attention layer: {list(plan.attention)}")
     return handles, layers

@@ -226,6 +226,12 @@ class ParallelPlan:
     replicated_queries: globs over attention module paths whose queries come from a replicated stream and whose
                keys and values come from the split tokens (LTX-2's video-to-audio attention): each rank attends to its
                own key shard and the partial results merge by their log-sum-exp over the sequence-parallel group.
+    attention_masks: globs over `attention` module paths → the forward argument holding that layer's additive mask
+               [B, (H,) queries, keys] (LTX-2's IC-LoRA reference strengths in the video's self-attention). Its query
+               rows are per token: split them with the tokens in `inputs`, as any per-token input. Its key columns
+               stay whole (every real token, in sequence order): the layer takes the mask out of the processor's call
+               and USP applies it where the keys are, the rows gathered over Ulysses as the queries are, each Ring
+               block with its own members' columns.
     no_pipefusion: why the blocks cannot run as a patch pipeline, where they cannot (said by --list-supported and
                when a PipeFusion degree is asked for).
     """
@@ -244,6 +250,7 @@ class ParallelPlan:
     predictions: int = 1
     replicated: dict[str, Replicated] = field(default_factory=dict)
     replicated_queries: tuple[str, ...] = ()
+    attention_masks: dict[str, str] = field(default_factory=dict)
     text_rows: TextRows | None = None
     output_tail: bool = False
     no_pipefusion: str = ""

@@ -24,8 +24,10 @@ parameters.
 Image-to-video takes the start image's encoding in the first latent frame of the given latents (ComfyUI's
 LTXVImgToVideoInplace); its tokens get timestep 0, so the video's timesteps are per token and split with them.
 The condition pipeline encodes pictures on every rank and appends those past frame 0 to the video's tokens with their
-own positions and per-token timesteps (the in-context one its reference videos too): the same split takes them,
-nothing new in the plan.
+own positions and per-token timesteps (the in-context one its reference videos too): the same split takes them.
+Below conditioning_attention_strength 1 (or with a pixel mask) the in-context pipeline weakens the attention between
+the references and the video with a [B, tokens, tokens] mask on the video's self-attention (an additive bias in the
+transformer): its query rows split with the tokens, and `attention_masks` has USP apply it where the keys are.
 
 Single files (file.py): LTX-2.3's whole checkpoint in Lightricks' layout, ComfyUI's scaled fp8 and GGUF kept quantized.
 
@@ -57,11 +59,13 @@ LTX2 = FAMILIES.register(Family(
     transformer="LTX2VideoTransformer3DModel",
     plan=ParallelPlan(
         inputs={"": {"hidden_states": Split(dim=1, expected_dims=3), "timestep": Split(dim=1, ndim=2),
-                     "video_keyframes_mask": Split(dim=1, ndim=3)},
+                     "video_keyframes_mask": Split(dim=1, ndim=3),
+                     "video_self_attention_mask": Split(dim=1, expected_dims=3)},
                 "rope": {"coords": Split(dim=2, expected_dims=4)},
                 "cross_attn_rope": {"coords": Split(dim=2, expected_dims=4)}},
         outputs={"proj_out": Gather(dim=1, expected_dims=3)},
         attention={"transformer_blocks.*.attn1": TextLayout.NONE},
+        attention_masks={"transformer_blocks.*.attn1": "attention_mask"},
         replicated_queries=("transformer_blocks.*.video_to_audio_attn",),
         replicated={"audio_hidden_states": AUDIO_REPLICATED, "encoder_hidden_states": TEXT_REPLICATED,
                     "audio_encoder_hidden_states": TEXT_REPLICATED},

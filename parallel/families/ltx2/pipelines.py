@@ -287,17 +287,21 @@ class xFuserLTX2ConditionPipeline(xFuserLTX2Pipeline):
 
 
 REFERENCE_INPUTS = ("reference_videos", "reference_strengths")
+ATTENTION_MASK = "conditioning_attention_mask"
 
 
 class xFuserLTX2InContextPipeline(xFuserLTX2ConditionPipeline):
     """`LTX2InContextPipeline` (IC-LoRA): the condition pipeline's pictures, and reference videos encoded on every rank
     and appended to the video's tokens (with their own positions and per-token timesteps: split as the keyframes are).
-    A job sends `reference_videos` [R, F, 3, H, W] in 0..255 (F = 8k + 1) and `reference_strengths` [R] in [0, 1]. The
-    references attend to the video unmasked (conditioning_attention_strength 1, diffusers' default): a weaker one
-    needs a [tokens × tokens] mask in the video's self-attention, which the sequence split does not carry."""
+    A job sends `reference_videos` [R, F, 3, H, W] in 0..255 (F = 8k + 1) and `reference_strengths` [R] in [0, 1].
+    `conditioning_attention_strength` below 1, or a pixel mask `conditioning_attention_mask` [1, 1, F, H, W] in [0, 1],
+    weakens how the references and the video attend to each other: the pipeline's [tokens × tokens] mask in the video's
+    self-attention, which the plan carries (ParallelPlan.attention_masks)."""
 
-    tensor_inputs = xFuserLTX2ConditionPipeline.tensor_inputs + REFERENCE_INPUTS
-    shared_inputs = xFuserLTX2ConditionPipeline.shared_inputs + REFERENCE_INPUTS
+    tensor_inputs = xFuserLTX2ConditionPipeline.tensor_inputs + REFERENCE_INPUTS + (ATTENTION_MASK,)
+    shared_inputs = xFuserLTX2ConditionPipeline.shared_inputs + REFERENCE_INPUTS + (ATTENTION_MASK,)
+    call_parameters = {**xFuserLTX2ConditionPipeline.call_parameters, "conditioning_attention_strength": CallParameter(
+        float, "how strongly the reference videos and the video attend to each other (default 1: fully)", 0.0, 1.0)}
 
     def check_inputs(self, kwargs: dict[str, Any], batch: int) -> None:
         videos, strengths = (kwargs.get(name) for name in REFERENCE_INPUTS)
@@ -311,6 +315,11 @@ class xFuserLTX2InContextPipeline(xFuserLTX2ConditionPipeline):
             if tuple(strengths.shape) != (len(videos),) or not all(0.0 <= float(s) <= 1.0 for s in strengths):
                 raise ValueError(f"{len(videos)} reference_videos need reference_strengths [{len(videos)}] in [0, 1], "
                                  f"got {strengths.tolist()}")
+        mask = kwargs.get(ATTENTION_MASK)
+        if mask is not None and (videos is None or mask.ndim != 5 or tuple(mask.shape[:2]) != (1, 1)
+                                 or tuple(mask.shape[2:]) != tuple(videos.shape[1:2]) + tuple(videos.shape[3:])):
+            raise ValueError(f"{ATTENTION_MASK} has shape {list(mask.shape)}; send [1, 1, F, H, W] in [0, 1], the "
+                             "reference videos' frames and pixels, with reference_videos")
         super().check_inputs(kwargs, batch)
 
     def call_context(self, kwargs: dict[str, Any]):

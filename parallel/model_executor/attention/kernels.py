@@ -35,6 +35,15 @@ def math_attention(q, k, v, scale):
     return out.to(q.dtype), lse
 
 
+def biased_attention(q, k, v, scale, bias):
+    """The math kernel with an additive bias [B, 1 or H, Q, K] on the scores (a mask a plan carries through USP,
+    ParallelPlan.attention_masks): exact, and the reference the fused kernels are; they take no bias with lse here."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale + bias.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.float())
+    return out.to(q.dtype), lse
+
+
 @register_kernel("cpu_flash")
 def cpu_flash_attention(q, k, v, scale):
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)

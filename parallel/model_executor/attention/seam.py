@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
@@ -58,6 +59,8 @@ class _ActiveLayer:
     kernel: str | None
     kv_cache: Any = None  # PipeFusion's StaleKVCache, when the layer runs in a patch pipeline
     replicated_queries: bool = False  # queries of a stream every rank holds, keys of the split one (plans.py)
+    mask_argument: str | None = None  # ParallelPlan.attention_masks: the forward argument holding its additive mask
+    bias: torch.Tensor | None = None  # that mask in this call, taken from the processor's arguments
     calls: int = 0
     reached: bool = False  # has reached the attention call once: a later call may skip it (LTX-2's perturbed STG blocks)
 
@@ -81,6 +84,9 @@ def _sequence_parallel_attention(query, key, value, attn_mask, dropout_p, is_cau
     layer.calls += 1
     if tokens_dim == 1:
         query, key, value = (x.transpose(1, 2) for x in (query, key, value))
+    bias = layer.bias
+    if bias is not None and bias.ndim == 3:  # [B, Q, K]: one mask for every head
+        bias = bias.unsqueeze(1)
     if layer.replicated_queries:
         split, sp = get_runtime_state().token_split, get_sp_group()
         out = key_shard_attention(query, key, value, sp=sp, kernel=pick_kernel(query, layer.kernel), scale=scale,
@@ -104,6 +110,7 @@ def _sequence_parallel_attention(query, key, value, attn_mask, dropout_p, is_cau
         keep=getattr(get_runtime_state().token_split, "keep", None),  # uneven token split: drop padded keys
         stale_kv=functools.partial(layer.kv_cache.exchange, layer.name) if layer.kv_cache is not None else None,
         head_groups=get_layout().config.ulysses_overlap_groups,
+        bias=bias,
     )
     return out.transpose(1, 2) if tokens_dim == 1 else out
 
@@ -183,13 +190,15 @@ class xFuserAttentionBaseWrapper(xFuserLayerBaseWrapper):
         raise NotImplementedError
 
     def __init__(self, module: torch.nn.Module, name: str, text_layout: TextLayout, kernel: str | None = None,
-                 kv_cache: Any = None, replicated_queries: bool = False):
+                 kv_cache: Any = None, replicated_queries: bool = False, mask_argument: str | None = None):
         super().__init__(module)
         _take_route(self.call_site, self.reroute)
         self._routed = True
-        self._layer = _ActiveLayer(name, text_layout, kernel, kv_cache, replicated_queries)
+        self._layer = _ActiveLayer(name, text_layout, kernel, kv_cache, replicated_queries, mask_argument)
         self._token: contextvars.Token | None = None
         self._handles.append(module.register_forward_pre_hook(self._enter))
+        if mask_argument is not None:
+            self._handles.append(module.register_forward_pre_hook(self._take_mask, with_kwargs=True))
         self._handles.append(module.register_forward_hook(self._exit, always_call=True))
 
     def remove(self) -> None:
@@ -204,12 +213,25 @@ class xFuserAttentionBaseWrapper(xFuserLayerBaseWrapper):
         self._token = _ACTIVE.set(self._layer)
 
     @torch.compiler.disable
+    def _take_mask(self, module, args, kwargs):
+        """The plan's attention mask out of the processor's call (which would pad its key columns to the local
+        tokens) and onto the layer, for USP to apply where the keys are (ParallelPlan.attention_masks)."""
+        name = self._layer.mask_argument
+        if name in kwargs:
+            self._layer.bias, kwargs = kwargs[name], {**kwargs, name: None}
+            return args, kwargs
+        position = list(inspect.signature(module.forward).parameters).index(name)
+        if position < len(args):
+            self._layer.bias, args = args[position], (*args[:position], None, *args[position + 1:])
+        return args, kwargs
+
+    @torch.compiler.disable
     def _exit(self, module, args, output):
         """Runs after forward, also when it raised (then `output` is None and torch re-raises its error)."""
         if self._token is None:  # an earlier pre-hook raised before _enter ran
             return
         _ACTIVE.reset(self._token)
-        self._token = None
+        self._token, self._layer.bias = None, None
         self._layer.reached |= self._layer.calls > 0
         if output is not None and not self._layer.reached and not _cache_may_serve(module):
             raise RuntimeError(

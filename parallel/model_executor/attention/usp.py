@@ -16,13 +16,14 @@ diffusers' processor before this seam, so the first group's all-to-all cannot hi
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Callable
 
 import torch
 
 from ...distributed.group_coordinator import GroupCoordinator
 from ...layout.overlap import head_groups as overlap_head_groups
-from .kernels import AttentionKernel, default_scale
+from .kernels import AttentionKernel, biased_attention, default_scale
 
 
 class TextLayout(enum.Enum):
@@ -92,15 +93,17 @@ def ring_attention(
     kernel: AttentionKernel,
     scale: float,
     keep: list[torch.Tensor] | None = None,
+    biases: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attend `q` to the local K/V plus every other ring member's `k_ring`/`v_ring` block.
 
     The next block is already in flight while the current one is computed. With an uneven split
-    every block travels padded; `keep[r]` selects the real keys of ring member r's block.
+    every block travels padded; `keep[r]` selects the real keys of ring member r's block. `biases[r]`, where
+    given, is the additive mask's columns of ring member r's real keys.
     """
     kv = torch.stack([k_ring, v_ring]).contiguous()
     pending, works = ring.ring_exchange(kv)
-    out, lse = kernel(q, k_local, v_local, scale)
+    out, lse = _with_bias(kernel, biases, ring.rank_in_group)(q, k_local, v_local, scale)
     out = out.float()
     for step in range(1, ring.world_size):
         for work in works:
@@ -108,12 +111,27 @@ def ring_attention(
         kv = pending
         if step + 1 < ring.world_size:
             pending, works = ring.ring_exchange(kv)
-        k_block, v_block = kv[0], kv[1]
+        k_block, v_block, member = kv[0], kv[1], (ring.rank_in_group - step) % ring.world_size
         if keep is not None:
-            k_block, v_block = _real_keys(k_block, v_block, keep[(ring.rank_in_group - step) % ring.world_size])
-        block_out, block_lse = kernel(q, k_block, v_block, scale)
+            k_block, v_block = _real_keys(k_block, v_block, keep[member])
+        block_out, block_lse = _with_bias(kernel, biases, member)(q, k_block, v_block, scale)
         out, lse = merge_partial(out, lse, block_out, block_lse)
     return out.to(q.dtype)
+
+
+def _with_bias(kernel: AttentionKernel, biases: list[torch.Tensor] | None, member: int) -> AttentionKernel:
+    return kernel if biases is None else functools.partial(biased_attention, bias=biases[member])
+
+
+def _bias_columns(bias: torch.Tensor, ring: GroupCoordinator, keep: list[torch.Tensor] | None,
+                  block: int) -> list[torch.Tensor]:
+    """The additive mask's columns (every real key, in sequence order) of each ring member's real keys: member r
+    holds the shards of Ulysses ranks r*u ... r*u+u-1 after the all-to-all, one contiguous run of the sequence."""
+    counts = [len(k) for k in keep] if keep is not None else [block] * ring.world_size
+    if bias.shape[-1] != sum(counts):
+        raise ValueError(f"the attention mask has {bias.shape[-1]} key columns but the sequence has {sum(counts)} "
+                         "tokens: a plan's attention_masks entry needs the mask's keys whole, in sequence order")
+    return list(bias.split(counts, dim=-1))
 
 
 def _join_head_groups(parts: list[torch.Tensor], u: int) -> torch.Tensor:
@@ -136,8 +154,13 @@ def usp_attention(
     stale_kv: Callable[..., tuple[torch.Tensor, ...]] | None = None,
     keep: list[torch.Tensor] | None = None,
     head_groups: int | None = 1,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention over the whole sequence from sequence-sharded [B, H, S_local, D] inputs.
+
+    `bias`, an additive mask [B, 1 or H, S_local, S] (ParallelPlan.attention_masks: its query rows this rank's, its
+    key columns every real token's), follows the tokens: its rows gather over Ulysses as the queries do, its heads
+    are this rank's and each Ring block attends with its own members' columns.
 
     `stale_kv`, if given, maps this rank's text and image K/V (the image's after the Ulysses all-to-all)
     to the K/V to attend to; PipeFusion uses it to add the other patches' stale K/V (and the text
@@ -170,13 +193,20 @@ def usp_attention(
         return ulysses.start_all_to_all(image_qkv[:, :, :, a:b].flatten(2, 3), scatter_dim=2, gather_dim=3)
 
     h0 = ulysses.rank_in_group * h
+    if bias is not None:
+        if text_tokens or stale_kv is not None:
+            raise NotImplementedError("an attention mask through USP takes one sequence: no replicated text, no "
+                                      "PipeFusion; run this model without them")
+        bias = ulysses.all_gather(bias.contiguous(), dim=2) if u > 1 else bias
     pending, texts, images = send(*bounds[0]), [], []
     for j, (a, b) in enumerate(bounds):
         qkv = pending.wait()
         if j + 1 < groups:
             pending = send(*bounds[j + 1])
         text = (x[:, h0 + a : h0 + b] for x in (qt, kt, vt))
-        out = _attend(*text, *qkv.unbind(0), ring=ring, kernel=kernel, scale=scale, stale_kv=stale_kv, keep=keep)
+        heads_bias = None if bias is None else bias[:, h0 + a : h0 + b] if bias.shape[1] > 1 else bias
+        out = _attend(*text, *qkv.unbind(0), ring=ring, kernel=kernel, scale=scale, stale_kv=stale_kv, keep=keep,
+                      bias=heads_bias)
         texts.append(out[:, :, :text_tokens])
         images.append(ulysses.start_all_to_all(out[:, :, text_tokens:], scatter_dim=2, gather_dim=1))
     out_image = _join_head_groups([image.wait() for image in images], u)
@@ -186,7 +216,8 @@ def usp_attention(
 
 
 def _attend(qt, kt, vt, qi, ki, vi, *, ring: GroupCoordinator, kernel: AttentionKernel, scale: float,
-            stale_kv: Callable[..., tuple[torch.Tensor, ...]] | None, keep: list[torch.Tensor] | None) -> torch.Tensor:
+            stale_kv: Callable[..., tuple[torch.Tensor, ...]] | None, keep: list[torch.Tensor] | None,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
     """One head group's attention on this rank, [text, image] queries after the all-to-all, against the local K/V
     and (Ring) every other ring member's image K/V."""
     if stale_kv is not None:
@@ -194,6 +225,7 @@ def _attend(qt, kt, vt, qi, ki, vi, *, ring: GroupCoordinator, kernel: Attention
     query = torch.cat([qt, qi], dim=2)
     ki_real, vi_real = (ki, vi) if keep is None else _real_keys(ki, vi, keep[ring.rank_in_group])
     k_local, v_local = torch.cat([kt, ki_real], dim=2), torch.cat([vt, vi_real], dim=2)
+    biases = None if bias is None else _bias_columns(bias, ring, keep, ki.shape[2])
     if ring.world_size == 1:
-        return kernel(query, k_local, v_local, scale)[0]
-    return ring_attention(query, k_local, v_local, ki, vi, ring, kernel, scale, keep)
+        return _with_bias(kernel, biases, 0)(query, k_local, v_local, scale)[0]
+    return ring_attention(query, k_local, v_local, ki, vi, ring, kernel, scale, keep, biases)
