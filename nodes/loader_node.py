@@ -11,6 +11,7 @@ and XDiTPool started it. The MODEL is ComfyUI's own model class for the file, as
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import folder_paths
@@ -25,6 +26,8 @@ from .pool_node import AUTO, FILE_PREFIX, FIRST_LAYOUT_INPUTS, LATER_LAYOUT_INPU
     layout_inputs, pool_key
 from .pools import POOLS
 
+log = logging.getLogger(__name__)
+DEPARTURES_LOGGED: set[PoolSpec] = set()  # pools whose file's known departure from ComfyUI's model was logged
 FOLDER = "diffusion_models"  # UNETLoader's folder (models/unet too)
 # UNETLoader's weight_dtype → the pool's storage: fp8 files and fp8 casts stay fp8 on the pool (e5m2 as e4m3fn).
 WEIGHT_DTYPES = {"default": "auto", "fp8_e4m3fn": "fp8", "fp8_e4m3fn_fast": "fp8", "fp8_e5m2": "fp8"}
@@ -95,13 +98,13 @@ class XDiTLoadDiffusionModel(io.ComfyNode):
     def execute(cls, **kwargs) -> io.NodeOutput:
         path = unet_path(kwargs)
         comfy_file = comfy_files.read(path)
-        refusal = FAMILIES.model_call_refusal(type(comfy_file.model_config).__name__)
-        if refusal:  # before any pool starts
-            raise ValueError(f"Load Diffusion Model (xDiT Pool) cannot run {kwargs['unet_name']} on a pool: {refusal}; "
-                             "load it with UNETLoader, or sample it with xDiT Sampler on a pool of its pipeline")
         key = pool_spec(kwargs)
         handle = POOLS.acquire(key)
         if key.endpoint:
             POOLS.remember(key, key.endpoint)
+        departure = FAMILIES.model_call_departure(type(comfy_file.model_config).__name__)
+        if departure and key not in DEPARTURES_LOGGED:  # known, documented, and said once per pool
+            DEPARTURES_LOGGED.add(key)
+            log.warning("Load Diffusion Model (xDiT Pool) on %s: %s", kwargs["unet_name"], departure)
         _, expert = detect_checkpoint(path).expert()
         return io.NodeOutput(comfy_model(handle, comfy_file, expert))

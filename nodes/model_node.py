@@ -212,11 +212,9 @@ def comfy_model(pool, comfy_file=None, expert: str = "") -> PoolModelPatcher:
     `comfy_file` (comfy_files.read: its model sampling and weight names), or for a pipeline folder, from the
     family's ComfyUI model class."""
     adapter = adapter_for(pool.pipeline, pool.latent_scale)
-    refused = adapter.data.model_call_refused if comfy_file is not None else ""  # a file ComfyUI computes otherwise
-    if refused or not adapter.data.model_call_conds:
-        why = refused or "it takes no model calls yet"
-        raise ConditioningError(f"xDiT Model cannot run the pool's {pool.pipeline} under ComfyUI's samplers: {why}; "
-                                "sample it with xDiT Sampler")
+    if not adapter.data.model_call_conds:
+        raise ConditioningError(f"xDiT Model cannot run the pool's {pool.pipeline} under ComfyUI's samplers: it takes "
+                                "no model calls yet; sample it with xDiT Sampler")
     if comfy_file is not None:
         model_config, weights = comfy_file.model_config, comfy_file.weights
         model_config.unet_config["disable_unet_model_creation"] = True

@@ -1,6 +1,6 @@
 """LTX-2.3 whole checkpoints kept quantized on the ranks: ComfyUI's scaled fp8 (`scaled_fp8` marker, per-tensor
 `scale_weight`) and city96's GGUF Q8_0 of a tiny LTX-2.3 in Lightricks' layout — its transformer and text connectors
-written by ComfyUI's own LTXAVModel under `model.diffusion_model.` (tests/test_comfyui_loader_ltx2.py's widths), the
+written by ComfyUI's own LTXAVModel under `model.diffusion_model.` (tests/ltx2_comfy_files.py's widths), the
 text projections (`text_embedding_projection.*_aggregate_embed`, over Gemma 3's 49 stacked states of 32) and the VAEs'
 latent statistics beside it as the official checkpoint keeps them — both files in one torchrun launch on Ulysses 2 in
 fp32 compute (tests/engine_cases.py: the engine's loader and layout, as contract E runs them).
@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from quantized_files import fp8_scaled, gguf_file
-from test_comfyui_loader_ltx2 import AUDIO_HEAD, AUDIO_WIDTH, CONFIG, HEAD, HEADS, VIDEO_WIDTH
+from ltx2_comfy_files import AUDIO_HEAD, AUDIO_WIDTH, CONFIG, HEAD, HEADS, VIDEO_WIDTH
 from xdit_test_helpers import TOLERANCE, case_errors, run_engine_cases
 
 PREFIX, CAPTION, STACKED, TOKENS, REGISTERS = "model.diffusion_model.", 32, 49, 256, 128  # ComfyUI's 128 registers
@@ -200,19 +200,33 @@ def test_a_quantized_ltx2_checkpoint_on_ulysses_2_equals_diffusers_on_the_weight
     assert all(ratio <= 0.55 for ratio in ratios), ratios
 
 
-def test_the_marker_is_diffusers_own_and_a_diffusion_model_file_is_refused_in_one_line(files):
+def test_the_marker_is_diffusers_own_and_a_diffusion_model_files_pool_refuses_pipeline_jobs_in_one_line(files):
     """ComfyUI's diffusion-model file (the transformer and connectors alone; ComfyUI's text encoder holds the text
-    projections) cannot sample Gemma's states: one line naming the missing tensor and the whole checkpoint."""
+    projections) loads for model calls, its projections absent (None, nothing random in their place); a pipeline job,
+    whose Gemma states would need them, is refused at submit in one line naming the missing projection and the fix."""
     from diffusers.loaders.single_file_utils import CHECKPOINT_KEY_NAMES
 
     from parallel.families.ltx2.file import MARKER
+    from parallel.layout.config import ParallelConfig
     from parallel.loading.pipelines import load_pipeline
+    from parallel.model_executor.pipeline import xFuserPipelineBaseWrapper
+    from xdit_test_helpers import one_rank
 
     assert PREFIX + MARKER == CHECKPOINT_KEY_NAMES["ltx2"][0]
-    with pytest.raises(ValueError) as error:
-        load_pipeline(files["root"] / "dit.safetensors", dtype="fp32")
+    pipeline = load_pipeline(files["root"] / "dit.safetensors", dtype="fp32")
+    connectors = pipeline.connectors
+    assert connectors.video_text_proj_in is None and connectors.audio_text_proj_in is None
+    assert pipeline.vae is None and pipeline.audio_vae is None
+    inputs = load_file(files["inputs"])
+    with one_rank(ParallelConfig()):
+        wrapper = xFuserPipelineBaseWrapper.wrap(pipeline)
+        with pytest.raises(ValueError) as error:
+            wrapper.prepare({**CALL, **inputs})
+        wrapper.unwrap()
     message = str(error.value)
-    assert "\n" not in message and "text_embedding_projection" in message and "whole checkpoint" in message, message
+    print(message)
+    assert "\n" not in message and "no text projection" in message and "whole checkpoint" in message, message
+    assert "ComfyUI's own text encoder" in message, message
 
 
 def test_a_decode_job_on_the_checkpoints_statistics_only_vae_is_refused_in_one_line(files):

@@ -93,10 +93,9 @@ class ComfyData:
                     "": no xDiT Model for this family.
     model_call_timestep: ComfyUI's model gives this model a timestep that is not sigma × 1000 (a discrete-schedule
                     eps model, PixArt: its model sampling's interpolated step), so the call carries ComfyUI's own.
-    model_call_refused: why a model call of the pool cannot give what ComfyUI's own `model_class` gives (ComfyUI
-                    computes the model otherwise than the pool's diffusers transformer): the drop-in loader refuses
-                    this family's files in one line with it, rather than sample a different model under ComfyUI's
-                    samplers (Model from xDiT Pool on a pipeline folder's pool samples the folder's model).
+    model_call_departs: where this ComfyUI's own `model_class` computes the model otherwise than the pool's
+                    diffusers transformer, which follows the model's reference: the drop-in loader logs it (a warning,
+                    once per pool) when it makes a MODEL of such a file.
     model_call_conds: keyword of ComfyUI's diffusion model call (context, y, guidance) → the pipeline's name
                     for it in a model call (the wrapper's model_call_inputs; "": ComfyUI's model passes it, this model
                     does not use it; `keyword.key`: an entry of a dict keyword, MiniMax-H3's `minimax_payload`, whose
@@ -154,7 +153,7 @@ class ComfyData:
     optional_texts: tuple[str, ...] = ()
     model_class: str = ""
     model_call_timestep: bool = False
-    model_call_refused: str = ""
+    model_call_departs: str = ""
     model_call_conds: dict[str, str] = field(default_factory=dict)
     reference_methods: tuple[str, ...] = ()
     audio_stream: tuple[str, str] = ()

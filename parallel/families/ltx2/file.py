@@ -9,7 +9,10 @@ does not make in 0.42.1 (LTX-2.3's prompt modulation, `prompt_adaln_single` → 
 connectors in a separate component (`LTX2TextConnectors`) and its converter drops them, so `components` reads them
 here with the text projections into that component, and the two VAEs' statistics (the pipeline normalises given
 latents with them) into VAEs built from the shipped config without weights: such a pool samples latents; decoding
-them is ComfyUI's VAE Decode. LTX-2.0 files (one shared text projection, a caption projection in the transformer) are
+them is ComfyUI's VAE Decode. ComfyUI's diffusion-model file (the transformer and connectors alone: ComfyUI's text
+encoder holds the projections and has applied them to its text) loads without projections or VAEs: its pool takes
+ComfyUI's model calls, which send projected text through the connectors, and refuses pipeline jobs in one line
+(xFuserLTX2Pipeline.prepare). LTX-2.0 files (one shared text projection, a caption projection in the transformer) are
 refused in one line.
 """
 
@@ -72,19 +75,27 @@ def _plain(tensors: dict, path, dtype: torch.dtype) -> dict:
     return {k: v.to(dtype) for k, v in weights.items() if v.is_floating_point()}
 
 
-def _connectors(tensors: dict, path: Path):
-    """diffusers' LTX2TextConnectors from the file's connectors and text projections, sizes from their shapes."""
+def _projected(tensors: dict, path: Path) -> bool:
+    """Whether the file holds both text projections (the whole checkpoint) or neither (ComfyUI's diffusion-model file)."""
+    found = [PROJECTION.format(side) in tensors for side in ("video", "audio")]
+    if any(found) != all(found):
+        raise ValueError(f"{path} holds one of LTX-2.3's two text projections ({PROJECTION.format('video')} "
+                         f"{'present' if found[0] else 'absent'}, the audio's {'present' if found[1] else 'absent'}): "
+                         "the file is damaged; load the whole checkpoint as released")
+    return all(found)
+
+
+def _connectors(tensors: dict, path: Path, projected: bool):
+    """diffusers' LTX2TextConnectors from the file's connectors and text projections, sizes from their shapes; without
+    the projections (`projected` false) their modules are None, so nothing random stands in for them."""
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
 
-    missing = [PROJECTION.format(side) for side in ("video", "audio") if PROJECTION.format(side) not in tensors]
-    if missing:
-        raise ValueError(f"{path} has no text projection ({missing[0]}): it is a diffusion-model file, whose text "
-                         "projections ComfyUI keeps in its text encoder; load LTX-2.3's whole checkpoint "
-                         "(ltx-2.3-*.safetensors), which holds them")
-    sizes = {}
+    sizes, stacked = {}, STACKED  # without projections: one feature per stacked state (a module that is then dropped)
     for side in ("video", "audio"):
         prefix = CONNECTOR.format(side)
-        width, stacked = tensors[PROJECTION.format(side)].shape
+        width = tensors[f"{prefix}transformer_1d_blocks.0.attn1.to_q.weight"].shape[0]
+        if projected:
+            stacked = tensors[PROJECTION.format(side)].shape[1]
         heads = tensors[f"{prefix}transformer_1d_blocks.0.attn1.to_gate_logits.weight"].shape[0]
         registers = tensors.get(f"{prefix}learnable_registers")
         layers = {int(m[1]) for k in tensors if (m := re.match(rf"{re.escape(prefix)}transformer_1d_blocks\.(\d+)\.", k))}
@@ -97,6 +108,8 @@ def _connectors(tensors: dict, path: Path):
     connectors = LTX2TextConnectors(caption_channels=stacked // STACKED, text_proj_in_factor=STACKED, rope_type="split",
                                     per_modality_projections=True,
                                     proj_bias=PROJECTION.format("video").replace("weight", "bias") in tensors, **sizes)
+    if not projected:
+        connectors.video_text_proj_in = connectors.audio_text_proj_in = None
     renamed = {}
     for name, value in tensors.items():
         if name.startswith("text_embedding_projection."):
@@ -126,7 +139,8 @@ def _statistics(vae, tensors: dict, prefix: str, path: Path):
 
 
 def components(path: Path, config_dir: Path, dtype: torch.dtype) -> dict:
-    """The pipeline's parts the whole checkpoint holds beside the transformer: text connectors and VAE statistics."""
+    """The pipeline's parts the file holds beside the transformer: text connectors (and projections) and, in the whole
+    checkpoint, the VAEs' statistics."""
     import diffusers
     from accelerate import init_empty_weights
 
@@ -138,7 +152,10 @@ def components(path: Path, config_dir: Path, dtype: torch.dtype) -> dict:
     if any(k.endswith(".scale_weight") for k in side):  # ComfyUI's scaled fp8 side layers: read with their marker
         side.append(checkpoint.prefix + "scaled_fp8")
     tensors = _plain(_read(checkpoint, side), path, dtype)
-    out = {"connectors": _connectors(tensors, path).to(dtype)}
+    projected = _projected(tensors, path)
+    out = {"connectors": _connectors(tensors, path, projected).to(dtype)}
+    if not projected:  # ComfyUI's diffusion-model file: model calls only, so no VAE statistics either
+        return {**out, "vae": None, "audio_vae": None}
     index = json.loads((config_dir / "model_index.json").read_text())
     for name, prefix in (("vae", "vae."), ("audio_vae", "audio_vae.")):
         cls = getattr(diffusers, index[name][1])
@@ -180,5 +197,6 @@ def _read(checkpoint, names: list[str]) -> dict:
 SINGLE_FILE = SingleFile(
     marker=MARKER, title="LTX-2.3",
     variants={"ltx-2.3": Variant("ltx2", "LTX-2.3 text to video with sound",
-                                 "Lightricks keys av_ca_a2v_gate_adaln_single, prompt_adaln_single (the whole checkpoint)")},
+                                 "Lightricks keys av_ca_a2v_gate_adaln_single, prompt_adaln_single (the whole checkpoint, or "
+                                 "ComfyUI's diffusion-model file: model calls only)")},
     read=read_checkpoint, convert=convert_checkpoint, components=components)

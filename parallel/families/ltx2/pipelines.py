@@ -27,11 +27,11 @@ class xFuserLTX2Pipeline(xFuserPipelineBaseWrapper):
 
     comfy = ComfyData(
         latent_formats={128: "LTXAV"}, temporal=8, tokens="loop", audio_stream=("audio_latents", "audio"),
-        vae_normalises=True, model_class="LTXAV", model_call_refused=(
-            "ComfyUI 0.33's LTXAV feeds each block's video-to-audio attention (audio queries, video keys) the video "
-            "after that block's audio-to-video update (since ComfyUI's LTX speed-up of 2026-08-06, PR 15138), while "
-            "Lightricks' own ltx-core, ComfyUI before it and diffusers' LTX2VideoTransformer3DModel (the pool's) feed "
-            "it the video before, so the pool's predictions would not be this ComfyUI's"),
+        vae_normalises=True, model_class="LTXAV", model_call_departs=(
+            "the pool follows Lightricks' reference (ltx-core, diffusers' LTX2VideoTransformer3DModel): each block's "
+            "video-to-audio attention reads the video before that block's audio-to-video update, where ComfyUI >= 0.33's "
+            "LTXAV (its LTX speed-up, PR 15138) reads it after, so with a trained audio-to-video attention the two "
+            "differ there"),
         # Model from xDiT Pool on a pipeline folder's pool: ComfyUI's text (its connectors run on the pool, per call)
         # and LTXVConditioning's frame rate
         model_call_conds={"context": "prompt_embeds", "frame_rate": "frame_rate"},
@@ -170,7 +170,14 @@ class xFuserLTX2Pipeline(xFuserPipelineBaseWrapper):
         return (batch, self.module.transformer.config.in_channels, frames, height // scale, width // scale)
 
     def prepare(self, kwargs: dict[str, Any], check_layout: bool = True) -> tuple[dict[str, Any], int, int]:
-        """Given latents define the frames (the audio's length follows num_frames)."""
+        """Given latents define the frames (the audio's length follows num_frames). A pool of ComfyUI's diffusion-model
+        file (file.py: connectors without the text projections) runs model calls only: its pipeline would have to
+        project Gemma's states with weights the file lacks."""
+        if getattr(self.module.connectors, "video_text_proj_in", True) is None:
+            raise ValueError(f"{self.module.config._name_or_path} has no text projection (ComfyUI's LTX-2.3 "
+                             "diffusion-model file: ComfyUI's text encoder holds it), so its pool takes model calls only; "
+                             "to sample prompts on the pool load the whole checkpoint (ltx-2.3-*.safetensors), or sample "
+                             "with ComfyUI's own text encoder and Load Diffusion Model (xDiT Pool)")
         latents = kwargs.get("latents")
         if kwargs.get("num_frames") is None and isinstance(latents, torch.Tensor) and latents.ndim == 5:
             kwargs = {**kwargs, "num_frames": (latents.shape[2] - 1) * self.module.vae_temporal_compression_ratio + 1}
