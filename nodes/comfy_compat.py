@@ -9,6 +9,9 @@ and asks here where they part:
   `DeclaredLatentFormat`) stand in. Which one was taken is logged once per format, so a test (and a user) can tell.
 - Previews. 0.33's Latent2RGBPreviewer unfolds patch-channel latents (FLUX.2's `latent_rgb_factors_reshape`) itself;
   0.3.64's takes no such argument. The pack unfolds them once, before either previewer sees them.
+- Model calls. ComfyUI 0.31 changed LTXAV's block order (PR 15138: each block's video-to-audio attention reads the
+  video after the audio-to-video update); a family declares such changes (ComfyData.model_call_versions) and each
+  model call asks the pool for the order of this ComfyUI (`model_call_versions`).
 - Interrupts. `comfy.model_management.InterruptProcessingException` derives from Exception in 0.3.64 and from
   BaseException in 0.33, so `except Exception` catches it in one and not the other: it is caught by its own name here.
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from typing import Callable
 
 _told: set[tuple[str, str]] = set()
@@ -63,6 +67,23 @@ def _standardise(made, declared) -> None:
         return latent * std.to(latent) / made.scale_factor + mean.to(latent)
 
     made.process_in, made.process_out = process_in, process_out
+
+
+def model_call_versions(versions: dict[str, str], batch: int) -> dict:
+    """Each model-call input of ComfyData.model_call_versions (input → the first ComfyUI version computing so), [batch]:
+    1 where this ComfyUI has reached that version, 0 where not."""
+    if not versions:
+        return {}
+    import torch
+    from comfyui_version import __version__
+
+    here = _release(__version__)
+    return {name: torch.full((batch,), float(here >= _release(since))) for name, since in versions.items()}
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """"0.31.0" (or "0.31.0rc1") as (0, 31, 0), to compare."""
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
 
 
 def _tell(pipeline: str, name: str, what: str) -> None:

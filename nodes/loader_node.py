@@ -11,13 +11,11 @@ and XDiTPool started it. The MODEL is ComfyUI's own model class for the file, as
 
 from __future__ import annotations
 
-import logging
 from dataclasses import replace
 
 import folder_paths
 from comfy_api.latest import io
 
-from ..parallel.families import FAMILIES
 from ..parallel.loading.checkpoints import CHECKPOINT_SUFFIXES, detect_checkpoint
 from ..workers.supervisor import PoolSpec
 from . import comfy_files
@@ -26,8 +24,6 @@ from .pool_node import AUTO, FILE_PREFIX, FIRST_LAYOUT_INPUTS, LATER_LAYOUT_INPU
     layout_inputs, pool_key
 from .pools import POOLS
 
-log = logging.getLogger(__name__)
-DEPARTURES_LOGGED: set[PoolSpec] = set()  # pools whose file's known departure from ComfyUI's model was logged
 FOLDER = "diffusion_models"  # UNETLoader's folder (models/unet too)
 # UNETLoader's weight_dtype → the pool's storage: fp8 files and fp8 casts stay fp8 on the pool (e5m2 as e4m3fn).
 WEIGHT_DTYPES = {"default": "auto", "fp8_e4m3fn": "fp8", "fp8_e4m3fn_fast": "fp8", "fp8_e5m2": "fp8"}
@@ -102,9 +98,5 @@ class XDiTLoadDiffusionModel(io.ComfyNode):
         handle = POOLS.acquire(key)
         if key.endpoint:
             POOLS.remember(key, key.endpoint)
-        departure = FAMILIES.model_call_departure(type(comfy_file.model_config).__name__)
-        if departure and key not in DEPARTURES_LOGGED:  # known, documented, and said once per pool
-            DEPARTURES_LOGGED.add(key)
-            log.warning("Load Diffusion Model (xDiT Pool) on %s: %s", kwargs["unet_name"], departure)
         _, expert = detect_checkpoint(path).expert()
         return io.NodeOutput(comfy_model(handle, comfy_file, expert))

@@ -41,13 +41,14 @@ class PoolTransformer(torch.nn.Module):
     loaders find what to patch; `expert`: the pool's transformer it calls (Wan 2.2's low-noise `transformer_2`);
     `methods`: the reference methods its model calls take (ComfyData.reference_methods); `timestep`: the call carries
     ComfyUI's timestep (ComfyData.model_call_timestep); `av`: the family's ComfyData where its calls take ComfyUI's
-    [video, audio] streams (av_calls.py)."""
+    [video, audio] streams (av_calls.py); `versions`: ComfyData.model_call_versions, sent with each call."""
 
     def __init__(self, pool, conds: dict[str, str], weights: dict[str, torch.Size] | None = None, expert: str = "",
-                 config: dict | None = None, methods: tuple[str, ...] = (), timestep: bool = False, av=None):
+                 config: dict | None = None, methods: tuple[str, ...] = (), timestep: bool = False, av=None,
+                 versions: dict[str, str] | None = None):
         super().__init__()
         self.pool, self.conds, self.weights, self.expert, self.methods = pool, conds, weights or {}, expert, methods
-        self.timestep, self.av = timestep, av
+        self.timestep, self.av, self.versions = timestep, av, versions or {}
         self.config = config or {}  # ComfyUI's unet_config of the file: patch_size, in_channels, ...
         self.dtype = torch.float32  # ComfyUI casts the call's tensors to this; the pool casts to its own
 
@@ -131,6 +132,7 @@ class PoolTransformer(torch.nn.Module):
             tensors["timestep"] = timesteps.float().reshape(-1).expand(batch).contiguous()
         if av:
             tensors, conditioning = av.inputs(), {**av.batched(conditioning), **av.keyframes(kwargs)}
+        conditioning.update(comfy_compat.model_call_versions(self.versions, batch))
         loras = self.pool.lora_params() + [{"path": path, "strength": strength} for path, strength in options.get(LORAS, ())]
 
         from ..workers.client import JobCancelledError
@@ -231,7 +233,8 @@ def comfy_model(pool, comfy_file=None, expert: str = "") -> PoolModelPatcher:
                                             config=dict(model_config.unet_config),
                                             methods=adapter.data.reference_methods,
                                             timestep=adapter.data.model_call_timestep,
-                                            av=adapter.data if adapter.data.audio_stream else None)
+                                            av=adapter.data if adapter.data.audio_stream else None,
+                                            versions=adapter.data.model_call_versions)
     return PoolModelPatcher(model, load_device=CPU, offload_device=CPU)
 
 

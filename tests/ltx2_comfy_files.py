@@ -8,9 +8,9 @@ text connectors have 128 learnable registers, and the cross-modal rotary tables 
 released config's (split rotary tables in float64, causal first frame, middle-of-token positions, cross-attention
 timesteps × 1000); the features LTX-2.3's (gated attention, cross-attention modulation, per-modality text projection
 in ComfyUI's text encoder, so the conditioning is [tokens, video width + audio width] with no padding, as ComfyUI's
-Gemma encoder gives it). Where ComfyUI 0.33 departs from the reference (PR 15138: each block's video-to-audio
-attention reads the video after the audio-to-video update), the orders coincide when the audio-to-video attention's
-output projection is zero: `FILE` is written so, `DEPARTING` as trained.
+Gemma encoder gives it). Every weight is random and non-zero, the audio-to-video attention's too, so the block order
+ComfyUI >= 0.31 takes (PR 15138: each block's video-to-audio attention reads the video after the audio-to-video update)
+shows: the pool must take it too.
 """
 
 from __future__ import annotations
@@ -36,16 +36,16 @@ CONFIG = dict(
     caption_projection_first_linear=False, connector_apply_gated_attention=True, connector_num_layers=1,
     connector_num_attention_heads=HEADS, connector_attention_head_dim=HEAD,
     audio_connector_num_attention_heads=HEADS, audio_connector_attention_head_dim=AUDIO_HEAD)
-FILE, DEPARTING = "tiny-ltx-2.3-a2v-zero.safetensors", "tiny-ltx-2.3-a2v.safetensors"
+FILE = "tiny-ltx-2.3-a2v.safetensors"
 AUDIO_VAE = "tiny-ltx-2.3-audio-vae.safetensors"
 SIGMAS = "1.0, 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421875, 0.0"  # the template's first stage
 
-# Writes the file from ComfyUI's own LTXAVModel (the audio-to-video attention's output projection zeroed, or not) and,
+# Writes the file from ComfyUI's own LTXAVModel and,
 # given inputs, evaluates ComfyUI's diffusion model call on it: the text through preprocess_text_embeds (its
 # connectors, as its model's extra_conds runs them for unprocessed LTX-2.3 text), [video, audio] at (sigma, sigma).
 COMFY_SCRIPT = """
 import json, sys
-path, inputs, result, config, zero = sys.argv[1:6]
+path, inputs, result, config = sys.argv[1:5]
 sys.argv = sys.argv[:1] + ["--cpu", "--use-pytorch-cross-attention"]
 import comfy.options; comfy.options.enable_args_parsing()
 import torch, comfy.ops, comfy.sd
@@ -55,9 +55,6 @@ config = json.loads(config)
 model = LTXAVModel(**config, operations=comfy.ops.disable_weight_init, device="meta")
 generator = torch.Generator().manual_seed(0)
 weights = {name: torch.randn(value.shape, generator=generator) * 0.2 for name, value in model.state_dict().items()}
-for name in weights:
-    if zero == "1" and ".audio_to_video_attn.to_out." in name:
-        weights[name].zero_()
 save_file({"model.diffusion_model." + k: v for k, v in weights.items()}, path,
           metadata={"config": json.dumps({"transformer": config})})
 if inputs:
@@ -70,9 +67,9 @@ if inputs:
 """
 
 
-def comfyui_file(python, comfyui, path, zero: bool, work=None) -> dict | None:
+def comfyui_file(python, comfyui, path, work=None) -> dict | None:
     """The file written at `path` by ComfyUI's own code; with `work`, ComfyUI's model call on it too."""
-    args = [str(path), "", "", json.dumps(CONFIG), "1" if zero else "0"]
+    args = [str(path), "", "", json.dumps(CONFIG)]
     x = None
     if work is not None:
         gen = torch.Generator().manual_seed(1)
@@ -169,16 +166,15 @@ def stock(comfy, file: str, seed: int = 42) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def files(comfy) -> None:
-    """Both tiny files in ComfyUI's models with their pipeline folders, the audio VAE and the text (once a server)."""
+    """The tiny file in ComfyUI's models with its pipeline folder, the audio VAE and the text (once a server)."""
     models = comfy.work / "models"
     if (comfy.work / "input" / "ltx2-text.safetensors").exists():
         return
     subprocess.run([str(comfy.python), "-c", AUDIO_VAE_SCRIPT.replace('"mel_bins": 16, "z_channels": 4',
                                                                       '"mel_bins": 64, "z_channels": 8'),
                     str(models / "checkpoints" / AUDIO_VAE)], cwd=comfy.comfy, check=True, capture_output=True)
-    for file, zero in ((FILE, True), (DEPARTING, False)):
-        comfyui_file(comfy.python, comfy.comfy, models / "diffusion_models" / file, zero)
-        pipeline_folder(models / "diffusion_models" / file, models / "diffusers" / file.removesuffix(".safetensors"))
+    comfyui_file(comfy.python, comfy.comfy, models / "diffusion_models" / FILE)
+    pipeline_folder(models / "diffusion_models" / FILE, models / "diffusers" / FILE.removesuffix(".safetensors"))
     gen = torch.Generator().manual_seed(3)  # LTX-2.3's text encoder's output: projected, its connectors still to run
     save_file({"cond": torch.randn(1, TEXT_TOKENS, VIDEO_WIDTH + AUDIO_WIDTH, generator=gen),
                "unprocessed_ltxav_embeds": torch.tensor(True)}, comfy.work / "input" / "ltx2-text.safetensors")

@@ -71,3 +71,17 @@ def test_the_interrupt_is_caught_by_its_name_whatever_it_derives_from(monkeypatc
     with pytest.raises(management.InterruptProcessingException):
         compat.raise_interrupted()
     assert issubclass(management.InterruptProcessingException, Exception) == (base is Exception)
+
+
+@pytest.mark.parametrize("version, sent", [("0.3.64", 0.0), ("0.30.9", 0.0), ("0.31.0", 1.0), ("0.33.0", 1.0)])
+def test_ltx2_model_calls_ask_for_the_block_order_of_this_comfyui(monkeypatch, version, sent):
+    """LTXAV's block order changed in ComfyUI 0.31.0 (PR 15138): its model calls ask the pool for the order of the
+    ComfyUI they run in, 1 from that version on, 0 before (LTX-2's declaration, ComfyData.model_call_versions)."""
+    from parallel.families.ltx2.pipelines import xFuserLTX2Pipeline
+
+    stand_in = types.ModuleType("comfyui_version")
+    stand_in.__version__ = version
+    compat = import_node_module(monkeypatch, "comfy_compat", {"comfyui_version": stand_in})
+    flags = compat.model_call_versions(xFuserLTX2Pipeline.comfy.model_call_versions, 1)
+    assert {name: value.tolist() for name, value in flags.items()} == {"v2a_reads_updated_video": [sent]}
+    assert compat.model_call_versions({}, 1) == {}

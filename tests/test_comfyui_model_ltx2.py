@@ -8,10 +8,11 @@ file's connectors (ltx2_comfy_files.diffusers_parts). ComfyUI's model runs the c
 (preprocess_text_embeds); the pool runs them in each call, as diffusers' pipeline does (nodes/av_calls.py,
 xFuserLTX2Pipeline.model_call_arguments).
 
-Where ComfyUI 0.33 departs from diffusers and Lightricks' reference (PR 15138: each block's video-to-audio attention
-reads the video after the audio-to-video update), the orders coincide when the audio-to-video attention's output
-projection is zero: that file is held to 1e-4. With it as trained the same sampling measures the departure (asserted
-only to be visible: the pool runs the reference's order).
+ComfyUI >= 0.31 departs from diffusers and Lightricks' reference in one place (PR 15138: each block's video-to-audio
+attention reads the video after the audio-to-video update); the model calls ask the pool for this ComfyUI's order
+(`v2a_reads_updated_video`, which hooks on diffusers' own blocks make: parallel/families/ltx2/comfy_block_order.py),
+so on the file with a trained audio-to-video attention the pool equals ComfyUI's own model; the same call in the
+reference's order misses.
 
 The sampling is the first stage of the video_ltx2_3_t2v template (EmptyLTXVLatentVideo and LTXVEmptyLatentAudio into
 LTXVConcatAVLatent, LTXVConditioning 24, CFGGuider 1, ManualSigmas of its first stage, euler, RandomNoise 42,
@@ -23,22 +24,24 @@ from __future__ import annotations
 
 import torch
 
-from ltx2_comfy_files import DEPARTING, FILE, RATE, comfyui_file, files, pipeline_folder, stock, template
+from ltx2_comfy_files import FILE, RATE, comfyui_file, files, pipeline_folder, stock, template
 from test_comfyui_loader_minimax_h3 import _max_diffs, _streams
 from xdit_test_helpers import TOLERANCE, one_rank
 
 COMFY_ARGS = ("--use-pytorch-cross-attention",)  # ComfyUI's attention as on the GPUs a pool runs on (SDPA)
 
 
-def _pool_call(folder, x: dict, rate: float = RATE) -> dict[str, torch.Tensor]:
-    """The engine's model call on the folder as a pool loads it (one rank), ComfyUI's streams and text as sent."""
+def _pool_call(folder, x: dict, updated_video: float = 1.0) -> dict[str, torch.Tensor]:
+    """The engine's model call on the folder as a pool loads it (one rank), ComfyUI's streams and text as sent, in
+    ComfyUI >= 0.31's block order (`updated_video` 1, as ComfyUI 0.33 sends it) or the reference's (0)."""
     from parallel.layout.config import ParallelConfig
     from parallel.loading.pipelines import load_pipeline
     from parallel.model_executor.model_call import check_model_call, evaluate
     from parallel.model_executor.pipeline import xFuserPipelineBaseWrapper
 
     tensors = {"latents": x["video"], "sigma": x["sigma"], "prompt_embeds": x["context"], "audio_latents": x["audio"],
-               "audio_sigma": x["sigma"], "frame_rate": torch.tensor([rate])}
+               "audio_sigma": x["sigma"], "frame_rate": torch.tensor([RATE]),
+               "v2a_reads_updated_video": torch.tensor([updated_video])}
     with one_rank(ParallelConfig()):
         wrapper = xFuserPipelineBaseWrapper.wrap(load_pipeline(folder))
         check_model_call(wrapper, tensors)
@@ -47,18 +50,19 @@ def _pool_call(folder, x: dict, rate: float = RATE) -> dict[str, torch.Tensor]:
     return {"video": out["prediction"], "audio": out["audio"]}
 
 
-def test_comfyuis_ltxav_model_call_equals_the_pools_where_the_orders_coincide(comfyui_install, tmp_path):
+def test_comfyuis_ltxav_model_call_equals_the_pools_in_comfyuis_block_order(comfyui_install, tmp_path):
     comfyui, python = comfyui_install
-    x = comfyui_file(python, comfyui, tmp_path / FILE, zero=True, work=tmp_path)
+    x = comfyui_file(python, comfyui, tmp_path / FILE, work=tmp_path)
     pipeline_folder(tmp_path / FILE, tmp_path / "folder")
     ours = _pool_call(tmp_path / "folder", x)
     diffs = {name: (ours[name] - x[f"comfy_{name}"]).abs().max().item() for name in ("video", "audio")}
-    print("one call, a2v output zero:", diffs)
+    print("one call, ComfyUI's block order:", diffs)
     assert max(diffs.values()) <= TOLERANCE, diffs
-    # negative control: the frame rate (every video token's time position) at 25 for 24 moves the video
-    moved = (_pool_call(tmp_path / "folder", x, rate=25.0)["video"] - x["comfy_video"]).abs().max().item()
-    print("one call, frame rate 25 for 24 (video):", moved)
-    assert moved > 1e-2
+    # negative control: the same call in the reference's block order misses
+    reference = _pool_call(tmp_path / "folder", x, updated_video=0.0)
+    missed = {name: (reference[name] - x[f"comfy_{name}"]).abs().max().item() for name in ("video", "audio")}
+    print("one call, the reference's block order:", missed)
+    assert missed["audio"] > 1e-2, missed
 
 
 def _pool_prompt(file: str) -> dict:
@@ -81,17 +85,12 @@ def test_model_from_an_xdit_pool_on_ulysses_2_equals_comfyuis_own_ltxav(comfy):
     assert theirs[0].shape == (1, 128, 3, 2, 3) and theirs[1].shape[:2] == (1, 8) and theirs[1].shape[3] == 16, \
         [s.shape for s in theirs]
     diffs = _max_diffs(ours, theirs)
-    print("template, a2v output zero (video, audio):", diffs)
+    print("template, ComfyUI's block order (video, audio):", diffs)
     assert max(diffs) <= TOLERANCE, diffs
     # negative control: ComfyUI's own model from another seed's noise is far from the pool's result
     other = _max_diffs(ours, stock(comfy, FILE, seed=43))
     print("another seed (video, audio):", other)
     assert min(other) > 1e-2, other
-    # the departure: with the audio-to-video output as trained, ComfyUI 0.33 (PR 15138's order) and the pool (the
-    # reference's) part; measured, asserted only to be visible
-    departure = _max_diffs(_pool(comfy, DEPARTING), stock(comfy, DEPARTING))
-    print("ComfyUI 0.33's departure, a2v output non-zero (video, audio):", departure)
-    assert max(departure) > TOLERANCE, departure
 
 
 def test_a_noise_mask_is_refused_in_one_line(comfy):

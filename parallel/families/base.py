@@ -256,12 +256,6 @@ class FamilyRegistry:
         names = (name for family in self for wrapper in family.pipelines.values() for name in wrapper.all_tensor_inputs())
         return tuple(dict.fromkeys(names))
 
-    def model_call_departure(self, model_class: str) -> str:
-        """Where ComfyUI's `model_class` (a comfy.supported_models class name, as ComfyUI detects a file) computes its
-        model otherwise than the pool ("": nowhere known, or no family declares it)."""
-        return next((wrapper.comfy.model_call_departs for family in self for wrapper in family.pipelines.values()
-                     if wrapper.comfy.model_class == model_class and wrapper.comfy.model_call_departs), "")
-
     def model_call_tensors(self) -> tuple[str, ...]:
         """Every tensor some registered pipeline takes in a single model call (model_call.py): the latents,
         their noise level and the families' conditioning."""

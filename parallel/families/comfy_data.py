@@ -93,9 +93,10 @@ class ComfyData:
                     "": no xDiT Model for this family.
     model_call_timestep: ComfyUI's model gives this model a timestep that is not sigma × 1000 (a discrete-schedule
                     eps model, PixArt: its model sampling's interpolated step), so the call carries ComfyUI's own.
-    model_call_departs: where this ComfyUI's own `model_class` computes the model otherwise than the pool's
-                    diffusers transformer, which follows the model's reference: the drop-in loader logs it (a warning,
-                    once per pool) when it makes a MODEL of such a file.
+    model_call_versions: model-call inputs that ask the pool to compute as ComfyUI's own `model_class` does since a
+                    change of ComfyUI's (the pool follows the model's reference, diffusers' transformer, otherwise): the
+                    input → the first ComfyUI version with the change; the ComfyUI side sends each, [B], 1 where its
+                    version has reached that one, 0 where not (nodes/comfy_compat.py).
     model_call_conds: keyword of ComfyUI's diffusion model call (context, y, guidance) → the pipeline's name
                     for it in a model call (the wrapper's model_call_inputs; "": ComfyUI's model passes it, this model
                     does not use it; `keyword.key`: an entry of a dict keyword, MiniMax-H3's `minimax_payload`, whose
@@ -153,7 +154,7 @@ class ComfyData:
     optional_texts: tuple[str, ...] = ()
     model_class: str = ""
     model_call_timestep: bool = False
-    model_call_departs: str = ""
+    model_call_versions: dict[str, str] = field(default_factory=dict)
     model_call_conds: dict[str, str] = field(default_factory=dict)
     reference_methods: tuple[str, ...] = ()
     audio_stream: tuple[str, str] = ()

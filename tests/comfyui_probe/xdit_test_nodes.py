@@ -253,7 +253,36 @@ class XDiTTestRecordCalls:
         return (recorded,)
 
 
-NODE_CLASS_MAPPINGS = {"XDiTTestRecordCalls": XDiTTestRecordCalls, "XDiTTestConditioning": XDiTTestConditioning, "XDiTTestClipVision": XDiTTestClipVision,
+class XDiTTestReferenceOrder:
+    """An xDiT MODEL → one whose pool calls go without ComfyData.model_call_versions' inputs (PoolTransformer.versions
+    emptied for each call, then restored), so the pool computes in the model's reference order whatever this ComfyUI's
+    version: a test's control that those inputs are what makes the pool compute as this ComfyUI does."""
+
+    CATEGORY = "testing/xdit"
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "reference"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",)}}
+
+    def reference(self, model):
+        import comfy.patcher_extension
+
+        def wrapper(executor, *args, **kwargs):
+            pool = executor.class_obj
+            versions, pool.versions = pool.versions, {}
+            try:
+                return executor(*args, **kwargs)
+            finally:
+                pool.versions = versions
+
+        kept = model.clone()
+        kept.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "reference-order", wrapper)
+        return (kept,)
+
+
+NODE_CLASS_MAPPINGS = {"XDiTTestRecordCalls": XDiTTestRecordCalls, "XDiTTestReferenceOrder": XDiTTestReferenceOrder, "XDiTTestConditioning": XDiTTestConditioning, "XDiTTestClipVision": XDiTTestClipVision,
                        "XDiTTestLatent": XDiTTestLatent, "XDiTTestSaveAudio": XDiTTestSaveAudio,
                        "XDiTTestSaveImage": XDiTTestSaveImage,
                        "XDiTTestTextEncoder": XDiTTestTextEncoder, "XDiTTestVAE": XDiTTestVAE}

@@ -30,6 +30,7 @@ the references and the video with a [B, tokens, tokens] mask on the video's self
 transformer): its query rows split with the tokens, and `attention_masks` has USP apply it where the keys are.
 
 Single files (file.py): LTX-2.3's whole checkpoint in Lightricks' layout, ComfyUI's scaled fp8 and GGUF kept quantized.
+A model call may ask for ComfyUI >= 0.31's block order (comfy_block_order.py: hooks on diffusers' own blocks, per row).
 
 PipeFusion is refused (`no_pipefusion`): video and audio cross-attend in every block, so a patch of video rows would
 need the whole audio stream's state of the same step, which the patch pipeline does not carry.

@@ -11,8 +11,10 @@ from ...layout.config import LayoutError
 from ...model_executor.pipeline import xFuserPipelineBaseWrapper
 from ...model_executor.pipeline.img2img import linear_sigmas
 from ..comfy_data import ComfyData
+from .comfy_block_order import v2a_reads_updated_video
 
 DEFAULT_FRAMES = 121  # LTX2Pipeline.__call__'s num_frames for a model without a duration head
+UPDATED_VIDEO = "v2a_reads_updated_video"  # a model call in ComfyUI >= 0.31's block order (comfy_block_order.py)
 
 
 def _scale(what: str) -> CallParameter:
@@ -27,11 +29,7 @@ class xFuserLTX2Pipeline(xFuserPipelineBaseWrapper):
 
     comfy = ComfyData(
         latent_formats={128: "LTXAV"}, temporal=8, tokens="loop", audio_stream=("audio_latents", "audio"),
-        vae_normalises=True, model_class="LTXAV", model_call_departs=(
-            "the pool follows Lightricks' reference (ltx-core, diffusers' LTX2VideoTransformer3DModel): each block's "
-            "video-to-audio attention reads the video before that block's audio-to-video update, where ComfyUI >= 0.33's "
-            "LTXAV (its LTX speed-up, PR 15138) reads it after, so with a trained audio-to-video attention the two "
-            "differ there"),
+        vae_normalises=True, model_class="LTXAV", model_call_versions={UPDATED_VIDEO: "0.31.0"},
         # Model from xDiT Pool on a pipeline folder's pool: ComfyUI's text (its connectors run on the pool, per call)
         # and LTXVConditioning's frame rate
         model_call_conds={"context": "prompt_embeds", "frame_rate": "frame_rate"},
@@ -43,7 +41,7 @@ class xFuserLTX2Pipeline(xFuserPipelineBaseWrapper):
     extra_outputs = ("audio",)  # LTX2PipelineOutput(frames, audio): the audio latents after the video latents
     guidance = ("guidance_scale", 3.0)
     default_sigmas = staticmethod(linear_sigmas)
-    model_call_inputs = ("prompt_embeds", "audio_latents", "audio_sigma", "frame_rate")
+    model_call_inputs = ("prompt_embeds", "audio_latents", "audio_sigma", "frame_rate", UPDATED_VIDEO)
     model_call_required = ("prompt_embeds", "audio_latents", "audio_sigma")
     call_parameters = {
         "num_frames": CallParameter(int, "video frames, 8k+1 (default: as many as the latents hold)", 1, 10_000),
@@ -96,6 +94,17 @@ class xFuserLTX2Pipeline(xFuserPipelineBaseWrapper):
                                                                       fps=rate),
                 "audio_coords": transformer.audio_rope.prepare_audio_coords(batch, audio.shape[2], latents.device),
                 "use_cross_timestep": True}
+
+    def model_call_context(self, transformer, inputs):
+        """ComfyUI >= 0.31's block order (each block's video-to-audio attention reads the video after that block's
+        audio-to-video update) where the call's `v2a_reads_updated_video` [B] is 1; the reference's where it is 0 or
+        not sent."""
+        flag = inputs.get(UPDATED_VIDEO)
+        values = set() if flag is None else set(flag.reshape(-1).tolist())
+        if not values <= {0.0, 1.0} or len(values) > 1:
+            raise ValueError(f"{UPDATED_VIDEO} holds {sorted(values)}: send one value per call, 1 (ComfyUI >= 0.31's "
+                             "block order) or 0 (the reference's)")
+        return v2a_reads_updated_video(transformer.module, values == {1.0})
 
     def model_call_outputs(self, outputs, latents, inputs):
         """The velocities shaped as the streams came: the video like `latents`, the audio (`audio`) like
