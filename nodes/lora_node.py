@@ -3,7 +3,9 @@
 Chain several to stack them; bypass one to remove it. The pool keeps each file loaded once and
 switches adapters per job, so changing LoRAs never reloads the base model. On a pool with two experts
 (Wan 2.2 A14B) a LoRA goes into both, as when ComfyUI users load it onto both models, or into the one
-chosen (`transformer`: the high-noise expert, `transformer_2`: the low-noise expert).
+chosen (`transformer`: the high-noise expert, `transformer_2`: the low-noise expert). On a MiniMax-H3 pool that holds
+the reference-to-video partition, `transformer_ref` takes the LoRA instead of `transformer` (diffusers'
+`load_into_transformer_ref=True`); a pool without the target refuses the job in one line naming its transformers.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from comfy_api.latest import io
 from .pool_node import XDiTPoolType
 
 EXPERTS_ALL = "all experts"
-EXPERTS = {EXPERTS_ALL: "", "transformer (high noise)": "transformer", "transformer_2 (low noise)": "transformer_2"}
+EXPERTS = {EXPERTS_ALL: "", "transformer (high noise)": "transformer", "transformer_2 (low noise)": "transformer_2",
+           "transformer_ref (MiniMax-H3 references)": "transformer_ref"}
 
 
 class XDiTLoRA(io.ComfyNode):
@@ -31,7 +34,8 @@ class XDiTLoRA(io.ComfyNode):
                 io.Float.Input("strength", default=1.0, min=-10.0, max=10.0, step=0.01, tooltip="How strongly the LoRA applies."),
                 io.Combo.Input("expert", options=list(EXPERTS), default=EXPERTS_ALL, optional=True,
                                tooltip="Models with two experts (Wan 2.2 A14B): apply to both, or only to the "
-                                       "high-noise expert (transformer) or the low-noise expert (transformer_2)."),
+                                       "high-noise expert (transformer) or the low-noise expert (transformer_2). "
+                                       "MiniMax-H3 with references: transformer_ref, the partition they run on."),
             ],
             outputs=[XDiTPoolType.Output(display_name="pool")],
         )

@@ -67,7 +67,9 @@ class LoraSpec:
 
     path: str = declared()
     strength: float = declared()
-    expert: str = declared("")  # "transformer" / "transformer_2" (Wan 2.2 A14B's low-noise expert); "": every expert
+    # "transformer" / "transformer_2" (Wan 2.2 A14B's low-noise expert) / "transformer_ref" (MiniMax-H3's reference
+    # partition: the file's `transformer.` weights go there); "": every expert
+    expert: str = declared("")
 
 
 def check_tensor_values(tensors: dict[str, Any]) -> None:

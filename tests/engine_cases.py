@@ -66,9 +66,10 @@ FAULTS = {
     "no_exchange": lambda q, k, v, **kw: torch.nn.functional.scaled_dot_product_attention(q, k, v),
     # Negative control for uneven token splits: attention also sees the padding keys.
     "padded_keys": lambda q, k, v, keep=None, **kw: _USP(q, k, v, **kw),
-    # Negative control for a plan's attention mask (ParallelPlan.attention_masks): rank 1's chunk of it masks nothing.
+    # Negative control for a plan's attention mask (ParallelPlan.attention_masks): rank 1's chunk of it masks nothing
+    # (zeroed in place: the one mask of the call, which USP gathers once per call on every rank alike).
     "mask_dropped_on_rank1": lambda q, k, v, bias=None, **kw: _USP(
-        q, k, v, bias=torch.zeros_like(bias) if bias is not None and get_sp_group().rank_in_group == 1 else bias, **kw),
+        q, k, v, bias=bias.zero_() if bias is not None and get_sp_group().rank_in_group == 1 else bias, **kw),
 }
 
 

@@ -16,6 +16,7 @@ which CreateVideo / SaveVideo take; both equal diffusers' MiniMaxH3VideoDecodeSt
 it) and MiniMaxH3AudioDecodeStep of the saved latents. Controls: the audio latent read without its axes swapped, and
 the frames with one tile of rank 1 missing. example_workflows/xdit_minimax_h3.json (ComfyUI's text encoder, xDiT
 Sampler, xDiT VAE Decode → CreateVideo → SaveVideo) runs whole in the frontend and is checked the same way.
+xDiT LoRA's `transformer_ref` target reaches the pool: aimed there, a LoRA leaves text-to-video as diffusers' own.
 """
 
 from __future__ import annotations
@@ -173,3 +174,38 @@ def test_the_example_workflow_runs_in_the_frontend_and_equals_diffusers(comfy, p
     assert (video - reseeded).abs().max().item() > 100 * TOLERANCE
     assert_decoded_equals_diffusers(comfy, video_model_dirs[FAMILY], video, audio, "ex-frames.safetensors",
                                     "ex-sound.safetensors")
+
+
+def test_xdit_lora_node_targets_transformer_ref(comfy, video_model_dirs):
+    """xDiT LoRA offers MiniMax-H3's `transformer_ref` as a target and the pool takes it there: a `transformer.` LoRA
+    aimed at it leaves a text-to-video job (which runs `transformer`) equal to diffusers' own without the LoRA;
+    control: the same LoRA on every expert moves it far. test_lora.py checks what it does to references."""
+    from test_lora import AV_LORAS, peft_lora_on
+    from test_minimax_h3 import loaded
+
+    model = video_model_dirs[FAMILY]
+    peft_lora_on({"transformer": loaded(model).transformer}, comfy.work / "models" / "loras" / "h3_plain.safetensors",
+                 AV_LORAS[FAMILY], seed=6)
+    inputs = tiny_models.make_inputs(FAMILY, height=SIZE, width=SIZE, num_frames=FRAMES)
+    save_file({"cond": inputs["prompt_embeds"], "minimax_token_tags": inputs["text_token_tags"]},
+              comfy.work / "input" / "h3-lora-text.safetensors")
+    results = {}
+    for expert in ("transformer_ref (MiniMax-H3 references)", "all experts"):
+        prompt = {name: node for name, node in workflow("h3-lora-text.safetensors").items()
+                  if name in ("pool", "text", "av", "sample", "split", "save_video", "save_audio")}
+        prompt["lora"] = {"class_type": "XDiTLoRA", "inputs": {"pool": ["pool", 0], "lora_name": "h3_plain.safetensors",
+                                                               "strength": 0.8, "expert": expert}}
+        prompt["sample"]["inputs"]["pool"] = ["lora", 0]
+        entry = comfy.wait(comfy.queue(prompt))
+        assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+        results[expert] = saved_latent(comfy, entry, "save_video"), saved_latent(comfy, entry, "save_audio")
+    video, audio = results["transformer_ref (MiniMax-H3 references)"]
+    generator = torch.manual_seed(SEED)
+    noise = {"latents": torch.randn(video.shape, generator=generator),
+             "audio_latents": torch.randn(audio.shape, generator=generator).permute(*COMFY_AUDIO)}
+    expected_video, expected_audio = reference(model, {**noise, "prompt_embeds": inputs["prompt_embeds"],
+                                                       "text_token_tags": inputs["text_token_tags"]})
+    errors = ((video - expected_video).abs().max().item(),
+              (audio - expected_audio.permute(*COMFY_AUDIO)).abs().max().item())
+    assert max(errors) <= TOLERANCE, errors
+    assert (results["all experts"][0] - expected_video).abs().max().item() > 100 * TOLERANCE

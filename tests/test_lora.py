@@ -92,12 +92,12 @@ def pixart_lora(path) -> str:
     return str(path)
 
 
-def fuse_loras(pipeline, loras: list[tuple[str, float]], components: tuple[str, ...] = ("transformer",)):
-    """diffusers' own LoRA path: load each file, weight them, fuse them into the weights of `components` (diffusers
-    fuses the transformer alone by default); the pipeline back."""
+def fuse_loras(pipeline, loras: list[tuple[str, float]], components: tuple[str, ...] = ("transformer",), **load):
+    """diffusers' own LoRA path: load each file (`load`: its loader's options), weight them, fuse them into the
+    weights of `components` (diffusers fuses the transformer alone by default); the pipeline back."""
     names = [f"l{i}" for i in range(len(loras))]
     for name, (path, _) in zip(names, loras):
-        pipeline.load_lora_weights(path, adapter_name=name)
+        pipeline.load_lora_weights(path, adapter_name=name, **load)
     if names:
         pipeline.set_adapters(names, adapter_weights=[strength for _, strength in loras])
         pipeline.fuse_lora(components=list(components), adapter_names=names, lora_scale=1.0)
@@ -270,28 +270,46 @@ def test_lora_on_the_audio_video_families_equals_diffusers_fused(video_model_dir
 
 
 def test_lora_of_minimax_h3_references_goes_into_transformer_ref(video_model_dirs, tmp_path):
-    """A LoRA of `transformer_ref.` weights (diffusers routes a MiniMax-H3 LoRA to the partition its prefix names) on
-    a pool (Ulysses 2) sampling references (ref2va) equals diffusers' ref2va blocks with it fused into
-    `transformer_ref`, and takes part: the pool's output with it misses the one without by far."""
+    """On a MiniMax-H3 pool (Ulysses 2) sampling references (ref2va), which run on `transformer_ref` alone: a LoRA of
+    `transformer_ref.` weights (diffusers routes a LoRA to the partition its prefix names), and a LoRA of
+    `transformer.` weights targeted at `transformer_ref` (the xDiT LoRA node's target; diffusers'
+    `load_into_transformer_ref=True`), each equal diffusers' ref2va blocks with it fused into `transformer_ref` and
+    take part. Control: the `transformer.` LoRA with the default target goes into `transformer` and leaves ref2va
+    as it was. The pool's status counts both partitions' parameter bytes on each rank (each holds both whole)."""
     import test_minimax_h3 as h3
 
     model = video_model_dirs["minimax-h3"]
     pipeline = h3.loaded(model)
+    held = {name: sum(p.numel() * p.element_size() for p in pipeline.components[name].parameters())
+            for name in ("transformer", "transformer_ref")}
     lora = peft_lora_on({"transformer_ref": pipeline.transformer_ref}, tmp_path / "ref.safetensors",
                         tuple(layer.replace("transformer.", "transformer_ref.", 1) for layer in AV_LORAS["minimax-h3"]))
+    plain = peft_lora_on({"transformer": pipeline.transformer}, tmp_path / "plain.safetensors", AV_LORAS["minimax-h3"],
+                         seed=6)
     inputs = h3.reference_inputs(tiny_models.make_inputs("minimax-h3", height=h3.SIZE, width=h3.SIZE,
                                                          num_frames=h3.FRAMES))
     inputs = {name: tensor.float() if name.endswith(("_kinds", "_sizes")) else tensor  # the pool takes floats
               for name, tensor in inputs.items()}
     params = {"steps": h3.STEPS, "guidance_scale": 1.0, "height": h3.SIZE, "width": h3.SIZE, "call": {"seed": h3.SEED}}
     with serving(model, tmp_path, "--nproc", "2", "--ulysses-degree", "2") as client:
+        memory = client.status()["memory"]
         base = client.sample_outputs(inputs, params)
         ours = client.sample_outputs(inputs, {**params, "loras": [{"path": lora, "strength": 0.8}]})
+        targeted = client.sample_outputs(inputs, {**params, "loras": [
+            {"path": plain, "strength": 0.8, "expert": "transformer_ref"}]})
+        untargeted = client.sample_outputs(inputs, {**params, "loras": [{"path": plain, "strength": 0.8}]})
+        with pytest.raises(JobFailed, match="has no transformer_2; its transformers are transformer, transformer_ref"):
+            client.sample_outputs(inputs, {**params, "loras": [{"path": plain, "strength": 0.8, "expert": "transformer_2"}]})
+    assert [rank["parameter_bytes"] for rank in memory] == [sum(held.values())] * 2, (memory, held)
     names = ("latents", "audio")
     expected = dict(zip(names, h3.ref2va_reference(pipeline, inputs)))
     fused = dict(zip(names, h3.ref2va_reference(fuse_loras(pipeline, [(lora, 0.8)], ("transformer_ref",)), inputs)))
+    into_ref = fuse_loras(h3.loaded(model), [(plain, 0.8)], ("transformer_ref",), load_into_transformer_ref=True)
+    fused_plain = dict(zip(names, h3.ref2va_reference(into_ref, inputs)))
     for name in names:
         assert (base[name] - expected[name]).abs().max().item() <= TOLERANCE, name
-        error = (ours[name] - fused[name]).abs().max().item()
-        assert error <= TOLERANCE, f"ref2va {name}: max |pool - fused| {error:.3g}"
-        assert (ours[name] - base[name]).abs().max().item() > 100 * TOLERANCE, name  # the LoRA takes part
+        for got, want, what in ((ours, fused, "transformer_ref."), (targeted, fused_plain, "targeted transformer.")):
+            error = (got[name] - want[name]).abs().max().item()
+            assert error <= TOLERANCE, f"ref2va {name}, {what} LoRA: max |pool - fused| {error:.3g}"
+            assert (got[name] - base[name]).abs().max().item() > 100 * TOLERANCE, name  # the LoRA takes part
+        assert torch.equal(untargeted[name], base[name]), name  # into `transformer`, which ref2va does not run

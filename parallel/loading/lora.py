@@ -9,7 +9,8 @@ the blocks it holds; weights that match no layer of the model at all mean a LoRA
 
 A pipeline with two experts (Wan 2.2 A14B: `transformer` for high noise, `transformer_2` for low
 noise) takes a LoRA into the expert it names, or into every expert by default, as a ComfyUI user who
-loads the same LoRA onto both models expects.
+loads the same LoRA onto both models expects. Naming MiniMax-H3's `transformer_ref` puts the file's `transformer.`
+weights there instead, as diffusers' `load_into_transformer_ref=True` does.
 
 Weights for the other parts diffusers' loader of the pipeline puts LoRAs into (`_lora_loadable_modules`) that the
 pipeline's call runs go into those parts: LTX-2's text connectors, which every rank runs whole; MiniMax-H3's
@@ -26,7 +27,7 @@ import os
 import torch
 
 from ..families import FAMILIES
-from ..pipeline_transformers import EXPERTS
+from ..pipeline_transformers import EXPERTS, TRANSFORMERS
 from ..request import LoraSpec
 
 
@@ -49,7 +50,7 @@ class LoraManager:
             wrapped = hasattr(part, "module_names")
             self.parts[name] = (part.module, part.module_names) if wrapped else \
                 (part, {layer for layer, _ in part.named_modules()})
-        self.loaded: dict[tuple[str, str], str] = {}  # (file, expert or part) -> adapter ("": no layer on this rank)
+        self.loaded: dict[tuple[str, str, str], str] = {}  # (file, target, key prefix) -> adapter ("": none here)
         self.loads = 0
         self.active: tuple[LoraSpec, ...] = ()
 
@@ -61,40 +62,50 @@ class LoraManager:
         for spec in stack:
             self._load(spec)
         for target, (module, _) in {**self.experts, **self.parts}.items():
-            active = [(self.loaded[spec.path, target], spec.strength) for spec in stack
-                      if (spec.expert in ("", target) or target in self.parts) and self.loaded[spec.path, target]]
+            active = [(self.loaded[spec.path, t, prefix], spec.strength) for spec in stack
+                      for t, prefix in self._routes(spec) if t == target and self.loaded[spec.path, t, prefix]]
             if active:
                 module.set_adapters([name for name, _ in active], weights=[strength for _, strength in active])
                 module.enable_lora()
-            elif any(name for (_, t), name in self.loaded.items() if t == target):
+            elif any(name for (_, t, _), name in self.loaded.items() if t == target):
                 module.disable_lora()
         self.active = stack
 
-    def _load(self, spec: LoraSpec) -> None:
-        """Load the file into the experts it targets and the parts it has weights for (once per file and each)."""
-        if spec.expert and spec.expert not in self.experts:
+    def _routes(self, spec: LoraSpec) -> list[tuple[str, str]]:
+        """(target, key prefix) pairs the file goes into: its `transformer.` weights into the transformers it names
+        (every expert by default), each part's own weights into that part."""
+        into = [spec.expert] if spec.expert else list(self.experts)
+        return [(target, "transformer.") for target in into] + [(part, f"{part}.") for part in self.parts]
+
+    def check(self, spec: LoraSpec) -> None:
+        """Refuse a LoRA naming a transformer this pipeline does not hold (at submit, before any compute)."""
+        held = [name for name in {**self.experts, **self.parts} if name in TRANSFORMERS]
+        if spec.expert and spec.expert not in held:
             raise ValueError(f"this {type(self.pipeline).__name__} has no {spec.expert}; its transformers are "
-                             f"{', '.join(self.experts)}")
-        targets = [spec.expert] if spec.expert else list(self.experts)
-        if all((spec.path, target) in self.loaded for target in [*targets, *self.parts]):
+                             f"{', '.join(held)}")
+
+    def _load(self, spec: LoraSpec) -> None:
+        """Load the file along its routes (once per file and each)."""
+        self.check(spec)
+        targets = {**self.experts, **self.parts}
+        routes = [route for route in self._routes(spec) if (spec.path, *route) not in self.loaded]
+        if not routes:
             return
         if not os.path.isfile(spec.path):
             raise FileNotFoundError(f"LoRA file {spec.path} does not exist")
         state = self._read(spec.path)
-        name = "lora_" + hashlib.sha1(spec.path.encode()).hexdigest()[:12]
-        prefixes = [(expert, "transformer.") for expert in targets] + [(p, f"{p}.") for p in self.parts]
         parts_only = not any(k.startswith("transformer.") for k in state) and any(
-            k.startswith(prefix) for k in state for _, prefix in prefixes)  # MiniMax-H3: a `transformer_ref.` LoRA
-        for target, prefix in prefixes:
-            if (spec.path, target) in self.loaded:  # the file went into this expert before, for a job naming it
-                continue
-            module, layers = {**self.experts, **self.parts}[target]
+            k.startswith(prefix) for k in state for _, prefix in routes)  # MiniMax-H3: a `transformer_ref.` LoRA
+        for target, prefix in routes:
+            module, layers = targets[target]
             weights = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
-            expert = target in self.experts and not parts_only
-            mine = self._select(spec.path, weights, module, layers) if weights or expert else {}
+            required = prefix == "transformer." and not parts_only  # the file's own model: its weights must fit
+            mine = self._select(spec.path, weights, module, layers) if weights or required else {}
+            # one adapter per prefix: MiniMax-H3's `transformer_ref` may take a file's both
+            name = "lora_" + hashlib.sha1(f"{spec.path}:{prefix}".encode()).hexdigest()[:12]
             if mine:  # empty when another PipeFusion stage holds every layer this LoRA changes
                 module.load_lora_adapter(mine, adapter_name=name, prefix=None)
-            self.loaded[spec.path, target] = name if mine else ""
+            self.loaded[spec.path, target, prefix] = name if mine else ""
         self.loads += 1
 
     def _read(self, path: str) -> dict[str, torch.Tensor]:

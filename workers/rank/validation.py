@@ -39,6 +39,7 @@ class Validator:
         for lora in message.body.loras:
             if not os.path.isfile(lora.path):
                 raise ValueError(f"LoRA file {lora.path} does not exist on the pool's machine")
+            rank.loras.check(lora)
         if message.type == "evaluate":
             return self._check_model_call(message)
         return self._check_sample(message)

@@ -84,9 +84,6 @@ def _sequence_parallel_attention(query, key, value, attn_mask, dropout_p, is_cau
     layer.calls += 1
     if tokens_dim == 1:
         query, key, value = (x.transpose(1, 2) for x in (query, key, value))
-    bias = layer.bias
-    if bias is not None and bias.ndim == 3:  # [B, Q, K]: one mask for every head
-        bias = bias.unsqueeze(1)
     if layer.replicated_queries:
         split, sp = get_runtime_state().token_split, get_sp_group()
         out = key_shard_attention(query, key, value, sp=sp, kernel=pick_kernel(query, layer.kernel), scale=scale,
@@ -110,7 +107,7 @@ def _sequence_parallel_attention(query, key, value, attn_mask, dropout_p, is_cau
         keep=getattr(get_runtime_state().token_split, "keep", None),  # uneven token split: drop padded keys
         stale_kv=functools.partial(layer.kv_cache.exchange, layer.name) if layer.kv_cache is not None else None,
         head_groups=get_layout().config.ulysses_overlap_groups,
-        bias=bias,
+        bias=layer.bias,  # the transformer's own tensor, the same in every layer of a call: gathered once
     )
     return out.transpose(1, 2) if tokens_dim == 1 else out
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import weakref
 from typing import Callable
 
 import torch
@@ -134,6 +135,20 @@ def _bias_columns(bias: torch.Tensor, ring: GroupCoordinator, keep: list[torch.T
     return list(bias.split(counts, dim=-1))
 
 
+_GATHERED_ROWS: dict[int, torch.Tensor] = {}  # id of a live mask -> its rows of every Ulysses rank
+
+
+def _rows_of_every_rank(bias: torch.Tensor, ulysses: GroupCoordinator) -> torch.Tensor:
+    """The mask's query rows (dim -2) of every Ulysses rank, gathered once per mask: the transformer passes the same
+    mask to each layer of a call, so the later layers reuse the first one's gather. The entry goes when the mask does
+    (a finalizer), so an id is never reused while its entry is there; the mask is never changed in a call."""
+    gathered = _GATHERED_ROWS.get(id(bias))
+    if gathered is None:
+        gathered = _GATHERED_ROWS[id(bias)] = ulysses.all_gather(bias, dim=-2)
+        weakref.finalize(bias, _GATHERED_ROWS.pop, id(bias), None)
+    return gathered
+
+
 def _join_head_groups(parts: list[torch.Tensor], u: int) -> torch.Tensor:
     """The groups' outputs back from the all-to-all, [B, u * heads_j, S, D] each (rank-major), as [B, H, S, D]:
     rank r's heads are its groups' heads in order, so the groups interleave per rank."""
@@ -158,7 +173,7 @@ def usp_attention(
 ) -> torch.Tensor:
     """Exact attention over the whole sequence from sequence-sharded [B, H, S_local, D] inputs.
 
-    `bias`, an additive mask [B, 1 or H, S_local, S] (ParallelPlan.attention_masks: its query rows this rank's, its
+    `bias`, an additive mask [B, (1 or H,) S_local, S] (ParallelPlan.attention_masks: its query rows this rank's, its
     key columns every real token's), follows the tokens: its rows gather over Ulysses as the queries do, its heads
     are this rank's and each Ring block attends with its own members' columns.
 
@@ -197,7 +212,9 @@ def usp_attention(
         if text_tokens or stale_kv is not None:
             raise NotImplementedError("an attention mask through USP takes one sequence: no replicated text, no "
                                       "PipeFusion; run this model without them")
-        bias = ulysses.all_gather(bias.contiguous(), dim=2) if u > 1 else bias
+        bias = _rows_of_every_rank(bias, ulysses) if u > 1 else bias
+        if bias.ndim == 3:  # [B, Q, K]: one mask for every head
+            bias = bias.unsqueeze(1)
     pending, texts, images = send(*bounds[0]), [], []
     for j, (a, b) in enumerate(bounds):
         qkv = pending.wait()
