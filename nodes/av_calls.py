@@ -33,25 +33,25 @@ class AudioCall:
 
     def __init__(self, data: ComfyData, streams: list[torch.Tensor], sigma: torch.Tensor, options: dict, scale,
                  timesteps=None):
-        if streams[0].shape[0] != 1:
-            why = ("as ComfyUI's own does (its packed sequence holds one video): use batch size 1, and cfg 1 with "
-                   "BasicGuider (its guidance is distilled)") if data.audio_shifts else (
-                   "since the pool runs the text connectors on each call's text, which ComfyUI pads across a batch's "
-                   "prompts: use batch size 1, and cfg 1 (CFGGuider at 1, as the LTX-2 templates' distilled stages)")
-            raise ValueError(f"this model's call takes one video at a time (got a batch of {streams[0].shape[0]}), {why}")
+        batch = streams[0].shape[0]
+        if batch != 1 and data.audio_shifts:
+            raise ValueError(f"this model's call takes one video at a time (got a batch of {batch}), as ComfyUI's own "
+                             "does (its packed sequence holds one video): use batch size 1, and cfg 1 with BasicGuider "
+                             "(its guidance is distilled)")
         self.data, self.video, self.scale = data, streams[0], float(1.0 if scale is None else scale)
-        self.sigma = sigma.float().reshape(-1)[:1].clamp(min=1e-6)
+        # LTXAV: a batch (cond and uncond) holds samples at one noise level, one per sample here
+        self.sigma = torch.broadcast_to(sigma.float().reshape(-1)[:batch], (batch,)).clamp(min=1e-6)
         if data.audio_shifts:
             (video_option, video_shift), (audio_option, audio_shift) = data.audio_shifts
             self.audio_sigma = time_shift(self.sigma, float(options.get(video_option, video_shift)),
                                           float(options.get(audio_option, audio_shift)))
         else:
             video_t, audio_t = timesteps if isinstance(timesteps, (tuple, list)) else (timesteps, timesteps)
-            if video_t.numel() != 1 or audio_t.numel() != 1:
+            if video_t.numel() != batch or audio_t.numel() != batch:
                 raise ValueError("this model's call got a timestep per token (a noise mask: an image or audio held in "
                                  "the latent), which the pool's call does not take yet; sample text to video without "
                                  "LTXVImgToVideoInplace or a set latent noise mask, or with ComfyUI's own model")
-            self.audio_sigma = audio_t.float().reshape(1)  # LTXAV's timesteps are its sigmas (flow matching)
+            self.audio_sigma = audio_t.float().reshape(batch)  # LTXAV's timesteps are its sigmas (flow matching)
         carry = self.audio_sigma / self.sigma if self.scale != 1.0 else torch.ones(1)
         self.audio = streams[1].float() * carry  # the stream's own audio, ComfyUI's layout
 
@@ -60,10 +60,12 @@ class AudioCall:
         return {"latents": self.video.float().contiguous(), "sigma": self.sigma.contiguous(),
                 "audio_latents": audio.contiguous(), "audio_sigma": self.audio_sigma.contiguous()}
 
-    @staticmethod
-    def batched(conditioning: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The call's one sample (ComfyUI's model takes batch 1): one layout's per-token tags [T] as [1, T]."""
-        return {name: value[None] if value.ndim == 1 else value for name, value in conditioning.items()}
+    def batched(self, conditioning: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The conditioning one per sample: what ComfyUI gives once for the call (one layout's per-token tags [T], a
+        frame rate [1]) repeated over the call's batch."""
+        batch = self.video.shape[0]
+        return {name: value[None].expand(batch, *value.shape).contiguous() if value.ndim == 1 else value
+                for name, value in conditioning.items()}
 
     def keyframes(self, kwargs: dict) -> dict[str, torch.Tensor]:
         """The call's keyframes (`ComfyData.keyframes`) as the pool takes them: each latent [1, C, 1, h, w] noised

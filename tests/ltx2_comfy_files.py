@@ -38,6 +38,7 @@ CONFIG = dict(
     audio_connector_num_attention_heads=HEADS, audio_connector_attention_head_dim=AUDIO_HEAD)
 FILE = "tiny-ltx-2.3-a2v.safetensors"
 AUDIO_VAE = "tiny-ltx-2.3-audio-vae.safetensors"
+NEGATIVE, SHORT = "ltx2-negative", "ltx2-short"  # negative prompts: as long as ltx2-text, and 3 tokens
 SIGMAS = "1.0, 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421875, 0.0"  # the template's first stage
 
 # Writes the file from ComfyUI's own LTXAVModel and,
@@ -176,5 +177,9 @@ def files(comfy) -> None:
     comfyui_file(comfy.python, comfy.comfy, models / "diffusion_models" / FILE)
     pipeline_folder(models / "diffusion_models" / FILE, models / "diffusers" / FILE.removesuffix(".safetensors"))
     gen = torch.Generator().manual_seed(3)  # LTX-2.3's text encoder's output: projected, its connectors still to run
-    save_file({"cond": torch.randn(1, TEXT_TOKENS, VIDEO_WIDTH + AUDIO_WIDTH, generator=gen),
-               "unprocessed_ltxav_embeds": torch.tensor(True)}, comfy.work / "input" / "ltx2-text.safetensors")
+    texts = {"ltx2-text": torch.randn(1, TEXT_TOKENS, VIDEO_WIDTH + AUDIO_WIDTH, generator=gen)}
+    for name, tokens in ((NEGATIVE, TEXT_TOKENS), (SHORT, 3)):  # negatives: as long as the prompt, and shorter
+        texts[name] = torch.randn(1, tokens, VIDEO_WIDTH + AUDIO_WIDTH, generator=gen)
+    for name, cond in sorted(texts.items(), key=lambda item: item[0] == "ltx2-text"):  # ltx2-text last: files() ran
+        save_file({"cond": cond, "unprocessed_ltxav_embeds": torch.tensor(True)},
+                  comfy.work / "input" / f"{name}.safetensors")

@@ -14,6 +14,10 @@ which detects it as LTXAV): one call of diffusers' transformer and connectors in
 (in diffusers' own order the audio misses, and in the first block, on equal inputs, only the video-to-audio attention
 differs); the template through the loader equals ComfyUI's own model, and with the order left as the reference's
 (XDiTTestReferenceOrder: the calls without the version input) it misses.
+
+Guided at cfg 4, ComfyUI batches cond and uncond into one call where their text has one shape: its LTXAV keeps the
+text as CONDRegular (never padded across prompts), so every row of a batch holds only real tokens, the mask the pool's
+connectors take; the loader's text is unrefined, so a negative of another length comes as a call of its own.
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ltx2_comfy_files import AUDIO_WIDTH, CONFIG, FILE, RATE, TEXT_TOKENS, VIDEO_WIDTH, diffusers_parts, files, stock, \
-    template
+from ltx2_comfy_files import AUDIO_WIDTH, CONFIG, FILE, NEGATIVE, RATE, SHORT, TEXT_TOKENS, VIDEO_WIDTH, \
+    diffusers_parts, files, stock, template
 from test_comfyui_loader import _loader
 from test_comfyui_loader_minimax_h3 import _max_diffs, _streams
 from xdit_test_helpers import TOLERANCE
@@ -156,3 +161,41 @@ def test_the_swapped_loader_on_ulysses_2_equals_comfyuis_own_ltxav(comfy):
     other = _max_diffs(ours, stock(comfy, FILE, seed=43))
     print("another seed (video, audio):", other)
     assert min(other) > 1e-2, other
+
+
+def _guided(unet: dict, negative: str, ksampler: bool = False, swap: bool = False) -> dict:
+    """The template's first stage guided at cfg 4 by a `negative` prompt (CFGGuider), or KSampler (euler / simple,
+    3 steps) at cfg 4; `swap`: the prompts trade places."""
+    prompt = template(unet, seed=42)
+    prompt["negative"] = {"class_type": "XDiTTestConditioning", "inputs": {"tensors": f"{negative}.safetensors"}}
+    sides = [["text", 0], ["negative", 0]]
+    positive, negative = sides[::-1] if swap else sides
+    prompt["rate"]["inputs"].update(positive=positive, negative=negative)
+    prompt["guider"]["inputs"]["cfg"] = 4.0
+    if ksampler:
+        prompt["sample"] = {"class_type": "KSampler", "inputs": {
+            "model": ["unet", 0], "seed": 42, "steps": 3, "cfg": 4.0, "sampler_name": "euler", "scheduler": "simple",
+            "positive": ["rate", 0], "negative": ["rate", 1], "latent_image": ["latent", 0], "denoise": 1.0}}
+    return prompt
+
+
+STOCK = {"class_type": "UNETLoader", "inputs": {"unet_name": FILE, "weight_dtype": "default"}}
+
+
+@pytest.mark.parametrize("layout", [{"ulysses_degree": 2}, {"cfg_parallel": True}], ids=["ulysses2", "cfg2"])
+def test_cfg_4_on_the_loader_equals_comfyuis_own_ltxav(comfy, layout):
+    """CFGGuider at cfg 4 with a negative as long as the prompt (ComfyUI batches cond and uncond into one call: the
+    pool's connectors take each sample's text) and KSampler at cfg 4 with a shorter negative (ComfyUI's own model
+    batches them, its connectors having made both 1024 tokens; the loader's text is unrefined, so two calls)."""
+    files(comfy)
+    loader = _loader(**layout)
+    swapped = {**loader, "inputs": {**loader["inputs"], "unet_name": FILE}}
+    for negative, ksampler in ((NEGATIVE, False), (SHORT, True)):
+        theirs = _streams(comfy, _guided(STOCK, negative, ksampler))
+        diffs = _max_diffs(_streams(comfy, _guided(swapped, negative, ksampler)), theirs)
+        print(f"cfg 4, {'KSampler' if ksampler else 'CFGGuider'}, negative {negative} (video, audio):", diffs)
+        assert max(diffs) <= TOLERANCE, diffs
+    if "ulysses_degree" in layout:  # negative control: the prompts swapped (cfg 4 guides the other way)
+        other = _max_diffs(_streams(comfy, _guided(swapped, SHORT, ksampler=True, swap=True)), theirs)
+        print("positive and negative swapped (video, audio):", other)
+        assert min(other) > 1e-2, other

@@ -66,7 +66,9 @@ class xFuserLTX2Pipeline(xFuserPipelineBaseWrapper):
         none is sent, as ComfyUI's). The text is ComfyUI's, [B, T, video width + audio width]: its text encoder already
         projected Gemma's states (the connectors' text_proj_in), so it goes through the connectors themselves as the
         pipeline's connectors call runs them, right-padded to the pipeline's 1024 tokens with their mask (the
-        connectors' registers take the padding)."""
+        connectors' registers take the padding). Every sample's tokens are all real: ComfyUI's LTXAV keeps the text
+        as CONDRegular, which batches only prompts of one length (cond and uncond of different lengths come as two
+        calls), so its connectors append the registers after the same count of tokens in each row, as these do."""
         module, text = self.module, inputs["prompt_embeds"]
         connectors = module.connectors
         widths = (connectors.config.video_hidden_dim, connectors.config.audio_hidden_dim)
