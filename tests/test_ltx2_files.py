@@ -13,6 +13,11 @@ the file means: stored · scale for fp8 (tests/quantized_files.py), for Q8_0 as 
 Every rank holds the transformer's layers quantized (float8_e4m3fn, Q8_0), its bytes reported ÷ the fp32 ones.
 Negative control: the unquantized weights' result misses each by far more than the tolerance, so a loader that dropped
 the scales or the quantization would fail.
+
+The whole checkpoint with its video VAE (ComfyUI 0.33's own VideoVAE, LTX-2's 4-stage encoder and 3-stage decoder at
+tiny widths, its state dict under `vae.`) serves a 2-rank pool whose decode equals diffusers' own tiled decode
+(`AutoencoderKLLTX2Video.decode` with the same tiles) of a VAE loaded by diffusers' converter; control: the same decode
+with one rank's tiles dropped misses.
 """
 
 from __future__ import annotations
@@ -45,6 +50,36 @@ model = LTXAVModel(**json.loads(config), operations=comfy.ops.disable_weight_ini
 generator = torch.Generator().manual_seed(0)
 save_file({"model.diffusion_model." + k: torch.randn(v.shape, generator=generator) * 0.2
            for k, v in model.state_dict().items()}, path)
+"""
+
+
+VIDEO_VAE = {"dims": 3, "in_channels": 3, "out_channels": 3, "latent_channels": 128, "patch_size": 4,
+             "encoder_base_channels": 128, "decoder_base_channels": 8, "norm_layer": "pixel_norm",
+             "latent_log_var": "uniform", "use_quant_conv": False, "causal_decoder": False, "timestep_conditioning": False,
+             "encoder_blocks": [["res_x", {"num_layers": 0}], ["compress_space_res", {"multiplier": 2}],
+                                ["res_x", {"num_layers": 0}], ["compress_time_res", {"multiplier": 2}],
+                                ["res_x", {"num_layers": 0}], ["compress_all_res", {"multiplier": 2}],
+                                ["res_x", {"num_layers": 0}], ["compress_all_res", {"multiplier": 2}],
+                                ["res_x", {"num_layers": 0}]],
+             "decoder_blocks": [["res_x", {"num_layers": 1, "inject_noise": False}],
+                                ["compress_all", {"residual": True, "multiplier": 2}],
+                                ["res_x", {"num_layers": 2, "inject_noise": False}],
+                                ["compress_all", {"residual": True, "multiplier": 2}],
+                                ["res_x", {"num_layers": 1, "inject_noise": False}],
+                                ["compress_all", {"residual": True, "multiplier": 2}],
+                                ["res_x", {"num_layers": 1, "inject_noise": False}]]}
+WRITE_VAE = """
+import json, sys
+path, config = sys.argv[1:3]
+sys.argv = sys.argv[:1] + ["--cpu"]
+import comfy.options; comfy.options.enable_args_parsing()
+import torch
+from safetensors.torch import save_file
+from comfy.ldm.lightricks.vae.causal_video_autoencoder import VideoVAE
+model = VideoVAE(config=json.loads(config))
+generator = torch.Generator().manual_seed(5)
+save_file({"vae." + k: torch.randn(v.shape, generator=generator) * 0.1 for k, v in model.state_dict().items()
+           if "per_channel_statistics" not in k}, path)
 """
 
 
@@ -94,7 +129,7 @@ def files(comfyui_install, tmp_path_factory):
     return {"paths": {"fp8": root / "ltx-2.3-tiny-fp8_scaled.safetensors", "gguf": root / "ltx-2.3-tiny-Q8_0.gguf"},
             "meant": {"fp8": {**{k: v for k, v in meant.items() if k != PREFIX + "scaled_fp8"}, **top},
                       "gguf": quantized, "plain": plain},
-            "inputs": root / "in.safetensors", "root": root}
+            "inputs": root / "in.safetensors", "root": root, "python": python, "comfyui": comfyui}
 
 
 def _connectors(weights: dict):
@@ -244,3 +279,51 @@ def test_a_decode_job_on_the_checkpoints_statistics_only_vae_is_refused_in_one_l
     with pytest.raises(ValueError) as error:
         Validator(rank)(decode)
     assert "\n" not in str(error.value) and "ComfyUI's VAE Decode" in str(error.value), error.value
+
+
+@pytest.fixture(scope="module")
+def with_vae(files):
+    """The whole checkpoint with ComfyUI's VideoVAE's weights under `vae.` beside its statistics."""
+    root = files["root"]
+    subprocess.run([str(files["python"]), "-c", WRITE_VAE, str(root / "vae.safetensors"), json.dumps(VIDEO_VAE)],
+                   cwd=files["comfyui"], check=True, capture_output=True)
+    path = root / "ltx-2.3-tiny-with-vae.safetensors"
+    save_file({**files["meant"]["plain"], **load_file(root / "vae.safetensors")}, path)
+    return path
+
+
+def _diffusers_video_vae(path):
+    """diffusers' AutoencoderKLLTX2Video at the test's widths, its weights by diffusers' own converter."""
+    from diffusers import AutoencoderKLLTX2Video
+    from diffusers.loaders.single_file_utils import convert_ltx2_vae_to_diffusers
+
+    config = AutoencoderKLLTX2Video.load_config("parallel/loading/checkpoints/configs/ltx-2.3", subfolder="vae")
+    vae = AutoencoderKLLTX2Video.from_config({**config, "block_out_channels": (256, 512, 1024, 2048),
+                                              "layers_per_block": (0, 0, 0, 0, 0),
+                                              "decoder_block_out_channels": (16, 32, 64),
+                                              "decoder_layers_per_block": (1, 2, 1, 1)})
+    weights = {k: v for k, v in load_file(path).items() if k.startswith("vae.")}
+    vae.load_state_dict(convert_ltx2_vae_to_diffusers(weights), strict=True)
+    return vae.eval()
+
+
+def test_a_whole_checkpoints_pool_decodes_video_on_2_ranks_as_diffusers(with_vae, tmp_path):
+    from parallel.model_executor import vae_decode
+    from pool_helpers import serving
+
+    latents = torch.randn(1, 128, 2, 9, 16, generator=torch.Generator().manual_seed(6))
+    with serving(with_vae, tmp_path, "--nproc", "2", "--ulysses-degree", "2", "--dtype", "fp32") as client:
+        frames, info = client.decode(latents)
+    vae = _diffusers_video_vae(with_vae)
+    tiles = vae_decode.fit_tiles(vae, latents, 2)
+    with torch.no_grad():
+        want = vae.decode(latents, return_dict=False)[0]  # diffusers' tiled_decode, the pool's tiles
+        dropped = vae_decode._Dispatch(vae.decoder, lambda tile: tile % 2 == 0, None)  # rank 1's tiles never arrive
+        with vae_decode._decoder(vae, dropped):
+            control = vae.decode(latents, return_dict=False)[0]
+    error, miss = ((frames - t).abs().max().item() for t in (want, control))
+    print(f"video VAE decode on 2 ranks, {tiles} tiles {frames.shape}: max |pool - diffusers| {error:.3g}, "
+          f"rank 1 dropped misses by {miss:.3g}")
+    assert frames.shape == want.shape and error <= TOLERANCE, error
+    assert miss > 100 * TOLERANCE, miss
+    assert tiles >= 2 and sum(r["tiles"] for r in info["ranks"]) == info["tiles"] == tiles

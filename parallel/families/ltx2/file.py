@@ -7,9 +7,12 @@ and the VAEs' latent statistics (`vae.` / `audio_vae.per_channel_statistics`) at
 The transformer converts with diffusers' own converter (`convert_ltx2_transformer_to_diffusers`), after one rename it
 does not make in 0.42.1 (LTX-2.3's prompt modulation, `prompt_adaln_single` → `prompt_adaln`). diffusers keeps the
 connectors in a separate component (`LTX2TextConnectors`) and its converter drops them, so `components` reads them
-here with the text projections into that component, and the two VAEs' statistics (the pipeline normalises given
-latents with them) into VAEs built from the shipped config without weights: such a pool samples latents; decoding
-them is ComfyUI's VAE Decode. ComfyUI's diffusion-model file (the transformer and connectors alone: ComfyUI's text
+here with the text projections into that component. The whole checkpoint's video VAE (`vae.encoder.`, `vae.decoder.`)
+loads with diffusers' own converter (`convert_ltx2_vae_to_diffusers`) into the shipped config with its channels and
+depths read from the file's shapes, so the pool decodes (its tiles over the ranks); where a file holds the VAEs'
+statistics alone (the pipeline normalises given latents with them), they go into VAEs without weights, and decoding
+is ComfyUI's VAE Decode. The audio VAE keeps its statistics alone: the checkpoint's vocoder has no converter in
+diffusers 0.42.1, so the pool's audio decode is ComfyUI's. ComfyUI's diffusion-model file (the transformer and connectors alone: ComfyUI's text
 encoder holds the projections and has applied them to its text) loads without projections or VAEs: its pool takes
 ComfyUI's model calls, which send projected text through the connectors, and refuses pipeline jobs in one line
 (xFuserLTX2Pipeline.prepare). LTX-2.0 files (one shared text projection, a caption projection in the transformer) are
@@ -138,16 +141,48 @@ def _statistics(vae, tensors: dict, prefix: str, path: Path):
     return vae
 
 
+def _video_vae(tensors: dict, config_dir: Path, path: Path):
+    """diffusers' AutoencoderKLLTX2Video from the file's `vae.` weights by diffusers' own converter: the shipped config
+    with the channels and depths the shapes say (a tiny or pruned VAE too)."""
+    from diffusers import AutoencoderKLLTX2Video
+    from diffusers.loaders.single_file_utils import convert_ltx2_vae_to_diffusers
+
+    weights = convert_ltx2_vae_to_diffusers({k: v for k, v in tensors.items() if k.startswith("vae.")})
+    config = dict(AutoencoderKLLTX2Video.load_config(config_dir, subfolder="vae"))
+
+    def layers(prefix: str) -> int:
+        return len({m[1] for k in weights if (m := re.match(rf"{re.escape(prefix)}resnets\.(\d+)\.", k))})
+
+    try:
+        config.update(
+            latent_channels=weights["decoder.conv_in.conv.weight"].shape[1],
+            block_out_channels=[weights[f"encoder.down_blocks.{i}.downsamplers.0.conv.conv.weight"].shape[1]
+                                for i in (1, 2, 3)] + [weights["encoder.conv_out.conv.weight"].shape[1]],
+            layers_per_block=[layers(f"encoder.down_blocks.{i}.") for i in range(4)] + [layers("encoder.mid_block.")],
+            decoder_block_out_channels=[weights[f"decoder.up_blocks.{i}.upsamplers.0.conv.conv.weight"].shape[1]
+                                        for i in (2, 1, 0)],
+            decoder_layers_per_block=[layers(f"decoder.up_blocks.{i}.") for i in (2, 1, 0)] + [layers("decoder.mid_block.")])
+        vae = AutoencoderKLLTX2Video.from_config(config)
+        vae.load_state_dict(weights, strict=True)
+    except (KeyError, RuntimeError) as error:
+        detail = str(error).splitlines()[0][:200]
+        raise ValueError(f"{path}: its video VAE (vae.*) is not LTX-2's 4-stage encoder and 3-stage decoder as diffusers "
+                         f"converts it ({detail}); load LTX-2.3's whole checkpoint as released") from None
+    return vae.eval()
+
+
 def components(path: Path, config_dir: Path, dtype: torch.dtype) -> dict:
     """The pipeline's parts the file holds beside the transformer: text connectors (and projections) and, in the whole
-    checkpoint, the VAEs' statistics."""
+    checkpoint, the video VAE and the audio VAE's statistics."""
     import diffusers
     from accelerate import init_empty_weights
 
     from ...loading.checkpoints import CheckpointFile
 
     checkpoint = CheckpointFile(path)
-    side = [k for k in _names(checkpoint) if k.startswith((*SIDE, *(checkpoint.prefix + CONNECTOR.format(s)
+    names = _names(checkpoint)
+    whole = ("vae.encoder.", "vae.decoder.") if "vae.decoder.conv_in.conv.weight" in names else ()
+    side = [k for k in names if k.startswith((*SIDE, *whole, *(checkpoint.prefix + CONNECTOR.format(s)
                                                                    for s in ("video", "audio"))))]
     if any(k.endswith(".scale_weight") for k in side):  # ComfyUI's scaled fp8 side layers: read with their marker
         side.append(checkpoint.prefix + "scaled_fp8")
@@ -157,7 +192,11 @@ def components(path: Path, config_dir: Path, dtype: torch.dtype) -> dict:
     if not projected:  # ComfyUI's diffusion-model file: model calls only, so no VAE statistics either
         return {**out, "vae": None, "audio_vae": None}
     index = json.loads((config_dir / "model_index.json").read_text())
+    if "vae.decoder.conv_in.conv.weight" in names:
+        out["vae"] = _video_vae(tensors, config_dir, path).to(dtype)
     for name, prefix in (("vae", "vae."), ("audio_vae", "audio_vae.")):
+        if name in out:
+            continue
         cls = getattr(diffusers, index[name][1])
         with init_empty_weights():  # weights on meta, buffers (the statistics) real
             vae = cls.from_config(cls.load_config(config_dir, subfolder=name))
