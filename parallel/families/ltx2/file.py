@@ -7,12 +7,9 @@ and the VAEs' latent statistics (`vae.` / `audio_vae.per_channel_statistics`) at
 The transformer converts with diffusers' own converter (`convert_ltx2_transformer_to_diffusers`), after one rename it
 does not make in 0.42.1 (LTX-2.3's prompt modulation, `prompt_adaln_single` → `prompt_adaln`). diffusers keeps the
 connectors in a separate component (`LTX2TextConnectors`) and its converter drops them, so `components` reads them
-here with the text projections into that component. The whole checkpoint's video VAE (`vae.encoder.`, `vae.decoder.`)
-loads with diffusers' own converter (`convert_ltx2_vae_to_diffusers`) into the shipped config with its channels and
-depths read from the file's shapes, so the pool decodes (its tiles over the ranks); where a file holds the VAEs'
-statistics alone (the pipeline normalises given latents with them), they go into VAEs without weights, and decoding
-is ComfyUI's VAE Decode. The audio VAE keeps its statistics alone: the checkpoint's vocoder has no converter in
-diffusers 0.42.1, so the pool's audio decode is ComfyUI's. ComfyUI's diffusion-model file (the transformer and connectors alone: ComfyUI's text
+here with the text projections into that component. The whole checkpoint's video VAE, audio VAE and vocoder load
+beside them (file_vaes.py), so its pool decodes video and sound; where a file holds the VAEs' statistics alone (the
+pipeline normalises given latents with them), they go into VAEs without weights, and decoding is ComfyUI's VAE Decode. ComfyUI's diffusion-model file (the transformer and connectors alone: ComfyUI's text
 encoder holds the projections and has applied them to its text) loads without projections or VAEs: its pool takes
 ComfyUI's model calls, which send projected text through the connectors, and refuses pipeline jobs in one line
 (xFuserLTX2Pipeline.prepare). LTX-2.0 files (one shared text projection, a caption projection in the transformer) are
@@ -28,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ..base import SingleFile, Variant
+from . import file_vaes
 
 MARKER = "av_ca_a2v_gate_adaln_single.emb.timestep_embedder.linear_1.weight"  # diffusers' CHECKPOINT_KEY_NAMES["ltx2"]
 STACKED = 49  # Gemma 3 12B's embeddings and 48 layers' hidden states, stacked per token: every LTX-2.x's text encoder
@@ -141,39 +139,9 @@ def _statistics(vae, tensors: dict, prefix: str, path: Path):
     return vae
 
 
-def _video_vae(tensors: dict, config_dir: Path, path: Path):
-    """diffusers' AutoencoderKLLTX2Video from the file's `vae.` weights by diffusers' own converter: the shipped config
-    with the channels and depths the shapes say (a tiny or pruned VAE too)."""
-    from diffusers import AutoencoderKLLTX2Video
-    from diffusers.loaders.single_file_utils import convert_ltx2_vae_to_diffusers
-
-    weights = convert_ltx2_vae_to_diffusers({k: v for k, v in tensors.items() if k.startswith("vae.")})
-    config = dict(AutoencoderKLLTX2Video.load_config(config_dir, subfolder="vae"))
-
-    def layers(prefix: str) -> int:
-        return len({m[1] for k in weights if (m := re.match(rf"{re.escape(prefix)}resnets\.(\d+)\.", k))})
-
-    try:
-        config.update(
-            latent_channels=weights["decoder.conv_in.conv.weight"].shape[1],
-            block_out_channels=[weights[f"encoder.down_blocks.{i}.downsamplers.0.conv.conv.weight"].shape[1]
-                                for i in (1, 2, 3)] + [weights["encoder.conv_out.conv.weight"].shape[1]],
-            layers_per_block=[layers(f"encoder.down_blocks.{i}.") for i in range(4)] + [layers("encoder.mid_block.")],
-            decoder_block_out_channels=[weights[f"decoder.up_blocks.{i}.upsamplers.0.conv.conv.weight"].shape[1]
-                                        for i in (2, 1, 0)],
-            decoder_layers_per_block=[layers(f"decoder.up_blocks.{i}.") for i in (2, 1, 0)] + [layers("decoder.mid_block.")])
-        vae = AutoencoderKLLTX2Video.from_config(config)
-        vae.load_state_dict(weights, strict=True)
-    except (KeyError, RuntimeError) as error:
-        detail = str(error).splitlines()[0][:200]
-        raise ValueError(f"{path}: its video VAE (vae.*) is not LTX-2's 4-stage encoder and 3-stage decoder as diffusers "
-                         f"converts it ({detail}); load LTX-2.3's whole checkpoint as released") from None
-    return vae.eval()
-
-
 def components(path: Path, config_dir: Path, dtype: torch.dtype) -> dict:
     """The pipeline's parts the file holds beside the transformer: text connectors (and projections) and, in the whole
-    checkpoint, the video VAE and the audio VAE's statistics."""
+    checkpoint, the VAEs and the vocoder (or, where it holds them alone, the VAEs' statistics)."""
     import diffusers
     from accelerate import init_empty_weights
 
@@ -181,7 +149,7 @@ def components(path: Path, config_dir: Path, dtype: torch.dtype) -> dict:
 
     checkpoint = CheckpointFile(path)
     names = _names(checkpoint)
-    whole = ("vae.encoder.", "vae.decoder.") if "vae.decoder.conv_in.conv.weight" in names else ()
+    whole = tuple(name.split(".")[0] + "." for name in file_vaes.WEIGHTS.values() if name in names)
     side = [k for k in names if k.startswith((*SIDE, *whole, *(checkpoint.prefix + CONNECTOR.format(s)
                                                                    for s in ("video", "audio"))))]
     if any(k.endswith(".scale_weight") for k in side):  # ComfyUI's scaled fp8 side layers: read with their marker
@@ -192,8 +160,9 @@ def components(path: Path, config_dir: Path, dtype: torch.dtype) -> dict:
     if not projected:  # ComfyUI's diffusion-model file: model calls only, so no VAE statistics either
         return {**out, "vae": None, "audio_vae": None}
     index = json.loads((config_dir / "model_index.json").read_text())
-    if "vae.decoder.conv_in.conv.weight" in names:
-        out["vae"] = _video_vae(tensors, config_dir, path).to(dtype)
+    for name, load in (("vae", file_vaes.video_vae), ("audio_vae", file_vaes.audio_vae), ("vocoder", file_vaes.vocoder)):
+        if file_vaes.WEIGHTS[name] in names:
+            out[name] = load(tensors, config_dir, path).to(dtype)
     for name, prefix in (("vae", "vae."), ("audio_vae", "audio_vae.")):
         if name in out:
             continue

@@ -1,0 +1,121 @@
+"""The decoders of LTX-2.3's whole checkpoint, as diffusers' own converters read them: the video VAE under `vae.`
+(`convert_ltx2_vae_to_diffusers`), the audio VAE under `audio_vae.` (`convert_ltx2_audio_vae_to_diffusers`), and the
+vocoder with its bandwidth extension under `vocoder.` (`vocoder.` and `bwe_generator.`, ComfyUI's VocoderWithBWE),
+which diffusers 0.42.1's single-file loader has no converter for: its names follow diffusers' LTX-2.3 conversion
+(`ups` → `upsamplers`, `resblocks` → `resnets`, `conv_pre`/`conv_post` → `conv_in`/`conv_out`, `act_post` → `act_out`,
+`downsample.lowpass` → `downsample`), and tests/test_ltx2_files.py checks its waveform against ComfyUI's own model.
+
+Each loads into the shipped config with the widths and depths its shapes say, so a tiny or pruned file loads too; a
+file whose parts are not LTX-2's layout is refused in one line.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+WEIGHTS = {"vae": "vae.decoder.conv_in.conv.weight", "audio_vae": "audio_vae.decoder.conv_in.conv.weight",
+           "vocoder": "vocoder.bwe_generator.conv_pre.weight"}  # a part is in the file when its key is
+VOCODER_NAMES = {"resblocks": "resnets", "conv_pre": "conv_in", "conv_post": "conv_out", "act_post": "act_out",
+                 "downsample.lowpass": "downsample", ".ups.": ".upsamplers."}
+
+
+def _refuse(path: Path, part: str, error: Exception) -> ValueError:
+    detail = str(error).splitlines()[0][:200]
+    return ValueError(f"{path}: its {part} is not LTX-2.3's as diffusers converts it ({detail}); load LTX-2.3's whole "
+                      "checkpoint as released")
+
+
+def _count(weights: dict, pattern: str) -> int:
+    return len({m[1] for k in weights if (m := re.match(pattern, k))})
+
+
+def video_vae(tensors: dict, config_dir: Path, path: Path):
+    """diffusers' AutoencoderKLLTX2Video from the file's `vae.` weights by diffusers' own converter: the shipped config
+    with the channels and depths the shapes say (a tiny or pruned VAE too)."""
+    from diffusers import AutoencoderKLLTX2Video
+    from diffusers.loaders.single_file_utils import convert_ltx2_vae_to_diffusers
+
+    weights = convert_ltx2_vae_to_diffusers({k: v for k, v in tensors.items() if k.startswith("vae.")})
+    config = dict(AutoencoderKLLTX2Video.load_config(config_dir, subfolder="vae"))
+
+    def layers(prefix: str) -> int:
+        return _count(weights, rf"{re.escape(prefix)}resnets\.(\d+)\.")
+
+    try:
+        config.update(
+            latent_channels=weights["decoder.conv_in.conv.weight"].shape[1],
+            block_out_channels=[weights[f"encoder.down_blocks.{i}.downsamplers.0.conv.conv.weight"].shape[1]
+                                for i in (1, 2, 3)] + [weights["encoder.conv_out.conv.weight"].shape[1]],
+            layers_per_block=[layers(f"encoder.down_blocks.{i}.") for i in range(4)] + [layers("encoder.mid_block.")],
+            decoder_block_out_channels=[weights[f"decoder.up_blocks.{i}.upsamplers.0.conv.conv.weight"].shape[1]
+                                        for i in (2, 1, 0)],
+            decoder_layers_per_block=[layers(f"decoder.up_blocks.{i}.") for i in (2, 1, 0)] + [layers("decoder.mid_block.")])
+        vae = AutoencoderKLLTX2Video.from_config(config)
+        vae.load_state_dict(weights, strict=True)
+    except (KeyError, RuntimeError) as error:
+        raise _refuse(path, "video VAE (vae.*)", error) from None
+    return vae.eval()
+
+
+def audio_vae(tensors: dict, config_dir: Path, path: Path):
+    """diffusers' AutoencoderKLLTX2Audio from the file's `audio_vae.` weights by diffusers' own converter, its widths and
+    depths from the shapes (its latent statistics are `base_channels` wide: 128, latent channels × mel bins)."""
+    from diffusers import AutoencoderKLLTX2Audio
+    from diffusers.loaders.single_file_utils import convert_ltx2_audio_vae_to_diffusers
+
+    weights = convert_ltx2_audio_vae_to_diffusers({k: v for k, v in tensors.items() if k.startswith("audio_vae.")})
+    config = dict(AutoencoderKLLTX2Audio.load_config(config_dir, subfolder="audio_vae"))
+    try:
+        base = weights["encoder.conv_in.conv.weight"].shape[0]
+        levels = _count(weights, r"encoder\.down\.(\d+)\.")
+        config.update(
+            base_channels=base, in_channels=weights["encoder.conv_in.conv.weight"].shape[1],
+            output_channels=weights["decoder.conv_out.conv.weight"].shape[0],
+            latent_channels=weights["decoder.conv_in.conv.weight"].shape[1],
+            ch_mult=[weights[f"encoder.down.{i}.block.0.conv2.conv.weight"].shape[0] // base for i in range(levels)],
+            num_res_blocks=_count(weights, r"encoder\.down\.0\.block\.(\d+)\."))
+        vae = AutoencoderKLLTX2Audio.from_config(config)
+        vae.load_state_dict(weights, strict=True)
+    except (KeyError, RuntimeError) as error:
+        raise _refuse(path, "audio VAE (audio_vae.*)", error) from None
+    return vae.eval()
+
+
+def vocoder(tensors: dict, config_dir: Path, path: Path):
+    """diffusers' LTX2VocoderWithBWE from the file's `vocoder.` weights renamed as diffusers' LTX-2.3 conversion names
+    them; the widths, kernels and stages from the shapes, the strides and rates (which no shape holds) from the shipped
+    config."""
+    from diffusers.pipelines.ltx2 import LTX2VocoderWithBWE
+
+    weights = {}
+    for name, value in tensors.items():
+        if name.startswith("vocoder."):
+            name = name.removeprefix("vocoder.")
+            for old, new in VOCODER_NAMES.items():
+                name = name.replace(old, new)
+            weights[name] = value
+    config = dict(LTX2VocoderWithBWE.load_config(config_dir, subfolder="vocoder"))
+    try:
+        for stage, key in (("vocoder.", ""), ("bwe_generator.", "bwe_")):
+            ups = _count(weights, rf"{stage}upsamplers\.(\d+)\.")
+            kernels = _count(weights, rf"{stage}resnets\.(\d+)\.") // ups
+            if ups != len(config[f"{key}upsample_factors"]) or kernels > len(config[f"{key}resnet_dilations"]):
+                raise KeyError(f"{stage} has {ups} upsampling stages of {kernels} kernels, the shipped config "
+                               f"{len(config[key + 'upsample_factors'])} of at most {len(config[key + 'resnet_dilations'])}")
+            config.update({f"{key}in_channels": weights[f"{stage}conv_in.weight"].shape[1],
+                           f"{key}hidden_channels": weights[f"{stage}conv_in.weight"].shape[0],
+                           f"{key}out_channels": weights[f"{stage}conv_out.weight"].shape[0],
+                           f"{key}upsample_kernel_sizes": [weights[f"{stage}upsamplers.{i}.weight"].shape[2]
+                                                           for i in range(ups)],
+                           f"{key}resnet_kernel_sizes": [weights[f"{stage}resnets.{j}.convs1.0.weight"].shape[2]
+                                                         for j in range(kernels)],
+                           f"{key}resnet_dilations": config[f"{key}resnet_dilations"][:kernels],
+                           f"{key}final_bias": f"{stage}conv_out.bias" in weights})
+        window = weights["mel_stft.stft_fn.forward_basis"].shape[2]
+        config.update(num_mel_channels=weights["mel_stft.mel_basis"].shape[0], filter_length=window, window_length=window)
+        model = LTX2VocoderWithBWE.from_config(config)
+        model.load_state_dict(weights, strict=True)
+    except (KeyError, RuntimeError) as error:
+        raise _refuse(path, "vocoder (vocoder.*)", error) from None
+    return model.eval()
