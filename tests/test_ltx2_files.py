@@ -398,3 +398,25 @@ def test_a_whole_checkpoints_pool_decodes_video_on_2_ranks_and_sound_as_diffuser
           f"{clipped:.0%} of samples at ±1")
     assert waveform.shape == comfy["waveform"].shape and max(error, whole) <= TOLERANCE, (error, whole)
     assert miss > 100 * TOLERANCE and clipped < 0.5 and waveform.abs().max() > 100 * TOLERANCE, (miss, clipped)
+
+
+def test_a_video_vae_in_a_layout_diffusers_does_not_convert_leaves_sampling_and_refuses_decode_in_one_line(
+        files, with_vae, tmp_path):
+    """A decoder stage diffusers 0.42.1's converter has no name for (`up_blocks.7`): the pool still loads (sampling
+    needs the statistics alone), and a decode is refused at submit with the reason and ComfyUI's VAE Decode."""
+    from types import SimpleNamespace
+
+    from parallel.loading.pipelines import load_pipeline
+    from workers.rank.validation import Validator
+
+    weights = load_file(with_vae)
+    weights["vae.decoder.up_blocks.7.conv.conv.weight"] = torch.zeros(8, 8, 3, 3, 3)
+    save_file(weights, tmp_path / "ltx-2.3-tiny-other-vae.safetensors")
+    pipeline = load_pipeline(tmp_path / "ltx-2.3-tiny-other-vae.safetensors", dtype="fp32")
+    assert not list(pipeline.vae.parameters()) and list(pipeline.vocoder.parameters())
+    rank = SimpleNamespace(state="idle", pipeline=SimpleNamespace(module=pipeline))
+    with pytest.raises(ValueError) as error:
+        Validator(rank)(SimpleNamespace(type="decode", tensors={"latents": torch.randn(1, 128, 2, 3, 5)}))
+    message = str(error.value)
+    print(message)
+    assert "\n" not in message and "up_blocks.7" in message and "ComfyUI's VAE Decode" in message, message

@@ -19,6 +19,7 @@ refused in one line.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -26,6 +27,8 @@ import torch
 
 from ..base import SingleFile, Variant
 from . import file_vaes
+
+log = logging.getLogger(__name__)
 
 MARKER = "av_ca_a2v_gate_adaln_single.emb.timestep_embedder.linear_1.weight"  # diffusers' CHECKPOINT_KEY_NAMES["ltx2"]
 STACKED = 49  # Gemma 3 12B's embeddings and 48 layers' hidden states, stacked per token: every LTX-2.x's text encoder
@@ -160,9 +163,14 @@ def components(path: Path, config_dir: Path, dtype: torch.dtype) -> dict:
     if not projected:  # ComfyUI's diffusion-model file: model calls only, so no VAE statistics either
         return {**out, "vae": None, "audio_vae": None}
     index = json.loads((config_dir / "model_index.json").read_text())
+    unread = {}
     for name, load in (("vae", file_vaes.video_vae), ("audio_vae", file_vaes.audio_vae), ("vocoder", file_vaes.vocoder)):
         if file_vaes.WEIGHTS[name] in names:
-            out[name] = load(tensors, config_dir, path).to(dtype)
+            try:
+                out[name] = load(tensors, config_dir, path).to(dtype)
+            except file_vaes.LayoutError as error:  # sampling needs only the statistics: decoding says why it cannot
+                log.warning("%s; the pool samples, and decodes with ComfyUI's VAE Decode", error)
+                unread[name] = str(error)
     for name, prefix in (("vae", "vae."), ("audio_vae", "audio_vae.")):
         if name in out:
             continue
@@ -171,7 +179,7 @@ def components(path: Path, config_dir: Path, dtype: torch.dtype) -> dict:
             vae = cls.from_config(cls.load_config(config_dir, subfolder=name))
         for module in vae.modules():  # none left on meta: the pipeline takes its device from its first module's
             module._parameters.clear()
-        vae.statistics_only = True  # decode jobs are refused on it (workers/rank/validation.py)
+        vae.statistics_only = unread.get(name, True)  # decode jobs are refused on it (workers/rank/validation.py)
         out[name] = _statistics(vae, tensors, prefix, path)
     return out
 

@@ -6,7 +6,7 @@ which diffusers 0.42.1's single-file loader has no converter for: its names foll
 `downsample.lowpass` → `downsample`), and tests/test_ltx2_files.py checks its waveform against ComfyUI's own model.
 
 Each loads into the shipped config with the widths and depths its shapes say, so a tiny or pruned file loads too; a
-file whose parts are not LTX-2's layout is refused in one line.
+part in another layout (LayoutError, one line) stays out: the pool samples, and its decode is refused with that line.
 """
 
 from __future__ import annotations
@@ -20,10 +20,25 @@ VOCODER_NAMES = {"resblocks": "resnets", "conv_pre": "conv_in", "conv_post": "co
                  "downsample.lowpass": "downsample", ".ups.": ".upsamplers."}
 
 
-def _refuse(path: Path, part: str, error: Exception) -> ValueError:
-    detail = str(error).splitlines()[0][:200]
-    return ValueError(f"{path}: its {part} is not LTX-2.3's as diffusers converts it ({detail}); load LTX-2.3's whole "
-                      "checkpoint as released")
+class LayoutError(ValueError):
+    """A part in a layout diffusers' converter does not read: the pool still samples, and its decode says this."""
+
+
+def _refuse(path: Path, part: str, error: Exception | str) -> LayoutError:
+    detail = " ".join(str(error).split())[:300]
+    return LayoutError(f"{path.name}'s {part} is not in the layout diffusers' converter reads: {detail}")
+
+
+def _load(model, weights: dict, path: Path, part: str):
+    """`weights` into `model`, every name and shape matching, or LayoutError naming the first that do not."""
+    try:
+        result = model.load_state_dict(weights, strict=False)
+    except RuntimeError as error:  # shapes
+        raise _refuse(path, part, error) from None
+    if result.missing_keys or result.unexpected_keys:
+        raise _refuse(path, part, f"{len(result.unexpected_keys)} names it does not know ({result.unexpected_keys[:2]}), "
+                                  f"{len(result.missing_keys)} missing ({result.missing_keys[:2]})")
+    return model.eval()
 
 
 def _count(weights: dict, pattern: str) -> int:
@@ -52,10 +67,9 @@ def video_vae(tensors: dict, config_dir: Path, path: Path):
                                         for i in (2, 1, 0)],
             decoder_layers_per_block=[layers(f"decoder.up_blocks.{i}.") for i in (2, 1, 0)] + [layers("decoder.mid_block.")])
         vae = AutoencoderKLLTX2Video.from_config(config)
-        vae.load_state_dict(weights, strict=True)
-    except (KeyError, RuntimeError) as error:
-        raise _refuse(path, "video VAE (vae.*)", error) from None
-    return vae.eval()
+    except KeyError as error:
+        raise _refuse(path, "video VAE (vae.*)", f"no {error}") from None
+    return _load(vae, weights, path, "video VAE (vae.*)")
 
 
 def audio_vae(tensors: dict, config_dir: Path, path: Path):
@@ -76,10 +90,9 @@ def audio_vae(tensors: dict, config_dir: Path, path: Path):
             ch_mult=[weights[f"encoder.down.{i}.block.0.conv2.conv.weight"].shape[0] // base for i in range(levels)],
             num_res_blocks=_count(weights, r"encoder\.down\.0\.block\.(\d+)\."))
         vae = AutoencoderKLLTX2Audio.from_config(config)
-        vae.load_state_dict(weights, strict=True)
-    except (KeyError, RuntimeError) as error:
-        raise _refuse(path, "audio VAE (audio_vae.*)", error) from None
-    return vae.eval()
+    except KeyError as error:
+        raise _refuse(path, "audio VAE (audio_vae.*)", f"no {error}") from None
+    return _load(vae, weights, path, "audio VAE (audio_vae.*)")
 
 
 def vocoder(tensors: dict, config_dir: Path, path: Path):
@@ -99,10 +112,11 @@ def vocoder(tensors: dict, config_dir: Path, path: Path):
     try:
         for stage, key in (("vocoder.", ""), ("bwe_generator.", "bwe_")):
             ups = _count(weights, rf"{stage}upsamplers\.(\d+)\.")
-            kernels = _count(weights, rf"{stage}resnets\.(\d+)\.") // ups
+            kernels = _count(weights, rf"{stage}resnets\.(\d+)\.") // max(ups, 1)
             if ups != len(config[f"{key}upsample_factors"]) or kernels > len(config[f"{key}resnet_dilations"]):
-                raise KeyError(f"{stage} has {ups} upsampling stages of {kernels} kernels, the shipped config "
-                               f"{len(config[key + 'upsample_factors'])} of at most {len(config[key + 'resnet_dilations'])}")
+                raise _refuse(path, "vocoder (vocoder.*)", f"{stage} has {ups} upsampling stages of {kernels} kernels, "
+                              f"LTX-2.3's {len(config[key + 'upsample_factors'])} of at most "
+                              f"{len(config[key + 'resnet_dilations'])}")
             config.update({f"{key}in_channels": weights[f"{stage}conv_in.weight"].shape[1],
                            f"{key}hidden_channels": weights[f"{stage}conv_in.weight"].shape[0],
                            f"{key}out_channels": weights[f"{stage}conv_out.weight"].shape[0],
@@ -115,7 +129,6 @@ def vocoder(tensors: dict, config_dir: Path, path: Path):
         window = weights["mel_stft.stft_fn.forward_basis"].shape[2]
         config.update(num_mel_channels=weights["mel_stft.mel_basis"].shape[0], filter_length=window, window_length=window)
         model = LTX2VocoderWithBWE.from_config(config)
-        model.load_state_dict(weights, strict=True)
-    except (KeyError, RuntimeError) as error:
-        raise _refuse(path, "vocoder (vocoder.*)", error) from None
-    return model.eval()
+    except KeyError as error:
+        raise _refuse(path, "vocoder (vocoder.*)", f"no {error}") from None
+    return _load(model, weights, path, "vocoder (vocoder.*)")
