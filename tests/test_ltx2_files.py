@@ -14,13 +14,15 @@ Every rank holds the transformer's layers quantized (float8_e4m3fn, Q8_0), its b
 Negative control: the unquantized weights' result misses each by far more than the tolerance, so a loader that dropped
 the scales or the quantization would fail.
 
-The whole checkpoint with its decoders written by ComfyUI 0.33's own classes at tiny widths — VideoVAE (LTX-2's
-4-stage encoder and 3-stage decoder) under `vae.`, CausalAudioAutoencoder under `audio_vae.`, VocoderWithBWE under
-`vocoder.` — serves a 2-rank pool. Its video decode equals diffusers' own tiled decode (`AutoencoderKLLTX2Video.decode`,
-the same tiles) of the VAE diffusers' converter loads; control: that decode with one rank's tiles dropped misses. Its
-audio decode equals ComfyUI's VocoderWithBWE on the mel spectrogram of diffusers' converter-loaded
-AutoencoderKLLTX2Audio (diffusers has no vocoder converter: ComfyUI's own model checks our names); control: the
-vocoder without its bandwidth extension misses.
+The whole checkpoint with its decoders written by ComfyUI 0.33's own classes at tiny widths — VideoVAE (4-stage
+encoder, and a decoder of LTX-2.3's four stages of mixed kinds, its config in the file's metadata as Lightricks ships
+it) under `vae.`, CausalAudioAutoencoder under `audio_vae.`, VocoderWithBWE under `vocoder.` — serves a 2-rank pool.
+Its video decode equals diffusers' own tiled decode (`AutoencoderKLLTX2Video.decode`, the same tiles) of the VAE
+diffusers' converter loads (its fourth stage named as diffusers' LTX-2.3 conversion names it), whose untiled decode
+equals ComfyUI's own decoder; control: that tiled decode with one rank's tiles dropped misses. Its audio decode equals
+ComfyUI's AudioVAE chain (CausalAudioAutoencoder, then VocoderWithBWE) and ComfyUI's vocoder on the mel of diffusers'
+converter-loaded AutoencoderKLLTX2Audio (diffusers has no vocoder converter: ComfyUI's own model checks our names);
+control: the vocoder without its bandwidth extension misses.
 """
 
 from __future__ import annotations
@@ -64,12 +66,15 @@ VIDEO_VAE = {"dims": 3, "in_channels": 3, "out_channels": 3, "latent_channels": 
                                 ["res_x", {"num_layers": 0}], ["compress_all_res", {"multiplier": 2}],
                                 ["res_x", {"num_layers": 0}], ["compress_all_res", {"multiplier": 2}],
                                 ["res_x", {"num_layers": 0}]],
+             "spatial_padding_mode": "zeros",  # LTX-2.3's decoder: four stages, mixed kinds, its own padding
              "decoder_blocks": [["res_x", {"num_layers": 1, "inject_noise": False}],
-                                ["compress_all", {"residual": True, "multiplier": 2}],
+                                ["compress_space", {"residual": False, "multiplier": 2}],
                                 ["res_x", {"num_layers": 2, "inject_noise": False}],
-                                ["compress_all", {"residual": True, "multiplier": 2}],
+                                ["compress_time", {"residual": False, "multiplier": 1}],
                                 ["res_x", {"num_layers": 1, "inject_noise": False}],
                                 ["compress_all", {"residual": True, "multiplier": 2}],
+                                ["res_x", {"num_layers": 1, "inject_noise": False}],
+                                ["compress_all", {"residual": False, "multiplier": 2}],
                                 ["res_x", {"num_layers": 1, "inject_noise": False}]]}
 AUDIO_VAE = {"model": {"params": {"sampling_rate": 16000, "ddconfig": {
     "double_z": True, "mel_bins": 64, "z_channels": 8, "resolution": 256, "downsample_time": False, "in_channels": 2,
@@ -105,19 +110,23 @@ for prefix, model in (("vae.", VideoVAE(config=json.loads(config))), ("audio_vae
 save_file(weights, path)
 """
 RUN_AUDIO = COMFY + """
-path, audio, vocoder, inputs, output = args
+path, video_config, audio, vocoder, inputs, output = args
 weights, given = load_file(path), load_file(inputs)
 autoencoder, bwe = CausalAudioAutoencoder(json.loads(audio)).eval(), VocoderWithBWE(json.loads(vocoder)).eval()
 for prefix, model in (("audio_vae.", autoencoder), ("vocoder.", bwe)):
     missing, unexpected = model.load_state_dict({k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)},
                                                 strict=False)
     assert not unexpected and all("per_channel_statistics" in k for k in missing), (missing, unexpected)
+video = VideoVAE(config=json.loads(video_config)).eval()
+missing, unexpected = video.load_state_dict({k[4:]: v for k, v in weights.items() if k.startswith("vae.")}, strict=False)
+assert not unexpected and all("per_channel_statistics" in k for k in missing), (missing, unexpected)
 latents = given["latents"]
 with torch.no_grad():
+    frames = video.decoder(given["video"])  # the VAE's own space: no un-normalising
     mel = autoencoder.decode(latents, target_shape=(1, 2, latents.shape[2] * 4 - 3, 64))
     low = bwe.vocoder(given["mel"].transpose(2, 3))
     samples = low.shape[-1] * bwe.output_sample_rate // bwe.input_sample_rate
-    save_file({"waveform": bwe(given["mel"].transpose(2, 3)), "whole": bwe(mel.transpose(2, 3)),
+    save_file({"frames": frames, "waveform": bwe(given["mel"].transpose(2, 3)), "whole": bwe(mel.transpose(2, 3)),
                "without_bwe": torch.clamp(bwe.resampler(low), -1, 1)[..., :samples]}, output)
 """
 
@@ -338,8 +347,9 @@ def with_vae(files):
     subprocess.run([str(files["python"]), "-c", WRITE_VAE, str(root / "vae.safetensors"), json.dumps(VIDEO_VAE),
                     json.dumps(AUDIO_VAE), json.dumps({"vocoder": VOCODER, "bwe": BWE})],
                    cwd=files["comfyui"], check=True, capture_output=True)
-    path = root / "ltx-2.3-tiny-with-vae.safetensors"
-    save_file({**files["meant"]["plain"], **load_file(root / "vae.safetensors")}, path)
+    path = root / "ltx-2.3-tiny-with-vae.safetensors"  # with its VAE's config, as Lightricks' checkpoints carry it
+    save_file({**files["meant"]["plain"], **load_file(root / "vae.safetensors")}, path,
+              metadata={"config": json.dumps({"vae": VIDEO_VAE})})
     return path
 
 
@@ -350,15 +360,21 @@ def _diffusers_vaes(path):
     from diffusers.loaders.single_file_utils import convert_ltx2_audio_vae_to_diffusers, convert_ltx2_vae_to_diffusers
 
     configs, weights = "parallel/loading/checkpoints/configs/ltx-2.3", load_file(path)
-    vae = AutoencoderKLLTX2Video.from_config({**AutoencoderKLLTX2Video.load_config(configs, subfolder="vae"),
-                                              "layers_per_block": (0, 0, 0, 0, 0),
-                                              "decoder_block_out_channels": (16, 32, 64),
-                                              "decoder_layers_per_block": (1, 2, 1, 1)})
+    vae = AutoencoderKLLTX2Video.from_config({  # VIDEO_VAE's decoder in diffusers' terms (stages listed last first)
+        **AutoencoderKLLTX2Video.load_config(configs, subfolder="vae"), "layers_per_block": (0, 0, 0, 0, 0),
+        "decoder_block_out_channels": (16, 16, 32, 64), "decoder_layers_per_block": (1, 2, 1, 1, 1),
+        "upsample_type": ("spatiotemporal", "spatiotemporal", "temporal", "spatial"), "upsample_factor": (2, 1, 2, 2),
+        "upsample_residual": (False, False, True, False), "decoder_spatio_temporal_scaling": (True,) * 4,
+        "decoder_inject_noise": (False,) * 5, "decoder_spatial_padding_mode": "zeros", "decoder_causal": False})
     audio = AutoencoderKLLTX2Audio.from_config({**AutoencoderKLLTX2Audio.load_config(configs, subfolder="audio_vae"),
                                                 "ch_mult": (1, 1, 1), "num_res_blocks": 1})
     for model, prefix, convert in ((vae, "vae.", convert_ltx2_vae_to_diffusers),
                                    (audio, "audio_vae.", convert_ltx2_audio_vae_to_diffusers)):
-        model.load_state_dict(convert({k: v for k, v in weights.items() if k.startswith(prefix)}), strict=True)
+        converted = convert({k: v for k, v in weights.items() if k.startswith(prefix)})
+        # the fourth decoder stage, which diffusers 0.42.1's converter leaves unnamed, as its LTX-2.3 conversion names it
+        converted = {k.replace("decoder.up_blocks.7.", "decoder.up_blocks.3.upsamplers.0.")
+                      .replace("decoder.up_blocks.8.", "decoder.up_blocks.3."): v for k, v in converted.items()}
+        model.load_state_dict(converted, strict=True)
     return vae.eval(), audio.eval()
 
 
@@ -386,11 +402,17 @@ def test_a_whole_checkpoints_pool_decodes_video_on_2_ranks_and_sound_as_diffuser
     assert miss > 100 * TOLERANCE, miss
     assert tiles >= 2 and sum(r["tiles"] for r in info["ranks"]) == info["tiles"] == tiles
 
-    save_file({"latents": audio, "mel": mel}, tmp_path / "mel.safetensors")
-    subprocess.run([str(files["python"]), "-c", RUN_AUDIO, str(with_vae), json.dumps(AUDIO_VAE),
+    save_file({"latents": audio, "mel": mel, "video": latents}, tmp_path / "mel.safetensors")
+    subprocess.run([str(files["python"]), "-c", RUN_AUDIO, str(with_vae), json.dumps(VIDEO_VAE), json.dumps(AUDIO_VAE),
                     json.dumps({"vocoder": VOCODER, "bwe": BWE}), str(tmp_path / "mel.safetensors"),
                     str(tmp_path / "comfy.safetensors")], cwd=files["comfyui"], check=True, capture_output=True)
     comfy = load_file(tmp_path / "comfy.safetensors")
+    vae.use_tiling = False
+    with torch.no_grad():
+        plain = vae.decode(latents, return_dict=False)[0]
+    mapped = (plain - comfy["frames"]).abs().max().item()  # the converted names against ComfyUI's own decoder
+    print(f"untiled video decode: max |diffusers - ComfyUI's VideoVAE decoder| {mapped:.3g}")
+    assert plain.shape == comfy["frames"].shape and mapped <= TOLERANCE, mapped
     error, whole, miss = ((waveform - comfy[k]).abs().max().item() for k in ("waveform", "whole", "without_bwe"))
     clipped = (comfy["waveform"].abs() >= 1).float().mean().item()
     print(f"audio decode {tuple(waveform.shape)}: max |pool - ComfyUI's vocoder on diffusers' mel| {error:.3g}, "
@@ -400,18 +422,17 @@ def test_a_whole_checkpoints_pool_decodes_video_on_2_ranks_and_sound_as_diffuser
     assert miss > 100 * TOLERANCE and clipped < 0.5 and waveform.abs().max() > 100 * TOLERANCE, (miss, clipped)
 
 
-def test_a_video_vae_in_a_layout_diffusers_does_not_convert_leaves_sampling_and_refuses_decode_in_one_line(
+def test_a_video_vae_the_loader_cannot_read_leaves_sampling_and_refuses_decode_in_one_line(
         files, with_vae, tmp_path):
-    """A decoder stage diffusers 0.42.1's converter has no name for (`up_blocks.7`): the pool still loads (sampling
-    needs the statistics alone), and a decode is refused at submit with the reason and ComfyUI's VAE Decode."""
+    """A four-stage decoder without the file's config (which says how its stages upsample, as the shipped LTX-2 config
+    cannot): the pool still loads (sampling needs the statistics alone), and a decode is refused at submit with the
+    reason and ComfyUI's VAE Decode."""
     from types import SimpleNamespace
 
     from parallel.loading.pipelines import load_pipeline
     from workers.rank.validation import Validator
 
-    weights = load_file(with_vae)
-    weights["vae.decoder.up_blocks.7.conv.conv.weight"] = torch.zeros(8, 8, 3, 3, 3)
-    save_file(weights, tmp_path / "ltx-2.3-tiny-other-vae.safetensors")
+    save_file(load_file(with_vae), tmp_path / "ltx-2.3-tiny-other-vae.safetensors")  # its config left out
     pipeline = load_pipeline(tmp_path / "ltx-2.3-tiny-other-vae.safetensors", dtype="fp32")
     assert not list(pipeline.vae.parameters()) and list(pipeline.vocoder.parameters())
     rank = SimpleNamespace(state="idle", pipeline=SimpleNamespace(module=pipeline))
@@ -419,4 +440,4 @@ def test_a_video_vae_in_a_layout_diffusers_does_not_convert_leaves_sampling_and_
         Validator(rank)(SimpleNamespace(type="decode", tensors={"latents": torch.randn(1, 128, 2, 3, 5)}))
     message = str(error.value)
     print(message)
-    assert "\n" not in message and "up_blocks.7" in message and "ComfyUI's VAE Decode" in message, message
+    assert "\n" not in message and "4 stages" in message and "ComfyUI's VAE Decode" in message, message
