@@ -13,6 +13,16 @@ the file means: stored · scale for fp8 (tests/quantized_files.py), for Q8_0 as 
 Every rank holds the transformer's layers quantized (float8_e4m3fn, Q8_0), its bytes reported ÷ the fp32 ones.
 Negative control: the unquantized weights' result misses each by far more than the tolerance, so a loader that dropped
 the scales or the quantization would fail.
+
+The whole checkpoint with its decoders written by ComfyUI 0.33's own classes at tiny widths — VideoVAE (4-stage
+encoder, and a decoder of LTX-2.3's four stages of mixed kinds, its config in the file's metadata as Lightricks ships
+it) under `vae.`, CausalAudioAutoencoder under `audio_vae.`, VocoderWithBWE under `vocoder.` — serves a 2-rank pool.
+Its video decode equals diffusers' own tiled decode (`AutoencoderKLLTX2Video.decode`, the same tiles) of the VAE
+diffusers' converter loads (its fourth stage named as diffusers' LTX-2.3 conversion names it), whose untiled decode
+equals ComfyUI's own decoder; control: that tiled decode with one rank's tiles dropped misses. Its audio decode equals
+ComfyUI's AudioVAE chain (CausalAudioAutoencoder, then VocoderWithBWE) and ComfyUI's vocoder on the mel of diffusers'
+converter-loaded AutoencoderKLLTX2Audio (diffusers has no vocoder converter: ComfyUI's own model checks our names);
+control: the vocoder without its bandwidth extension misses.
 """
 
 from __future__ import annotations
@@ -45,6 +55,79 @@ model = LTXAVModel(**json.loads(config), operations=comfy.ops.disable_weight_ini
 generator = torch.Generator().manual_seed(0)
 save_file({"model.diffusion_model." + k: torch.randn(v.shape, generator=generator) * 0.2
            for k, v in model.state_dict().items()}, path)
+"""
+
+
+VIDEO_VAE = {"dims": 3, "in_channels": 3, "out_channels": 3, "latent_channels": 128, "patch_size": 4,
+             "encoder_base_channels": 128, "decoder_base_channels": 8, "norm_layer": "pixel_norm",
+             "latent_log_var": "uniform", "use_quant_conv": False, "causal_decoder": False, "timestep_conditioning": False,
+             "encoder_blocks": [["res_x", {"num_layers": 0}], ["compress_space_res", {"multiplier": 2}],
+                                ["res_x", {"num_layers": 0}], ["compress_time_res", {"multiplier": 2}],
+                                ["res_x", {"num_layers": 0}], ["compress_all_res", {"multiplier": 2}],
+                                ["res_x", {"num_layers": 0}], ["compress_all_res", {"multiplier": 2}],
+                                ["res_x", {"num_layers": 0}]],
+             "spatial_padding_mode": "zeros",  # LTX-2.3's decoder: four stages, mixed kinds, its own padding
+             "decoder_blocks": [["res_x", {"num_layers": 1, "inject_noise": False}],
+                                ["compress_space", {"residual": False, "multiplier": 2}],
+                                ["res_x", {"num_layers": 2, "inject_noise": False}],
+                                ["compress_time", {"residual": False, "multiplier": 1}],
+                                ["res_x", {"num_layers": 1, "inject_noise": False}],
+                                ["compress_all", {"residual": True, "multiplier": 2}],
+                                ["res_x", {"num_layers": 1, "inject_noise": False}],
+                                ["compress_all", {"residual": False, "multiplier": 2}],
+                                ["res_x", {"num_layers": 1, "inject_noise": False}]]}
+AUDIO_VAE = {"model": {"params": {"sampling_rate": 16000, "ddconfig": {
+    "double_z": True, "mel_bins": 64, "z_channels": 8, "resolution": 256, "downsample_time": False, "in_channels": 2,
+    "out_ch": 2, "ch": 128, "ch_mult": [1, 1, 1], "num_res_blocks": 1, "attn_resolutions": [], "dropout": 0.0,
+    "mid_block_add_attention": False, "norm_type": "pixel", "causality_axis": "height"}}},
+    "preprocessing": {"stft": {"filter_length": 1024, "hop_length": 160}}}  # 128 wide: the statistics' width
+VOCODER = {"resblock_kernel_sizes": [3, 5], "resblock_dilation_sizes": [[1, 3, 5], [1, 3, 5]], "stereo": True,
+           "resblock": "AMP1", "activation": "snakebeta", "use_bias_at_final": False, "apply_final_activation": False,
+           "upsample_rates": [5, 2, 2, 2, 2, 2], "upsample_kernel_sizes": [11, 4, 4, 4, 4, 4], "upsample_initial_channel": 128}
+BWE = {**VOCODER, "upsample_rates": [6, 5, 2, 2, 2], "upsample_kernel_sizes": [12, 11, 4, 4, 4], "upsample_initial_channel": 64,
+       "input_sampling_rate": 16000, "output_sampling_rate": 48000, "hop_length": 80, "n_fft": 512, "num_mels": 64}
+COMFY = """
+import json, sys
+args, sys.argv = sys.argv[1:], sys.argv[:1] + ["--cpu"]
+import comfy.options; comfy.options.enable_args_parsing()
+import torch
+from safetensors.torch import load_file, save_file
+from comfy.ldm.lightricks.vae.causal_video_autoencoder import VideoVAE
+from comfy.ldm.lightricks.vae.causal_audio_autoencoder import CausalAudioAutoencoder
+from comfy.ldm.lightricks.vocoders.vocoder import VocoderWithBWE
+"""
+WRITE_VAE = COMFY + """
+path, config, audio, vocoder = args
+generator = torch.Generator().manual_seed(5)
+weights = {}
+for prefix, model in (("vae.", VideoVAE(config=json.loads(config))), ("audio_vae.", CausalAudioAutoencoder(json.loads(audio))),
+                      ("vocoder.", VocoderWithBWE(json.loads(vocoder)))):
+    for k, v in model.state_dict().items():  # the vocoder's filters and mel bases as ComfyUI makes them
+        if "per_channel_statistics" not in k:
+            fixed = k.endswith("filter") or "mel_stft" in k
+            scale = 0.1 if prefix != "vocoder." else 0.5 / (v.shape[1] * v.shape[2]) ** 0.5 if v.ndim == 3 else 0.01
+            weights[prefix + k] = v.clone() if fixed else torch.randn(v.shape, generator=generator) * scale
+save_file(weights, path)
+"""
+RUN_AUDIO = COMFY + """
+path, video_config, audio, vocoder, inputs, output = args
+weights, given = load_file(path), load_file(inputs)
+autoencoder, bwe = CausalAudioAutoencoder(json.loads(audio)).eval(), VocoderWithBWE(json.loads(vocoder)).eval()
+for prefix, model in (("audio_vae.", autoencoder), ("vocoder.", bwe)):
+    missing, unexpected = model.load_state_dict({k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)},
+                                                strict=False)
+    assert not unexpected and all("per_channel_statistics" in k for k in missing), (missing, unexpected)
+video = VideoVAE(config=json.loads(video_config)).eval()
+missing, unexpected = video.load_state_dict({k[4:]: v for k, v in weights.items() if k.startswith("vae.")}, strict=False)
+assert not unexpected and all("per_channel_statistics" in k for k in missing), (missing, unexpected)
+latents = given["latents"]
+with torch.no_grad():
+    frames = video.decoder(given["video"])  # the VAE's own space: no un-normalising
+    mel = autoencoder.decode(latents, target_shape=(1, 2, latents.shape[2] * 4 - 3, 64))
+    low = bwe.vocoder(given["mel"].transpose(2, 3))
+    samples = low.shape[-1] * bwe.output_sample_rate // bwe.input_sample_rate
+    save_file({"frames": frames, "waveform": bwe(given["mel"].transpose(2, 3)), "whole": bwe(mel.transpose(2, 3)),
+               "without_bwe": torch.clamp(bwe.resampler(low), -1, 1)[..., :samples]}, output)
 """
 
 
@@ -94,7 +177,7 @@ def files(comfyui_install, tmp_path_factory):
     return {"paths": {"fp8": root / "ltx-2.3-tiny-fp8_scaled.safetensors", "gguf": root / "ltx-2.3-tiny-Q8_0.gguf"},
             "meant": {"fp8": {**{k: v for k, v in meant.items() if k != PREFIX + "scaled_fp8"}, **top},
                       "gguf": quantized, "plain": plain},
-            "inputs": root / "in.safetensors", "root": root}
+            "inputs": root / "in.safetensors", "root": root, "python": python, "comfyui": comfyui}
 
 
 def _connectors(weights: dict):
@@ -230,12 +313,15 @@ def test_the_marker_is_diffusers_own_and_a_diffusion_model_files_pool_refuses_pi
 
 
 def test_a_decode_job_on_the_checkpoints_statistics_only_vae_is_refused_in_one_line(files):
-    """The pool holds the VAEs' statistics alone (the pipeline normalises latents with them): rank 0 refuses a decode
-    at submit, naming ComfyUI's VAE Decode, instead of failing on the ranks without weights."""
+    """A file holding the VAEs' statistics alone (the pipeline normalises latents with them): rank 0 refuses a video or
+    audio decode at submit, naming ComfyUI's VAE Decode, instead of failing on the ranks without weights."""
     from types import SimpleNamespace
 
+    from parallel.layout.config import ParallelConfig
     from parallel.loading.pipelines import load_pipeline
+    from parallel.model_executor.pipeline import xFuserPipelineBaseWrapper
     from workers.rank.validation import Validator
+    from xdit_test_helpers import one_rank
 
     pipeline = load_pipeline(files["paths"]["fp8"], dtype="fp32")
     assert pipeline.vae.latents_mean.abs().sum() > 0 and not list(pipeline.vae.parameters())
@@ -244,3 +330,114 @@ def test_a_decode_job_on_the_checkpoints_statistics_only_vae_is_refused_in_one_l
     with pytest.raises(ValueError) as error:
         Validator(rank)(decode)
     assert "\n" not in str(error.value) and "ComfyUI's VAE Decode" in str(error.value), error.value
+    with one_rank(ParallelConfig()):  # its sound likewise: no audio VAE weights, no vocoder
+        wrapper = xFuserPipelineBaseWrapper.wrap(pipeline)
+        with pytest.raises(ValueError) as error:
+            Validator(SimpleNamespace(state="idle", pipeline=wrapper))(
+                SimpleNamespace(type="decode", tensors={"audio": torch.randn(1, 8, 17, 16)}))
+        wrapper.unwrap()
+    assert "\n" not in str(error.value) and "ComfyUI's VAE Decode (Audio)" in str(error.value), error.value
+
+
+@pytest.fixture(scope="module")
+def with_vae(files):
+    """The whole checkpoint with ComfyUI's VideoVAE, CausalAudioAutoencoder and VocoderWithBWE under `vae.`,
+    `audio_vae.` and `vocoder.`, beside the VAEs' statistics."""
+    root = files["root"]
+    subprocess.run([str(files["python"]), "-c", WRITE_VAE, str(root / "vae.safetensors"), json.dumps(VIDEO_VAE),
+                    json.dumps(AUDIO_VAE), json.dumps({"vocoder": VOCODER, "bwe": BWE})],
+                   cwd=files["comfyui"], check=True, capture_output=True)
+    path = root / "ltx-2.3-tiny-with-vae.safetensors"  # with its VAE's config, as Lightricks' checkpoints carry it
+    save_file({**files["meant"]["plain"], **load_file(root / "vae.safetensors")}, path,
+              metadata={"config": json.dumps({"vae": VIDEO_VAE})})
+    return path
+
+
+def _diffusers_vaes(path):
+    """diffusers' AutoencoderKLLTX2Video and AutoencoderKLLTX2Audio at the test's widths, their weights by diffusers'
+    own converters."""
+    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video
+    from diffusers.loaders.single_file_utils import convert_ltx2_audio_vae_to_diffusers, convert_ltx2_vae_to_diffusers
+
+    configs, weights = "parallel/loading/checkpoints/configs/ltx-2.3", load_file(path)
+    vae = AutoencoderKLLTX2Video.from_config({  # VIDEO_VAE's decoder in diffusers' terms (stages listed last first)
+        **AutoencoderKLLTX2Video.load_config(configs, subfolder="vae"), "layers_per_block": (0, 0, 0, 0, 0),
+        "decoder_block_out_channels": (16, 16, 32, 64), "decoder_layers_per_block": (1, 2, 1, 1, 1),
+        "upsample_type": ("spatiotemporal", "spatiotemporal", "temporal", "spatial"), "upsample_factor": (2, 1, 2, 2),
+        "upsample_residual": (False, False, True, False), "decoder_spatio_temporal_scaling": (True,) * 4,
+        "decoder_inject_noise": (False,) * 5, "decoder_spatial_padding_mode": "zeros", "decoder_causal": False})
+    audio = AutoencoderKLLTX2Audio.from_config({**AutoencoderKLLTX2Audio.load_config(configs, subfolder="audio_vae"),
+                                                "ch_mult": (1, 1, 1), "num_res_blocks": 1})
+    for model, prefix, convert in ((vae, "vae.", convert_ltx2_vae_to_diffusers),
+                                   (audio, "audio_vae.", convert_ltx2_audio_vae_to_diffusers)):
+        converted = convert({k: v for k, v in weights.items() if k.startswith(prefix)})
+        # the fourth decoder stage, which diffusers 0.42.1's converter leaves unnamed, as its LTX-2.3 conversion names it
+        converted = {k.replace("decoder.up_blocks.7.", "decoder.up_blocks.3.upsamplers.0.")
+                      .replace("decoder.up_blocks.8.", "decoder.up_blocks.3."): v for k, v in converted.items()}
+        model.load_state_dict(converted, strict=True)
+    return vae.eval(), audio.eval()
+
+
+def test_a_whole_checkpoints_pool_decodes_video_on_2_ranks_and_sound_as_diffusers_and_comfyui(files, with_vae, tmp_path):
+    from parallel.model_executor import vae_decode
+    from pool_helpers import serving
+
+    generator = torch.Generator().manual_seed(6)
+    latents, audio = torch.randn(1, 128, 2, 9, 16, generator=generator), torch.randn(1, 8, 17, 16, generator=generator)
+    with serving(with_vae, tmp_path, "--nproc", "2", "--ulysses-degree", "2", "--dtype", "fp32") as client:
+        frames, info = client.decode(latents)
+        waveform = client.decode_audio(audio)
+    vae, audio_vae = _diffusers_vaes(with_vae)
+    tiles = vae_decode.fit_tiles(vae, latents, 2)
+    with torch.no_grad():
+        want = vae.decode(latents, return_dict=False)[0]  # diffusers' tiled_decode, the pool's tiles
+        dropped = vae_decode._Dispatch(vae.decoder, lambda tile: tile % 2 == 0, None)  # rank 1's tiles never arrive
+        with vae_decode._decoder(vae, dropped):
+            control = vae.decode(latents, return_dict=False)[0]
+        mel = audio_vae.decode(audio, return_dict=False)[0]
+    error, miss = ((frames - t).abs().max().item() for t in (want, control))
+    print(f"video decode on 2 ranks, {tiles} tiles {tuple(frames.shape)}: max |pool - diffusers| {error:.3g}, "
+          f"rank 1's tiles dropped misses by {miss:.3g}")
+    assert frames.shape == want.shape and error <= TOLERANCE, error
+    assert miss > 100 * TOLERANCE, miss
+    assert tiles >= 2 and sum(r["tiles"] for r in info["ranks"]) == info["tiles"] == tiles
+
+    save_file({"latents": audio, "mel": mel, "video": latents}, tmp_path / "mel.safetensors")
+    subprocess.run([str(files["python"]), "-c", RUN_AUDIO, str(with_vae), json.dumps(VIDEO_VAE), json.dumps(AUDIO_VAE),
+                    json.dumps({"vocoder": VOCODER, "bwe": BWE}), str(tmp_path / "mel.safetensors"),
+                    str(tmp_path / "comfy.safetensors")], cwd=files["comfyui"], check=True, capture_output=True)
+    comfy = load_file(tmp_path / "comfy.safetensors")
+    vae.use_tiling = False
+    with torch.no_grad():
+        plain = vae.decode(latents, return_dict=False)[0]
+    mapped = (plain - comfy["frames"]).abs().max().item()  # the converted names against ComfyUI's own decoder
+    print(f"untiled video decode: max |diffusers - ComfyUI's VideoVAE decoder| {mapped:.3g}")
+    assert plain.shape == comfy["frames"].shape and mapped <= TOLERANCE, mapped
+    error, whole, miss = ((waveform - comfy[k]).abs().max().item() for k in ("waveform", "whole", "without_bwe"))
+    clipped = (comfy["waveform"].abs() >= 1).float().mean().item()
+    print(f"audio decode {tuple(waveform.shape)}: max |pool - ComfyUI's vocoder on diffusers' mel| {error:.3g}, "
+          f"|pool - ComfyUI's own VAE and vocoder| {whole:.3g}, without its bandwidth extension misses by {miss:.3g}; "
+          f"{clipped:.0%} of samples at ±1")
+    assert waveform.shape == comfy["waveform"].shape and max(error, whole) <= TOLERANCE, (error, whole)
+    assert miss > 100 * TOLERANCE and clipped < 0.5 and waveform.abs().max() > 100 * TOLERANCE, (miss, clipped)
+
+
+def test_a_video_vae_the_loader_cannot_read_leaves_sampling_and_refuses_decode_in_one_line(
+        files, with_vae, tmp_path):
+    """A four-stage decoder without the file's config (which says how its stages upsample, as the shipped LTX-2 config
+    cannot): the pool still loads (sampling needs the statistics alone), and a decode is refused at submit with the
+    reason and ComfyUI's VAE Decode."""
+    from types import SimpleNamespace
+
+    from parallel.loading.pipelines import load_pipeline
+    from workers.rank.validation import Validator
+
+    save_file(load_file(with_vae), tmp_path / "ltx-2.3-tiny-other-vae.safetensors")  # its config left out
+    pipeline = load_pipeline(tmp_path / "ltx-2.3-tiny-other-vae.safetensors", dtype="fp32")
+    assert not list(pipeline.vae.parameters()) and list(pipeline.vocoder.parameters())
+    rank = SimpleNamespace(state="idle", pipeline=SimpleNamespace(module=pipeline))
+    with pytest.raises(ValueError) as error:
+        Validator(rank)(SimpleNamespace(type="decode", tensors={"latents": torch.randn(1, 128, 2, 3, 5)}))
+    message = str(error.value)
+    print(message)
+    assert "\n" not in message and "4 stages" in message and "ComfyUI's VAE Decode" in message, message

@@ -81,7 +81,8 @@ class Validator:
         vae = getattr(rank.pipeline.module, "vae", None)
         latents = message.tensors.get("latents")
         if vae is None or getattr(vae, "statistics_only", False):  # a single file's VAE statistics alone (LTX-2)
-            raise ValueError("this pool's pipeline has no VAE to decode with; decode with ComfyUI's VAE Decode")
+            why = vae.statistics_only if isinstance(getattr(vae, "statistics_only", None), str) else "no VAE weights"
+            raise ValueError(f"this pool's pipeline has no VAE to decode with ({why}); decode with ComfyUI's VAE Decode")
         if latents is None or not latents.is_floating_point():
             raise ValueError("decode needs a floating-point 'latents' tensor in the VAE's own space (ComfyUI's LATENT)")
         channels = vae.config.get("latent_channels") or vae.config.get("z_dim")

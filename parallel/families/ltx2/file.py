@@ -7,9 +7,9 @@ and the VAEs' latent statistics (`vae.` / `audio_vae.per_channel_statistics`) at
 The transformer converts with diffusers' own converter (`convert_ltx2_transformer_to_diffusers`), after one rename it
 does not make in 0.42.1 (LTX-2.3's prompt modulation, `prompt_adaln_single` → `prompt_adaln`). diffusers keeps the
 connectors in a separate component (`LTX2TextConnectors`) and its converter drops them, so `components` reads them
-here with the text projections into that component, and the two VAEs' statistics (the pipeline normalises given
-latents with them) into VAEs built from the shipped config without weights: such a pool samples latents; decoding
-them is ComfyUI's VAE Decode. ComfyUI's diffusion-model file (the transformer and connectors alone: ComfyUI's text
+here with the text projections into that component. The whole checkpoint's video VAE, audio VAE and vocoder load
+beside them (file_vaes.py), so its pool decodes video and sound; where a file holds the VAEs' statistics alone (the
+pipeline normalises given latents with them), they go into VAEs without weights, and decoding is ComfyUI's VAE Decode. ComfyUI's diffusion-model file (the transformer and connectors alone: ComfyUI's text
 encoder holds the projections and has applied them to its text) loads without projections or VAEs: its pool takes
 ComfyUI's model calls, which send projected text through the connectors, and refuses pipeline jobs in one line
 (xFuserLTX2Pipeline.prepare). LTX-2.0 files (one shared text projection, a caption projection in the transformer) are
@@ -19,12 +19,16 @@ refused in one line.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
 import torch
 
 from ..base import SingleFile, Variant
+from . import file_vaes
+
+log = logging.getLogger(__name__)
 
 MARKER = "av_ca_a2v_gate_adaln_single.emb.timestep_embedder.linear_1.weight"  # diffusers' CHECKPOINT_KEY_NAMES["ltx2"]
 STACKED = 49  # Gemma 3 12B's embeddings and 48 layers' hidden states, stacked per token: every LTX-2.x's text encoder
@@ -140,14 +144,16 @@ def _statistics(vae, tensors: dict, prefix: str, path: Path):
 
 def components(path: Path, config_dir: Path, dtype: torch.dtype) -> dict:
     """The pipeline's parts the file holds beside the transformer: text connectors (and projections) and, in the whole
-    checkpoint, the VAEs' statistics."""
+    checkpoint, the VAEs and the vocoder (or, where it holds them alone, the VAEs' statistics)."""
     import diffusers
     from accelerate import init_empty_weights
 
     from ...loading.checkpoints import CheckpointFile
 
     checkpoint = CheckpointFile(path)
-    side = [k for k in _names(checkpoint) if k.startswith((*SIDE, *(checkpoint.prefix + CONNECTOR.format(s)
+    names = _names(checkpoint)
+    whole = tuple(name.split(".")[0] + "." for name in file_vaes.WEIGHTS.values() if name in names)
+    side = [k for k in names if k.startswith((*SIDE, *whole, *(checkpoint.prefix + CONNECTOR.format(s)
                                                                    for s in ("video", "audio"))))]
     if any(k.endswith(".scale_weight") for k in side):  # ComfyUI's scaled fp8 side layers: read with their marker
         side.append(checkpoint.prefix + "scaled_fp8")
@@ -157,13 +163,23 @@ def components(path: Path, config_dir: Path, dtype: torch.dtype) -> dict:
     if not projected:  # ComfyUI's diffusion-model file: model calls only, so no VAE statistics either
         return {**out, "vae": None, "audio_vae": None}
     index = json.loads((config_dir / "model_index.json").read_text())
+    unread = {}
+    for name, load in (("vae", file_vaes.video_vae), ("audio_vae", file_vaes.audio_vae), ("vocoder", file_vaes.vocoder)):
+        if file_vaes.WEIGHTS[name] in names:
+            try:
+                out[name] = load(tensors, config_dir, path).to(dtype)
+            except file_vaes.LayoutError as error:  # sampling needs only the statistics: decoding says why it cannot
+                log.warning("%s; the pool samples, and decodes with ComfyUI's VAE Decode", error)
+                unread[name] = str(error)
     for name, prefix in (("vae", "vae."), ("audio_vae", "audio_vae.")):
+        if name in out:
+            continue
         cls = getattr(diffusers, index[name][1])
         with init_empty_weights():  # weights on meta, buffers (the statistics) real
             vae = cls.from_config(cls.load_config(config_dir, subfolder=name))
         for module in vae.modules():  # none left on meta: the pipeline takes its device from its first module's
             module._parameters.clear()
-        vae.statistics_only = True  # decode jobs are refused on it (workers/rank/validation.py)
+        vae.statistics_only = unread.get(name, True)  # decode jobs are refused on it (workers/rank/validation.py)
         out[name] = _statistics(vae, tensors, prefix, path)
     return out
 

@@ -97,7 +97,8 @@ class ModelCallGlue:
         decodes them."""
         audio_vae = getattr(self.module, "audio_vae", None)
         if audio_vae is None or getattr(self.module, "vocoder", None) is None:
-            raise ValueError(f"this pool's {type(self.module).__name__} has no audio VAE and vocoder to decode audio with")
+            raise ValueError(f"this pool's {type(self.module).__name__} has no audio VAE and vocoder to decode audio with "
+                             "(a file holding its statistics alone); decode the audio with ComfyUI's VAE Decode (Audio)")
         channels = audio_vae.config.latent_channels
         if not audio.is_floating_point() or audio.ndim != 4 or audio.shape[1] != channels:
             raise ValueError(f"this pool's audio VAE decodes audio latents [batch, {channels} channels, frames, mel bins], "
