@@ -10,7 +10,8 @@ what ComfyUI's model does. The formulas are ComfyUI 0.33's (comfy/ldm/minimax/mo
 MiniMaxH3Model.forward, _cond_video_rows and _cond_audio_rows).
 
 LTX-2 (ComfyUI's LTXAV) samples both streams on one schedule: its model takes the (video, audio) timesteps, each its
-stream's sigma, and answers [video, audio] velocities as they are; the frame rate (LTXVConditioning's) goes along.
+stream's sigma, and answers [video, audio] velocities as they are; the frame rate (LTXVConditioning's) goes along. A
+video noise mask (LTXVImgToVideoInplace's) makes the video's timesteps per token, which go as `token_sigmas`.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class AudioCall:
                    "prompts: use batch size 1, and cfg 1 (CFGGuider at 1, as the LTX-2 templates' distilled stages)")
             raise ValueError(f"this model's call takes one video at a time (got a batch of {streams[0].shape[0]}), {why}")
         self.data, self.video, self.scale = data, streams[0], float(1.0 if scale is None else scale)
+        self.token_sigmas = None
         self.sigma = sigma.float().reshape(-1)[:1].clamp(min=1e-6)
         if data.audio_shifts:
             (video_option, video_shift), (audio_option, audio_shift) = data.audio_shifts
@@ -47,18 +49,16 @@ class AudioCall:
                                           float(options.get(audio_option, audio_shift)))
         else:
             video_t, audio_t = timesteps if isinstance(timesteps, (tuple, list)) else (timesteps, timesteps)
-            if video_t.numel() != 1 or audio_t.numel() != 1:
-                raise ValueError("this model's call got a timestep per token (a noise mask: an image or audio held in "
-                                 "the latent), which the pool's call does not take yet; sample text to video without "
-                                 "LTXVImgToVideoInplace or a set latent noise mask, or with ComfyUI's own model")
-            self.audio_sigma = audio_t.float().reshape(1)  # LTXAV's timesteps are its sigmas (flow matching)
+            self.audio_sigma = _audio_sigma(audio_t.float())  # LTXAV's timesteps are its sigmas (flow matching)
+            self.token_sigmas = _token_sigmas(video_t.float(), self.video, self.audio_sigma)
         carry = self.audio_sigma / self.sigma if self.scale != 1.0 else torch.ones(1)
         self.audio = streams[1].float() * carry  # the stream's own audio, ComfyUI's layout
 
     def inputs(self) -> dict[str, torch.Tensor]:
         audio = self.audio.permute(*self.data.audio_axes) if self.data.audio_axes else self.audio
-        return {"latents": self.video.float().contiguous(), "sigma": self.sigma.contiguous(),
-                "audio_latents": audio.contiguous(), "audio_sigma": self.audio_sigma.contiguous()}
+        tensors = {"latents": self.video.float().contiguous(), "sigma": self.sigma.contiguous(),
+                   "audio_latents": audio.contiguous(), "audio_sigma": self.audio_sigma.contiguous()}
+        return tensors if self.token_sigmas is None else {**tensors, "token_sigmas": self.token_sigmas}
 
     @staticmethod
     def batched(conditioning: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -107,6 +107,37 @@ class AudioCall:
         if self.scale != 1.0:  # d/d(video sigma) of the carried audio
             audio = (1.0 - self.scale) * self.audio + (1.0 + (self.scale - 1.0) * self.audio_sigma) * audio
         return [outputs["prediction"], audio.contiguous()]
+
+
+def _audio_sigma(timestep: torch.Tensor) -> torch.Tensor:
+    """LTXAV's audio timestep as one sigma: an audio noise mask of ones (LTXVConcatAVLatent's beside a video mask)
+    gives every token the same; a mask that holds audio back is refused, as diffusers' transformer would gate the
+    video-to-audio attention with each audio token's timestep, ComfyUI's model with the video's largest."""
+    if timestep.numel() > 1 and bool((timestep != timestep.reshape(-1)[0]).any()):
+        raise ValueError("this model's call got an audio noise mask that holds some audio back (its tokens' timesteps "
+                         f"range {timestep.min().item():.4g}..{timestep.max().item():.4g}), which the pool's call cannot "
+                         "match ComfyUI's model on; sample without the audio's noise mask, or with ComfyUI's own model")
+    return timestep.reshape(-1)[:1]
+
+
+def _token_sigmas(timestep: torch.Tensor, video: torch.Tensor, audio_sigma: torch.Tensor) -> torch.Tensor | None:
+    """A video noise mask's per-token timesteps (ComfyUI's process_timestep: mask × sigma, patchified; LTXVImgToVideo-
+    Inplace's start frame at 1 - strength) as `token_sigmas` [1, tokens], or None for one timestep. ComfyUI's model
+    gates the video-to-audio attention with the largest, the pool's transformer call with the audio's sigma
+    (use_cross_timestep off): a mask where the two differ is refused."""
+    if timestep.numel() == 1:
+        return None
+    tokens = video.shape[0] * video.shape[2] * video.shape[3] * video.shape[4]
+    if timestep.numel() != tokens:
+        raise ValueError(f"this model's call got {timestep.numel()} video timesteps for {tokens} video tokens (a noise "
+                         "mask of another size); resize the mask to the latent, or sample with ComfyUI's own model")
+    top = timestep.max()
+    if not torch.isclose(top, audio_sigma[0], rtol=1e-6, atol=0.0):
+        raise ValueError(f"this model's call got a noise mask whose largest video timestep ({top.item():.4g}) is not "
+                         f"the audio's ({audio_sigma[0].item():.4g}): a video mask below 1 everywhere, or a held audio, "
+                         "which the pool's call cannot match ComfyUI's model on; leave some frames unmasked "
+                         "(LTXVImgToVideoInplace does) and the audio free, or sample with ComfyUI's own model")
+    return timestep.reshape(1, tokens).contiguous()
 
 
 def _noised(latent: torch.Tensor, seed: int) -> torch.Tensor:

@@ -29,8 +29,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ltx2_comfy_files import AUDIO_WIDTH, CONFIG, FILE, RATE, TEXT_TOKENS, VIDEO_WIDTH, diffusers_parts, files, stock, \
-    template
+from ltx2_comfy_files import AUDIO_WIDTH, CONFIG, FILE, RATE, STRENGTH, TEXT_TOKENS, VIDEO_WIDTH, diffusers_parts, \
+    files, image_to_video, stock, template
 from test_comfyui_loader import _loader
 from test_comfyui_loader_minimax_h3 import _max_diffs, _streams
 from xdit_test_helpers import TOLERANCE
@@ -164,3 +164,24 @@ def test_the_swapped_loader_on_ulysses_2_equals_comfyuis_own_ltxav(comfy):
     assert min(other) > 1e-2, other
     logged = [line for line in comfy.log.read_text().splitlines() if DEPARTURE_LOG in line]
     assert len(logged) == 1 and "PR 15138" in logged[0], logged  # one line for the pool, naming ComfyUI's change
+
+
+def test_image_to_video_on_the_swapped_loader_equals_comfyuis_own_ltxav(comfy):
+    """video_ltx2_3_i2v's first stage (LTXVPreprocess, LTXVImgToVideoInplace at 0.7) with the loader on Ulysses 2: the
+    noise mask's per-token timesteps go to the pool as `token_sigmas` and answer what UNETLoader's model does. (With a
+    trained audio-to-video attention the pool also gates a held token's audio-to-video update by its own timestep where
+    ComfyUI's gates it by the audio's: `model_call_departs`; this file's update is zero, so neither departure shows.)"""
+    files(comfy)
+    unet = {"class_type": "UNETLoader", "inputs": {"unet_name": FILE, "weight_dtype": "default"}}
+    theirs = _streams(comfy, image_to_video(unet, seed=42))
+    loader = _loader(ulysses_degree=2)
+    ours = _streams(comfy, image_to_video({**loader, "inputs": {**loader["inputs"], "unet_name": FILE}}, seed=42))
+    diffs = _max_diffs(ours, theirs)
+    print("loader, image to video (video, audio):", diffs)
+    assert max(diffs) <= TOLERANCE, diffs
+    # negative controls: ComfyUI's own model without the image (text to video), and with the held frame's mask
+    # inverted (strength 1 - 0.7: that frame's timesteps 0.7 σ for 0.3 σ), are far from the pool's result
+    dropped = _max_diffs(ours, stock(comfy, FILE))
+    inverted = _max_diffs(ours, _streams(comfy, image_to_video(unet, seed=42, strength=1.0 - STRENGTH)))
+    print("image dropped (video, audio):", dropped, "mask inverted (video, audio):", inverted)
+    assert max(dropped) > 1e-2 and max(inverted) > 1e-2, (dropped, inverted)

@@ -31,7 +31,9 @@ class xFuserLTX2Pipeline(xFuserPipelineBaseWrapper):
             "the pool follows Lightricks' reference (ltx-core, diffusers' LTX2VideoTransformer3DModel): each block's "
             "video-to-audio attention reads the video before that block's audio-to-video update, where ComfyUI >= 0.33's "
             "LTXAV (its LTX speed-up, PR 15138) reads it after, so with a trained audio-to-video attention the two "
-            "differ there"),
+            "differ there; and under a noise mask (LTXVImgToVideoInplace) the pool gates a held token's audio-to-video "
+            "update by that token's timestep (use_cross_timestep off: the one setting of diffusers' transformer that "
+            "modulates the cross-modal attention as ComfyUI's does), where ComfyUI's LTXAV gates it by the audio's"),
         # Model from xDiT Pool on a pipeline folder's pool: ComfyUI's text (its connectors run on the pool, per call)
         # and LTXVConditioning's frame rate
         model_call_conds={"context": "prompt_embeds", "frame_rate": "frame_rate"},
@@ -43,7 +45,7 @@ class xFuserLTX2Pipeline(xFuserPipelineBaseWrapper):
     extra_outputs = ("audio",)  # LTX2PipelineOutput(frames, audio): the audio latents after the video latents
     guidance = ("guidance_scale", 3.0)
     default_sigmas = staticmethod(linear_sigmas)
-    model_call_inputs = ("prompt_embeds", "audio_latents", "audio_sigma", "frame_rate")
+    model_call_inputs = ("prompt_embeds", "audio_latents", "audio_sigma", "frame_rate", "token_sigmas")
     model_call_required = ("prompt_embeds", "audio_latents", "audio_sigma")
     call_parameters = {
         "num_frames": CallParameter(int, "video frames, 8k+1 (default: as many as the latents hold)", 1, 10_000),
@@ -87,15 +89,32 @@ class xFuserLTX2Pipeline(xFuserPipelineBaseWrapper):
         rate = float(inputs["frame_rate"].reshape(-1)[0]) if "frame_rate" in inputs else 25.0
         audio_timestep = inputs["audio_sigma"].to(timestep) * self.timestep_scale()
         transformer, (patch_t, patch) = module.transformer, self._patches()
+        tokens = batch * frames * height * width // patch_t // patch**2
+        timestep, sigma, cross = self._token_timesteps(timestep, inputs, tokens)
         return {"hidden_states": module._pack_latents(latents, patch, patch_t), "audio_hidden_states": module._pack_audio_latents(audio),
                 "encoder_hidden_states": video_text * mask[..., None], "audio_encoder_hidden_states": audio_text,
-                "timestep": timestep, "sigma": timestep, "audio_timestep": audio_timestep, "audio_sigma": audio_timestep,
+                "timestep": timestep, "sigma": sigma, "audio_timestep": audio_timestep, "audio_sigma": audio_timestep,
                 "encoder_attention_mask": mask, "audio_encoder_attention_mask": mask, "num_frames": frames,
                 "height": height, "width": width, "fps": rate, "audio_num_frames": audio.shape[2],
                 "video_coords": transformer.rope.prepare_video_coords(batch, frames, height, width, latents.device,
                                                                       fps=rate),
                 "audio_coords": transformer.audio_rope.prepare_audio_coords(batch, audio.shape[2], latents.device),
-                "use_cross_timestep": True}
+                "use_cross_timestep": cross}
+
+    def _token_timesteps(self, timestep, inputs, tokens: int):
+        """The call's video timesteps, prompt sigma and cross-timestep choice. One timestep: each, as LTX-2.3's loop
+        passes them. `token_sigmas` [B, tokens] (a ComfyUI noise mask's per-token timesteps): those for the video's
+        own modulation (split with its tokens), their largest for the prompt's, as ComfyUI's LTXAV takes them, and
+        use_cross_timestep off, so the video's cross-modal scale and shift read each token's timestep and the audio's
+        its own, as ComfyUI's do (the audio-to-video gate too, where ComfyUI's reads the audio's: `model_call_departs`).
+        The video-to-audio gate reads the audio sigma, ComfyUI's the largest: equal, av_calls refuses other masks."""
+        if "token_sigmas" not in inputs:
+            return timestep, timestep, True
+        per_token = inputs["token_sigmas"].to(timestep) * self.timestep_scale()
+        if per_token.ndim != 2 or per_token.numel() != tokens:
+            raise ValueError(f"token_sigmas have shape {list(per_token.shape)}; send one per video token, "
+                             f"[batch, {tokens // max(per_token.shape[0], 1)}]")
+        return per_token, per_token.amax(dim=1), False
 
     def model_call_outputs(self, outputs, latents, inputs):
         """The velocities shaped as the streams came: the video like `latents`, the audio (`audio`) like
