@@ -10,7 +10,8 @@ what ComfyUI's model does. The formulas are ComfyUI 0.33's (comfy/ldm/minimax/mo
 MiniMaxH3Model.forward, _cond_video_rows and _cond_audio_rows).
 
 LTX-2 (ComfyUI's LTXAV) samples both streams on one schedule: its model takes the (video, audio) timesteps, each its
-stream's sigma, and answers [video, audio] velocities as they are; the frame rate (LTXVConditioning's) goes along.
+stream's sigma, and answers [video, audio] velocities as they are; the frame rate (LTXVConditioning's) goes along. A
+video noise mask (LTXVImgToVideoInplace's) makes the video's timesteps per token, which go as `token_sigmas`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..parallel.families import ComfyData
+from ..parallel.families.ltx2.comfy_block_order import A2V_GATE
 
 
 def time_shift(sigma: torch.Tensor, from_shift: float, to_shift: float) -> torch.Tensor:
@@ -41,24 +43,27 @@ class AudioCall:
         self.data, self.video, self.scale = data, streams[0], float(1.0 if scale is None else scale)
         # LTXAV: a batch (cond and uncond) holds samples at one noise level, one per sample here
         self.sigma = torch.broadcast_to(sigma.float().reshape(-1)[:batch], (batch,)).clamp(min=1e-6)
+        self.token_sigmas = None
         if data.audio_shifts:
             (video_option, video_shift), (audio_option, audio_shift) = data.audio_shifts
             self.audio_sigma = time_shift(self.sigma, float(options.get(video_option, video_shift)),
                                           float(options.get(audio_option, audio_shift)))
         else:
             video_t, audio_t = timesteps if isinstance(timesteps, (tuple, list)) else (timesteps, timesteps)
-            if video_t.numel() != batch or audio_t.numel() != batch:
-                raise ValueError("this model's call got a timestep per token (a noise mask: an image or audio held in "
-                                 "the latent), which the pool's call does not take yet; sample text to video without "
-                                 "LTXVImgToVideoInplace or a set latent noise mask, or with ComfyUI's own model")
-            self.audio_sigma = audio_t.float().reshape(batch)  # LTXAV's timesteps are its sigmas (flow matching)
+            self.audio_sigma = _audio_sigma(audio_t.float(), batch)  # LTXAV's timesteps are its sigmas (flow matching)
+            self.token_sigmas = _token_sigmas(video_t.float(), self.video, self.audio_sigma)
         carry = self.audio_sigma / self.sigma if self.scale != 1.0 else torch.ones(1)
         self.audio = streams[1].float() * carry  # the stream's own audio, ComfyUI's layout
 
     def inputs(self) -> dict[str, torch.Tensor]:
         audio = self.audio.permute(*self.data.audio_axes) if self.data.audio_axes else self.audio
-        return {"latents": self.video.float().contiguous(), "sigma": self.sigma.contiguous(),
-                "audio_latents": audio.contiguous(), "audio_sigma": self.audio_sigma.contiguous()}
+        tensors = {"latents": self.video.float().contiguous(), "sigma": self.sigma.contiguous(),
+                   "audio_latents": audio.contiguous(), "audio_sigma": self.audio_sigma.contiguous()}
+        if self.token_sigmas is None:
+            return tensors
+        # ComfyUI's LTXAV gates the audio-to-video update of every video token by the audio's timestep
+        return {**tensors, "token_sigmas": self.token_sigmas,
+                A2V_GATE: torch.ones(self.video.shape[0])}
 
     def batched(self, conditioning: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The conditioning one per sample: what ComfyUI gives once for the call (one layout's per-token tags [T], a
@@ -109,6 +114,38 @@ class AudioCall:
         if self.scale != 1.0:  # d/d(video sigma) of the carried audio
             audio = (1.0 - self.scale) * self.audio + (1.0 + (self.scale - 1.0) * self.audio_sigma) * audio
         return [outputs["prediction"], audio.contiguous()]
+
+
+def _audio_sigma(timestep: torch.Tensor, batch: int) -> torch.Tensor:
+    """LTXAV's audio timestep as one sigma per sample [B]: an audio noise mask of ones (LTXVConcatAVLatent's beside a
+    video mask) gives every token the same; a mask that holds audio back is refused, as diffusers' transformer would
+    gate the video-to-audio attention with each audio token's timestep, ComfyUI's model with the video's largest."""
+    if timestep.numel() > batch and bool((timestep != timestep.reshape(-1)[0]).any()):
+        raise ValueError("this model's call got an audio noise mask that holds some audio back (its tokens' timesteps "
+                         f"range {timestep.min().item():.4g}..{timestep.max().item():.4g}), which the pool's call cannot "
+                         "match ComfyUI's model on; sample without the audio's noise mask, or with ComfyUI's own model")
+    return timestep.reshape(batch, -1)[:, 0] if timestep.numel() >= batch else timestep.reshape(-1).expand(batch)
+
+
+def _token_sigmas(timestep: torch.Tensor, video: torch.Tensor, audio_sigma: torch.Tensor) -> torch.Tensor | None:
+    """A video noise mask's per-token timesteps (ComfyUI's process_timestep: mask × sigma, patchified; LTXVImgToVideo-
+    Inplace's start frame at 1 - strength) as `token_sigmas` [B, tokens], or None for one timestep per sample. ComfyUI's
+    model gates the video-to-audio attention with the largest, the pool's transformer call with the audio's sigma
+    (use_cross_timestep off): a mask where the two differ is refused."""
+    batch = video.shape[0]
+    if timestep.numel() == batch:
+        return None
+    tokens = video.shape[2] * video.shape[3] * video.shape[4]
+    if timestep.numel() not in (tokens, batch * tokens):
+        raise ValueError(f"this model's call got {timestep.numel()} video timesteps for {tokens} video tokens (a noise "
+                         "mask of another size); resize the mask to the latent, or sample with ComfyUI's own model")
+    top = timestep.max()
+    if not torch.allclose(top.expand_as(audio_sigma), audio_sigma, rtol=1e-6, atol=0.0):
+        raise ValueError(f"this model's call got a noise mask whose largest video timestep ({top.item():.4g}) is not "
+                         f"the audio's ({audio_sigma.max().item():.4g}): a video mask below 1 everywhere, or a held "
+                         "audio, which the pool's call cannot match ComfyUI's model on; leave some frames unmasked "
+                         "(LTXVImgToVideoInplace does) and the audio free, or sample with ComfyUI's own model")
+    return timestep.reshape(-1, tokens).expand(batch, tokens).contiguous()
 
 
 def _noised(latent: torch.Tensor, seed: int) -> torch.Tensor:

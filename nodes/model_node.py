@@ -75,12 +75,17 @@ class PoolTransformer(torch.nn.Module):
 
     @property
     def patchifier(self):
-        """ComfyUI's LTXAV patchifies per-token timesteps (a noise mask) and keyframe positions with its model's."""
-        raise UnsupportedPatch("xDiT Model: this LTX-2 latent carries a noise mask (LTXVImgToVideoInplace, "
-                               "LTXVAddGuide or SetLatentNoiseMask), whose per-token timesteps the pool's model call does "
-                               "not take yet; sample text to video without it, or with ComfyUI's own model")
+        """ComfyUI's LTXAV patchifies a noise mask × timestep into per-token timesteps (its process_timestep) with its
+        model's patchifiers: the same ones here, so the call gets them in its model's token order."""
+        from comfy.ldm.lightricks.symmetric_patchifier import SymmetricPatchifier
 
-    a_patchifier = patchifier
+        return SymmetricPatchifier(1, start_end=True)
+
+    @property
+    def a_patchifier(self):
+        from comfy.ldm.lightricks.symmetric_patchifier import AudioPatchifier
+
+        return AudioPatchifier(1, start_end=True)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         for name, shape in self.weights.items():
@@ -96,7 +101,8 @@ class PoolTransformer(torch.nn.Module):
 
     def _evaluate(self, x, timesteps, context, control, options, **kwargs):
         _refuse_patches(control, options)
-        kwargs.pop("denoise_mask", None)  # Wan 2.2's: ComfyUI's model already turned it into per-frame timesteps
+        kwargs.pop("denoise_mask", None)  # Wan 2.2's, LTXAV's: ComfyUI's model already turned it into timesteps
+        kwargs.pop("audio_denoise_mask", None)
         kwargs = {f"{name}.{key}" if isinstance(value, dict) else name: entry for name, value in kwargs.items()
                   for key, entry in (value.items() if isinstance(value, dict) else [(None, value)])}
         unknown = sorted(name for name, value in kwargs.items() if value is not None and name not in self.conds)

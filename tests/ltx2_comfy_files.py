@@ -37,8 +37,9 @@ CONFIG = dict(
     connector_num_attention_heads=HEADS, connector_attention_head_dim=HEAD,
     audio_connector_num_attention_heads=HEADS, audio_connector_attention_head_dim=AUDIO_HEAD)
 FILE = "tiny-ltx-2.3-a2v.safetensors"
-AUDIO_VAE = "tiny-ltx-2.3-audio-vae.safetensors"
+AUDIO_VAE, VIDEO_VAE = "tiny-ltx-2.3-audio-vae.safetensors", "tiny-ltx-2.3-video-vae.safetensors"
 NEGATIVE, SHORT = "ltx2-negative", "ltx2-short"  # negative prompts: as long as ltx2-text, and 3 tokens
+START, STRENGTH = "ltx2-start.png", 0.7  # video_ltx2_3_i2v's first stage: LTXVImgToVideoInplace at strength 0.7
 SIGMAS = "1.0, 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421875, 0.0"  # the template's first stage
 
 # Writes the file from ComfyUI's own LTXAVModel and,
@@ -63,20 +64,49 @@ if inputs:
     x = load_file(inputs)
     with torch.no_grad():
         context = net.preprocess_text_embeds(x["context"], unprocessed=True)
-        video, audio = net([x["video"], x["audio"]], (x["sigma"], x["sigma"]), context, frame_rate=x["rate"].item())
+        mask = x.get("mask")  # a noise mask's per-token timesteps, as ComfyUI's LTXAV.process_timestep makes them
+        timestep = x["sigma"] if mask is None else net.patchifier.patchify(mask * x["sigma"])[0]
+        video, audio = net([x["video"], x["audio"]], (timestep, x["sigma"]), context, frame_rate=x["rate"].item(),
+                           denoise_mask=mask)
     save_file({"video": video.contiguous(), "audio": audio.contiguous()}, result)
 """
 
+# A tiny LTX video VAE as ComfyUI's VAELoader reads one (its config in the file's metadata, as the released files carry
+# it): 32x spatial and 8x temporal compression to 128 channels, 8 channels wide, random weights, unit statistics.
+VIDEO_VAE_SCRIPT = """
+import json, sys
+path = sys.argv[1]
+sys.argv = sys.argv[:1] + ["--cpu"]
+import comfy.options; comfy.options.enable_args_parsing()
+import torch
+from safetensors.torch import save_file
+from comfy.ldm.lightricks.vae.causal_video_autoencoder import VideoVAE
+up = ["compress_all", {"residual": True, "multiplier": 1}]
+config = {"dims": 3, "in_channels": 3, "out_channels": 3, "latent_channels": 128, "patch_size": 4,
+          "encoder_blocks": [["res_x", {"num_layers": 1}]] + [["compress_all", {}]] * 3,
+          "decoder_blocks": [up] * 3 + [["res_x", {"num_layers": 1, "inject_noise": False}]],
+          "encoder_base_channels": 8, "decoder_base_channels": 8, "norm_layer": "pixel_norm",
+          "latent_log_var": "uniform", "use_quant_conv": False, "causal_decoder": False, "scaling_factor": 1.0}
+generator = torch.Generator().manual_seed(0)
+weights = {name: torch.randn(value.shape, generator=generator) * 0.2
+           for name, value in VideoVAE(config=config).state_dict().items()}
+for name in weights:
+    if name.startswith("per_channel_statistics."):
+        weights[name] = torch.ones_like(weights[name]) if "std" in name else torch.zeros_like(weights[name])
+save_file(weights, path, metadata={"config": json.dumps({"vae": config})})
+"""
 
-def comfyui_file(python, comfyui, path, work=None) -> dict | None:
-    """The file written at `path` by ComfyUI's own code; with `work`, ComfyUI's model call on it too."""
+
+def comfyui_file(python, comfyui, path, work=None, mask=None) -> dict | None:
+    """The file written at `path` by ComfyUI's own code; with `work`, ComfyUI's model call on it too (under a video
+    noise `mask` [1, 1, 3, 2, 3], if given)."""
     args = [str(path), "", "", json.dumps(CONFIG)]
     x = None
     if work is not None:
         gen = torch.Generator().manual_seed(1)
         x = {"video": torch.randn(1, 128, 3, 2, 3, generator=gen), "audio": torch.randn(1, 8, 12, 16, generator=gen),
              "context": torch.randn(1, TEXT_TOKENS, VIDEO_WIDTH + AUDIO_WIDTH, generator=gen),
-             "sigma": torch.tensor([0.7]), "rate": torch.tensor(RATE)}
+             "sigma": torch.tensor([0.7]), "rate": torch.tensor(RATE), **({} if mask is None else {"mask": mask})}
         save_file(x, work / "inputs.safetensors")
         args[1:3] = [str(work / "inputs.safetensors"), str(work / "result.safetensors")]
     subprocess.run([str(python), "-c", COMFY_SCRIPT, *args], cwd=comfyui, check=True, capture_output=True)
@@ -160,6 +190,22 @@ def template(unet: dict, seed: int) -> dict:
     }
 
 
+def image_to_video(unet: dict, seed: int, strength: float = STRENGTH) -> dict:
+    """video_ltx2_3_i2v's first stage at the same tiny size: `template` with the start image (LoadImage) through
+    LTXVPreprocess (crf 18) and LTXVImgToVideoInplace (the tiny video VAE) into the video latent: its first latent
+    frame the image's encoding, its noise mask 1 - `strength` there, 1 elsewhere."""
+    prompt = template(unet, seed)
+    prompt.update({
+        "vae": {"class_type": "VAELoader", "inputs": {"vae_name": VIDEO_VAE}},
+        "image": {"class_type": "LoadImage", "inputs": {"image": START}},
+        "preprocess": {"class_type": "LTXVPreprocess", "inputs": {"image": ["image", 0], "img_compression": 18}},
+        "i2v": {"class_type": "LTXVImgToVideoInplace", "inputs": {
+            "vae": ["vae", 0], "image": ["preprocess", 0], "latent": ["video", 0], "strength": strength,
+            "bypass": False}}})
+    prompt["latent"]["inputs"]["video_latent"] = ["i2v", 0]
+    return prompt
+
+
 def stock(comfy, file: str, seed: int = 42) -> tuple[torch.Tensor, torch.Tensor]:
     """The template on ComfyUI's own model of the file (UNETLoader)."""
     return _streams(comfy, template({"class_type": "UNETLoader", "inputs": {"unet_name": file,
@@ -167,13 +213,20 @@ def stock(comfy, file: str, seed: int = 42) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def files(comfy) -> None:
-    """The tiny file in ComfyUI's models with its pipeline folder, the audio VAE and the text (once a server)."""
+    """The tiny file in ComfyUI's models with its pipeline folder, the audio and video VAEs, the start image and the
+    texts (once a server)."""
     models = comfy.work / "models"
-    if (comfy.work / "input" / "ltx2-text.safetensors").exists():
+    if all((comfy.work / "input" / name).exists() for name in (START, "ltx2-text.safetensors")):
         return
     subprocess.run([str(comfy.python), "-c", AUDIO_VAE_SCRIPT.replace('"mel_bins": 16, "z_channels": 4',
                                                                       '"mel_bins": 64, "z_channels": 8'),
                     str(models / "checkpoints" / AUDIO_VAE)], cwd=comfy.comfy, check=True, capture_output=True)
+    subprocess.run([str(comfy.python), "-c", VIDEO_VAE_SCRIPT, str(models / "vae" / VIDEO_VAE)], cwd=comfy.comfy,
+                   check=True, capture_output=True)
+    from PIL import Image
+
+    pixels = torch.randint(0, 256, (64, 96, 3), generator=torch.Generator().manual_seed(4), dtype=torch.uint8)
+    Image.fromarray(pixels.numpy()).save(comfy.work / "input" / START)
     comfyui_file(comfy.python, comfy.comfy, models / "diffusion_models" / FILE)
     pipeline_folder(models / "diffusion_models" / FILE, models / "diffusers" / FILE.removesuffix(".safetensors"))
     gen = torch.Generator().manual_seed(3)  # LTX-2.3's text encoder's output: projected, its connectors still to run

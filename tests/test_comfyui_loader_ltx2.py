@@ -18,6 +18,10 @@ differs); the template through the loader equals ComfyUI's own model, and with t
 Guided at cfg 4, ComfyUI batches cond and uncond into one call where their text has one shape: its LTXAV keeps the
 text as CONDRegular (never padded across prompts), so every row of a batch holds only real tokens, the mask the pool's
 connectors take; the loader's text is unrefined, so a negative of another length comes as a call of its own.
+
+Image to video (LTXVImgToVideoInplace's noise mask): ComfyUI's per-token timesteps go as `token_sigmas`, and ComfyUI's
+audio-to-video gate (the audio's timestep for every video token, where diffusers' reads each token's own) is made by
+pre-hooks the calls ask for (`a2v_gate_reads_audio_timestep`); without them (XDiTTestDiffusersGate) the loader misses.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ltx2_comfy_files import AUDIO_WIDTH, CONFIG, FILE, NEGATIVE, RATE, SHORT, TEXT_TOKENS, VIDEO_WIDTH, \
-    diffusers_parts, files, stock, template
+from ltx2_comfy_files import AUDIO_WIDTH, CONFIG, FILE, NEGATIVE, RATE, SHORT, STRENGTH, TEXT_TOKENS, VIDEO_WIDTH, \
+    diffusers_parts, files, image_to_video, stock, template
 from test_comfyui_loader import _loader
 from test_comfyui_loader_minimax_h3 import _max_diffs, _streams
 from xdit_test_helpers import TOLERANCE
@@ -199,3 +203,31 @@ def test_cfg_4_on_the_loader_equals_comfyuis_own_ltxav(comfy, layout):
         other = _max_diffs(_streams(comfy, _guided(swapped, SHORT, ksampler=True, swap=True)), theirs)
         print("positive and negative swapped (video, audio):", other)
         assert min(other) > 1e-2, other
+
+
+def test_image_to_video_on_the_swapped_loader_equals_comfyuis_own_ltxav(comfy):
+    """video_ltx2_3_i2v's first stage (LTXVPreprocess, LTXVImgToVideoInplace at 0.7) with the loader on Ulysses 2, on
+    the trained file: the noise mask's per-token timesteps go to the pool as `token_sigmas`, with ComfyUI's
+    audio-to-video gate (the audio's timestep for every video token, each rank's own tokens), and answer what
+    UNETLoader's model does."""
+    files(comfy)
+    unet = {"class_type": "UNETLoader", "inputs": {"unet_name": FILE, "weight_dtype": "default"}}
+    theirs = _streams(comfy, image_to_video(unet, seed=42))
+    loader = _loader(ulysses_degree=2)
+    swapped = image_to_video({**loader, "inputs": {**loader["inputs"], "unet_name": FILE}}, seed=42)
+    ours = _streams(comfy, swapped)
+    diffs = _max_diffs(ours, theirs)
+    print("loader, image to video (video, audio):", diffs)
+    assert max(diffs) <= TOLERANCE, diffs
+    # negative controls: ComfyUI's own model without the image (text to video), and with the held frame's mask
+    # inverted (strength 1 - 0.7: that frame's timesteps 0.7 σ for 0.3 σ), are far from the pool's result; so is the
+    # pool with diffusers' gate (the calls without a2v_gate_reads_audio_timestep)
+    dropped = _max_diffs(ours, stock(comfy, FILE))
+    inverted = _max_diffs(ours, _streams(comfy, image_to_video(unet, seed=42, strength=1.0 - STRENGTH)))
+    print("image dropped (video, audio):", dropped, "mask inverted (video, audio):", inverted)
+    assert max(dropped) > 1e-2 and max(inverted) > 1e-2, (dropped, inverted)
+    own = {**swapped, "gate": {"class_type": "XDiTTestDiffusersGate", "inputs": {"model": ["unet", 0]}},
+           "guider": {**swapped["guider"], "inputs": {**swapped["guider"]["inputs"], "model": ["gate", 0]}}}
+    gated = _max_diffs(_streams(comfy, own), theirs)
+    print("loader, diffusers' audio-to-video gate (video, audio):", gated)
+    assert max(gated) > 1e-2, gated

@@ -282,7 +282,39 @@ class XDiTTestReferenceOrder:
         return (kept,)
 
 
-NODE_CLASS_MAPPINGS = {"XDiTTestRecordCalls": XDiTTestRecordCalls, "XDiTTestReferenceOrder": XDiTTestReferenceOrder, "XDiTTestConditioning": XDiTTestConditioning, "XDiTTestClipVision": XDiTTestClipVision,
+class XDiTTestDiffusersGate:
+    """An xDiT MODEL → one whose LTX-2 pool calls go without `a2v_gate_reads_audio_timestep` (AudioCall.inputs wrapped
+    for each call, then restored), so under a noise mask the pool gates each video token's audio-to-video update by its
+    own timestep, as diffusers' transformer does: a test's control that the input is what makes ComfyUI's gate."""
+
+    CATEGORY = "testing/xdit"
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "diffusers_gate"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",)}}
+
+    def diffusers_gate(self, model):
+        import sys
+
+        import comfy.patcher_extension
+
+        def wrapper(executor, *args, **kwargs):
+            call = sys.modules[type(executor.class_obj).__module__].AudioCall
+            inputs = call.inputs
+            call.inputs = lambda av: {k: v for k, v in inputs(av).items() if k != "a2v_gate_reads_audio_timestep"}
+            try:
+                return executor(*args, **kwargs)
+            finally:
+                call.inputs = inputs
+
+        kept = model.clone()
+        kept.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "diffusers-gate", wrapper)
+        return (kept,)
+
+
+NODE_CLASS_MAPPINGS = {"XDiTTestRecordCalls": XDiTTestRecordCalls, "XDiTTestReferenceOrder": XDiTTestReferenceOrder, "XDiTTestDiffusersGate": XDiTTestDiffusersGate, "XDiTTestConditioning": XDiTTestConditioning, "XDiTTestClipVision": XDiTTestClipVision,
                        "XDiTTestLatent": XDiTTestLatent, "XDiTTestSaveAudio": XDiTTestSaveAudio,
                        "XDiTTestSaveImage": XDiTTestSaveImage,
                        "XDiTTestTextEncoder": XDiTTestTextEncoder, "XDiTTestVAE": XDiTTestVAE}

@@ -13,6 +13,15 @@ rank's own rows, the video-to-audio attention merging its ranks' keys) it holds 
 
 The hooks go on at the first call that asks and stay; a flag read at call time leaves every other call as diffusers
 runs it.
+
+Under a noise mask (per-token video timesteps, `token_sigmas`) ComfyUI's LTXAV gates every video token's audio-to-video
+update by the audio's timestep (`a_timestep_scaled.max()` expanded to the video tokens, times the cross-attention
+factor) and the video-to-audio update by the video's largest; diffusers' transformer with use_cross_timestep off (the
+one setting that modulates the cross-modal scale and shift per stream as ComfyUI does) gates the first by each video
+token's own timestep. `a2v_gate_reads_audio_timestep` makes the first ComfyUI's: a pre-hook on `audio_time_embed`
+keeps the call's audio timestep, one on `av_cross_attn_video_a2v_gate` puts it (× the same factor) in place of the
+video tokens' timesteps, as many as that rank holds. The second needs nothing: the audio's timestep, which
+nodes/av_calls.py requires to be the video's largest.
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ import inspect
 import torch
 
 ORDER = "_xdit_v2a_reads_updated_video"  # the transformer's _Order, once its hooks are on
+GATE = "_xdit_a2v_gate_reads_audio_timestep"  # the transformer's _Gate, once its hooks are on
+A2V_GATE = "a2v_gate_reads_audio_timestep"  # the model-call input asking for ComfyUI's audio-to-video gate
 
 
 class _Order:
@@ -89,3 +100,47 @@ def _install(transformer: torch.nn.Module) -> _Order:
         block.video_to_audio_attn.register_forward_pre_hook(keys, with_kwargs=True)
     setattr(transformer, ORDER, order)
     return order
+
+
+class _Gate:
+    """One transformer's gate hooks' state: whether the running call asks, and its audio timestep."""
+
+    def __init__(self):
+        self.active, self.audio = False, None
+
+
+@contextlib.contextmanager
+def a2v_gate_reads_audio_timestep(transformer: torch.nn.Module, on: bool):
+    """Inside, the diffusers LTX2VideoTransformer3DModel `transformer` gates each video token's audio-to-video update
+    by the call's audio timestep, as ComfyUI's LTXAV does, if `on`; by its own `video_ca_timestep` otherwise."""
+    if not on:
+        yield
+        return
+    gate = getattr(transformer, GATE, None) or _install_gate(transformer)
+    gate.active = True
+    try:
+        yield
+    finally:
+        gate.active, gate.audio = False, None
+
+
+def _install_gate(transformer: torch.nn.Module) -> _Gate:
+    gate = _Gate()
+    factor = transformer.config.cross_attn_timestep_scale_multiplier / transformer.config.timestep_scale_multiplier
+
+    def audio(embed, args):
+        if gate.active:
+            gate.audio = args[0]
+
+    def video(embed, args):
+        if not gate.active:
+            return None
+        if gate.audio is None:
+            raise RuntimeError("diffusers' LTX2VideoTransformer3DModel no longer embeds the audio timestep before the "
+                               "audio-to-video gate: ComfyUI's gate needs comfy_block_order.py updated")
+        return (gate.audio.max().to(args[0]).expand_as(args[0]) * factor, *args[1:])
+
+    transformer.audio_time_embed.register_forward_pre_hook(audio)
+    transformer.av_cross_attn_video_a2v_gate.register_forward_pre_hook(video)
+    setattr(transformer, GATE, gate)
+    return gate

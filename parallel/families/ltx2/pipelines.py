@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -11,7 +12,7 @@ from ...layout.config import LayoutError
 from ...model_executor.pipeline import xFuserPipelineBaseWrapper
 from ...model_executor.pipeline.img2img import linear_sigmas
 from ..comfy_data import ComfyData
-from .comfy_block_order import v2a_reads_updated_video
+from .comfy_block_order import A2V_GATE, a2v_gate_reads_audio_timestep, v2a_reads_updated_video
 
 DEFAULT_FRAMES = 121  # LTX2Pipeline.__call__'s num_frames for a model without a duration head
 UPDATED_VIDEO = "v2a_reads_updated_video"  # a model call in ComfyUI >= 0.31's block order (comfy_block_order.py)
@@ -41,7 +42,8 @@ class xFuserLTX2Pipeline(xFuserPipelineBaseWrapper):
     extra_outputs = ("audio",)  # LTX2PipelineOutput(frames, audio): the audio latents after the video latents
     guidance = ("guidance_scale", 3.0)
     default_sigmas = staticmethod(linear_sigmas)
-    model_call_inputs = ("prompt_embeds", "audio_latents", "audio_sigma", "frame_rate", UPDATED_VIDEO)
+    model_call_inputs = ("prompt_embeds", "audio_latents", "audio_sigma", "frame_rate", "token_sigmas", UPDATED_VIDEO,
+                         A2V_GATE)
     model_call_required = ("prompt_embeds", "audio_latents", "audio_sigma")
     call_parameters = {
         "num_frames": CallParameter(int, "video frames, 8k+1 (default: as many as the latents hold)", 1, 10_000),
@@ -87,26 +89,52 @@ class xFuserLTX2Pipeline(xFuserPipelineBaseWrapper):
         rate = float(inputs["frame_rate"].reshape(-1)[0]) if "frame_rate" in inputs else 25.0
         audio_timestep = inputs["audio_sigma"].to(timestep) * self.timestep_scale()
         transformer, (patch_t, patch) = module.transformer, self._patches()
+        tokens = batch * frames * height * width // patch_t // patch**2
+        timestep, sigma, cross = self._token_timesteps(timestep, inputs, tokens)
         return {"hidden_states": module._pack_latents(latents, patch, patch_t), "audio_hidden_states": module._pack_audio_latents(audio),
                 "encoder_hidden_states": video_text * mask[..., None], "audio_encoder_hidden_states": audio_text,
-                "timestep": timestep, "sigma": timestep, "audio_timestep": audio_timestep, "audio_sigma": audio_timestep,
+                "timestep": timestep, "sigma": sigma, "audio_timestep": audio_timestep, "audio_sigma": audio_timestep,
                 "encoder_attention_mask": mask, "audio_encoder_attention_mask": mask, "num_frames": frames,
                 "height": height, "width": width, "fps": rate, "audio_num_frames": audio.shape[2],
                 "video_coords": transformer.rope.prepare_video_coords(batch, frames, height, width, latents.device,
                                                                       fps=rate),
                 "audio_coords": transformer.audio_rope.prepare_audio_coords(batch, audio.shape[2], latents.device),
-                "use_cross_timestep": True}
+                "use_cross_timestep": cross}
+
+    def _token_timesteps(self, timestep, inputs, tokens: int):
+        """The call's video timesteps, prompt sigma and cross-timestep choice. One timestep: each, as LTX-2.3's loop
+        passes them. `token_sigmas` [B, tokens] (a ComfyUI noise mask's per-token timesteps): those for the video's
+        own modulation (split with its tokens), their largest for the prompt's, as ComfyUI's LTXAV takes them, and
+        use_cross_timestep off, so the video's cross-modal scale and shift read each token's timestep and the audio's
+        its own, as ComfyUI's do (the audio-to-video gate too, where ComfyUI's reads the audio's: `A2V_GATE`).
+        The video-to-audio gate reads the audio sigma, ComfyUI's the largest: equal, av_calls refuses other masks."""
+        if "token_sigmas" not in inputs:
+            return timestep, timestep, True
+        per_token = inputs["token_sigmas"].to(timestep) * self.timestep_scale()
+        if per_token.ndim != 2 or per_token.numel() != tokens:
+            raise ValueError(f"token_sigmas have shape {list(per_token.shape)}; send one per video token, "
+                             f"[batch, {tokens // max(per_token.shape[0], 1)}]")
+        return per_token, per_token.amax(dim=1), False
 
     def model_call_context(self, transformer, inputs):
         """ComfyUI >= 0.31's block order (each block's video-to-audio attention reads the video after that block's
-        audio-to-video update) where the call's `v2a_reads_updated_video` [B] is 1; the reference's where it is 0 or
-        not sent."""
-        flag = inputs.get(UPDATED_VIDEO)
+        audio-to-video update) where the call's `v2a_reads_updated_video` [B] is 1, the reference's where it is 0 or
+        not sent; ComfyUI's audio-to-video gate (the audio's timestep for every video token) where its
+        `a2v_gate_reads_audio_timestep` [B] is 1 (av_calls sends it with `token_sigmas`)."""
+        stack, module = contextlib.ExitStack(), transformer.module
+        stack.enter_context(v2a_reads_updated_video(module, self._flag(inputs, UPDATED_VIDEO)))
+        stack.enter_context(a2v_gate_reads_audio_timestep(module, self._flag(inputs, A2V_GATE)))
+        return stack
+
+    @staticmethod
+    def _flag(inputs, name: str) -> bool:
+        """A model call's on/off input [B]: one value for the call, 1 or 0 (not sent: 0)."""
+        flag = inputs.get(name)
         values = set() if flag is None else set(flag.reshape(-1).tolist())
         if not values <= {0.0, 1.0} or len(values) > 1:
-            raise ValueError(f"{UPDATED_VIDEO} holds {sorted(values)}: send one value per call, 1 (ComfyUI >= 0.31's "
-                             "block order) or 0 (the reference's)")
-        return v2a_reads_updated_video(transformer.module, values == {1.0})
+            raise ValueError(f"{name} holds {sorted(values)}: send one value per call, 1 (as ComfyUI's LTXAV "
+                             "computes) or 0 (as diffusers' transformer does)")
+        return values == {1.0}
 
     def model_call_outputs(self, outputs, latents, inputs):
         """The velocities shaped as the streams came: the video like `latents`, the audio (`audio`) like
