@@ -37,6 +37,12 @@ CONFIG = dict(
     connector_num_attention_heads=HEADS, connector_attention_head_dim=HEAD,
     audio_connector_num_attention_heads=HEADS, audio_connector_attention_head_dim=AUDIO_HEAD)
 FILE = "tiny-ltx-2.3-a2v.safetensors"
+# LTX-2.5's LTXAVModel keywords (ComfyUI 0.33, upstream 57ce8e1a): feed-forwards without biases, the learned keyframe
+# marker (`keyframes_abs_pos_embedding`, which ComfyUI adds to every first-latent-frame token), connector_ff_bias off
+# (ComfyUI 0.33's LTXAVModel keeps the connectors' biases regardless)
+CONFIG_25 = {**CONFIG, "ff_bias": False, "audio_ff_bias": False, "connector_ff_bias": False,
+             "use_prompt_adaln_single": True, "use_keyframes_abs_pos_embedding": True}
+FILE_25 = "tiny-ltx-2.5-distilled.safetensors"
 AUDIO_VAE, VIDEO_VAE = "tiny-ltx-2.3-audio-vae.safetensors", "tiny-ltx-2.3-video-vae.safetensors"
 NEGATIVE, SHORT = "ltx2-negative", "ltx2-short"  # negative prompts: as long as ltx2-text, and 3 tokens
 START, STRENGTH = "ltx2-start.png", 0.7  # video_ltx2_3_i2v's first stage: LTXVImgToVideoInplace at strength 0.7
@@ -97,10 +103,10 @@ save_file(weights, path, metadata={"config": json.dumps({"vae": config})})
 """
 
 
-def comfyui_file(python, comfyui, path, work=None, mask=None) -> dict | None:
-    """The file written at `path` by ComfyUI's own code; with `work`, ComfyUI's model call on it too (under a video
-    noise `mask` [1, 1, 3, 2, 3], if given)."""
-    args = [str(path), "", "", json.dumps(CONFIG)]
+def comfyui_file(python, comfyui, path, work=None, mask=None, config=CONFIG) -> dict | None:
+    """The file written at `path` by ComfyUI's own code from `config`; with `work`, ComfyUI's model call on it too
+    (under a video noise `mask` [1, 1, 3, 2, 3], if given)."""
+    args = [str(path), "", "", json.dumps(config)]
     x = None
     if work is not None:
         gen = torch.Generator().manual_seed(1)
@@ -190,6 +196,15 @@ def template(unet: dict, seed: int) -> dict:
     }
 
 
+def ltx25(unet: dict, seed: int) -> dict:
+    """video_ltx2_5_t2v's first stage at the same tiny size: `template` guided by LTXVDualCFGGuider at (video_cfg 1,
+    audio_cfg 1), which (equal scales) is ComfyUI's CFGGuider at 1: one conditional call a step."""
+    prompt = template(unet, seed)
+    prompt["guider"] = {"class_type": "LTXVDualCFGGuider", "inputs": {
+        "model": ["unet", 0], "positive": ["rate", 0], "negative": ["rate", 1], "video_cfg": 1.0, "audio_cfg": 1.0}}
+    return prompt
+
+
 def image_to_video(unet: dict, seed: int, strength: float = STRENGTH) -> dict:
     """video_ltx2_3_i2v's first stage at the same tiny size: `template` with the start image (LoadImage) through
     LTXVPreprocess (crf 18) and LTXVImgToVideoInplace (the tiny video VAE) into the video latent: its first latent
@@ -213,10 +228,11 @@ def stock(comfy, file: str, seed: int = 42) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def files(comfy) -> None:
-    """The tiny file in ComfyUI's models with its pipeline folder, the audio and video VAEs, the start image and the
-    texts (once a server)."""
+    """The tiny files (LTX-2.3's, LTX-2.5's) in ComfyUI's models with the 2.3 file's pipeline folder, the audio and
+    video VAEs, the start image and the texts (once a server)."""
     models = comfy.work / "models"
-    if all((comfy.work / "input" / name).exists() for name in (START, "ltx2-text.safetensors")):
+    if all((comfy.work / "input" / name).exists() for name in (START, "ltx2-text.safetensors")) and \
+            (models / "diffusion_models" / FILE_25).exists():
         return
     subprocess.run([str(comfy.python), "-c", AUDIO_VAE_SCRIPT.replace('"mel_bins": 16, "z_channels": 4',
                                                                       '"mel_bins": 64, "z_channels": 8'),
@@ -228,6 +244,7 @@ def files(comfy) -> None:
     pixels = torch.randint(0, 256, (64, 96, 3), generator=torch.Generator().manual_seed(4), dtype=torch.uint8)
     Image.fromarray(pixels.numpy()).save(comfy.work / "input" / START)
     comfyui_file(comfy.python, comfy.comfy, models / "diffusion_models" / FILE)
+    comfyui_file(comfy.python, comfy.comfy, models / "diffusion_models" / FILE_25, config=CONFIG_25)
     pipeline_folder(models / "diffusion_models" / FILE, models / "diffusers" / FILE.removesuffix(".safetensors"))
     gen = torch.Generator().manual_seed(3)  # LTX-2.3's text encoder's output: projected, its connectors still to run
     texts = {"ltx2-text": torch.randn(1, TEXT_TOKENS, VIDEO_WIDTH + AUDIO_WIDTH, generator=gen)}

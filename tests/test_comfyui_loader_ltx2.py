@@ -19,6 +19,10 @@ Guided at cfg 4, ComfyUI batches cond and uncond into one call where their text 
 text as CONDRegular (never padded across prompts), so every row of a batch holds only real tokens, the mask the pool's
 connectors take; the loader's text is unrefined, so a negative of another length comes as a call of its own.
 
+LTX-2.5 (ComfyUI 0.33: feed-forwards without biases, a learned keyframe marker ComfyUI adds to the first latent
+frame's tokens on every call) is LTX-2.3's transformer with diffusers' ff_bias / audio_ff_bias /
+use_keyframes_abs_pos_embedding set from the file's keys, the marker's tokens sent as diffusers' video_keyframes_mask.
+
 Image to video (LTXVImgToVideoInplace's noise mask): ComfyUI's per-token timesteps go as `token_sigmas`, and ComfyUI's
 audio-to-video gate (the audio's timestep for every video token, where diffusers' reads each token's own) is made by
 pre-hooks the calls ask for (`a2v_gate_reads_audio_timestep`); without them (XDiTTestDiffusersGate) the loader misses.
@@ -34,8 +38,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ltx2_comfy_files import AUDIO_WIDTH, CONFIG, FILE, NEGATIVE, RATE, SHORT, STRENGTH, TEXT_TOKENS, VIDEO_WIDTH, \
-    diffusers_parts, files, image_to_video, stock, template
+from ltx2_comfy_files import AUDIO_WIDTH, CONFIG, CONFIG_25, FILE, FILE_25, NEGATIVE, RATE, SHORT, STRENGTH, \
+    TEXT_TOKENS, VIDEO_WIDTH, comfyui_file, diffusers_parts, files, image_to_video, ltx25, stock, template
+from independent_readers import _read
+from quantized_files import int8_tensorwise
 from test_comfyui_loader import _loader
 from test_comfyui_loader_minimax_h3 import _max_diffs, _streams
 from xdit_test_helpers import TOLERANCE
@@ -231,3 +237,94 @@ def test_image_to_video_on_the_swapped_loader_equals_comfyuis_own_ltxav(comfy):
     gated = _max_diffs(_streams(comfy, own), theirs)
     print("loader, diffusers' audio-to-video gate (video, audio):", gated)
     assert max(gated) > 1e-2, gated
+
+
+def _unet(name: str) -> dict:
+    return {"class_type": "UNETLoader", "inputs": {"unet_name": name, "weight_dtype": "default"}}
+
+
+DETECT = """
+import sys
+path = sys.argv[1]
+sys.argv = sys.argv[:1] + ["--cpu"]
+import comfy.options; comfy.options.enable_args_parsing()
+import comfy.sd
+patcher = comfy.sd.load_diffusion_model(path)
+net = patcher.model.diffusion_model
+print(type(patcher.model).__name__, net.keyframes_abs_pos_embedding is not None,
+      net.transformer_blocks[0].ff.net[2].bias is None, net.transformer_blocks[0].audio_ff.net[2].bias is None)
+"""
+
+
+def test_ltx_2_5_t2v_on_the_swapped_loader_equals_comfyuis_own_ltxav(comfy):
+    """video_ltx2_5_t2v's first stage (LTXVDualCFGGuider 1 / 1) with UNETLoader swapped for the loader on Ulysses 2,
+    on a tiny LTX-2.5 diffusion-model file of ComfyUI's own LTXAVModel (its options in the file's `config` metadata,
+    which UNETLoader's detection reads): the pool's transformer takes 2.5's flags from the keys and the keyframe
+    marker's tokens from each call."""
+    files(comfy)
+    path = comfy.work / "models" / "diffusion_models" / FILE_25
+    detected = subprocess.run([str(comfy.python), "-c", DETECT, str(path)], cwd=comfy.comfy, check=True,
+                              capture_output=True, text=True).stdout.split()
+    assert detected[-4:] == ["LTXAV", "True", "True", "True"], detected  # LTXAV, marker, no ff biases
+    unet = _unet(FILE_25)
+    theirs = _streams(comfy, ltx25(unet, seed=42))
+    loader = _loader(ulysses_degree=2)
+    ours = _streams(comfy, ltx25({**loader, "inputs": {**loader["inputs"], "unet_name": FILE_25}}, seed=42))
+    diffs = _max_diffs(ours, theirs)
+    print("loader, LTX-2.5 (video, audio):", diffs)
+    assert max(diffs) <= TOLERANCE, diffs
+    # negative control: ComfyUI's own model from another seed's noise is far from the pool's result
+    other = _max_diffs(ours, _streams(comfy, ltx25(unet, seed=43)))
+    print("LTX-2.5, another seed (video, audio):", other)
+    assert min(other) > 1e-2, other
+
+
+def test_an_int8_convrot_ltx_2_5_file_on_the_swapped_loader_equals_comfyuis_model_on_the_weights_it_means(comfy):
+    """The template's file is int8 ConvRot (comfy_quant int8_tensorwise, a scale a row after a Hadamard turn of every
+    16 input columns): the pool dequantizes it at load, transformer and connectors, and answers what ComfyUI's own
+    model does on the weights the file means (dequantized by ComfyUI's own layers: tests/independent_readers.py;
+    ComfyUI's int8 linears on the file itself also quantize their inputs). Control: the unquantized file's result."""
+    files(comfy)
+    models = comfy.work / "models" / "diffusion_models"
+    metadata = {"config": json.dumps({"transformer": CONFIG_25})}
+    quantized, meant = "tiny-ltx-2.5-distilled-int8-convrot.safetensors", "tiny-ltx-2.5-distilled-meant.safetensors"
+    save_file(int8_tensorwise(load_file(models / FILE_25), convrot=True), models / quantized, metadata=metadata)
+    weights = _read((comfy.comfy, comfy.python), models / quantized, "int8", comfy.work)
+    save_file({"model.diffusion_model." + k: v.contiguous() for k, v in weights.items()}, models / meant,
+              metadata=metadata)
+    theirs = _streams(comfy, ltx25(_unet(meant), seed=42))
+    loader = _loader(ulysses_degree=2)
+    ours = _streams(comfy, ltx25({**loader, "inputs": {**loader["inputs"], "unet_name": quantized}}, seed=42))
+    diffs = _max_diffs(ours, theirs)
+    print("loader, LTX-2.5 int8 ConvRot (video, audio):", diffs)
+    assert max(diffs) <= TOLERANCE, diffs
+    unquantized = _max_diffs(ours, _streams(comfy, ltx25(_unet(FILE_25), seed=42)))
+    print("LTX-2.5 int8 ConvRot, the unquantized file's (video, audio):", unquantized)
+    assert min(unquantized) > 10 * TOLERANCE, unquantized
+
+
+def test_an_ltx_2_5_file_reads_as_2_5_and_its_whole_checkpoint_is_refused_in_one_line(comfyui_install, tmp_path):
+    """The reader names 2.5 from the keys and sets diffusers' flags from them (a 2.3 file keeps diffusers' defaults); a
+    whole 2.5 checkpoint (text projections beside the transformer) is refused in one line: its VAEs are unread."""
+    from parallel.loading.checkpoints import detect_checkpoint
+    from parallel.loading.pipelines import load_pipeline
+
+    comfyui, python = comfyui_install
+    path = tmp_path / FILE_25
+    comfyui_file(python, comfyui, path, config=CONFIG_25)
+    detected = detect_checkpoint(path)
+    flags = {k: detected.overrides[k] for k in ("ff_bias", "audio_ff_bias", "use_prompt_adaln_single",
+                                                "use_keyframes_abs_pos_embedding")}
+    assert detected.variant == "ltx-2.5" and flags == {"ff_bias": False, "audio_ff_bias": False,
+                                                       "use_prompt_adaln_single": True,
+                                                       "use_keyframes_abs_pos_embedding": True}, (detected, flags)
+    comfyui_file(python, comfyui, tmp_path / FILE, config=CONFIG)
+    assert detect_checkpoint(tmp_path / FILE).variant == "ltx-2.3"
+    weights = load_file(path)
+    for side in ("video", "audio"):
+        weights[f"text_embedding_projection.{side}_aggregate_embed.weight"] = torch.zeros(VIDEO_WIDTH, 49 * 32)
+    save_file(weights, tmp_path / "whole.safetensors")
+    with pytest.raises(ValueError) as refused:
+        load_pipeline(tmp_path / "whole.safetensors")
+    text = str(refused.value)
+    assert len(text.splitlines()) == 1 and "LTX-2.5's whole checkpoint" in text, text

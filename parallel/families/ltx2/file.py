@@ -12,7 +12,8 @@ beside them (file_vaes.py), so its pool decodes video and sound; where a file ho
 pipeline normalises given latents with them), they go into VAEs without weights, and decoding is ComfyUI's VAE Decode. ComfyUI's diffusion-model file (the transformer and connectors alone: ComfyUI's text
 encoder holds the projections and has applied them to its text) loads without projections or VAEs: its pool takes
 ComfyUI's model calls, which send projected text through the connectors, and refuses pipeline jobs in one line
-(xFuserLTX2Pipeline.prepare). LTX-2.0 files (one shared text projection, a caption projection in the transformer) are
+(xFuserLTX2Pipeline.prepare). LTX-2.5 files (ComfyUI 0.33) differ in config flags diffusers' transformer has
+(read_checkpoint). LTX-2.0 files (one shared text projection, a caption projection in the transformer) are
 refused in one line.
 """
 
@@ -39,19 +40,29 @@ SIDE = ("text_embedding_projection.", "vae.per_channel_statistics.", "audio_vae.
 
 
 def read_checkpoint(shape) -> tuple[str, dict]:
-    if "prompt_adaln_single.linear.weight" not in shape or "transformer_blocks.0.attn1.to_gate_logits.weight" not in shape:
+    """LTX-2.3 or LTX-2.5 (ComfyUI 0.33, upstream 57ce8e1a) from the keys: 2.5's feed-forwards carry no biases and its
+    learned keyframe marker (`keyframes_abs_pos_embedding`) sits beside `patchify_proj`; each difference is a config
+    flag of diffusers' LTX2VideoTransformer3DModel, read from the keys (ComfyUI reads ff_bias from the file's
+    metadata)."""
+    if "transformer_blocks.0.prompt_scale_shift_table" not in shape or \
+            "transformer_blocks.0.attn1.to_gate_logits.weight" not in shape:
         raise shape.error("an LTX-2.0 transformer (no prompt modulation or gated attention), whose single file this pack "
-                          "does not load yet; use an LTX-2.3 file, or LTX-2.0's diffusers folder")
+                          "does not load yet; use an LTX-2.3 or LTX-2.5 file, or LTX-2.0's diffusers folder")
     heads, width = shape("transformer_blocks.0.attn1.to_gate_logits.weight")
     audio_heads, audio_width = shape("transformer_blocks.0.audio_attn1.to_gate_logits.weight")
-    return "ltx-2.3", {
+    flags = {"ff_bias": "transformer_blocks.0.ff.net.0.proj.bias" in shape,
+             "audio_ff_bias": "transformer_blocks.0.audio_ff.net.0.proj.bias" in shape,
+             "use_prompt_adaln_single": "prompt_adaln_single.linear.weight" in shape,
+             "use_keyframes_abs_pos_embedding": "keyframes_abs_pos_embedding" in shape}
+    later = flags["use_keyframes_abs_pos_embedding"] or not flags["ff_bias"]
+    return "ltx-2.5" if later else "ltx-2.3", {
         "in_channels": shape("patchify_proj.weight")[1], "out_channels": shape("proj_out.weight")[0],
         "num_attention_heads": heads, "attention_head_dim": width // heads,
         "cross_attention_dim": shape("transformer_blocks.0.attn2.to_k.weight")[1],
         "audio_in_channels": shape("audio_patchify_proj.weight")[1], "audio_out_channels": shape("audio_proj_out.weight")[0],
         "audio_num_attention_heads": audio_heads, "audio_attention_head_dim": audio_width // audio_heads,
         "audio_cross_attention_dim": shape("transformer_blocks.0.audio_attn2.to_k.weight")[1],
-        "num_layers": shape.blocks(r"transformer_blocks\.(\d+)\."),
+        "num_layers": shape.blocks(r"transformer_blocks\.(\d+)\."), **flags,
     }
 
 
@@ -159,6 +170,9 @@ def components(path: Path, config_dir: Path, dtype: torch.dtype) -> dict:
         side.append(checkpoint.prefix + "scaled_fp8")
     tensors = _plain(_read(checkpoint, side), path, dtype)
     projected = _projected(tensors, path)
+    if projected and checkpoint.prefix + "keyframes_abs_pos_embedding" in names:
+        raise ValueError(f"{path} is LTX-2.5's whole checkpoint, whose VAEs this pack does not read yet: load its "
+                         "diffusion-model file (the transformer and connectors) with Load Diffusion Model (xDiT Pool)")
     out = {"connectors": _connectors(tensors, path, projected).to(dtype)}
     if not projected:  # ComfyUI's diffusion-model file: model calls only, so no VAE statistics either
         return {**out, "vae": None, "audio_vae": None}
@@ -214,5 +228,8 @@ SINGLE_FILE = SingleFile(
     marker=MARKER, title="LTX-2.3",
     variants={"ltx-2.3": Variant("ltx2", "LTX-2.3 text to video with sound",
                                  "Lightricks keys av_ca_a2v_gate_adaln_single, prompt_adaln_single (the whole checkpoint, or "
-                                 "ComfyUI's diffusion-model file: model calls only)")},
+                                 "ComfyUI's diffusion-model file: model calls only)"),
+              "ltx-2.5": Variant("ltx2", "LTX-2.5 text to video with sound",
+                                 "LTX-2.3's keys with keyframes_abs_pos_embedding or feed-forwards without biases "
+                                 "(ComfyUI's diffusion-model file: model calls only)")},
     read=read_checkpoint, convert=convert_checkpoint, components=components)

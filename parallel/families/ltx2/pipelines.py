@@ -91,15 +91,24 @@ class xFuserLTX2Pipeline(xFuserPipelineBaseWrapper):
         transformer, (patch_t, patch) = module.transformer, self._patches()
         tokens = batch * frames * height * width // patch_t // patch**2
         timestep, sigma, cross = self._token_timesteps(timestep, inputs, tokens)
-        return {"hidden_states": module._pack_latents(latents, patch, patch_t), "audio_hidden_states": module._pack_audio_latents(audio),
+        coords = transformer.rope.prepare_video_coords(batch, frames, height, width, latents.device, fps=rate)
+        return {**self._keyframes(transformer, coords), "hidden_states": module._pack_latents(latents, patch, patch_t),
+                "audio_hidden_states": module._pack_audio_latents(audio),
                 "encoder_hidden_states": video_text * mask[..., None], "audio_encoder_hidden_states": audio_text,
                 "timestep": timestep, "sigma": sigma, "audio_timestep": audio_timestep, "audio_sigma": audio_timestep,
                 "encoder_attention_mask": mask, "audio_encoder_attention_mask": mask, "num_frames": frames,
                 "height": height, "width": width, "fps": rate, "audio_num_frames": audio.shape[2],
-                "video_coords": transformer.rope.prepare_video_coords(batch, frames, height, width, latents.device,
-                                                                      fps=rate),
+                "video_coords": coords,
                 "audio_coords": transformer.audio_rope.prepare_audio_coords(batch, audio.shape[2], latents.device),
                 "use_cross_timestep": cross}
+
+    @staticmethod
+    def _keyframes(transformer, coords) -> dict:
+        """LTX-2.5's learned keyframe marker where ComfyUI's LTXAV adds it on every call: the tokens whose pixel frames
+        start at 0 (the first latent frame, a single pixel frame). diffusers adds it only where a mask is passed."""
+        if not transformer.config.use_keyframes_abs_pos_embedding:
+            return {}
+        return {"video_keyframes_mask": (coords[:, 0, :, 0] == 0).to(coords.dtype)[..., None]}
 
     def _token_timesteps(self, timestep, inputs, tokens: int):
         """The call's video timesteps, prompt sigma and cross-timestep choice. One timestep: each, as LTX-2.3's loop
