@@ -49,8 +49,9 @@ START, STRENGTH = "ltx2-start.png", 0.7  # video_ltx2_3_i2v's first stage: LTXVI
 SIGMAS = "1.0, 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421875, 0.0"  # the template's first stage
 
 # Writes the file from ComfyUI's own LTXAVModel and,
-# given inputs, evaluates ComfyUI's diffusion model call on it: the text through preprocess_text_embeds (its
-# connectors, as its model's extra_conds runs them for unprocessed LTX-2.3 text), [video, audio] at (sigma, sigma).
+# given inputs, loads it with UNETLoader's own function and evaluates ComfyUI's diffusion model call on it: the text
+# through preprocess_text_embeds (its connectors, as its model's extra_conds runs them for unprocessed LTX-2.3 text),
+# [video, audio] at (sigma, sigma); it keeps the text, the first block's cross-modal attentions and the detected class.
 COMFY_SCRIPT = """
 import json, sys
 path, inputs, result, config = sys.argv[1:5]
@@ -66,15 +67,21 @@ weights = {name: torch.randn(value.shape, generator=generator) * 0.2 for name, v
 save_file({"model.diffusion_model." + k: v for k, v in weights.items()}, path,
           metadata={"config": json.dumps({"transformer": config})})
 if inputs:
-    net = comfy.sd.load_diffusion_model(path).model.diffusion_model
+    patcher = comfy.sd.load_diffusion_model(path)
+    net = patcher.model.diffusion_model
     x = load_file(inputs)
+    seen = {}
+    for name in ("audio_to_video_attn", "video_to_audio_attn"):  # the first block's cross-modal attentions
+        getattr(net.transformer_blocks[0], name).register_forward_hook(
+            lambda m, a, o, n=name: seen.__setitem__(n, o.clone()))
     with torch.no_grad():
         context = net.preprocess_text_embeds(x["context"], unprocessed=True)
         mask = x.get("mask")  # a noise mask's per-token timesteps, as ComfyUI's LTXAV.process_timestep makes them
         timestep = x["sigma"] if mask is None else net.patchifier.patchify(mask * x["sigma"])[0]
         video, audio = net([x["video"], x["audio"]], (timestep, x["sigma"]), context, frame_rate=x["rate"].item(),
                            denoise_mask=mask)
-    save_file({"video": video.contiguous(), "audio": audio.contiguous()}, result)
+    save_file({"video": video.contiguous(), "audio": audio.contiguous(), "context": context.contiguous(), **seen},
+              result, metadata={"model": type(patcher.model).__name__})
 """
 
 # A tiny LTX video VAE as ComfyUI's VAELoader reads one (its config in the file's metadata, as the released files carry

@@ -38,8 +38,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ltx2_comfy_files import AUDIO_WIDTH, CONFIG, CONFIG_25, FILE, FILE_25, NEGATIVE, RATE, SHORT, STRENGTH, \
-    TEXT_TOKENS, VIDEO_WIDTH, comfyui_file, diffusers_parts, files, image_to_video, ltx25, stock, template
+from ltx2_comfy_files import CONFIG, CONFIG_25, FILE, FILE_25, NEGATIVE, RATE, SHORT, STRENGTH, \
+    VIDEO_WIDTH, comfyui_file, diffusers_parts, files, image_to_video, ltx25, stock, template
 from independent_readers import _read
 from quantized_files import int8_tensorwise
 from test_comfyui_loader import _loader
@@ -50,51 +50,12 @@ CROSS = ("audio_to_video_attn", "video_to_audio_attn")  # the first block's cros
 COMFY_ARGS = ("--use-pytorch-cross-attention",)  # ComfyUI's attention as on the GPUs a pool runs on (SDPA)
 TRAINED = "tiny-ltx-2.3-comfy.safetensors"
 
-# Writes the file from ComfyUI's own LTXAVModel, loads it with UNETLoader's own function and evaluates one model call
-# (ComfyUI's diffusion model call: the unpacked [video, audio] latents, (video, audio) timesteps, the text after
-# preprocess_text_embeds, which runs the file's connectors).
-COMFY_SCRIPT = """
-import json, sys
-path, inputs, result, config = sys.argv[1:5]
-sys.argv = sys.argv[:1] + ["--cpu", "--use-pytorch-cross-attention"]
-import comfy.options; comfy.options.enable_args_parsing()
-import torch, comfy.ops, comfy.sd
-from safetensors.torch import load_file, save_file
-from comfy.ldm.lightricks.av_model import LTXAVModel
-config = json.loads(config)
-model = LTXAVModel(**config, operations=comfy.ops.disable_weight_init, device="meta")
-generator = torch.Generator().manual_seed(0)
-weights = {name: torch.randn(value.shape, generator=generator) * 0.2 for name, value in model.state_dict().items()}
-save_file({"model.diffusion_model." + k: v for k, v in weights.items()}, path,
-          metadata={"config": json.dumps({"transformer": config})})
-patcher = comfy.sd.load_diffusion_model(path)
-net = patcher.model.diffusion_model
-x = load_file(inputs)
-seen = {}
-for name in ("audio_to_video_attn", "video_to_audio_attn"):  # the first block's cross-modal attentions
-    getattr(net.transformer_blocks[0], name).register_forward_hook(lambda m, a, o, n=name: seen.__setitem__(n, o.clone()))
-with torch.no_grad():
-    context = net.preprocess_text_embeds(x["context"], unprocessed=True)
-    video, audio = net([x["video"], x["audio"]], (x["sigma"], x["sigma"]), context, frame_rate=x["rate"].item())
-save_file({"video": video.contiguous(), "audio": audio.contiguous(), "context": context.contiguous(), **seen}, result,
-          metadata={"model": type(patcher.model).__name__})
-"""
-
-
 def _comfyui_call(python, comfyui, path, work) -> tuple[dict, str]:
     """The file written at `path` and evaluated by ComfyUI's own code: its outputs and the model class ComfyUI
     detected (the call's inputs and outputs pass through `work`)."""
-    gen = torch.Generator().manual_seed(1)
-    inputs = {"video": torch.randn(1, 128, 3, 2, 3, generator=gen), "audio": torch.randn(1, 8, 12, 16, generator=gen),
-              "context": torch.randn(1, TEXT_TOKENS, VIDEO_WIDTH + AUDIO_WIDTH, generator=gen),
-              "sigma": torch.tensor([0.7]), "rate": torch.tensor(RATE)}
-    save_file(inputs, work / "inputs.safetensors")
-    subprocess.run([str(python), "-c", COMFY_SCRIPT, str(path), str(work / "inputs.safetensors"),
-                    str(work / "result.safetensors"), json.dumps(CONFIG)],
-                   cwd=comfyui, check=True, capture_output=True)
+    x = comfyui_file(python, comfyui, path, work)
     with safe_open(work / "result.safetensors", "pt") as f:
-        model = f.metadata()["model"]
-    return {**inputs, **{f"comfy_{k}": v for k, v in load_file(work / "result.safetensors").items()}}, model
+        return x, f.metadata()["model"]
 
 
 def _diffusers_call(path, x: dict, updated_video: bool) -> dict:
